@@ -1,0 +1,1 @@
+"""dsrl: DeepSpeed ZeRO-based RL post-training for LLMs."""

@@ -1,0 +1,59 @@
+"""Pure-torch RL math: advantage estimators, policy / value losses, KL, masked reductions.
+
+No config objects, I/O or distributed calls: tensors in, tensors out (DESIGN §5). Estimators and
+policy losses are registries by name; `register_estimator` / `register_policy_loss` add your own.
+"""
+
+from dsrl.algorithms.estimators import (
+    EstimatorInputs,
+    compute_advantages,
+    estimator_names,
+    register_estimator,
+)
+from dsrl.algorithms.kl import (
+    KL_KINDS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    kl_penalty,
+)
+from dsrl.algorithms.losses import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    policy_loss,
+    policy_loss_names,
+    register_policy_loss,
+    value_loss,
+)
+from dsrl.algorithms.tensor_ops import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_whiten,
+    sum_pi_squared_from_logits,
+)
+
+__all__ = [
+    "KL_KINDS",
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "EstimatorInputs",
+    "FixedKLController",
+    "agg_loss",
+    "apply_kl_penalty",
+    "compute_advantages",
+    "entropy_from_logits",
+    "estimator_names",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_whiten",
+    "policy_loss",
+    "policy_loss_names",
+    "register_estimator",
+    "register_policy_loss",
+    "sum_pi_squared_from_logits",
+    "value_loss",
+]

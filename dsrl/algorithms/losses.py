@@ -1,0 +1,348 @@
+"""Policy losses (registered by name), the value loss, and the one loss aggregation `agg_loss`.
+
+Semantics follow verl 0.9.1 `core_algos.py`, metric names included. Every loss returns a scalar
+to call `backward()` on and detached tensor metrics (no host synchronisation here).
+
+Split invariance: a mini-batch is usually processed as several micro-batches (and ranks) whose
+gradients are accumulated. Pass the mini-batch-wide normalisers (`num_tokens`, `num_seqs`, all
+ranks and micro-batches) and `dp_size`, and the summed micro-batch losses equal the whole
+mini-batch's loss, so any split gives the same gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dsrl.algorithms.tensor_ops import masked_mean, masked_sum
+
+Tensor = torch.Tensor
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+_LOG_RATIO_CLAMP = 20.0  # exp() of a larger log-ratio overflows float32 / bf16 gradients
+_GSPO_LOG_RATIO_MAX = 10.0
+
+
+def agg_loss(
+    loss_mat: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    num_tokens: Tensor | int | None = None,
+    num_seqs: Tensor | int | None = None,
+    loss_scale_factor: float | None = None,
+    dp_size: int = 1,
+) -> Tensor:
+    """Aggregate a per-token loss into the scalar to differentiate.
+
+    With L the loss matrix, m the mask and ℓ_i = Σ_t m_it the response lengths:
+
+        token-mean               Σ_it L m / N_tok                        · dp_size
+        token-sum                Σ_it L m                                · dp_size
+        seq-mean-token-sum       Σ_i Σ_t L m / N_seq                     · dp_size
+        seq-mean-token-mean      Σ_i (Σ_t L m / (ℓ_i + 1e-8)) / N_seq    · dp_size
+        seq-mean-token-sum-norm  seq-mean-token-sum / loss_scale_factor  (Dr.GRPO)
+
+    Args:
+        loss_mat: `[B, T]` per-token loss.
+        mask: `[B, T]` 0/1; masked-out positions never contribute (NaN-safe).
+        mode: one of `LOSS_AGG_MODES`.
+        num_tokens: N_tok, the number of valid tokens in the whole mini-batch (every micro-batch,
+            every rank). None: this call's `mask.sum()` (only right when it sees the whole batch).
+        num_seqs: N_seq, the number of sequences in the whole mini-batch (verl passes
+            `ppo_mini_batch_size * n`). None: this call's number of non-empty rows.
+        loss_scale_factor: the Dr.GRPO constant; None = T of this `loss_mat` (verl's default).
+            Pass a constant (e.g. the max response length) when micro-batches differ in width.
+        dp_size: number of data-parallel ranks whose gradients the engine *averages*; the loss is
+            scaled by it so the averaged gradient is the gradient of the global mean.
+    Returns:
+        a scalar tensor.
+    """
+    if mode == "token-mean":
+        if num_tokens is None:
+            _require_local(dp_size, "num_tokens", mode)
+            num_tokens = mask.sum()
+        return masked_sum(loss_mat, mask) / num_tokens * dp_size
+    if mode == "token-sum":
+        return masked_sum(loss_mat, mask) * dp_size
+    if mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        lengths = mask.sum(dim=-1)
+        seq_losses = masked_sum(loss_mat, mask, dim=-1)  # [B]
+        if mode == "seq-mean-token-mean":
+            seq_losses = seq_losses / (lengths + 1e-8)
+        non_empty = lengths > 0
+        if num_seqs is None:
+            _require_local(dp_size, "num_seqs", mode)
+            num_seqs = non_empty.sum()
+        loss = masked_sum(seq_losses, non_empty) / num_seqs * dp_size
+        if mode == "seq-mean-token-sum-norm":
+            loss = loss / (loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        return loss
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {', '.join(sorted(LOSS_AGG_MODES))}")
+
+
+def _require_local(dp_size: int, normaliser: str, mode: str) -> None:
+    if dp_size > 1:
+        raise ValueError(
+            f"agg_loss mode {mode!r} with dp_size={dp_size} needs the global {normaliser} "
+            "(summed over all ranks); a rank-local count would give each rank a different scale"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# policy losses
+
+_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator registering a per-token policy loss under `name`.
+
+    The function is called with keywords `old_log_probs, log_probs, advantages, response_mask,
+    clip_ratio_low, clip_ratio_high, clip_ratio_c` (all `[B, T]` tensors or floats) and returns
+    `(loss_mat [B, T], metrics)`; `policy_loss` applies the rollout importance weights and
+    aggregates. Registering a taken name raises `ValueError`.
+    """
+
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in _POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered; register under another name")
+        _POLICY_LOSSES[name] = fn
+        return fn
+
+    return decorator
+
+
+def policy_loss_names() -> list[str]:
+    """Sorted names accepted by `policy_loss` (and `actor.policy_loss.loss_mode`)."""
+    return sorted(_POLICY_LOSSES)
+
+
+def policy_loss(
+    mode: str,
+    *,
+    old_log_probs: Tensor,
+    log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    rollout_is_weights: Tensor | None = None,
+    num_tokens: Tensor | int | None = None,
+    num_seqs: Tensor | int | None = None,
+    loss_scale_factor: float | None = None,
+    dp_size: int = 1,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Policy-gradient loss `mode` for one (micro-)batch.
+
+        loss = agg_loss(ℓ_mode(old_log_probs, log_probs, A) · rollout_is_weights, response_mask)
+
+    Args:
+        mode: an entry of `policy_loss_names()`.
+        old_log_probs, log_probs, advantages, response_mask: `[B, T]`; only `log_probs` needs grad.
+        loss_agg_mode, num_tokens, num_seqs, loss_scale_factor, dp_size: see `agg_loss`.
+        clip_ratio_low, clip_ratio_high: ratio clipped to [1 - low, 1 + high].
+        clip_ratio_c: dual-clip bound for negative advantages (vanilla), > 1.
+        rollout_is_weights: `[B, T]` truncated importance weights rollout -> trainer (constants),
+            multiplying the per-token loss.
+    Returns:
+        `(loss, metrics)`: scalar loss; detached scalar tensors named as in verl
+        (`actor/pg_clipfrac`, `actor/ppo_kl`, `actor/pg_clipfrac_lower`; none for `gpg`).
+    """
+    fn = _POLICY_LOSSES.get(mode)
+    if fn is None:
+        raise ValueError(f"unknown policy loss {mode!r}; valid names: {', '.join(policy_loss_names())}")
+    loss_mat, metrics = fn(
+        old_log_probs=old_log_probs,
+        log_probs=log_probs,
+        advantages=advantages,
+        response_mask=response_mask,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+    )
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights
+    loss = agg_loss(
+        loss_mat,
+        response_mask,
+        loss_agg_mode,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        loss_scale_factor=loss_scale_factor,
+        dp_size=dp_size,
+    )
+    return loss, {key: value.detach() for key, value in metrics.items()}
+
+
+@register_policy_loss("vanilla")
+def vanilla_policy_loss(
+    *,
+    old_log_probs: Tensor,
+    log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate (Schulman et al. 2017, https://arxiv.org/abs/1707.06347) with dual
+    clip for negative advantages (Ye et al. 2019, https://arxiv.org/abs/1912.09729).
+
+        r = exp(clamp(log_probs - old_log_probs, -20, 20))
+        ℓ_clip = max(-A r, -A clip(r, 1 - low, 1 + high))
+        ℓ = min(ℓ_clip, -A c)  where A < 0,  ℓ_clip elsewhere        (c = clip_ratio_c > 1)
+
+    Metrics: pg_clipfrac = mean[-A clip(r) > -A r], ppo_kl = mean[-log r],
+    pg_clipfrac_lower = mean[ℓ_clip > -A c and A < 0], means over the mask. Shapes `[B, T]`.
+    """
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO; got {clip_ratio_c}. Set it to e.g. 3.0")
+    log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clip_loss = torch.maximum(unclipped, clipped)
+    dual_bound = -advantages * clip_ratio_c
+    negative = advantages < 0
+    loss_mat = torch.where(negative, torch.minimum(dual_bound, clip_loss), clip_loss)
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
+        "actor/ppo_kl": masked_mean(-log_ratio, response_mask),
+        "actor/pg_clipfrac_lower": masked_mean(((clip_loss > dual_bound) & negative).float(), response_mask),
+    }
+    return loss_mat, metrics
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(
+    *,
+    old_log_probs: Tensor,
+    log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    **_: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO, sequence-level importance ratio (Zheng et al. 2025, https://arxiv.org/abs/2507.18071).
+
+        log s_i = Σ_t m (log_probs - old_log_probs) / max(1, ℓ_i)           (length-normalised)
+        s_it = exp(min(10, sg[log s_i] + log_probs_it - sg[log_probs_it]))  (value s_i, token grad)
+        ℓ = max(-A s, -A clip(s, 1 - low, 1 + high))
+
+    The paper aggregates with seq-mean-token-mean; any `loss_agg_mode` is accepted.
+    Metrics: pg_clipfrac, ppo_kl (token-level, unclamped), pg_clipfrac_lower = 0. Shapes `[B, T]`.
+    """
+    log_ratio = log_probs - old_log_probs
+    lengths = response_mask.sum(dim=-1).clamp(min=1)
+    seq_log_ratio = (log_ratio * response_mask).sum(dim=-1) / lengths
+    token_log_ratio = log_probs - log_probs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(torch.clamp(token_log_ratio, max=_GSPO_LOG_RATIO_MAX))
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
+        "actor/ppo_kl": masked_mean(-log_ratio, response_mask),
+        "actor/pg_clipfrac_lower": torch.zeros((), device=loss_mat.device),
+    }
+    return loss_mat, metrics
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(
+    *,
+    old_log_probs: Tensor,
+    log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    **_: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO, clipped importance-sampling weight with stop-gradient (MiniMax 2025,
+    https://arxiv.org/abs/2506.13585).
+
+        r = exp(clamp(log_probs - old_log_probs, -20, 20))
+        ℓ = -sg[clip(r, 1 - low, 1 + high)] · A · log_probs
+
+    Every token keeps a gradient (through log_probs), clipped or not.
+    Metrics: pg_clipfrac = mean[clip(r) ≠ r], ppo_kl, pg_clipfrac_lower = 0. Shapes `[B, T]`.
+    """
+    log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = -clipped_ratio.detach() * advantages * log_probs
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((ratio != clipped_ratio).float(), response_mask),
+        "actor/ppo_kl": masked_mean(-log_ratio, response_mask),
+        "actor/pg_clipfrac_lower": torch.zeros((), device=loss_mat.device),
+    }
+    return loss_mat, metrics
+
+
+@register_policy_loss("gpg")
+def gpg_policy_loss(*, log_probs: Tensor, advantages: Tensor, **_: object) -> tuple[Tensor, dict[str, Tensor]]:
+    """GPG, plain policy gradient without ratio or clipping (Chu et al. 2025,
+    https://arxiv.org/abs/2504.02546).
+
+        ℓ = -A · log_probs
+
+    No metrics. Shapes `[B, T]`.
+    """
+    return -log_probs * advantages, {}
+
+
+# ----------------------------------------------------------------------------------------------
+# value loss
+
+
+def value_loss(
+    vpreds: Tensor,
+    values: Tensor,
+    returns: Tensor,
+    response_mask: Tensor,
+    *,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    num_tokens: Tensor | int | None = None,
+    num_seqs: Tensor | int | None = None,
+    loss_scale_factor: float | None = None,
+    dp_size: int = 1,
+) -> tuple[Tensor, Tensor]:
+    """Clipped value loss (PPO, https://arxiv.org/abs/1707.06347).
+
+        v_clip = clip(vpreds, values - c, values + c)
+        loss = 0.5 · agg_loss(max((vpreds - R)², (v_clip - R)²), mask)
+
+    Args:
+        vpreds: `[B, T]` critic predictions being trained.
+        values: `[B, T]` critic values from before the update.
+        returns: `[B, T]` targets R.
+        response_mask: `[B, T]`.
+        cliprange_value: c.
+        loss_agg_mode, num_tokens, num_seqs, loss_scale_factor, dp_size: see `agg_loss`.
+    Returns:
+        `(loss, clipfrac)`: scalar loss and the detached fraction of masked tokens where the
+        clipped term is larger (log it as `critic/vf_clipfrac`).
+    """
+    vpred_clipped = torch.maximum(torch.minimum(vpreds, values + cliprange_value), values - cliprange_value)
+    unclipped = (vpreds - returns).square()
+    clipped = (vpred_clipped - returns).square()
+    loss = 0.5 * agg_loss(
+        torch.maximum(unclipped, clipped),
+        response_mask,
+        loss_agg_mode,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        loss_scale_factor=loss_scale_factor,
+        dp_size=dp_size,
+    )
+    clipfrac = masked_mean((clipped > unclipped).float(), response_mask).detach()
+    return loss, clipfrac

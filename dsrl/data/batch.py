@@ -1,0 +1,115 @@
+"""The batch contract: one record of tensors that every phase of a step reads and extends.
+
+Vocabulary: B sequences (prompts x n), P prompt tokens (left-padded), T response tokens
+(right-padded). Tensor fields are ``None`` until the phase that produces them has run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# Per-token float fields: [B, T] float32, aligned with response_ids.
+TOKEN_FIELDS = (
+    "rollout_log_probs",  # rollout engine's log-probs of the sampled tokens
+    "old_log_probs",  # actor log-probs before the update
+    "entropy",  # actor entropy per position
+    "sum_pi_squared",  # sum_v pi(v)^2 per position (OTB)
+    "ref_log_probs",  # reference model log-probs
+    "values",  # critic values
+    "token_level_scores",  # reward-function score at the last response token
+    "token_level_rewards",  # scores after in-reward KL
+    "advantages",
+    "returns",
+    "rollout_is_weights",  # truncated importance weights rollout -> trainer
+)
+ROW_FIELDS = ("data_sources", "ground_truths", "extra_infos")
+
+
+@dataclass
+class Batch:
+    prompt_ids: torch.Tensor  # [B, P] int64, left-padded
+    prompt_mask: torch.Tensor  # [B, P] int64, 1 on prompt tokens
+    response_ids: torch.Tensor  # [B, T] int64, right-padded
+    response_mask: torch.Tensor  # [B, T] int64, 1 on generated tokens incl. EOS
+    group_ids: torch.Tensor  # [B] int64, same id = same prompt
+    data_sources: list[str] = field(default_factory=list)  # [B] reward dispatch key
+    ground_truths: list[Any] = field(default_factory=list)  # [B]
+    extra_infos: list[dict] = field(default_factory=list)  # [B]
+    rollout_log_probs: torch.Tensor | None = None
+    old_log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    token_level_scores: torch.Tensor | None = None
+    token_level_rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    rollout_is_weights: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    def replace(self, **fields) -> Batch:
+        return dataclasses.replace(self, **fields)
+
+    @property
+    def input_ids(self) -> torch.Tensor:  # [B, P + T]
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:  # [B, P + T]
+        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
+
+    @property
+    def position_ids(self) -> torch.Tensor:  # [B, P + T]; left padding shifts positions
+        return (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+    def _tensor_items(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                yield f.name, value
+
+    def select(self, index: torch.Tensor) -> Batch:
+        """Rows ``index`` (a LongTensor of row numbers) of every field."""
+        rows = index.tolist()
+        fields = {name: value[index] for name, value in self._tensor_items()}
+        for name in ROW_FIELDS:
+            values = getattr(self, name)
+            fields[name] = [values[i] for i in rows] if values else []
+        return self.replace(**fields)
+
+    def split(self, n_rows: int) -> list[Batch]:
+        """Consecutive chunks of ``n_rows`` rows (the last may be shorter)."""
+        return [self.select(torch.arange(s, min(s + n_rows, len(self)))) for s in range(0, len(self), n_rows)]
+
+    def to(self, device: torch.device | str) -> Batch:
+        return self.replace(**{name: value.to(device) for name, value in self._tensor_items()})
+
+    @staticmethod
+    def concat(batches: list[Batch]) -> Batch:
+        """Stack rows; prompts are re-padded on the left and responses on the right to a common width."""
+        P = max(b.prompt_ids.shape[1] for b in batches)
+        T = max(b.response_ids.shape[1] for b in batches)
+        fields: dict[str, Any] = {}
+        for f in dataclasses.fields(Batch):
+            values = [getattr(b, f.name) for b in batches]
+            if f.name in ROW_FIELDS:
+                fields[f.name] = [v for vs in values for v in vs]
+            elif all(v is None for v in values):
+                fields[f.name] = None
+            elif any(v is None for v in values):
+                raise ValueError(f"Batch.concat: field {f.name!r} is set on some batches and not on others")
+            elif f.name in ("prompt_ids", "prompt_mask"):
+                fields[f.name] = torch.cat([F.pad(v, (P - v.shape[1], 0)) for v in values])
+            elif f.name == "group_ids":
+                fields[f.name] = torch.cat(values)
+            else:
+                fields[f.name] = torch.cat([F.pad(v, (0, T - v.shape[1])) for v in values])
+        return Batch(**fields)

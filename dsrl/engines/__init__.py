@@ -1,0 +1,8 @@
+"""DeepSpeed engines: the actor and critic train, the reference only scores (DESIGN §6)."""
+
+from dsrl.engines.actor import ActorEngine
+from dsrl.engines.critic import CriticEngine
+from dsrl.engines.deepspeed_setup import init_distributed
+from dsrl.engines.reference import ReferenceEngine
+
+__all__ = ["ActorEngine", "CriticEngine", "ReferenceEngine", "init_distributed"]

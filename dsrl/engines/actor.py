@@ -1,0 +1,192 @@
+"""The actor: a DeepSpeed (ZeRO) causal LM that computes response log-probs and takes PPO steps.
+
+Follows verl's dp_actor: logits are divided by the rollout temperature before the softmax; the
+policy loss is ``policy_loss(loss_mode, ...)`` minus ``entropy_coeff * agg(entropy)`` plus
+``kl_loss_coef * agg(kl_penalty(log_probs, ref_log_probs, kl_loss_type))``; with a single
+mini-batch and a single epoch the update is exactly on-policy and the ratio is taken against the
+detached current log-probs (as verl does). All aggregations use the mini-batch's global token and
+sequence counts (see ``training.py`` for how that survives DeepSpeed's gradient scaling).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import deepspeed
+import torch
+from transformers import AutoModelForCausalLM
+
+from dsrl.algorithms import agg_loss, kl_penalty, policy_loss
+from dsrl.data.batch import Batch
+from dsrl.engines.deepspeed_setup import (
+    DTYPES,
+    accelerator_device,
+    build_ds_config,
+    init_distributed,
+    load_pretrained,
+    lr_warmup,
+)
+from dsrl.engines.forward import (
+    compute_response_stats,
+    micro_batch_indices,
+    model_inputs,
+    pad_response,
+    response_logits,
+    response_stats,
+)
+from dsrl.engines.training import mini_batch_geometry, run_ppo_updates
+
+
+class ActorEngine:
+    """The policy under DeepSpeed; ``module`` is the (ZeRO-partitioned) transformers model.
+
+    ``cfg`` is the run config (``dsrl.config``); reads ``actor_rollout_ref.{model,actor,rollout}``
+    and ``trainer.seed`` (the shuffling of mini-batches).
+    """
+
+    def __init__(self, cfg: Any):
+        init_distributed()
+        self.cfg = cfg
+        model_cfg, actor = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor
+        self.prefix = "actor_rollout_ref.actor"
+        n = cfg.actor_rollout_ref.rollout.n
+        self.rows_per_mini_batch, micro, accumulation = mini_batch_geometry(
+            prefix=self.prefix,
+            mini_batch_size=actor.ppo_mini_batch_size,
+            n=n,
+            micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
+            use_dynamic_bsz=actor.use_dynamic_bsz,
+        )
+        self.ds_config = build_ds_config(
+            actor.deepspeed_config,
+            key=f"{self.prefix}.deepspeed_config",
+            micro_batch_size_per_gpu=micro,
+            gradient_accumulation_steps=accumulation,
+            dtype=model_cfg.dtype,
+            optim=actor.optim,
+            grad_clip=actor.grad_clip,
+            prefix=self.prefix,
+        )
+        module = load_pretrained(
+            self.ds_config,
+            lambda: AutoModelForCausalLM.from_pretrained(
+                model_cfg.path, dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code
+            ),
+        )
+        if model_cfg.enable_gradient_checkpointing:
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.engine, *_ = deepspeed.initialize(
+            model=module,
+            model_parameters=[p for p in module.parameters() if p.requires_grad],
+            config=self.ds_config,
+            lr_scheduler=lr_warmup(actor.optim.lr_warmup_steps),
+        )
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The transformers model inside the engine (parameters partitioned under ZeRO-3)."""
+        return self.engine.module
+
+    def _max_token_len(self) -> int | None:
+        actor = self.cfg.actor_rollout_ref.actor
+        return actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None
+
+    def compute_log_probs(
+        self, batch: Batch, *, temperature: float, with_entropy: bool = False, with_sum_pi_squared: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """``old_log_probs`` (+ ``entropy``, ``sum_pi_squared``) ``[B, T]`` float32 of the current policy.
+
+        Micro-batches of ``rollout.log_prob_micro_batch_size_per_gpu`` rows, or of the actor's token
+        budget with ``use_dynamic_bsz``. Collective: every rank calls it.
+        """
+        self.engine.eval()
+        return compute_response_stats(
+            self.engine,
+            batch,
+            temperature=temperature,
+            micro_batch_size=self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
+            max_token_len=self._max_token_len(),
+            budget_key=f"{self.prefix}.ppo_max_token_len_per_gpu",
+            with_entropy=with_entropy,
+            with_sum_pi_squared=with_sum_pi_squared,
+        )
+
+    def _split(self, mini: Batch) -> list[torch.Tensor]:
+        return micro_batch_indices(
+            mini,
+            micro_batch_size=self.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu,
+            max_token_len=self._max_token_len(),
+            key=f"{self.prefix}.ppo_max_token_len_per_gpu",
+        )
+
+    def update(self, batch: Batch, *, temperature: float) -> dict[str, float]:
+        """PPO epochs over ``batch`` (needs ``old_log_probs``, ``advantages``; ``ref_log_probs`` with
+        ``use_kl_loss``; ``rollout_is_weights`` optional). Returns verl's ``actor/*`` metrics, averaged
+        over optimizer steps, identical on every rank. Collective."""
+        actor = self.cfg.actor_rollout_ref.actor
+        if actor.use_kl_loss and batch.ref_log_probs is None:
+            raise ValueError(f"{self.prefix}.use_kl_loss=True but the batch has no ref_log_probs; run the reference first")
+        num_mini_batches = -(-len(batch) // self.rows_per_mini_batch)
+        on_policy = num_mini_batches == 1 and actor.ppo_epochs == 1
+        self.engine.train()
+        return run_ppo_updates(
+            self.engine,
+            batch,
+            rows_per_mini_batch=self.rows_per_mini_batch,
+            epochs=actor.ppo_epochs,
+            shuffle=actor.shuffle,
+            seed=self.cfg.trainer.seed,
+            split=self._split,
+            loss_fn=lambda micro, num_tokens, num_seqs: self._loss(
+                micro, num_tokens=num_tokens, num_seqs=num_seqs, temperature=temperature, on_policy=on_policy
+            ),
+            prefix="actor",
+        )
+
+    def _loss(
+        self, micro: Batch, *, num_tokens: float, num_seqs: float, temperature: float, on_policy: bool
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        actor = self.cfg.actor_rollout_ref.actor
+        dev = accelerator_device()
+        micro = micro.to(dev)
+        T = micro.response_ids.shape[1]
+        inputs, width = model_inputs(micro, dev)
+        logits = response_logits(self.engine, inputs, width)
+        stats = response_stats(
+            logits,
+            micro.response_ids[:, :width],
+            temperature=temperature,
+            with_entropy=True,
+            entropy_grad=actor.entropy_coeff != 0,
+        )
+        log_probs, entropy = pad_response(stats["log_probs"], T), pad_response(stats["entropy"], T)
+        mask = micro.response_mask.float()
+        normalisers = {"num_tokens": num_tokens, "num_seqs": num_seqs}
+        clip_low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
+        clip_high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
+        pg_loss, pg_metrics = policy_loss(
+            actor.policy_loss.loss_mode,
+            old_log_probs=log_probs.detach() if on_policy else micro.old_log_probs,
+            log_probs=log_probs,
+            advantages=micro.advantages,
+            response_mask=mask,
+            loss_agg_mode=actor.loss_agg_mode,
+            clip_ratio_low=clip_low,
+            clip_ratio_high=clip_high,
+            clip_ratio_c=actor.clip_ratio_c,
+            rollout_is_weights=micro.rollout_is_weights,
+            **normalisers,
+        )
+        entropy_agg = agg_loss(entropy, mask, actor.loss_agg_mode, **normalisers)
+        loss = pg_loss - actor.entropy_coeff * entropy_agg
+        # policy_loss's metrics are means over this micro-batch's tokens: weight them by its share.
+        share = mask.sum() / num_tokens
+        contributions = {name: value * share for name, value in pg_metrics.items()}
+        contributions["actor/pg_loss"] = pg_loss
+        contributions["actor/entropy"] = entropy_agg
+        if actor.use_kl_loss:
+            kl = kl_penalty(log_probs, micro.ref_log_probs, actor.kl_loss_type)
+            kl_loss = agg_loss(kl, mask, actor.loss_agg_mode, **normalisers)
+            loss = loss + actor.kl_loss_coef * kl_loss
+            contributions["actor/kl_loss"] = kl_loss
+        return loss, {name: torch.as_tensor(value).detach() for name, value in contributions.items()}

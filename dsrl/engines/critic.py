@@ -1,0 +1,166 @@
+"""The critic: the policy's backbone plus a scalar value head, trained with verl's clipped value loss.
+
+``values[b, t]`` is the head's output at the position preceding response token ``t`` (the
+alignment of the log-probs), masked to 0 on response padding. The head is ``nn.Linear(hidden, 1)``
+initialised like transformers' token-classification heads (``N(0, initializer_range)``, zero bias)
+from ``trainer.seed``, so every rank builds the same one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import deepspeed
+import torch
+from torch import nn
+from transformers import AutoModel
+
+from dsrl.algorithms import masked_mean, value_loss
+from dsrl.data.batch import Batch
+from dsrl.engines.deepspeed_setup import (
+    DTYPES,
+    accelerator_device,
+    build_ds_config,
+    init_distributed,
+    load_pretrained,
+    lr_warmup,
+)
+from dsrl.engines.forward import micro_batch_indices, model_inputs, pad_response
+from dsrl.engines.training import mini_batch_geometry, run_ppo_updates
+
+
+class ValueModel(nn.Module):
+    """A transformers base model (no LM head) followed by a scalar head."""
+
+    def __init__(self, backbone: nn.Module, value_head: nn.Linear):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = value_head
+
+    def forward(self, *, input_ids, attention_mask, position_ids, response_width: int) -> torch.Tensor:
+        """[b, P + T'] inputs -> float32 values [b, T'] at positions ``-T'-1 .. -2``."""
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        return self.value_head(hidden[:, -response_width - 1 : -1]).squeeze(-1).float()
+
+
+class CriticEngine:
+    """``compute_values(batch) -> values [B, T]`` and ``update(batch) -> critic/* metrics``.
+
+    Reads ``critic.*`` (model path, DeepSpeed config, optimiser, batch geometry, loss),
+    ``actor_rollout_ref.rollout.n`` (responses per prompt in a mini-batch),
+    ``actor_rollout_ref.model.dtype`` and ``trainer.seed``.
+    """
+
+    def __init__(self, cfg: Any):
+        init_distributed()
+        self.cfg = cfg
+        critic, dtype = cfg.critic, cfg.actor_rollout_ref.model.dtype
+        if critic.model.path is None:
+            raise ValueError("critic.model.path=None: the critic needs a model; set it (usually to actor_rollout_ref.model.path)")
+        self.rows_per_mini_batch, micro, accumulation = mini_batch_geometry(
+            prefix="critic",
+            mini_batch_size=critic.ppo_mini_batch_size,
+            n=cfg.actor_rollout_ref.rollout.n,
+            micro_batch_size=critic.ppo_micro_batch_size_per_gpu,
+            use_dynamic_bsz=critic.use_dynamic_bsz,
+        )
+        self.ds_config = build_ds_config(
+            critic.deepspeed_config,
+            key="critic.deepspeed_config",
+            micro_batch_size_per_gpu=micro,
+            gradient_accumulation_steps=accumulation,
+            dtype=dtype,
+            optim=critic.optim,
+            grad_clip=critic.grad_clip,
+            prefix="critic",
+        )
+        backbone = load_pretrained(
+            self.ds_config,
+            lambda: AutoModel.from_pretrained(
+                critic.model.path, dtype=DTYPES[dtype], trust_remote_code=critic.model.trust_remote_code
+            ),
+        )
+        # Built outside zero.Init: deepspeed.initialize partitions it with the rest of the model.
+        head = nn.Linear(backbone.config.hidden_size, 1)
+        generator = torch.Generator().manual_seed(cfg.trainer.seed)
+        with torch.no_grad():
+            head.weight.normal_(0.0, getattr(backbone.config, "initializer_range", 0.02), generator=generator)
+            head.bias.zero_()
+        module = ValueModel(backbone, head.to(DTYPES[dtype]))
+        self.engine, *_ = deepspeed.initialize(
+            model=module,
+            model_parameters=[p for p in module.parameters() if p.requires_grad],
+            config=self.ds_config,
+            lr_scheduler=lr_warmup(critic.optim.lr_warmup_steps),
+        )
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    def _split(self, batch: Batch) -> list[torch.Tensor]:
+        critic = self.cfg.critic
+        return micro_batch_indices(
+            batch,
+            micro_batch_size=critic.ppo_micro_batch_size_per_gpu,
+            max_token_len=critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
+            key="critic.ppo_max_token_len_per_gpu",
+        )
+
+    def _values(self, micro: Batch) -> torch.Tensor:
+        """[b, T] float32 values of ``micro`` (on the device), zero-padded past its trimmed width."""
+        inputs, width = model_inputs(micro, accelerator_device())
+        values = self.engine(**inputs, response_width=width)
+        return pad_response(values, micro.response_ids.shape[1])
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """``values`` ``[B, T]`` float32, 0 on padding; micro-batches as in the update. Collective."""
+        self.engine.eval()
+        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
+        with torch.no_grad():
+            for idx in self._split(batch):
+                out[idx] = self._values(batch.select(idx)).cpu()
+        return (out * batch.response_mask.float().cpu()).to(batch.response_ids.device)
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """PPO epochs of the clipped value loss on ``batch`` (needs ``values``, ``returns``).
+        Returns ``critic/vf_loss, vf_clipfrac, vpred_mean, grad_norm, lr``, equal on all ranks."""
+        critic = self.cfg.critic
+        self.engine.train()
+        return run_ppo_updates(
+            self.engine,
+            batch,
+            rows_per_mini_batch=self.rows_per_mini_batch,
+            epochs=critic.ppo_epochs,
+            shuffle=critic.shuffle,
+            seed=self.cfg.trainer.seed,
+            split=self._split,
+            loss_fn=self._loss,
+            prefix="critic",
+        )
+
+    def _loss(self, micro: Batch, num_tokens: float, num_seqs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        critic = self.cfg.critic
+        micro = micro.to(accelerator_device())
+        mask = micro.response_mask.float()
+        vpreds = self._values(micro)
+        loss, clipfrac = value_loss(
+            vpreds,
+            micro.values,
+            micro.returns,
+            mask,
+            cliprange_value=critic.cliprange_value,
+            loss_agg_mode=critic.loss_agg_mode,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )
+        # clipfrac and vpred_mean are means over this micro-batch's tokens: weight by its share.
+        share = mask.sum() / num_tokens
+        contributions = {
+            "critic/vf_loss": loss,
+            "critic/vf_clipfrac": clipfrac * share,
+            "critic/vpred_mean": masked_mean(vpreds, mask) * share,
+        }
+        return loss, {name: torch.as_tensor(value).detach() for name, value in contributions.items()}

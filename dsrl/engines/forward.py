@@ -1,0 +1,217 @@
+"""Forward passes over response tokens, and how a batch is cut into micro-batches.
+
+Alignment (verl's): the logit at sequence position ``P + t - 1`` predicts response token ``t``, so
+for a ``[b, P + T]`` input the response slice of the logits (or hidden states) is
+``[:, P - 1 : P + T - 1]``, i.e. ``[:, -T - 1 : -1]``. Values use the same slice.
+
+Memory: only the ``T + 1`` last positions of the logits are materialised (``logits_to_keep``), and
+the float32 softmax statistics are computed ``chunk_rows`` positions at a time, so ``[B, T, V]``
+probabilities never exist at once; under autograd each chunk is checkpointed (recomputed in
+backward) so the saved state is the model-dtype logits only.
+
+Micro-batches: by count (consecutive rows) or by token budget (``use_dynamic_bsz``): rows are
+packed into micro-batches whose valid tokens (prompt + response) stay within the budget. Every
+rank must run the same number of forward/backward passes (ZeRO-3 gathers parameters
+collectively in each forward), so the number of micro-batches is agreed across ranks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from dsrl.algorithms import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    sum_pi_squared_from_logits,
+)
+from dsrl.data.batch import Batch
+from dsrl.engines.deepspeed_setup import accelerator_device, all_reduce
+
+# Float32 elements of one chunk of logits (2**26 * 4 bytes = 256 MiB): a few such temporaries live at once.
+CHUNK_ELEMENTS = 2**26
+
+
+def _fits(parts: list[list[int]], lengths: list[int], budget: int) -> bool:
+    return all(sum(lengths[i] for i in part) <= budget for part in parts)
+
+
+def pack_by_tokens(lengths: list[int], num_parts: int) -> list[list[int]]:
+    """Longest-processing-time packing of ``lengths`` into ``num_parts`` balanced parts.
+
+    Each row, longest first, goes to the part with the fewest tokens so far. Returns row indices
+    per part, sorted; every part is non-empty when ``num_parts <= len(lengths)``.
+    """
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    loads = [(0, j) for j in range(num_parts)]  # a heap of (tokens so far, part)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        load, j = heapq.heappop(loads)
+        parts[j].append(i)
+        heapq.heappush(loads, (load + lengths[i], j))
+    return [sorted(part) for part in parts]
+
+
+def _max_over_ranks(values: list[int]) -> list[int]:
+    return all_reduce(torch.tensor(values, dtype=torch.int64), op="max").tolist()
+
+
+def micro_batch_indices(
+    batch: Batch, *, micro_batch_size: int, max_token_len: int | None, key: str = "max_token_len"
+) -> list[torch.Tensor]:
+    """Row indices of each micro-batch of ``batch`` (collective when ``max_token_len`` is set).
+
+    ``max_token_len is None``: consecutive chunks of ``micro_batch_size`` rows. Otherwise the fewest
+    parts, agreed over ranks (the maximum any rank needs), such that ``pack_by_tokens`` keeps each
+    part's valid tokens ``prompt_mask.sum + response_mask.sum`` within ``max_token_len``.
+    ``key`` names the config field of the budget in error messages.
+    """
+    n = len(batch)
+    if max_token_len is None:
+        return list(torch.arange(n).split(micro_batch_size))
+    lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).long().tolist()
+    if max(lengths) > max_token_len:
+        raise ValueError(
+            f"{key}={max_token_len}: a sequence has {max(lengths)} tokens (prompt + response) and cannot fit; "
+            "set it to at least max_prompt_length + max_response_length"
+        )
+    # Agree on a count that fits on every rank: ranks whose packing overflows ask for one part more.
+    (num_parts,) = _max_over_ranks([math.ceil(sum(lengths) / max_token_len)])
+    while True:
+        parts = pack_by_tokens(lengths, num_parts)
+        overflow = int(not _fits(parts, lengths, max_token_len))
+        wanted, any_overflow = _max_over_ranks([num_parts + overflow, overflow])
+        if not any_overflow:
+            return [torch.tensor(part, dtype=torch.long) for part in parts]
+        num_parts = wanted
+
+
+def model_inputs(micro: Batch, device: torch.device) -> tuple[dict[str, torch.Tensor], int]:
+    """Model inputs of ``micro`` without its all-padding columns, and the response width kept.
+
+    Left prompt columns that are padding in every row and response columns after the last valid
+    token of every row carry nothing; dropping them changes no valid position's output.
+    """
+    prompt_cols = micro.prompt_mask.any(0).nonzero()
+    first = int(prompt_cols[0]) if len(prompt_cols) else micro.prompt_mask.shape[1]
+    response_cols = micro.response_mask.any(0).nonzero()
+    width = int(response_cols[-1]) + 1 if len(response_cols) else 1
+    trimmed = micro.replace(
+        prompt_ids=micro.prompt_ids[:, first:],
+        prompt_mask=micro.prompt_mask[:, first:],
+        response_ids=micro.response_ids[:, :width],
+        response_mask=micro.response_mask[:, :width],
+    )
+    inputs = {
+        "input_ids": trimmed.input_ids.to(device),
+        "attention_mask": trimmed.attention_mask.to(device),
+        "position_ids": trimmed.position_ids.to(device),
+    }
+    return inputs, width
+
+
+def response_logits(module: torch.nn.Module, inputs: dict[str, torch.Tensor], width: int) -> torch.Tensor:
+    """Logits ``[b, width, V]`` predicting the ``width`` response tokens (positions ``-width-1 .. -2``)."""
+    out = module(**inputs, use_cache=False, logits_to_keep=width + 1)
+    return out.logits[:, :-1]
+
+
+def _chunk_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logprobs_from_logits(logits.float() / temperature, labels)
+
+
+def _chunk_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return entropy_from_logits(logits.float() / temperature)
+
+
+def response_stats(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool = False,
+    with_sum_pi_squared: bool = False,
+    entropy_grad: bool = False,
+    chunk_rows: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Per-token statistics of the softmax of ``logits / temperature``, chunk by chunk.
+
+    logits [b, T, V] (any float dtype), labels [b, T] -> float32 [b, T] tensors:
+    ``log_probs`` = log pi(labels), ``entropy`` = -sum_v pi_v log pi_v (when ``with_entropy``),
+    ``sum_pi_squared`` = sum_v pi_v^2 (when ``with_sum_pi_squared``; never differentiated).
+    Gradients flow into ``log_probs``, and into ``entropy`` only with ``entropy_grad``.
+    ``chunk_rows`` positions are processed at a time (default: ~``CHUNK_ELEMENTS`` logits).
+    """
+    b, t, v = logits.shape
+    flat, flat_labels = logits.reshape(b * t, v), labels.reshape(b * t)
+    rows = chunk_rows or max(1, CHUNK_ELEMENTS // v)
+    differentiable = torch.is_grad_enabled() and logits.requires_grad
+    out: dict[str, list[torch.Tensor]] = {"log_probs": []}
+    if with_entropy:
+        out["entropy"] = []
+    if with_sum_pi_squared:
+        out["sum_pi_squared"] = []
+    for start in range(0, b * t, rows):
+        z, y = flat[start : start + rows], flat_labels[start : start + rows]
+        if differentiable:
+            out["log_probs"].append(checkpoint(_chunk_log_probs, z, y, temperature, use_reentrant=False))
+        else:
+            out["log_probs"].append(_chunk_log_probs(z, y, temperature))
+        if with_entropy:
+            if differentiable and entropy_grad:
+                out["entropy"].append(checkpoint(_chunk_entropy, z, temperature, use_reentrant=False))
+            else:
+                with torch.no_grad():
+                    out["entropy"].append(_chunk_entropy(z, temperature))
+        if with_sum_pi_squared:
+            with torch.no_grad():
+                out["sum_pi_squared"].append(sum_pi_squared_from_logits(z.float() / temperature))
+    return {name: torch.cat(pieces).reshape(b, t) for name, pieces in out.items()}
+
+
+def pad_response(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad ``[b, w]`` with zeros to ``[b, width]`` (back to the batch's response width)."""
+    return F.pad(values, (0, width - values.shape[1]))
+
+
+def compute_response_stats(
+    module,
+    batch: Batch,
+    *,
+    temperature: float,
+    micro_batch_size: int,
+    max_token_len: int | None,
+    budget_key: str,
+    with_entropy: bool = False,
+    with_sum_pi_squared: bool = False,
+) -> dict[str, torch.Tensor]:
+    """No-grad forward of ``batch`` in micro-batches (``micro_batch_indices``), outputs put back in
+    row order: ``[B, T]`` float32 ``old_log_probs`` (+ ``entropy``, ``sum_pi_squared``), 0 on
+    response padding, on the batch's device. Collective (ZeRO-3 forwards, micro-batch count)."""
+    B, T = batch.response_ids.shape
+    names = {"log_probs": "old_log_probs", "entropy": "entropy", "sum_pi_squared": "sum_pi_squared"}
+    mask = batch.response_mask.float().cpu()
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for idx in micro_batch_indices(
+            batch, micro_batch_size=micro_batch_size, max_token_len=max_token_len, key=budget_key
+        ):
+            micro = batch.select(idx)
+            inputs, width = model_inputs(micro, accelerator_device())
+            logits = response_logits(module, inputs, width)
+            stats = response_stats(
+                logits,
+                micro.response_ids[:, :width].to(logits.device),
+                temperature=temperature,
+                with_entropy=with_entropy,
+                with_sum_pi_squared=with_sum_pi_squared,
+            )
+            for name, value in stats.items():
+                field = names[name]
+                if field not in out:
+                    out[field] = torch.zeros(B, T, dtype=torch.float32)
+                out[field][idx] = pad_response(value.float().cpu(), T)
+    return {name: (value * mask).to(batch.response_ids.device) for name, value in out.items()}

@@ -1,0 +1,63 @@
+"""The reference policy: a frozen copy of the initial actor under DeepSpeed, forward only.
+
+Built from ``actor_rollout_ref.model.path`` with ``actor_rollout_ref.ref.deepspeed_config``
+(default ``zero3_offload_inference``: ZeRO-3 with parameters offloaded to CPU, no optimizer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import deepspeed
+import torch
+from transformers import AutoModelForCausalLM
+
+from dsrl.data.batch import Batch
+from dsrl.engines.deepspeed_setup import (
+    DTYPES,
+    build_ds_config,
+    init_distributed,
+    load_pretrained,
+)
+from dsrl.engines.forward import compute_response_stats
+
+
+class ReferenceEngine:
+    """``compute_log_probs(batch, temperature=...) -> ref_log_probs [B, T]``; never trains."""
+
+    def __init__(self, cfg: Any):
+        init_distributed()
+        self.cfg = cfg
+        model_cfg, ref = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.ref
+        self.ds_config = build_ds_config(
+            ref.deepspeed_config,
+            key="actor_rollout_ref.ref.deepspeed_config",
+            micro_batch_size_per_gpu=ref.log_prob_micro_batch_size_per_gpu,
+            gradient_accumulation_steps=1,
+            dtype=model_cfg.dtype,
+            prefix="actor_rollout_ref.ref",
+        )
+        module = load_pretrained(
+            self.ds_config,
+            lambda: AutoModelForCausalLM.from_pretrained(
+                model_cfg.path, dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code
+            ),
+        )
+        module.requires_grad_(False)
+        self.engine, *_ = deepspeed.initialize(model=module, config=self.ds_config)
+        self.engine.eval()
+
+    def compute_log_probs(self, batch: Batch, *, temperature: float) -> torch.Tensor:
+        """``ref_log_probs`` ``[B, T]`` float32, 0 on padding. Micro-batches of
+        ``ref.log_prob_micro_batch_size_per_gpu`` rows, or the actor's token budget with its
+        ``use_dynamic_bsz`` (verl's defaults for the reference). Collective."""
+        actor = self.cfg.actor_rollout_ref.actor
+        stats = compute_response_stats(
+            self.engine,
+            batch,
+            temperature=temperature,
+            micro_batch_size=self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
+            max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+            budget_key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        )
+        return stats["old_log_probs"]

@@ -1,0 +1,120 @@
+"""The PPO update loop shared by the actor and the critic.
+
+``ppo_epochs`` passes over the rank's batch, each a (seeded) shuffle cut into mini-batches; each
+mini-batch is cut into micro-batches and ends in exactly one optimizer step.
+
+Loss normalisation and DeepSpeed's scaling. A mini-batch's loss is normalised by GLOBAL counts
+(tokens / sequences of the mini-batch over all ranks and micro-batches), so every micro-batch loss
+``l_j`` on rank ``r`` is a partial sum and the objective is ``L = sum_r sum_j l_rj``. DeepSpeed
+divides the loss by ``gradient_accumulation_steps`` inside ``backward`` and averages gradients over
+the ``W`` data-parallel ranks. dsrl calls ``engine.backward(W * l_j, scale_wrt_gas=False)``: no
+division by the accumulation steps, and the factor ``W`` cancels the averaging, so the reduced
+gradient is exactly ``grad L`` for any split into micro-batches (and any number of them). The
+accumulation boundary is driven explicitly (``set_gradient_accumulation_boundary``), so the
+number of micro-batches may differ from the nominal ``gradient_accumulation_steps`` (token-budget
+micro-batching).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from dsrl.data.batch import Batch
+from dsrl.engines.deepspeed_setup import all_reduce
+
+# loss_fn(micro, num_tokens, num_seqs) -> (loss, metric contributions); the contributions of all
+# micro-batches and ranks add up to the mini-batch's metric values.
+LossFn = Callable[[Batch, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+SplitFn = Callable[[Batch], list[torch.Tensor]]
+
+
+def mini_batch_geometry(
+    *, prefix: str, mini_batch_size: int, n: int, micro_batch_size: int, use_dynamic_bsz: bool
+) -> tuple[int, int, int]:
+    """(sequences per rank per mini-batch, DeepSpeed micro-batch size, accumulation steps).
+
+    ``mini_batch_size`` counts prompts over all ranks (verl); each has ``n`` responses. With
+    token-budget micro-batches the DeepSpeed geometry is nominal (one row per micro-step): dsrl
+    drives the accumulation boundary and the loss scaling itself.
+    """
+    world = dist.get_world_size()
+    rows = mini_batch_size * n
+    if rows % world:
+        raise ValueError(
+            f"{prefix}.ppo_mini_batch_size={mini_batch_size} x rollout.n={n} = {rows} sequences "
+            f"does not split over {world} ranks; make it a multiple of the world size"
+        )
+    per_rank = rows // world
+    if use_dynamic_bsz:
+        return per_rank, 1, per_rank
+    if per_rank % micro_batch_size:
+        raise ValueError(
+            f"{prefix}.ppo_micro_batch_size_per_gpu={micro_batch_size} does not divide the {per_rank} sequences "
+            f"per rank of a mini-batch ({prefix}.ppo_mini_batch_size x rollout.n / world size); choose a divisor"
+        )
+    return per_rank, micro_batch_size, per_rank // micro_batch_size
+
+
+def shuffle_order(n: int, *, seed: int, step: int, epoch: int, shuffle: bool) -> torch.Tensor:
+    """Row order of one epoch: a permutation drawn from (seed, optimizer step count, epoch), or 0..n-1.
+
+    Seeding from DeepSpeed's step count (restored with its checkpoints) keeps resumed runs identical.
+    """
+    if not shuffle:
+        return torch.arange(n)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + epoch)
+    return torch.randperm(n, generator=generator)
+
+
+def global_counts(response_mask: torch.Tensor) -> tuple[float, float]:
+    """(valid tokens, sequences with at least one valid token) of a mini-batch over all ranks."""
+    mask = response_mask.float()
+    local = torch.stack([mask.sum(), (mask.sum(-1) > 0).float().sum()])
+    num_tokens, num_seqs = all_reduce(local).tolist()
+    return num_tokens, num_seqs
+
+
+def run_ppo_updates(
+    engine,
+    batch: Batch,
+    *,
+    rows_per_mini_batch: int,
+    epochs: int,
+    shuffle: bool,
+    seed: int,
+    split: SplitFn,
+    loss_fn: LossFn,
+    prefix: str,
+) -> dict[str, float]:
+    """Train ``engine`` on ``batch``; metrics averaged over the optimizer steps, equal on all ranks.
+
+    Adds ``{prefix}/grad_norm`` (global, before clipping) and ``{prefix}/lr`` (of each step) to the
+    loss function's metrics.
+    """
+    world = dist.get_world_size()
+    start_step = engine.global_steps
+    records: dict[str, list[float]] = {}
+    for epoch in range(epochs):
+        order = shuffle_order(len(batch), seed=seed, step=start_step, epoch=epoch, shuffle=shuffle)
+        for rows in order.split(rows_per_mini_batch):
+            mini = batch.select(rows)
+            num_tokens, num_seqs = global_counts(mini.response_mask)
+            micro_rows = split(mini)
+            sums: dict[str, torch.Tensor] = {}
+            for j, idx in enumerate(micro_rows):
+                engine.set_gradient_accumulation_boundary(j == len(micro_rows) - 1)
+                loss, contributions = loss_fn(mini.select(idx), num_tokens, num_seqs)
+                engine.backward(loss * world, scale_wrt_gas=False)
+                for name, value in contributions.items():
+                    sums[name] = sums.get(name, 0.0) + value.detach().double()  # stays on device: no sync
+            records.setdefault(f"{prefix}/lr", []).append(float(engine.get_lr()[0]))
+            engine.step()
+            names = sorted(sums)
+            totals = all_reduce(torch.stack([sums[name] for name in names])).tolist()
+            for name, total in zip(names, totals):
+                records.setdefault(name, []).append(total)
+            records.setdefault(f"{prefix}/grad_norm", []).append(float(engine.get_global_grad_norm()))
+    return {name: sum(values) / len(values) for name, values in records.items()}

@@ -1,0 +1,71 @@
+"""What every rollout engine offers the trainer (DESIGN §7).
+
+A rollout engine holds its own copy of the policy, receives the actor's weights with
+``update_weights`` and samples ``n`` responses per prompt with ``generate``. ``sleep`` /
+``wake_up`` bracket generation so that colocated engines can hand device memory back to the
+trainer (vLLM's sleep mode); engines that hold nothing worth releasing treat them as no-ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample; mirrors ``actor_rollout_ref.rollout.*`` and its ``val_kwargs``."""
+
+    n: int = 1  # responses per prompt; rows i*n .. i*n+n-1 of the output belong to prompt i
+    temperature: float = 1.0  # logits are divided by it before sampling (ignored when greedy)
+    top_p: float = 1.0  # nucleus sampling mass; 1.0 = off
+    top_k: int = -1  # keep the k most likely tokens; -1 = off
+    max_tokens: int = 512  # response length cap (data.max_response_length)
+    do_sample: bool = True  # False = greedy decoding (validation)
+    seed: int | None = None  # per-call seed: the same seed and inputs give the same samples
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"rollout.n={self.n}: must be at least 1")
+        if self.do_sample and self.temperature <= 0:
+            raise ValueError(
+                f"rollout.temperature={self.temperature}: sampling needs a temperature > 0; "
+                "use do_sample=False for greedy decoding"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"rollout.top_k={self.top_k}: must be -1 (off) or a positive count")
+        if not self.do_sample and self.n > 1:
+            raise ValueError(f"rollout n={self.n} with do_sample=False: greedy decoding gives n identical responses; set n=1")
+
+    def replace(self, **changes) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class RolloutOutput:
+    """Responses to ``B`` prompts, ``n`` each: ``B * n`` rows, prompt i's at rows ``i*n .. i*n+n-1``."""
+
+    response_ids: torch.Tensor  # [B*n, T] int64, T = max_tokens, right-padded with the pad id
+    response_mask: torch.Tensor  # [B*n, T] int64, 1 on generated tokens up to and including EOS
+    log_probs: torch.Tensor  # [B*n, T] float32, log-prob of each token under the sampling distribution, 0 on padding
+    finish_reasons: list[str]  # [B*n] "stop" (ended with EOS) or "length" (hit max_tokens)
+
+
+class RolloutEngine(Protocol):
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full tensors, named as in the policy's HF state dict, into the engine's model."""
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams) -> RolloutOutput:
+        """Sample responses to left-padded prompts ``[B, P]``."""
+
+    def sleep(self) -> None:
+        """Release device memory until ``wake_up``."""
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-acquire what ``sleep`` released (``tags``: e.g. ``["weights"]``, ``["kv_cache"]``)."""

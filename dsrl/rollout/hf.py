@@ -1,0 +1,181 @@
+"""Rollout with transformers ``generate``: a plain (unpartitioned) copy of the policy on each rank.
+
+The CPU default. Each rank samples its own prompts with ``synced_gpus=False`` (generation is
+rank-local; the copy is not a ZeRO-3 module, so no rank waits for another), left-padded prompts,
+KV cache on.
+
+Sampling distribution and log-probs: the logits are divided by the temperature, then top-k and
+top-p filter them (in that order); each token's log-prob is its log-softmax under that processed
+distribution (what vLLM calls ``processed_logprobs``). Greedy decoding (``do_sample=False``)
+reports the log-softmax of the raw logits. The warpers are applied by dsrl's own logits-processor
+list, the last entry of which records the chosen tokens' log-probs one step later, so no
+``[B, T, V]`` score history is kept.
+
+Determinism: with ``sampling.seed`` set, generation runs inside ``torch.random.fork_rng`` seeded
+with it: the same seed, weights and prompts give the same samples, and the caller's global RNG
+streams are left untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Sequence
+
+import torch
+from deepspeed.accelerator import get_accelerator
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from dsrl.algorithms import logprobs_from_logits
+from dsrl.rollout.base import RolloutOutput, SamplingParams
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class _ChosenTokenLogProbs(LogitsProcessor):
+    """Last logits processor: keeps the processed scores of one step to read the chosen token's
+    log-prob at the next step (the chosen token is then the last column of ``input_ids``)."""
+
+    def __init__(self):
+        self.previous: torch.Tensor | None = None
+        self.log_probs: list[torch.Tensor] = []  # one [B*n] tensor per generated token
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.previous is not None:
+            self.record(input_ids[:, -1])
+        self.previous = scores
+        return scores
+
+    def record(self, chosen: torch.Tensor) -> None:
+        self.log_probs.append(logprobs_from_logits(self.previous, chosen))
+
+
+def _seeded(seed: int | None, device: torch.device):
+    """A context in which the RNG of this process (CPU and ``device``) starts from ``seed``."""
+    if seed is None:
+        return contextlib.nullcontext()
+    devices = [] if device.type == "cpu" else [device.index if device.index is not None else 0]
+    fork = torch.random.fork_rng(devices=devices, device_type=device.type)
+
+    @contextlib.contextmanager
+    def context():
+        with fork:
+            torch.manual_seed(seed)
+            yield
+
+    return context()
+
+
+class HFRollout:
+    """``generate`` with a transformers model loaded from ``model_path`` (local dir or hub id).
+
+    ``dtype``: ``bfloat16`` or ``float32`` (use the trainer's ``actor_rollout_ref.model.dtype`` so
+    the rollout and trainer log-probs agree). EOS ids are the tokenizer's EOS plus the model's
+    ``generation_config.eos_token_id``; responses are padded with the tokenizer's pad id (EOS
+    when it has none). The model's own generation defaults (sampling settings, penalties) are
+    dropped: only ``SamplingParams`` decide how to sample.
+    """
+
+    def __init__(self, model_path: str, *, dtype: str = "bfloat16", trust_remote_code: bool = False):
+        self.device = torch.device(get_accelerator().current_device_name())
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+        ).to(self.device)
+        self.model.eval().requires_grad_(False)
+        eos = {tokenizer.eos_token_id} | set(_as_list(self.model.generation_config.eos_token_id))
+        self.eos_token_ids = sorted(i for i in eos if i is not None)
+        if not self.eos_token_ids:
+            raise ValueError(f"{model_path}: neither the tokenizer nor the generation config names an EOS token")
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id, bos_token_id=tokenizer.bos_token_id
+        )
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full tensors into the model's parameters in place (names as in ``named_parameters``;
+        a tied LM head is updated through its embedding). Consumes the whole iterator even when a
+        name is wrong, since producing it is a collective on every rank, then raises."""
+        params = dict(self.model.named_parameters())
+        unknown, seen = [], set()
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name in params:
+                    params[name].copy_(tensor)
+                    seen.add(name)
+                else:
+                    unknown.append(name)
+        missing = sorted(set(params) - seen)
+        if unknown or missing:
+            raise ValueError(f"update_weights: unknown names {unknown[:5]}, parameters not received {missing[:5]}")
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams) -> RolloutOutput:
+        """``sampling.n`` responses per left-padded prompt ``[B, P]``; see ``RolloutOutput``."""
+        processors = []
+        if sampling.do_sample:
+            processors.append(TemperatureLogitsWarper(sampling.temperature))
+            if sampling.top_k > 0:
+                processors.append(TopKLogitsWarper(top_k=sampling.top_k))
+            if sampling.top_p < 1.0:
+                processors.append(TopPLogitsWarper(top_p=sampling.top_p))
+        recorder = _ChosenTokenLogProbs()
+        # The warpers run as processors, in list order with the recorder last; the config asks for
+        # none (temperature 1, top-k 0, top-p 1 when sampling), so generate adds none of its own.
+        warper_off = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} if sampling.do_sample else {}
+        config = GenerationConfig(
+            max_new_tokens=sampling.max_tokens,
+            do_sample=sampling.do_sample,
+            num_return_sequences=sampling.n,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            use_cache=True,
+            **warper_off,
+        )
+        prompt_len = prompt_ids.shape[1]
+        with _seeded(sampling.seed, self.device):
+            sequences = self.model.generate(
+                input_ids=prompt_ids.to(self.device),
+                attention_mask=prompt_mask.to(self.device),
+                generation_config=config,
+                logits_processor=LogitsProcessorList([*processors, recorder]),
+                synced_gpus=False,
+            )
+        tokens = sequences[:, prompt_len:]  # [B*n, L]
+        recorder.record(tokens[:, -1])
+        log_probs = torch.stack(recorder.log_probs, dim=1).float()  # [B*n, L]
+
+        is_eos = torch.isin(tokens, torch.tensor(self.eos_token_ids, device=tokens.device))
+        # Valid: every token up to and including the first EOS.
+        mask = (is_eos.long().cumsum(1) - is_eos.long()) == 0
+        finish_reasons = ["stop" if stopped else "length" for stopped in is_eos.any(1).tolist()]
+
+        T = sampling.max_tokens
+        response_ids = torch.full((tokens.shape[0], T), self.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((tokens.shape[0], T), dtype=torch.long)
+        out_log_probs = torch.zeros((tokens.shape[0], T), dtype=torch.float32)
+        L = tokens.shape[1]
+        response_ids[:, :L] = torch.where(mask, tokens, self.pad_token_id).cpu()
+        response_mask[:, :L] = mask.long().cpu()
+        out_log_probs[:, :L] = torch.where(mask, log_probs, 0.0).cpu()
+        return RolloutOutput(response_ids, response_mask, out_log_probs, finish_reasons)
+
+    def sleep(self) -> None:
+        """No-op: the copy stays where it is (the CPU default has no device memory to give back)."""
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """No-op, see ``sleep``."""
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -1,0 +1,109 @@
+"""Shared fixtures: CPU DeepSpeed environment, a tiny model, a world of one, test DeepSpeed configs.
+
+CPU facts (shared/notes/platform.md): DeepSpeed runs on the CPU accelerator over gloo; one
+OpenMP thread per process; test DeepSpeed configs set ``stage3_param_persistence_threshold: 0``
+so that ZeRO-3 partitions even the tiny model's small tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """``free_port()``: a TCP port on localhost nobody listens on (distinct rendezvous per run)."""
+    return _free_port
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """An untrained tiny Qwen3 (hidden 128, head_dim 64) and its tokenizer, built once per session."""
+    out = tmp_path_factory.mktemp("tiny_model")
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(out), "--sft-steps", "0"],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def deepspeed_cpu_ops() -> None:
+    """Build DeepSpeed's CPU ops (shared-memory collectives, CPU Adam) once, in one process.
+
+    Ranks that find them missing compile them concurrently, which on two cores takes minutes;
+    the torch extensions cache (``~/.cache/torch_extensions``) keeps them for later runs.
+    """
+    code = (
+        "from deepspeed.accelerator import get_accelerator as a\n"
+        "a().create_op_builder('ShareMemCommBuilder').load()\n"
+        "a().create_op_builder('CPUAdamBuilder').load()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def world_of_one() -> None:
+    """torch.distributed with one rank on a free port (what ``python scripts/train.py`` gets)."""
+    import torch
+
+    from dsrl.engines import init_distributed
+
+    torch.set_num_threads(1)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ[name] = value
+    os.environ["MASTER_PORT"] = str(_free_port())
+    init_distributed()
+
+
+@pytest.fixture(scope="session")
+def ds_test_config(tmp_path_factory):
+    """``ds_test_config(name, optimizer={...}, **zero)``: path of a copy of ``ds_configs/<name>.json``
+    with ``stage3_param_persistence_threshold: 0``, optimizer params and ``zero_optimization`` overrides."""
+    tmp_dir = tmp_path_factory.mktemp("ds_configs")
+    count = iter(range(10**6))
+
+    def make(name: str, *, optimizer: dict | None = None, **zero) -> str:
+        ds = json.loads((REPO / "ds_configs" / f"{name}.json").read_text())
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        ds["zero_optimization"].update(zero)
+        if optimizer:
+            ds["optimizer"]["params"].update(optimizer)
+        path = tmp_dir / f"{name}-{next(count)}.json"
+        path.write_text(json.dumps(ds))
+        return str(path)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def make_cfg(tiny_model_dir):
+    """``make_cfg(*overrides)``: a run config for the tiny model in float32 (exact comparisons)."""
+    from dsrl.config import load_config
+
+    base = [
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        f"critic.model.path={tiny_model_dir}",
+        "actor_rollout_ref.model.dtype=float32",
+        "data.train_files=unused.parquet",
+    ]
+    return lambda *overrides: load_config(None, [*base, *overrides])

@@ -1,0 +1,333 @@
+"""Actor, critic and reference engines on a tiny Qwen3 under ZeRO-3 + CPU offload, one rank.
+
+What is pinned down: the forward equals a plain transformers forward (log-probs with temperature,
+entropy, sum_pi_squared); chunking changes nothing; token-budget micro-batches respect the budget
+and come back in order; and one update gives the same parameters (and metrics) whether a
+mini-batch runs as 1, 4 or token-budget micro-batches.
+
+The test DeepSpeed configs use AdamW with eps=1: the update is then nearly linear in the gradient
+(lr * m / (sqrt(v) + 1)), so equal gradients give equal parameters to float precision. With the
+usual eps=1e-8, Adam divides float noise in near-zero gradients by its own magnitude.
+"""
+
+from __future__ import annotations
+
+import math
+
+import deepspeed
+import pytest
+import torch
+
+from dsrl.data.batch import Batch
+from dsrl.engines import ActorEngine, CriticEngine, ReferenceEngine
+from dsrl.engines.deepspeed_setup import build_ds_config, lr_warmup
+from dsrl.engines.forward import micro_batch_indices, pack_by_tokens, response_stats
+from dsrl.rollout import iter_full_parameters
+
+N_PROMPTS, N, P, T = 2, 4, 6, 8  # 8 sequences; prompts up to 6 tokens, responses up to 8
+TEMPERATURE = 0.7
+BUDGET = 30  # tokens per micro-batch with use_dynamic_bsz: 2-3 sequences of <= 14 tokens
+
+
+def make_batch(seed: int = 0) -> Batch:
+    """Left-padded prompts and right-padded responses of varied lengths; one response has a
+    mask hole (a multi-turn observation token) and one is a single token."""
+    g = torch.Generator().manual_seed(seed)
+    B = N_PROMPTS * N
+    group = torch.arange(N_PROMPTS).repeat_interleave(N)
+    prompt_len = torch.tensor([6, 3])[group]
+    response_len = torch.tensor([8, 5, 1, 7, 3, 8, 6, 2])
+    prompt_ids = torch.randint(3, 100, (N_PROMPTS, P), generator=g)[group]
+    prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()
+    response_mask = (torch.arange(T) < response_len[:, None]).long()
+    response_mask[0, 3] = 0
+    response_ids = torch.randint(3, 100, (B, T), generator=g) * response_mask
+    return Batch(
+        prompt_ids=prompt_ids * prompt_mask,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        group_ids=group,
+    )
+
+
+def training_batch(actor: ActorEngine) -> Batch:
+    """``make_batch`` with old log-probs slightly off the actor's (so ratios move and clip),
+    advantages, returns, a reference and rollout IS weights."""
+    batch = make_batch()
+    g = torch.Generator().manual_seed(1)
+    mask = batch.response_mask.float()
+    old = actor.compute_log_probs(batch, temperature=TEMPERATURE)["old_log_probs"]
+    noise = lambda scale: scale * torch.randn(old.shape, generator=g) * mask
+    return batch.replace(
+        old_log_probs=old + noise(0.3),
+        ref_log_probs=old + noise(0.5),
+        advantages=noise(1.0),
+        returns=noise(1.0),
+        rollout_is_weights=(1.0 + noise(0.1)).clamp(min=0),
+    )
+
+
+def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(iter_full_parameters(module))
+
+
+def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < atol, worst
+
+
+def assert_same_metrics(a: dict[str, float], b: dict[str, float]) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        assert math.isclose(value, b[key], rel_tol=1e-5, abs_tol=1e-6), (key, value, b[key])
+
+
+ACTOR_TRAINING = (
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=1",  # 2 mini-batches of 4 sequences
+    "actor_rollout_ref.actor.ppo_epochs=2",
+    "actor_rollout_ref.actor.entropy_coeff=0.01",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.optim.lr=0.01",
+    "actor_rollout_ref.actor.optim.weight_decay=0.0",
+    "actor_rollout_ref.actor.grad_clip=100.0",  # no clipping: it would hide a wrongly scaled gradient
+    f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={BUDGET}",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3",
+)
+CRITIC_TRAINING = (
+    "actor_rollout_ref.rollout.n=4",
+    "critic.ppo_mini_batch_size=1",
+    "critic.ppo_epochs=2",
+    "critic.optim.lr=0.01",
+    "critic.optim.weight_decay=0.0",
+    "critic.grad_clip=100.0",
+    "critic.cliprange_value=0.2",
+    f"critic.ppo_max_token_len_per_gpu={BUDGET}",
+)
+
+
+@pytest.fixture(scope="module")
+def z3(ds_test_config):
+    return ds_test_config("zero3_offload", optimizer={"eps": 1.0})
+
+
+@pytest.fixture(scope="module")
+def actors(world_of_one, make_cfg, z3):
+    """Three fresh actors from the same weights: micro-batches of 1, of 4, and by token budget."""
+    common = (*ACTOR_TRAINING, f"actor_rollout_ref.actor.deepspeed_config={z3}")
+    return {
+        "micro1": ActorEngine(make_cfg(*common, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")),
+        # Activation checkpointing recomputes the same forward: it must not change the result either.
+        "micro4": ActorEngine(
+            make_cfg(
+                *common,
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+            )
+        ),
+        "dynamic": ActorEngine(make_cfg(*common, "actor_rollout_ref.actor.use_dynamic_bsz=true")),
+    }
+
+
+def test_actor_log_probs_equal_a_transformers_forward(actors, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    batch = make_batch()
+    out = actors["micro1"].compute_log_probs(
+        batch, temperature=TEMPERATURE, with_entropy=True, with_sum_pi_squared=True
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        ).logits[:, P - 1 : P + T - 1]
+    log_softmax = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+    probs = log_softmax.exp()
+    mask = batch.response_mask.bool()
+    expected = {
+        "old_log_probs": log_softmax.gather(-1, batch.response_ids[..., None]).squeeze(-1),
+        "entropy": -(probs * log_softmax).sum(-1),
+        "sum_pi_squared": probs.square().sum(-1),
+    }
+    assert out.keys() == expected.keys()
+    for name, value in out.items():
+        assert value.shape == (N_PROMPTS * N, T) and value.dtype == torch.float32
+        torch.testing.assert_close(value[mask], expected[name][mask], atol=1e-5, rtol=1e-5)
+        assert (value[~mask] == 0).all(), name
+
+
+def test_token_budget_log_probs_come_back_in_order(actors):
+    batch = make_batch()
+    by_count = actors["micro1"].compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
+    by_budget = actors["dynamic"].compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
+    for name in by_count:
+        torch.testing.assert_close(by_budget[name], by_count[name], atol=1e-6, rtol=1e-6)
+
+
+def test_chunked_stats_equal_unchunked_with_gradients():
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 11, (3, 5), generator=g)
+    results = []
+    for chunk_rows in (2, None):
+        logits = torch.randn(3, 5, 11, generator=g.manual_seed(1), requires_grad=True)
+        stats = response_stats(
+            logits, labels, temperature=0.8, with_entropy=True, with_sum_pi_squared=True, entropy_grad=True,
+            chunk_rows=chunk_rows,
+        )
+        (stats["log_probs"].sum() + 0.5 * stats["entropy"].sum()).backward()
+        results.append((stats, logits.grad))
+    (chunked, chunked_grad), (whole, whole_grad) = results
+    for name in whole:
+        torch.testing.assert_close(chunked[name], whole[name])
+    torch.testing.assert_close(chunked_grad, whole_grad)
+    assert not chunked["sum_pi_squared"].requires_grad
+
+
+def test_token_budget_packing_respects_the_budget(world_of_one):
+    lengths = [14, 3, 9, 9, 2, 11, 7, 5, 1, 13]
+    for parts_count in (3, 5, 10):
+        parts = pack_by_tokens(lengths, parts_count)
+        assert sorted(i for part in parts for i in part) == list(range(len(lengths)))
+        assert all(parts)
+    batch = make_batch()
+    lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()
+    parts = micro_batch_indices(batch, micro_batch_size=1, max_token_len=BUDGET)
+    assert sorted(torch.cat(parts).tolist()) == list(range(len(batch)))
+    assert all(sum(lengths[i] for i in part.tolist()) <= BUDGET for part in parts)
+    assert len(parts) == math.ceil(sum(lengths) / BUDGET)  # the tightest count fits here
+    with pytest.raises(ValueError, match="actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10"):
+        micro_batch_indices(batch, micro_batch_size=1, max_token_len=10, key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+
+
+def test_actor_update_is_micro_batch_invariant(actors):
+    before = full_params(actors["micro1"].module)
+    batch = training_batch(actors["micro1"])
+    metrics = {name: actor.update(batch, temperature=TEMPERATURE) for name, actor in actors.items()}
+    params = {name: full_params(actor.module) for name, actor in actors.items()}
+
+    expected_keys = {
+        "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower",
+        "actor/entropy", "actor/kl_loss", "actor/grad_norm", "actor/lr",
+    }
+    assert set(metrics["micro1"]) == expected_keys
+    assert all(math.isfinite(v) for v in metrics["micro1"].values())
+    assert metrics["micro1"]["actor/pg_clipfrac"] > 0  # the perturbed old log-probs make clipping matter
+    assert metrics["micro1"]["actor/lr"] == pytest.approx(0.01)
+    assert max((params["micro1"][k] - before[k]).abs().max().item() for k in before) > 1e-3
+    for other in ("micro4", "dynamic"):
+        assert_same_params(params[other], params["micro1"])
+        assert_same_metrics(metrics[other], metrics["micro1"])
+
+
+@pytest.fixture(scope="module")
+def critics(world_of_one, make_cfg, z3):
+    common = (*CRITIC_TRAINING, f"critic.deepspeed_config={z3}")
+    return {
+        "micro1": CriticEngine(make_cfg(*common, "critic.ppo_micro_batch_size_per_gpu=1")),
+        "micro4": CriticEngine(make_cfg(*common, "critic.ppo_micro_batch_size_per_gpu=4")),
+        "dynamic": CriticEngine(make_cfg(*common, "critic.use_dynamic_bsz=true")),
+    }
+
+
+def test_critic_values_align_with_the_token_before_each_response_token(critics):
+    critic = critics["micro1"]
+    batch = make_batch()
+    values = critic.compute_values(batch)
+    module = critic.module
+    with torch.no_grad(), deepspeed.zero.GatheredParameters(list(module.parameters())):
+        hidden = module.backbone(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        ).last_hidden_state
+        expected = module.value_head(hidden[:, P - 1 : P + T - 1]).squeeze(-1)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(values[mask], expected[mask], atol=1e-5, rtol=1e-5)
+    assert (values[~mask] == 0).all()
+    torch.testing.assert_close(critics["dynamic"].compute_values(batch), values, atol=1e-6, rtol=1e-6)
+
+
+def test_critic_update_is_micro_batch_invariant(critics):
+    before = full_params(critics["micro1"].module)
+    batch = make_batch()
+    values = critics["micro1"].compute_values(batch)
+    g = torch.Generator().manual_seed(2)
+    batch = batch.replace(values=values, returns=values + torch.randn(values.shape, generator=g) * batch.response_mask)
+    metrics = {name: critic.update(batch) for name, critic in critics.items()}
+    params = {name: full_params(critic.module) for name, critic in critics.items()}
+
+    expected_keys = {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr"}
+    assert set(metrics["micro1"]) == expected_keys
+    assert all(math.isfinite(v) for v in metrics["micro1"].values())
+    assert metrics["micro1"]["critic/vf_clipfrac"] > 0  # returns ~1 away from values, cliprange 0.2
+    assert max((params["micro1"][k] - before[k]).abs().max().item() for k in before) > 1e-3
+    for other in ("micro4", "dynamic"):
+        assert_same_params(params[other], params["micro1"])
+        assert_same_metrics(metrics[other], metrics["micro1"])
+
+
+def test_zero2_update_is_micro_batch_invariant(world_of_one, make_cfg, ds_test_config):
+    # ZeRO-2 accumulates and reduces gradients its own way; offloading its optimizer reuses the
+    # CPU Adam op (plain ZeRO-2 on CPU would compile FusedAdam for minutes).
+    z2 = ds_test_config("zero2", offload_optimizer={"device": "cpu"}, optimizer={"eps": 1.0})
+    common = (*ACTOR_TRAINING, f"actor_rollout_ref.actor.deepspeed_config={z2}")
+    micro1 = ActorEngine(make_cfg(*common, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"))
+    micro4 = ActorEngine(make_cfg(*common, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"))
+    batch = training_batch(micro1)
+    before = full_params(micro1.module)
+    metrics1, metrics4 = (actor.update(batch, temperature=TEMPERATURE) for actor in (micro1, micro4))
+    after = full_params(micro1.module)
+    assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-3
+    assert_same_params(full_params(micro4.module), after)
+    assert_same_metrics(metrics4, metrics1)
+
+
+def test_reference_scores_like_the_initial_actor(world_of_one, make_cfg, ds_test_config):
+    # A fresh actor (the module fixtures' actors have trained by now) and the reference, same weights.
+    cfg = make_cfg(
+        f"actor_rollout_ref.ref.deepspeed_config={ds_test_config('zero3_offload_inference')}",
+        f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=3",
+    )
+    batch = make_batch()
+    ref = ReferenceEngine(cfg).compute_log_probs(batch, temperature=TEMPERATURE)
+    actor = ActorEngine(cfg).compute_log_probs(batch, temperature=TEMPERATURE)["old_log_probs"]
+    torch.testing.assert_close(ref, actor, atol=1e-6, rtol=1e-6)
+
+
+def test_ds_config_filling_refuses_conflicts(world_of_one, tmp_path, make_cfg):
+    cfg = make_cfg()
+    actor = cfg.actor_rollout_ref.actor
+    fill = {
+        "key": "actor_rollout_ref.actor.deepspeed_config",
+        "micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+    }
+    ds = build_ds_config("zero3_offload", **fill, dtype="bfloat16", optim=actor.optim, grad_clip=0.5, prefix="actor")
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (8, 4, 2)
+    assert ds["bf16"]["enabled"] is True and ds["gradient_clipping"] == 0.5
+    assert ds["optimizer"]["params"]["lr"] == actor.optim.lr
+    assert build_ds_config("zero3_offload", **fill, dtype="float32", optim=actor.optim, grad_clip=1.0)["bf16"]["enabled"] is False
+
+    conflicting = tmp_path / "conflict.json"
+    conflicting.write_text('{"gradient_clipping": 2.0, "optimizer": {"type": "AdamW"}}')
+    with pytest.raises(ValueError, match=r"gradient_clipping=2.0 disagrees .*actor.grad_clip"):
+        build_ds_config(str(conflicting), **fill, dtype="float32", optim=actor.optim, grad_clip=1.0, prefix="actor")
+    with pytest.raises(ValueError, match="no optimizer section"):
+        build_ds_config("zero3_offload", **fill, dtype="float32")
+    with pytest.raises(ValueError, match="zero3_offload_inference"):
+        build_ds_config("nonexistent", **fill, dtype="float32")
+
+
+def test_lr_warms_up_linearly_per_optimizer_step():
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = lr_warmup(4)(optimizer)
+    lrs = []
+    for _ in range(6):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([0.0, 0.025, 0.05, 0.075, 0.1, 0.1])
+    constant = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    lr_warmup(0)(constant)
+    assert constant.param_groups[0]["lr"] == 0.1

@@ -1,0 +1,206 @@
+"""The transformers rollout engine and the weight stream from a ZeRO-3 actor, on a tiny Qwen3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dsrl.data.batch import Batch
+from dsrl.engines import ActorEngine
+from dsrl.rollout import HFRollout, SamplingParams, iter_full_parameters
+
+P = 6
+PROMPT_LENGTHS = (6, 4, 2)
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny_model_dir) -> HFRollout:
+    return HFRollout(str(tiny_model_dir), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_model_dir):
+    """The initial weights as a plain transformers model, to check the rollout against."""
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor(PROMPT_LENGTHS)
+    mask = (torch.arange(P) >= P - lengths[:, None]).long()
+    return torch.randint(3, 100, (len(lengths), P), generator=g) * mask, mask
+
+
+def as_batch(prompt_ids, prompt_mask, out, n: int) -> Batch:
+    rows = torch.arange(len(prompt_ids)).repeat_interleave(n)
+    return Batch(
+        prompt_ids=prompt_ids[rows],
+        prompt_mask=prompt_mask[rows],
+        response_ids=out.response_ids,
+        response_mask=out.response_mask,
+        group_ids=rows,
+        rollout_log_probs=out.log_probs,
+    )
+
+
+def forward_logits(model, batch: Batch) -> torch.Tensor:
+    """[B, T, V] logits predicting each response token (prompt i paired with rows i*n .. i*n+n-1)."""
+    T = batch.response_ids.shape[1]
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        ).logits
+    return logits[:, P - 1 : P + T - 1]
+
+
+def test_samples_are_grouped_and_their_log_probs_match_a_forward(rollout, reference_model):
+    prompt_ids, prompt_mask = prompts()
+    sampling = SamplingParams(n=3, temperature=0.9, max_tokens=12, seed=5)
+    out = rollout.generate(prompt_ids, prompt_mask, sampling)
+
+    assert out.response_ids.shape == out.response_mask.shape == out.log_probs.shape == (9, 12)
+    assert out.log_probs.dtype == torch.float32 and out.response_ids.dtype == torch.long
+    assert len(out.finish_reasons) == 9
+    mask = out.response_mask.bool()
+    assert (out.log_probs[~mask] == 0).all() and (out.response_ids[~mask] == rollout.pad_token_id).all()
+    # Row i*n + j continues prompt i: its log-probs are those of a forward on prompt i.
+    batch = as_batch(prompt_ids, prompt_mask, out, n=3)
+    expected = torch.log_softmax(forward_logits(reference_model, batch) / 0.9, -1)
+    expected = expected.gather(-1, batch.response_ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(out.log_probs[mask], expected[mask], atol=1e-5, rtol=1e-5)
+    assert len({tuple(r) for r in out.response_ids[:3].tolist()}) > 1  # n distinct samples
+
+
+def test_top_k_log_probs_are_those_of_the_truncated_distribution(rollout, reference_model):
+    prompt_ids, prompt_mask = prompts()
+    out = rollout.generate(prompt_ids, prompt_mask, SamplingParams(n=2, temperature=1.3, top_k=5, max_tokens=8, seed=1))
+    batch = as_batch(prompt_ids, prompt_mask, out, n=2)
+    logits = forward_logits(reference_model, batch) / 1.3
+    top = logits.topk(5, dim=-1)
+    truncated = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
+    mask = out.response_mask.bool()
+    in_top = (top.indices == batch.response_ids[..., None]).any(-1)
+    assert in_top[mask].all()
+    expected = torch.log_softmax(truncated, -1).gather(-1, batch.response_ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(out.log_probs[mask], expected[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_decoding_takes_the_argmax(rollout, reference_model):
+    prompt_ids, prompt_mask = prompts()
+    out = rollout.generate(prompt_ids, prompt_mask, SamplingParams(do_sample=False, temperature=0.0, max_tokens=8))
+    batch = as_batch(prompt_ids, prompt_mask, out, n=1)
+    logits = forward_logits(reference_model, batch)
+    mask = out.response_mask.bool()
+    assert (logits.argmax(-1) == batch.response_ids)[mask].all()
+    expected = torch.log_softmax(logits, -1).gather(-1, batch.response_ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(out.log_probs[mask], expected[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_eos_ends_the_mask_and_sets_the_finish_reason(rollout):
+    prompt_ids, prompt_mask = prompts()
+    # A hot temperature flattens the untrained model's distribution: EOS then comes up at ~1%/token.
+    out = rollout.generate(prompt_ids, prompt_mask, SamplingParams(n=4, temperature=3.0, max_tokens=64, seed=0))
+    eos = torch.tensor(rollout.eos_token_ids)
+    for ids, mask, reason in zip(out.response_ids, out.response_mask, out.finish_reasons):
+        valid = int(mask.sum())
+        assert (mask[:valid] == 1).all() and (mask[valid:] == 0).all()  # one contiguous run from the start
+        is_eos = torch.isin(ids[:valid], eos)
+        if reason == "stop":
+            assert is_eos[-1] and not is_eos[:-1].any()  # ends at its first EOS
+            assert (ids[valid:] == rollout.pad_token_id).all()
+        else:
+            assert reason == "length" and valid == 64 and not is_eos.any()
+    assert set(out.finish_reasons) == {"stop", "length"}
+
+
+def test_a_seed_fixes_the_samples_and_leaves_the_global_rng_alone(rollout):
+    prompt_ids, prompt_mask = prompts()
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=11)
+    state = torch.get_rng_state()
+    first = rollout.generate(prompt_ids, prompt_mask, sampling)
+    assert torch.equal(torch.get_rng_state(), state)
+    again = rollout.generate(prompt_ids, prompt_mask, sampling)
+    other = rollout.generate(prompt_ids, prompt_mask, sampling.replace(seed=12))
+    assert torch.equal(first.response_ids, again.response_ids) and torch.equal(first.log_probs, again.log_probs)
+    assert not torch.equal(first.response_ids, other.response_ids)
+
+
+def test_sampling_params_refuse_nonsense():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=0)
+    with pytest.raises(ValueError, match="identical"):
+        SamplingParams(n=4, do_sample=False)
+
+
+@pytest.fixture(scope="module")
+def actor(world_of_one, make_cfg, ds_test_config) -> ActorEngine:
+    return ActorEngine(
+        make_cfg(
+            f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.actor.optim.lr=0.01",
+        )
+    )
+
+
+def test_after_a_step_and_a_sync_the_rollout_scores_like_the_actor(actor, tiny_model_dir):
+    rollout = HFRollout(str(tiny_model_dir), dtype="float32")
+    names = [name for name, _ in iter_full_parameters(actor.module)]
+    assert set(names) == {name for name, _ in rollout.model.named_parameters()}
+    assert "lm_head.weight" not in names  # tied to the embedding: sent once
+
+    prompt_ids, prompt_mask = prompts()
+    sampling = SamplingParams(n=2, temperature=0.8, max_tokens=10, seed=3)
+    batch = as_batch(prompt_ids, prompt_mask, rollout.generate(prompt_ids, prompt_mask, sampling), n=2)
+    mask = batch.response_mask.bool()
+    old = actor.compute_log_probs(batch, temperature=0.8)["old_log_probs"]
+    torch.testing.assert_close(old[mask], batch.rollout_log_probs[mask], atol=1e-5, rtol=1e-5)
+
+    g = torch.Generator().manual_seed(0)
+    advantages = torch.randn(mask.shape, generator=g) * mask
+    actor.update(batch.replace(old_log_probs=old, advantages=advantages), temperature=0.8)
+    rollout.update_weights(iter_full_parameters(actor.module, bucket_bytes=4096))  # many small buckets
+
+    # Same prompts and seed after the sync: the rollout's own log-probs match the updated actor ...
+    fresh = as_batch(prompt_ids, prompt_mask, rollout.generate(prompt_ids, prompt_mask, sampling), n=2)
+    new = actor.compute_log_probs(fresh, temperature=0.8)["old_log_probs"]
+    fresh_mask = fresh.response_mask.bool()
+    torch.testing.assert_close(new[fresh_mask], fresh.rollout_log_probs[fresh_mask], atol=1e-5, rtol=1e-5)
+    # ... and on the first tokens the synced copy scores like the actor now, not like before.
+    synced = torch.log_softmax(forward_logits(rollout.model, batch) / 0.8, -1)
+    synced = synced.gather(-1, batch.response_ids[..., None]).squeeze(-1)
+    now = actor.compute_log_probs(batch, temperature=0.8)["old_log_probs"]
+    torch.testing.assert_close(synced[mask], now[mask], atol=1e-5, rtol=1e-5)
+    assert (now - old)[mask].abs().max() > 1e-3
+
+
+def test_a_stage2_engine_streams_its_parameters_without_gathering(world_of_one, make_cfg, ds_test_config, tiny_model_dir):
+    # Offloading the optimizer reuses the CPU Adam op (plain ZeRO-2 on CPU would compile FusedAdam).
+    z2 = ds_test_config("zero2", offload_optimizer={"device": "cpu"})
+    actor = ActorEngine(make_cfg(f"actor_rollout_ref.actor.deepspeed_config={z2}"))
+    streamed = dict(iter_full_parameters(actor.module, bucket_bytes=1))
+    params = dict(actor.module.named_parameters())
+    assert streamed.keys() == params.keys()
+    for name, tensor in streamed.items():
+        assert torch.equal(tensor, params[name].detach()) and tensor.data_ptr() != params[name].data_ptr()
+    rollout = HFRollout(str(tiny_model_dir), dtype="float32")
+    rollout.update_weights(streamed.items())
+
+
+def test_update_weights_reads_everything_then_refuses_unknown_names(rollout):
+    pairs = [(name, p.detach().clone()) for name, p in rollout.model.named_parameters()]
+    consumed = []
+
+    def stream():
+        for pair in [("not.a.parameter", torch.zeros(1)), *pairs]:
+            consumed.append(pair[0])
+            yield pair
+
+    with pytest.raises(ValueError, match="not.a.parameter"):
+        rollout.update_weights(stream())
+    assert len(consumed) == len(pairs) + 1

@@ -1,0 +1,787 @@
+"""The config system: loading, overrides, every validation rule's error path, the shipped YAMLs, scripts/train.py."""
+
+import os
+import runpy
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf.errors import ReadonlyConfigError
+
+from dsrl import config as C
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if p.stem != "quickstart")
+TRAIN = str(REPO / "scripts" / "train.py")
+
+
+@pytest.fixture
+def files(tmp_path):
+    """Overrides pointing every file key at files that exist (the shipped YAMLs name outputs/ ones)."""
+    (tmp_path / "train.parquet").touch()
+    (tmp_path / "test.parquet").touch()
+    (tmp_path / "model").mkdir()
+    return [
+        f"data.train_files={tmp_path / 'train.parquet'}",
+        f"data.val_files={tmp_path / 'test.parquet'}",
+        f"actor_rollout_ref.model.path={tmp_path / 'model'}",
+    ]
+
+
+def critic_path(files):
+    return [files[2].replace("actor_rollout_ref.model.path", "critic.model.path")]
+
+
+def problems(name, overrides, world_size=1):
+    """The violations of configs/<name>.yaml with ``overrides``; [] when it loads."""
+    try:
+        C.load_and_validate(str(REPO / "configs" / f"{name}.yaml"), overrides, world_size)
+    except C.ConfigError as err:
+        return err.violations
+    return []
+
+
+def about(violations, key):
+    """The violations whose dotted key is ``key``."""
+    return [v for v in violations if v.startswith(f"{key}=")]
+
+
+# ---------------------------------------------------------------- the tree
+
+
+def test_every_key_is_documented():
+    assert len(C.SCHEMA) > 100
+    undocumented = [key for key, info in C.SCHEMA.items() if len(info.help.split()) < 2]
+    assert undocumented == []
+
+
+def test_config_module_does_not_import_torch():
+    code = "import sys, dsrl.config; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_defaults_follow_the_spec():
+    cfg = C.load_config(None, [])
+    assert cfg.data.train_batch_size == 8
+    assert cfg.actor_rollout_ref.actor.deepspeed_config == "zero3_offload"
+    assert cfg.actor_rollout_ref.ref.deepspeed_config == "zero3_offload_inference"
+    assert cfg.critic.optim.lr == 1e-5 and cfg.actor_rollout_ref.actor.optim.lr == 1e-6
+    assert list(cfg.actor_rollout_ref.actor.optim.betas) == [0.9, 0.999]
+    assert C.to_dict(cfg)["trainer"]["default_local_dir"] == "checkpoints/dsrl/default"
+
+
+# ---------------------------------------------------------------- loading and overrides
+
+
+def test_overrides_parse_like_omegaconf_dotlist(files):
+    cfg, _ = C.load_and_validate(
+        None,
+        files
+        + critic_path(files)
+        + [
+            "actor_rollout_ref.actor.optim.lr=1e-4",
+            "actor_rollout_ref.actor.optim.betas=[0.8,0.95]",
+            "trainer.logger=[console,mlflow]",
+            "actor_rollout_ref.actor.clip_ratio_high=0.28",
+            "trainer.total_training_steps=null",
+            "data.shuffle=false",
+            "data.train_batch_size=16",
+            "trainer.experiment_name=run-1",
+        ],
+        1,
+    )
+    actor = cfg.actor_rollout_ref.actor
+    assert actor.optim.lr == pytest.approx(1e-4) and isinstance(actor.optim.lr, float)
+    assert list(actor.optim.betas) == [0.8, 0.95]
+    assert list(cfg.trainer.logger) == ["console", "mlflow"]
+    assert actor.clip_ratio_high == 0.28 and actor.clip_ratio_low == 0.2
+    assert cfg.trainer.total_training_steps is None
+    assert cfg.data.shuffle is False and cfg.data.train_batch_size == 16
+    assert C.to_dict(cfg)["trainer"]["default_local_dir"] == "checkpoints/dsrl/run-1"
+
+
+def test_a_list_of_train_files_is_accepted(files, tmp_path):
+    (tmp_path / "more.parquet").touch()
+    cfg, _ = C.load_and_validate(
+        None,
+        files + critic_path(files) + [f"data.train_files=[{tmp_path / 'train.parquet'},{tmp_path / 'more.parquet'}]"],
+        1,
+    )
+    assert len(cfg.data.train_files) == 2
+
+
+def test_overrides_win_over_the_yaml_file(files):
+    cfg, _ = C.load_and_validate(str(REPO / "configs" / "grpo.yaml"), files + ["actor_rollout_ref.rollout.n=4"], 1)
+    assert cfg.actor_rollout_ref.rollout.n == 4
+    assert cfg.algorithm.adv_estimator == "grpo"
+
+
+def test_unknown_override_key_suggests_the_closest():
+    with pytest.raises(C.ConfigError) as err:
+        C.load_config(None, ["actor_rollout_ref.actor.ppo_mini_batchsize=4", "data.train_batchsize=4"])
+    assert err.value.violations == [
+        "actor_rollout_ref.actor.ppo_mini_batchsize=4: unknown key; fix: did you mean actor_rollout_ref.actor.ppo_mini_batch_size?",
+        "data.train_batchsize=4: unknown key; fix: did you mean data.train_batch_size?",
+    ]
+
+
+def test_unknown_yaml_key_suggests_the_closest(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("algorithm:\n  adv_estimater: grpo\nactor_rollout_ref:\n  rollout:\n    temprature: 0.7\n")
+    with pytest.raises(C.ConfigError) as err:
+        C.load_config(str(path), [])
+    assert (
+        "algorithm.adv_estimater=grpo: unknown key; fix: did you mean algorithm.adv_estimator?" in err.value.violations
+    )
+    assert any("did you mean actor_rollout_ref.rollout.temperature?" in v for v in err.value.violations)
+
+
+@pytest.mark.parametrize(
+    "override, wanted",
+    [
+        (
+            "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+            "actor_rollout_ref.actor.deepspeed_config: zero3_offload",
+        ),
+        (
+            "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+            "actor_rollout_ref.actor.deepspeed_config: zero3_offload",
+        ),
+        (
+            "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+            "actor_rollout_ref.ref.deepspeed_config: zero3_offload_inference",
+        ),
+        ("critic.model.fsdp_config.param_offload=true", "critic.deepspeed_config: zero3_offload"),
+        (
+            "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=0",
+            "actor_rollout_ref.actor.deepspeed_config",
+        ),
+        ("actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.deepspeed_config"),
+        ("critic.strategy=fsdp", "critic.deepspeed_config"),
+        ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "use_dynamic_bsz=true"),
+        ("trainer.n_gpus_per_node=8", "deepspeed --num_gpus N"),
+        ("trainer.nnodes=2", "--hostfile FILE"),
+        ("actor_rollout_ref.actor.ppo_micro_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+        ("actor_rollout_ref.model.use_fused_kernels=false", "actor_rollout_ref.actor.use_fused_kernels"),
+        ("actor_rollout_ref.actor.compute_sum_pi_squared=true", "actor_rollout_ref.actor.calculate_sum_pi_squared"),
+    ],
+)
+def test_verl_only_keys_name_the_dsrl_equivalent(override, wanted):
+    with pytest.raises(C.ConfigError) as err:
+        C.load_config(None, [override])
+    [violation] = err.value.violations
+    assert violation.startswith(override + ": ")
+    assert wanted in violation.split("; fix: ")[1]
+
+
+def test_fsdp_section_in_yaml_reports_each_key(tmp_path):
+    path = tmp_path / "verl.yaml"
+    path.write_text(
+        "actor_rollout_ref:\n  actor:\n    fsdp_config:\n      param_offload: true\n      optimizer_offload: true\n"
+    )
+    with pytest.raises(C.ConfigError) as err:
+        C.load_config(str(path), [])
+    assert [v.split(":")[0] for v in err.value.violations] == [
+        "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+    ]
+    assert all("actor_rollout_ref.actor.deepspeed_config: zero3_offload" in v for v in err.value.violations)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("data.train_batch_size=abc", "data.train_batch_size=abc: expected an integer"),
+        ("data.train_batch_size=null", "data.train_batch_size=null: expected an integer"),
+        ("actor_rollout_ref.actor.clip_ratio=wide", "actor_rollout_ref.actor.clip_ratio=wide: expected a number"),
+        ("data.val_batch_size=x", "data.val_batch_size=x: expected an integer or null"),
+        (
+            "actor_rollout_ref.actor.optim.betas=[0.9,x]",
+            "actor_rollout_ref.actor.optim.betas=[0.9,x]: expected a list of numbers",
+        ),
+        ("trainer.logger=console", "trainer.logger=console: expected a list of strings"),
+        ("data.shuffle=maybe", "data.shuffle=maybe: expected true or false"),
+        ("actor_rollout_ref.actor.optim=3", "actor_rollout_ref.actor.optim=3: expected a mapping of lr, weight_decay"),
+    ],
+)
+def test_type_errors_are_violations(override, expected):
+    with pytest.raises(C.ConfigError) as err:
+        C.load_config(None, [override])
+    [violation] = err.value.violations
+    assert violation.startswith(expected)
+
+
+def test_malformed_overrides_and_files(tmp_path):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("data: [unclosed\n")
+    with pytest.raises(C.ConfigError) as err:
+        C.load_config(str(bad_yaml), ["data.train_batch_size", "data.val_files=[a,"])
+    found = err.value.violations
+    assert len(found) == 3
+    assert found[0].startswith(f"config file {bad_yaml}: not valid YAML")
+    assert found[1].startswith("override data.train_batch_size: not key=value")
+    assert found[2].startswith("data.val_files=[a,: not a valid value")
+    with pytest.raises(C.ConfigError, match="cannot be read"):
+        C.load_config(str(tmp_path / "absent.yaml"), [])
+
+
+def test_bad_interpolation_is_a_violation():
+    with pytest.raises(C.ConfigError) as err:
+        C.load_config(None, ["trainer.experiment_name=${trainer.nope}"])
+    [violation] = err.value.violations
+    assert violation.startswith("trainer.experiment_name=${trainer.nope}: cannot be resolved")
+
+
+# ---------------------------------------------------------------- the shipped YAMLs
+
+
+def test_every_algorithm_has_a_config():
+    assert set(CONFIGS) >= {"ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb"}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_shipped_config_is_valid_once_its_files_exist(name, files):
+    extra = critic_path(files) if name == "ppo" else []
+    _, notes = C.load_and_validate(str(REPO / "configs" / f"{name}.yaml"), files + extra, 1)
+    assert notes == []  # nothing for dsrl to switch on: the YAMLs say it all
+    assert (REPO / "configs" / f"{name}.yaml").read_text().startswith("# ")  # what it is, and the paper
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_shipped_config_points_at_the_tiny_model_and_arithmetic_data(name):
+    cfg = C.load_config(str(REPO / "configs" / f"{name}.yaml"), [])
+    assert cfg.actor_rollout_ref.model.path == "./outputs/tiny_model"
+    assert cfg.data.train_files == "outputs/data/arithmetic/train.parquet"
+    assert cfg.data.val_files == "outputs/data/arithmetic/test.parquet"
+    violations = C.validate(cfg, 1)
+    assert about(violations, "data.train_files")[0].endswith("python scripts/prepare_data.py --task arithmetic")
+    assert "python scripts/make_tiny_model.py" in about(violations, "actor_rollout_ref.model.path")[0]
+
+
+RECOMMENDED = {
+    "ppo": {
+        "algorithm.adv_estimator": "gae",
+        "algorithm.gamma": 1.0,
+        "algorithm.lam": 1.0,
+        "actor_rollout_ref.actor.clip_ratio": 0.2,
+        "critic.cliprange_value": 0.5,
+        "critic.model.path": "./outputs/tiny_model",
+    },
+    "grpo": {
+        "algorithm.adv_estimator": "grpo",
+        "actor_rollout_ref.actor.use_kl_loss": True,
+        "actor_rollout_ref.actor.kl_loss_type": "low_var_kl",
+        "actor_rollout_ref.actor.kl_loss_coef": 0.001,
+        "actor_rollout_ref.rollout.n": 8,
+        "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
+        "critic.model.path": None,
+    },
+    "rloo": {"algorithm.adv_estimator": "rloo", "algorithm.use_kl_in_reward": True, "critic.model.path": None},
+    "reinforce_pp": {"algorithm.adv_estimator": "reinforce_plus_plus", "actor_rollout_ref.actor.kl_loss_type": "mse"},
+    "opo": {
+        "algorithm.adv_estimator": "opo",
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+        "data.train_batch_size": 8,
+        "actor_rollout_ref.actor.ppo_epochs": 1,
+        "actor_rollout_ref.actor.entropy_coeff": 0.0,
+        "actor_rollout_ref.actor.use_kl_loss": False,
+        "actor_rollout_ref.actor.kl_loss_coef": 0.0,
+        "actor_rollout_ref.rollout.n": 8,
+    },
+    "otb": {
+        "algorithm.adv_estimator": "optimal_token_baseline",
+        "actor_rollout_ref.actor.calculate_sum_pi_squared": True,
+        "actor_rollout_ref.rollout.n": 8,
+        "algorithm.use_kl_in_reward": False,
+        "actor_rollout_ref.actor.use_fused_kernels": False,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECOMMENDED))
+def test_shipped_config_has_the_recommended_settings(name):
+    cfg = C.to_dict(C.load_config(str(REPO / "configs" / f"{name}.yaml"), []))
+    for key, value in RECOMMENDED[name].items():
+        node = cfg
+        for part in key.split("."):
+            node = node[part]
+        assert node == value, key
+
+
+# ---------------------------------------------------------------- rules
+
+
+def test_all_violations_are_reported_at_once(files):
+    found = problems(
+        "grpo",
+        files
+        + [
+            "data.train_batch_size=abc",
+            "algorithm.adv_estimatr=grpo",
+            "actor_rollout_ref.rollout.n=1",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.clip_ratio_c=0.5",
+            "data.truncation=middle",
+            "trainer.logger=[console,wandb]",
+        ],
+    )
+    assert [v.split("=")[0] for v in found] == [
+        "data.train_batch_size",
+        "algorithm.adv_estimatr",
+        "actor_rollout_ref.rollout.n",
+        "actor_rollout_ref.actor.clip_ratio_c",
+        "data.truncation",
+        "trainer.logger",
+    ]
+    for violation in found:
+        assert "\n" not in violation and "; fix: " in violation
+
+
+def test_missing_required_values():
+    violations = C.validate(C.load_config(None, []), 1)
+    assert about(violations, "data.train_files")[0].startswith(
+        "data.train_files=???: required; fix: set data.train_files"
+    )
+    assert about(violations, "actor_rollout_ref.model.path")[0].startswith("actor_rollout_ref.model.path=???: required")
+
+
+def test_train_batch_size_must_split_over_ranks(files):
+    [v] = about(
+        problems("grpo", files + ["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6"], 4),
+        "data.train_batch_size",
+    )
+    assert v.startswith("data.train_batch_size=6: must be divisible by the world size 4") and "e.g. 8" in v
+
+
+def test_mini_batch_must_split_over_ranks(files):
+    [v] = about(
+        problems("grpo", files + ["actor_rollout_ref.actor.ppo_mini_batch_size=2"], 4),
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+    )
+    assert "divisible by the world size 4" in v
+
+
+def test_mini_batch_must_divide_the_batch(files):
+    [v] = about(
+        problems("grpo", files + ["actor_rollout_ref.actor.ppo_mini_batch_size=3"]),
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+    )
+    assert "must divide data.train_batch_size=8" in v
+
+
+def test_micro_batch_must_divide_the_per_rank_mini_batch(files):
+    # grpo.yaml: 4 prompts per mini-batch x 8 responses over 2 ranks = 16 sequences per rank
+    [v] = about(
+        problems("grpo", files + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"], 2),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    )
+    assert "4*8/2 = 16 sequences" in v and "e.g. 4" in v
+    assert problems("grpo", files + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"], 2) == []
+
+
+def test_dynamic_batch_size_replaces_the_micro_batch_rule_by_a_token_budget(files):
+    dynamic = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"]
+    assert problems("grpo", files + dynamic) == []
+    [v] = problems("grpo", files + dynamic + ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100"])
+    assert (
+        v.startswith("actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100: must hold one whole sequence")
+        and "at least 144" in v
+    )
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "data.train_batch_size",
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.actor.ppo_epochs",
+        "data.max_response_length",
+        "data.val_batch_size",
+    ],
+)
+def test_sizes_must_be_positive(files, key):
+    assert about(problems("grpo", files + [f"{key}=0"]), key)
+
+
+def test_critic_batch_geometry_is_checked_for_gae_only(files):
+    bad = ["critic.ppo_mini_batch_size=3", "critic.ppo_micro_batch_size_per_gpu=5"]
+    found = problems("ppo", files + critic_path(files) + bad)
+    assert [v.split("=")[0] for v in found] == ["critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu"]
+    found = problems("ppo", files + critic_path(files) + ["critic.ppo_micro_batch_size_per_gpu=3"])
+    assert about(found, "critic.ppo_micro_batch_size_per_gpu")[0].count("= 8 sequences") == 1
+    assert problems("grpo", files + bad) == []  # no critic is built
+
+
+@pytest.mark.parametrize("estimator", C.GROUP_ESTIMATORS)
+def test_group_estimators_need_several_responses(files, estimator):
+    found = problems("opo", files + [f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=1"])
+    [v] = about(found, "actor_rollout_ref.rollout.n")
+    assert f"{estimator} compares the responses to the same prompt" in v
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "remax"])
+def test_other_estimators_run_with_one_response(files, estimator):
+    assert problems("opo", files + [f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=1"]) == []
+
+
+def test_gae_needs_a_critic(files):
+    [v] = problems("ppo", files + ["critic.model.path=null"])
+    assert v.startswith("critic.model.path=null: gae learns a value function")
+
+
+def test_critic_free_estimators_refuse_a_critic(files):
+    found = problems("grpo", files + critic_path(files) + ["trainer.critic_warmup=2"])
+    [v] = about(found, "critic.model.path")
+    assert "grpo uses no critic, so none would be trained; fix: set critic.model.path=null" in v
+    assert about(found, "trainer.critic_warmup")
+
+
+@pytest.mark.parametrize("estimator", C.SUM_PI_SQUARED_ESTIMATORS)
+def test_otb_turns_on_sum_pi_squared_and_says_so(files, estimator):
+    cfg, notes = C.load_and_validate(
+        str(REPO / "configs" / "otb.yaml"),
+        files + [f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.actor.calculate_sum_pi_squared=false"],
+        1,
+    )
+    assert cfg.actor_rollout_ref.actor.calculate_sum_pi_squared is True
+    assert notes == [
+        f"actor_rollout_ref.actor.calculate_sum_pi_squared set to true: {estimator} needs sum_pi_squared "
+        "(its token weights 1 - 2*pi + sum pi^2)"
+    ]
+    assert "calculate_sum_pi_squared: true" in C.to_yaml(cfg)
+
+
+@pytest.mark.parametrize("estimator", C.SUM_PI_SQUARED_ESTIMATORS)
+def test_otb_refuses_fused_kernels(files, estimator):
+    [v] = problems(
+        "otb", files + [f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.actor.use_fused_kernels=true"]
+    )
+    assert (
+        v.startswith("actor_rollout_ref.actor.use_fused_kernels=true: fused kernels never hold the logits")
+        and estimator in v
+    )
+
+
+def test_opo_refuses_off_policy_training_unless_allowed(files):
+    off_policy = ["actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_epochs=2"]
+    found = problems("opo", files + off_policy)
+    assert [v.split("=")[0] for v in found] == [
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "actor_rollout_ref.actor.ppo_epochs",
+    ]
+    assert all("opo trains exactly on-policy" in v and "opo_allow_off_policy=true" in v for v in found)
+    assert problems("opo", files + off_policy + ["algorithm.opo_allow_off_policy=true"]) == []
+
+
+def test_dual_clip_bound_must_exceed_one(files):
+    [v] = problems("grpo", files + ["actor_rollout_ref.actor.clip_ratio_c=1.0"])
+    assert v.startswith("actor_rollout_ref.actor.clip_ratio_c=1.0: must be > 1")
+
+
+def test_clip_ratio_low_and_high_fall_back_to_clip_ratio(files):
+    cfg, _ = C.load_and_validate(
+        None,
+        files
+        + critic_path(files)
+        + ["actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.clip_ratio_high=0.28"],
+        1,
+    )
+    assert cfg.actor_rollout_ref.actor.clip_ratio_low == 0.3
+    assert cfg.actor_rollout_ref.actor.clip_ratio_high == 0.28
+    printed = yaml.safe_load(C.to_yaml(cfg))["actor_rollout_ref"]["actor"]
+    assert (printed["clip_ratio_low"], printed["clip_ratio_high"]) == (0.3, 0.28)
+
+
+@pytest.mark.parametrize(
+    "key, value, names",
+    [
+        ("algorithm.adv_estimator", "ppo", C.ADV_ESTIMATORS),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode", "dapo", C.POLICY_LOSS_MODES),
+        ("actor_rollout_ref.actor.loss_agg_mode", "mean", C.LOSS_AGG_MODES),
+        ("critic.loss_agg_mode", "mean", C.LOSS_AGG_MODES),
+        ("actor_rollout_ref.actor.kl_loss_type", "k4", C.KL_KINDS),
+        ("algorithm.kl_penalty", "k4", C.KL_KINDS),
+        ("algorithm.kl_ctrl.type", "pid", C.KL_CTRL_TYPES),
+        ("data.truncation", "middle", C.TRUNCATION_MODES),
+        ("actor_rollout_ref.rollout.name", "sglang", C.ROLLOUT_NAMES),
+        ("actor_rollout_ref.model.dtype", "float16", C.MODEL_DTYPES),
+    ],
+)
+def test_unknown_names_list_the_known_ones(files, key, value, names):
+    [v] = about(problems("grpo", files + [f"{key}={value}"]), key)
+    assert v.startswith(f"{key}={value}: ") and v.endswith(", ".join(names))
+
+
+def test_known_names():
+    assert set(C.KL_KINDS) == {
+        "kl",
+        "k1",
+        "abs",
+        "mse",
+        "k2",
+        "low_var_kl",
+        "k3",
+        "kl+",
+        "k1+",
+        "abs+",
+        "mse+",
+        "k2+",
+        "low_var_kl+",
+        "k3+",
+    }
+    assert set(C.GROUP_ESTIMATORS) < set(C.ADV_ESTIMATORS) and set(C.SUM_PI_SQUARED_ESTIMATORS) < set(
+        C.GROUP_ESTIMATORS
+    )
+
+
+def test_straight_through_kl_kinds_are_accepted(files):
+    assert (
+        problems("grpo", files + ["actor_rollout_ref.actor.kl_loss_type=low_var_kl+", "algorithm.kl_penalty=k1+"]) == []
+    )
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.actor.kl_loss_type", "algorithm.kl_penalty"])
+def test_full_kl_is_refused_with_the_reason(files, key):
+    [v] = problems("grpo", files + [f"{key}=full"])
+    assert v.startswith(f"{key}=full: ") and "sampled-token log-probs" in v
+
+
+def test_adaptive_kl_controller_needs_a_horizon(files):
+    found = problems("rloo", files + ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=0"])
+    assert [v.split("=")[0] for v in found] == ["algorithm.kl_ctrl.horizon"]
+    assert problems("rloo", files + ["algorithm.kl_ctrl.type=fixed", "algorithm.kl_ctrl.horizon=0"]) == []
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "actor_rollout_ref.actor.optim.lr=0",
+        "actor_rollout_ref.actor.optim.betas=[0.9]",
+        "actor_rollout_ref.actor.optim.weight_decay=-1",
+        "actor_rollout_ref.actor.grad_clip=-1",
+        "actor_rollout_ref.actor.clip_ratio=0",
+        "actor_rollout_ref.actor.clip_ratio_low=1.0",
+        "actor_rollout_ref.rollout.temperature=0",
+        "actor_rollout_ref.rollout.top_p=0",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=1.5",
+        "algorithm.gamma=1.1",
+        "actor_rollout_ref.actor.kl_loss_coef=-0.1",
+        "trainer.save_freq=0",
+        "trainer.total_epochs=0",
+        "trainer.total_training_steps=0",
+        "algorithm.lam=-0.1",
+        "algorithm.kl_ctrl.kl_coef=-1",
+        "actor_rollout_ref.actor.clip_ratio_high=0",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps=-1",
+        "actor_rollout_ref.rollout.top_k=0",
+        "actor_rollout_ref.rollout.val_kwargs.n=0",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=-1",
+        "data.prompt_key=''",
+        "trainer.experiment_name=''",
+    ],
+)
+def test_numbers_out_of_range(files, override):
+    key = override.split("=")[0]
+    [v] = problems("grpo", files + [override])
+    assert v.startswith(key + "=")  # the value as stored: 0 -> 0.0 for a float key
+
+
+def test_critic_numbers_are_checked_for_gae(files):
+    found = problems("ppo", files + critic_path(files) + ["critic.optim.lr=0", "critic.cliprange_value=0"])
+    assert [v.split("=")[0] for v in found] == ["critic.optim.lr", "critic.cliprange_value"]
+
+
+def test_tensor_parallel_rollout(files):
+    assert about(
+        problems("grpo", files + ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], 2),
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    )[0].endswith("or tensor_model_parallel_size=1")
+    assert about(
+        problems(
+            "grpo",
+            files + ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=3"],
+            2,
+        ),
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    )
+    assert (
+        problems(
+            "grpo",
+            files + ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+            2,
+        )
+        == []
+    )
+
+
+def test_data_files_must_exist(files, tmp_path):
+    found = problems(
+        "grpo",
+        files
+        + [
+            f"data.train_files=[{tmp_path / 'train.parquet'},{tmp_path / 'gone.parquet'}]",
+            f"data.val_files={tmp_path / 'absent.parquet'}",
+        ],
+    )
+    assert [v.split(": ")[0] for v in found] == [
+        f"data.train_files={tmp_path / 'gone.parquet'}",
+        f"data.val_files={tmp_path / 'absent.parquet'}",
+    ]
+    assert all("file does not exist; fix: " in v for v in found)
+    assert problems("grpo", files + ["data.val_files=null"]) == []
+
+
+def test_custom_reward_file_must_exist(files, tmp_path):
+    [v] = problems("grpo", files + [f"custom_reward_function.path={tmp_path / 'reward.py'}"])
+    assert v.startswith("custom_reward_function.path=") and "file does not exist" in v
+    (tmp_path / "reward.py").write_text("def compute_score(*args):\n    return 0.0\n")
+    assert problems("grpo", files + [f"custom_reward_function.path={tmp_path / 'reward.py'}"]) == []
+
+
+@pytest.mark.parametrize(
+    "path, ok",
+    [
+        ("Qwen/Qwen2.5-0.5B-Instruct", True),
+        ("./Qwen/Qwen2.5-0.5B-Instruct", False),
+        ("/no/such/model", False),
+        ("no_such_model", False),
+    ],
+)
+def test_model_path_is_a_directory_or_a_hub_id(files, path, ok):
+    found = problems("grpo", files + [f"actor_rollout_ref.model.path={path}"])
+    assert (found == []) == ok
+    if not ok:
+        assert found[0].startswith(f"actor_rollout_ref.model.path={path}: no such model directory")
+
+
+def test_deepspeed_configs_resolve(files, tmp_path):
+    assert C.deepspeed_config_path("zero3") == C.DS_CONFIG_DIR / "zero3.json"
+    assert C.deepspeed_config_path("my/ds.json") == Path("my/ds.json")
+    [v] = problems("grpo", files + ["actor_rollout_ref.actor.deepspeed_config=zero4"])
+    assert (
+        v.startswith("actor_rollout_ref.actor.deepspeed_config=zero4: no DeepSpeed config at") and "zero3_offload" in v
+    )
+    (tmp_path / "ds.json").write_text("{}")
+    assert problems("grpo", files + [f"actor_rollout_ref.actor.deepspeed_config={tmp_path / 'ds.json'}"]) == []
+
+
+def test_deepspeed_configs_are_checked_for_the_engines_that_are_built(files):
+    assert about(
+        problems("grpo", files + ["actor_rollout_ref.ref.deepspeed_config=zero4"]),
+        "actor_rollout_ref.ref.deepspeed_config",
+    )
+    assert (
+        problems("opo", files + ["actor_rollout_ref.ref.deepspeed_config=zero4", "critic.deepspeed_config=zero4"]) == []
+    )
+
+
+def test_resume_mode(files, tmp_path):
+    [v] = problems("grpo", files + [f"trainer.resume_mode={tmp_path / 'step_3'}"])
+    assert "must be auto, disable or an existing checkpoint directory" in v
+    assert problems("grpo", files + ["trainer.resume_mode=disable"]) == []
+    assert problems("grpo", files + [f"trainer.resume_mode={tmp_path}"]) == []
+
+
+def test_logger_entries(files):
+    [v] = problems("grpo", files + ["trainer.logger=[console,wandb]"])
+    assert v.startswith("trainer.logger=[console,wandb]: entries must be among console, mlflow")
+
+
+def test_validated_config_is_read_only(files):
+    cfg, _ = C.load_and_validate(None, files + critic_path(files), 1)
+    with pytest.raises(ReadonlyConfigError):
+        cfg.data.train_batch_size = 16
+    with pytest.raises(ReadonlyConfigError):
+        cfg.actor_rollout_ref.actor.optim.lr = 1.0
+    with pytest.raises(ReadonlyConfigError):
+        cfg.trainer.logger.append("mlflow")
+
+
+# ---------------------------------------------------------------- scripts/train.py
+
+
+def run_train(args, world_size="1"):
+    env = {**os.environ, "WORLD_SIZE": world_size}
+    return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+
+
+def test_validate_only_prints_the_resolved_config_and_exits_0(files):
+    start = time.monotonic()
+    result = run_train(
+        [
+            "--local_rank=0",
+            "configs/otb.yaml",
+            *files,
+            "actor_rollout_ref.actor.calculate_sum_pi_squared=false",
+            "--validate-only",
+        ]
+    )
+    assert time.monotonic() - start < 10
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(
+        "# note: actor_rollout_ref.actor.calculate_sum_pi_squared set to true: optimal_token_baseline"
+    )
+    printed = yaml.safe_load(result.stdout)
+    assert printed["actor_rollout_ref"]["actor"]["calculate_sum_pi_squared"] is True
+    assert printed["actor_rollout_ref"]["actor"]["clip_ratio_low"] == 0.2
+    assert printed["trainer"]["default_local_dir"] == "checkpoints/dsrl/otb"
+
+
+def test_invalid_config_exits_2_with_every_problem_and_no_traceback(files):
+    result = run_train(
+        [
+            "configs/grpo.yaml",
+            *files,
+            "data.train_batch_size=abc",
+            "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+            "actor_rollout_ref.rollout.n=1",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "--validate-only",
+        ]
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert "3 problem(s)" in result.stderr
+    for key in (
+        "data.train_batch_size=abc",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+        "actor_rollout_ref.rollout.n=1",
+    ):
+        assert f"  {key}: " in result.stderr
+
+
+def test_world_size_comes_from_the_environment(files):
+    result = run_train(["configs/grpo.yaml", *files, "--validate-only"], world_size="3")
+    assert result.returncode == 2
+    assert "data.train_batch_size=8: must be divisible by the world size 3" in result.stderr
+
+
+def test_validation_imports_nothing_heavy(files):
+    code = (
+        "import runpy, sys; main = runpy.run_path(sys.argv[1])['main'];"
+        "rc = main(sys.argv[2:]);"
+        "heavy = [m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules];"
+        "assert not heavy, heavy; sys.exit(rc)"
+    )
+    args = ["--local_rank", "0", "configs/grpo.yaml", *files, "--validate-only"]
+    result = subprocess.run(
+        [sys.executable, "-c", code, TRAIN, *args], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_main_hands_the_validated_config_to_the_trainer(files, monkeypatch):
+    trained = []
+    monkeypatch.setitem(sys.modules, "dsrl.trainer", types.SimpleNamespace(train=trained.append))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    main = runpy.run_path(TRAIN)["main"]
+    assert main([str(REPO / "configs" / "grpo.yaml"), *files, "data.train_batch_size=16"]) == 0
+    [cfg] = trained
+    assert cfg.data.train_batch_size == 16 and cfg.algorithm.adv_estimator == "grpo"

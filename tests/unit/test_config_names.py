@@ -1,0 +1,19 @@
+"""dsrl.config keeps static name lists (it may not import torch); they must match the registries."""
+
+from dsrl import algorithms, config
+
+
+def test_estimator_names_match_the_registry():
+    assert sorted(config.ADV_ESTIMATORS) == algorithms.estimator_names()
+
+
+def test_policy_loss_names_match_the_registry():
+    assert sorted(config.POLICY_LOSS_MODES) == algorithms.policy_loss_names()
+
+
+def test_loss_agg_modes_match():
+    assert sorted(config.LOSS_AGG_MODES) == sorted(algorithms.LOSS_AGG_MODES)
+
+
+def test_kl_kinds_match():
+    assert sorted(config.KL_KINDS) == sorted(algorithms.KL_KINDS)

@@ -1,0 +1,302 @@
+"""Loss aggregation, policy losses and the value loss: hand-computed cases, split invariance, errors."""
+
+import math
+
+import pytest
+import torch
+
+from dsrl.algorithms import LOSS_AGG_MODES, agg_loss, policy_loss, policy_loss_names, register_policy_loss, value_loss
+from dsrl.algorithms import losses as losses_module
+
+LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # the third row is empty
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("token-mean", 7 / 3),
+        ("token-sum", 7.0),
+        ("seq-mean-token-sum", (3 + 4) / 2),  # the empty row does not count
+        ("seq-mean-token-mean", (1.5 + 4) / 2),
+        ("seq-mean-token-sum-norm", (3 + 4) / 2 / 3),  # / T
+    ],
+)
+def test_agg_loss_by_hand(mode, expected):
+    assert agg_loss(LOSS, MASK, mode).item() == pytest.approx(expected)
+
+
+def test_agg_loss_global_normalisers_and_dp_size():
+    assert agg_loss(LOSS, MASK, "token-mean", num_tokens=14).item() == pytest.approx(0.5)
+    assert agg_loss(LOSS, MASK, "token-mean", num_tokens=14, dp_size=2).item() == pytest.approx(1.0)
+    assert agg_loss(LOSS, MASK, "token-sum", dp_size=3).item() == pytest.approx(21.0)
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum", num_seqs=7).item() == pytest.approx(1.0)
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", num_seqs=7, loss_scale_factor=0.5).item() == 2.0
+    assert agg_loss(LOSS, MASK, "seq-mean-token-mean", num_seqs=11, dp_size=2).item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_agg_loss_refuses_rank_local_counts_with_several_ranks(mode):
+    with pytest.raises(ValueError, match="dp_size=2 needs the global"):
+        agg_loss(LOSS, MASK, mode, dp_size=2)
+
+
+def test_agg_loss_ignores_masked_nan_and_rejects_unknown_modes():
+    loss = LOSS.clone()
+    loss[2, 0] = float("nan")
+    loss[0, 2] = float("inf")
+    for mode in LOSS_AGG_MODES:
+        assert torch.isfinite(agg_loss(loss, MASK, mode))
+    with pytest.raises(ValueError, match="unknown loss_agg_mode 'token_mean'.*seq-mean-token-mean.*token-sum"):
+        agg_loss(LOSS, MASK, "token_mean")
+
+
+def test_vanilla_ppo_by_hand():
+    advantages = torch.tensor([[1.0, -1.0, -1.0, 1.0]])
+    ratio = torch.tensor([[1.5, 0.5, 5.0, 1.0]])
+    old = torch.log(torch.full((1, 4), 0.5))
+    log_probs = (old + ratio.log()).requires_grad_()
+    loss, metrics = policy_loss(
+        "vanilla", old_log_probs=old, log_probs=log_probs, advantages=advantages, response_mask=torch.ones(1, 4)
+    )
+    # per token: max(-1.5, -1.2) = -1.2 | max(0.5, 0.8) = 0.8 | min(3, max(5, 1.2)) = 3 (dual) | -1
+    assert loss.item() == pytest.approx((-1.2 + 0.8 + 3.0 - 1.0) / 4)
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(0.5)
+    assert metrics["actor/pg_clipfrac_lower"].item() == pytest.approx(0.25)
+    assert metrics["actor/ppo_kl"].item() == pytest.approx(-math.log(1.5 * 0.5 * 5.0) / 4)
+    loss.backward()
+    # clipped and dual-clipped tokens get no gradient; the last one d(-A r)/d log π / 4 = -1/4
+    torch.testing.assert_close(log_probs.grad, torch.tensor([[0.0, 0.0, 0.0, -0.25]]))
+
+
+def test_vanilla_asymmetric_clip_and_log_ratio_clamp():
+    old = torch.zeros(1, 3)
+    log_probs = torch.tensor([[math.log(1.25), math.log(1.3), 50.0]])
+    advantages = torch.tensor([[1.0, 1.0, -1.0]])
+    loss, _ = policy_loss(
+        "vanilla",
+        old_log_probs=old,
+        log_probs=log_probs,
+        advantages=advantages,
+        response_mask=torch.ones(1, 3),
+        loss_agg_mode="token-sum",
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=10.0,
+    )
+    # 1.25 is inside [0.8, 1.28]; 1.3 is clipped to 1.28; exp(50) clamps to exp(20), dual clip at 10
+    assert loss.item() == pytest.approx(-1.25 - 1.28 + 10.0)
+
+
+def test_vanilla_rejects_clip_ratio_c_not_above_one():
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        policy_loss(
+            "vanilla",
+            old_log_probs=torch.zeros(1, 1),
+            log_probs=torch.zeros(1, 1),
+            advantages=torch.ones(1, 1),
+            response_mask=torch.ones(1, 1),
+            clip_ratio_c=1.0,
+        )
+
+
+def test_gspo_by_hand():
+    old = torch.zeros(2, 2)
+    log_probs = torch.tensor([[math.log(2.0), 0.0], [0.1, -0.1]], requires_grad=True)
+    advantages = torch.ones(2, 2)
+    loss, metrics = policy_loss(
+        "gspo", old_log_probs=old, log_probs=log_probs, advantages=advantages, response_mask=torch.ones(2, 2)
+    )
+    # row 0: s = 2^(1/2) > 1.2, clipped -> -1.2 per token, no gradient; row 1: s = 1 -> -1, grad -s
+    assert loss.item() == pytest.approx((-1.2 * 2 - 1.0 * 2) / 4)
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(0.5)
+    assert metrics["actor/pg_clipfrac_lower"].item() == 0.0
+    loss.backward()
+    torch.testing.assert_close(log_probs.grad, torch.tensor([[0.0, 0.0], [-0.25, -0.25]]))
+
+
+def test_cispo_keeps_gradient_through_clipped_tokens():
+    old = torch.log(torch.tensor([[0.2, 0.5]]))
+    log_probs = torch.log(torch.tensor([[0.4, 0.5]])).requires_grad_()  # ratios 2 and 1
+    advantages = torch.tensor([[1.0, -2.0]])
+    loss, metrics = policy_loss(
+        "cispo",
+        old_log_probs=old,
+        log_probs=log_probs,
+        advantages=advantages,
+        response_mask=torch.ones(1, 2),
+        loss_agg_mode="token-sum",
+    )
+    # ℓ = -sg(clip(r)) A log π: -1.2 · 1 · log 0.4 and -1 · (-2) · log 0.5
+    assert loss.item() == pytest.approx(-1.2 * math.log(0.4) + 2.0 * math.log(0.5))
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(0.5)
+    loss.backward()
+    torch.testing.assert_close(log_probs.grad, torch.tensor([[-1.2, 2.0]]))
+
+
+def test_gpg_is_plain_policy_gradient_without_metrics():
+    log_probs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, metrics = policy_loss(
+        "gpg",
+        old_log_probs=torch.zeros(1, 2),
+        log_probs=log_probs,
+        advantages=torch.tensor([[2.0, -1.0]]),
+        response_mask=torch.ones(1, 2),
+    )
+    assert loss.item() == pytest.approx((2.0 - 2.0) / 2)
+    assert metrics == {}
+    loss.backward()
+    torch.testing.assert_close(log_probs.grad, torch.tensor([[-1.0, 0.5]]))
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "gspo", "cispo", "gpg"])
+def test_rollout_is_weights_multiply_the_per_token_loss(mode):
+    gen = torch.Generator().manual_seed(0)
+    kwargs = {
+        "old_log_probs": -torch.rand(3, 4, generator=gen),
+        "log_probs": -torch.rand(3, 4, generator=gen),
+        "advantages": torch.randn(3, 4, generator=gen),
+        "response_mask": torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]]),
+    }
+    weights = torch.rand(3, 4, generator=gen) * 2
+    clips = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
+    per_token, _ = losses_module._POLICY_LOSSES[mode](**clips, **kwargs)
+    weighted, _ = policy_loss(mode, loss_agg_mode="token-sum", rollout_is_weights=weights, **clips, **kwargs)
+    assert weighted.item() == pytest.approx((per_token * weights * kwargs["response_mask"]).sum().item())
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "gspo", "cispo"])
+def test_metrics_are_detached_scalar_tensors_with_verl_names(mode):
+    log_probs = torch.zeros(2, 3, requires_grad=True)
+    _, metrics = policy_loss(
+        mode,
+        old_log_probs=torch.zeros(2, 3),
+        log_probs=log_probs,
+        advantages=torch.ones(2, 3),
+        response_mask=torch.ones(2, 3),
+    )
+    assert set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
+    for value in metrics.values():
+        assert isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad
+
+
+def test_value_loss_by_hand():
+    vpreds = torch.tensor([[1.2, 3.0, 2.0]], requires_grad=True)
+    values = torch.tensor([[1.5, 1.5, 3.0]])
+    returns = torch.tensor([[2.0, 2.0, 2.0]])
+    loss, clipfrac = value_loss(vpreds, values, returns, torch.ones(1, 3), cliprange_value=0.5)
+    # token 0 inside the clip range: 0.8²; token 1: max(1, (2 - 2)²) = 1; token 2: max(0, (2.5 - 2)²)
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 1.0 + 0.25) / 3)
+    assert clipfrac.item() == pytest.approx(1 / 3) and not clipfrac.requires_grad
+    loss.backward()
+    # d/dv of 0.5·(v - R)² / 3 where the prediction term wins; zero where the clipped constant wins
+    torch.testing.assert_close(vpreds.grad, torch.tensor([[-0.8 / 3, 1 / 3, 0.0]]))
+
+
+# ---------------------------------------------------------------------------------------------
+# split invariance: micro-batches (and ranks) with global normalisers sum to the whole batch
+
+
+def _batch(seed=0, rows=8, width=6):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, width + 1, (rows,), generator=gen)
+    lengths[0] = width
+    mask = (torch.arange(width) < lengths.unsqueeze(-1)).float()
+    return gen, mask
+
+
+def _global_normalisers(mask):
+    return {"num_tokens": mask.sum(), "num_seqs": (mask.sum(-1) > 0).sum(), "loss_scale_factor": mask.shape[-1]}
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_micro_batches_sum_to_the_whole_batch(mode):
+    gen, mask = _batch()
+    loss_mat = torch.randn(mask.shape, generator=gen, requires_grad=True)
+    norm = _global_normalisers(mask)
+    whole = agg_loss(loss_mat, mask, mode)
+    whole_grad = torch.autograd.grad(whole, loss_mat)[0]
+    split = sum(agg_loss(loss_mat[rows], mask[rows], mode, **norm) for rows in (slice(0, 3), slice(3, 4), slice(4, 8)))
+    split_grad = torch.autograd.grad(split, loss_mat)[0]
+    torch.testing.assert_close(split, whole)
+    torch.testing.assert_close(split_grad, whole_grad)
+
+
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "cispo", "gpg"])
+@pytest.mark.parametrize("agg_mode", LOSS_AGG_MODES)
+def test_policy_loss_gradient_is_the_same_for_any_split_and_rank_count(loss_mode, agg_mode):
+    gen, mask = _batch(seed=1)
+    old = -torch.rand(mask.shape, generator=gen) * 2
+    log_probs = (old + 0.3 * torch.randn(mask.shape, generator=gen)).requires_grad_()
+    advantages = torch.randn(mask.shape, generator=gen)
+    weights = torch.rand(mask.shape, generator=gen) + 0.5
+
+    def loss(rows, **norm):
+        return policy_loss(
+            loss_mode,
+            old_log_probs=old[rows],
+            log_probs=log_probs[rows],
+            advantages=advantages[rows],
+            response_mask=mask[rows],
+            loss_agg_mode=agg_mode,
+            rollout_is_weights=weights[rows],
+            **norm,
+        )[0]
+
+    whole_grad = torch.autograd.grad(loss(slice(None)), log_probs)[0]
+    norm = _global_normalisers(mask)
+    micro_grad = torch.autograd.grad(sum(loss(r, **norm) for r in (slice(0, 5), slice(5, 8))), log_probs)[0]
+    torch.testing.assert_close(micro_grad, whole_grad)
+    # two ranks, each with two micro-batches; the engine averages the ranks' gradients
+    ranks = ((slice(0, 2), slice(2, 4)), (slice(4, 7), slice(7, 8)))
+    rank_grads = [torch.autograd.grad(sum(loss(r, dp_size=2, **norm) for r in micro), log_probs)[0] for micro in ranks]
+    torch.testing.assert_close((rank_grads[0] + rank_grads[1]) / 2, whole_grad)
+
+
+@pytest.mark.parametrize("agg_mode", LOSS_AGG_MODES)
+def test_value_loss_gradient_is_the_same_for_any_split(agg_mode):
+    gen, mask = _batch(seed=2)
+    vpreds = torch.randn(mask.shape, generator=gen, requires_grad=True)
+    values, returns = torch.randn(mask.shape, generator=gen), torch.randn(mask.shape, generator=gen)
+    whole, _ = value_loss(vpreds, values, returns, mask, cliprange_value=0.2, loss_agg_mode=agg_mode)
+    norm = _global_normalisers(mask)
+    split = sum(
+        value_loss(vpreds[r], values[r], returns[r], mask[r], cliprange_value=0.2, loss_agg_mode=agg_mode, **norm)[0]
+        for r in (slice(0, 1), slice(1, 8))
+    )
+    torch.testing.assert_close(torch.autograd.grad(split, vpreds)[0], torch.autograd.grad(whole, vpreds)[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# registry
+
+
+def test_policy_loss_registry_names_and_errors():
+    assert policy_loss_names() == ["cispo", "gpg", "gspo", "vanilla"]
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo'; valid names: cispo, gpg, gspo, vanilla"):
+        policy_loss(
+            "ppo",
+            old_log_probs=torch.zeros(1, 1),
+            log_probs=torch.zeros(1, 1),
+            advantages=torch.ones(1, 1),
+            response_mask=torch.ones(1, 1),
+        )
+    with pytest.raises(ValueError, match="'vanilla' is already registered"):
+        register_policy_loss("vanilla")(lambda **_: (torch.zeros(1, 1), {}))
+
+
+def test_a_registered_policy_loss_is_weighted_and_aggregated():
+    register_policy_loss("test_log_prob")(lambda *, log_probs, **_: (-log_probs, {}))
+    try:
+        log_probs = torch.tensor([[-1.0, -3.0]])
+        loss, _ = policy_loss(
+            "test_log_prob",
+            old_log_probs=log_probs,
+            log_probs=log_probs,
+            advantages=torch.ones(1, 2),
+            response_mask=torch.ones(1, 2),
+            rollout_is_weights=torch.tensor([[1.0, 2.0]]),
+        )
+        assert loss.item() == pytest.approx((1.0 + 6.0) / 2)
+    finally:
+        losses_module._POLICY_LOSSES.pop("test_log_prob")
