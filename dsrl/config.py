@@ -63,6 +63,9 @@ KL_KINDS = _KL_BASE_KINDS + tuple(f"{kind}+" for kind in _KL_BASE_KINDS)
 KL_CTRL_TYPES = ("fixed", "adaptive")
 TRUNCATION_MODES = ("error", "left", "right")
 ROLLOUT_NAMES = ("hf", "vllm")
+# Levels of algorithm.rollout_correction.rollout_is / rollout_rs (dsrl.algorithms.ROLLOUT_CORRECTION_LEVELS).
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+SLEEP_LEVELS = (1, 2)
 LOGGERS = ("console", "mlflow")
 MODEL_DTYPES = ("bfloat16", "float32")
 
@@ -179,7 +182,7 @@ class ActorConfig:
         False, "also compute sum_v pi(v)^2 per token in the actor forward; optimal_token_baseline turns it on itself"
     )
     use_fused_kernels: bool = _f(
-        False, "compute log-probs with fused kernels that never hold the logits; incompatible with sum_pi_squared"
+        False, "verl's fused log-prob kernels; dsrl has none (its chunked forward bounds logit memory), so only false"
     )
     grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 turns clipping off")
     policy_loss: PolicyLossConfig = _f(PolicyLossConfig, "policy loss variant")
@@ -219,6 +222,23 @@ class RolloutConfig:
     gpu_memory_utilization: float = _f(0.5, "vllm: fraction of device memory for weights and KV cache while awake")
     tensor_model_parallel_size: int = _f(
         1, "vllm: ranks sharing one engine by tensor parallelism; must divide the world size"
+    )
+    dtype: Optional[str] = _f(
+        None, "vllm: precision of the rollout weights, bfloat16 | float32; null = actor_rollout_ref.model.dtype"
+    )
+    max_model_len: Optional[int] = _f(
+        None, "vllm: longest prompt + response the engine accepts; null = data.max_prompt_length + data.max_response_length"
+    )
+    enforce_eager: bool = _f(
+        False, "vllm: no CUDA graphs / compilation: faster start and less memory, slower decoding; true on CPU"
+    )
+    enable_sleep_mode: Optional[bool] = _f(
+        None,
+        "vllm: hand the engine's device memory back to training between generations; null = on where vLLM supports it (GPUs), off on CPU",
+    )
+    sleep_level: int = _f(
+        1,
+        "vllm sleep mode: 1 = weights to CPU memory, KV cache dropped | 2 = both dropped (least memory; the weight push refills them)",
     )
     val_kwargs: ValKwargsConfig = _f(ValKwargsConfig, "sampling for validation")
 
@@ -268,6 +288,25 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    rollout_is: Optional[str] = _f(
+        None,
+        "truncated importance weights pi_old / pi_rollout in the policy loss: null (off) | token | sequence (product over the response)",
+    )
+    rollout_is_threshold: float = _f(2.0, "rollout_is: weights above it are cut to it (TIS); 2.0 is typical")
+    rollout_rs: Optional[str] = _f(
+        None,
+        "rejection: mask tokens (token) or whole responses (sequence) whose ratio pi_old / pi_rollout leaves the interval below; null = off",
+    )
+    rollout_rs_threshold: Optional[float] = _f(
+        None, "rollout_rs: upper end of the accepted ratio interval; null = rollout_is_threshold"
+    )
+    rollout_rs_threshold_lower: Optional[float] = _f(
+        None, "rollout_rs: lower end of the accepted ratio interval; null = 1 / upper end"
+    )
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = _f(
         "gae",
@@ -287,6 +326,9 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = _f(KLControlConfig, "in-reward KL coefficient")
     opo_allow_off_policy: bool = _f(
         False, "opo: allow mini-batches or several epochs, giving up OPO's exact on-policy training"
+    )
+    rollout_correction: RolloutCorrectionConfig = _f(
+        RolloutCorrectionConfig, "correction of the mismatch between the rollout engine's and the actor's log-probs"
     )
 
 
@@ -611,6 +653,8 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     _estimator_rules(cfg, need)
     _loss_rules(cfg, need)
     _rollout_rules(cfg, world_size, need)
+    _vllm_rules(cfg, need)
+    _rollout_correction_rules(cfg, need)
     _file_rules(cfg, need)
     _trainer_rules(cfg, need)
     return violations
@@ -750,6 +794,12 @@ def _estimator_rules(cfg: Config, need: Need) -> None:
             "set trainer.critic_warmup=0",
         )
     needs_sum_pi_squared = actor.calculate_sum_pi_squared or estimator in SUM_PI_SQUARED_ESTIMATORS
+    need(
+        not actor.use_fused_kernels or needs_sum_pi_squared,
+        "actor_rollout_ref.actor.use_fused_kernels",
+        "dsrl has no fused log-prob kernels; its chunked forward already avoids holding [B, T, V] probabilities",
+        "set actor_rollout_ref.actor.use_fused_kernels=false",
+    )
     need(
         not (actor.use_fused_kernels and needs_sum_pi_squared),
         "actor_rollout_ref.actor.use_fused_kernels",
@@ -915,6 +965,78 @@ def _rollout_rules(cfg: Config, world_size: int, need: Need) -> None:
     need(val.temperature >= 0, f"{prefix}.val_kwargs.temperature", "must be >= 0", "set it to 0 (greedy)")
     need(0 < val.top_p <= 1, f"{prefix}.val_kwargs.top_p", "must be in (0, 1]", "set it to 1.0")
     need(val.top_k == -1 or val.top_k > 0, f"{prefix}.val_kwargs.top_k", "must be -1 (off) or > 0", "set it to -1")
+
+
+def _vllm_rules(cfg: Config, need: Need) -> None:
+    """The vllm-only keys: sleep mode needs a colocated vLLM; the engine must hold a whole sequence."""
+    rollout, data = cfg.actor_rollout_ref.rollout, cfg.data
+    prefix = "actor_rollout_ref.rollout"
+    need(
+        not rollout.enable_sleep_mode or rollout.name == "vllm",
+        f"{prefix}.enable_sleep_mode",
+        f"sleep mode is vLLM's way of freeing device memory; the {rollout.name} rollout has none",
+        f"set {prefix}.name=vllm, or {prefix}.enable_sleep_mode=null",
+    )
+    need(
+        rollout.sleep_level in SLEEP_LEVELS,
+        f"{prefix}.sleep_level",
+        "must be 1 (weights kept in CPU memory) or 2 (weights dropped)",
+        "set it to 1",
+    )
+    need(
+        rollout.dtype is None or rollout.dtype in MODEL_DTYPES,
+        f"{prefix}.dtype",
+        "unsupported rollout precision",
+        f"use one of {', '.join(MODEL_DTYPES)}, or null (= actor_rollout_ref.model.dtype)",
+    )
+    sequence = data.max_prompt_length + data.max_response_length
+    need(
+        rollout.max_model_len is None or rollout.max_model_len >= sequence,
+        f"{prefix}.max_model_len",
+        f"must hold the longest prompt plus response, data.max_prompt_length + data.max_response_length = {sequence}",
+        f"set it to null or at least {sequence}",
+    )
+
+
+def _rollout_correction_rules(cfg: Config, need: Need) -> None:
+    """Levels are known, thresholds keep an exact on-policy token, and no threshold is set in vain."""
+    corr = cfg.algorithm.rollout_correction
+    prefix = "algorithm.rollout_correction"
+    for name in ("rollout_is", "rollout_rs"):
+        need(
+            OmegaConf.select(corr, name) in (None, *ROLLOUT_CORRECTION_LEVELS),
+            f"{prefix}.{name}",
+            "unknown level",
+            f"use null (off) or one of {', '.join(ROLLOUT_CORRECTION_LEVELS)}",
+        )
+    need(
+        corr.rollout_is_threshold > 1,
+        f"{prefix}.rollout_is_threshold",
+        "must be > 1: weights above it are cut to it, and an exactly on-policy token has weight 1",
+        "set it to 2.0",
+    )
+    upper = corr.rollout_is_threshold if corr.rollout_rs_threshold is None else corr.rollout_rs_threshold
+    lower = corr.rollout_rs_threshold_lower
+    need(
+        corr.rollout_rs_threshold is None or corr.rollout_rs_threshold >= 1,
+        f"{prefix}.rollout_rs_threshold",
+        "must be >= 1: an exactly on-policy token (ratio 1) must be accepted",
+        "set it to 2.0 or null (= rollout_is_threshold)",
+    )
+    need(
+        lower is None or 0 <= lower <= min(1.0, upper),
+        f"{prefix}.rollout_rs_threshold_lower",
+        "must be in [0, 1] and at most the upper end: an exactly on-policy token (ratio 1) must be accepted",
+        "set it to null (= 1 / upper end) or e.g. 0.5",
+    )
+    if corr.rollout_rs is None:
+        for name in ("rollout_rs_threshold", "rollout_rs_threshold_lower"):
+            need(
+                OmegaConf.select(corr, name) is None,
+                f"{prefix}.{name}",
+                "has no effect while rollout_rs is null",
+                f"set {prefix}.rollout_rs=token or sequence, or {prefix}.{name}=null",
+            )
 
 
 def _file_rules(cfg: Config, need: Need) -> None:

@@ -20,7 +20,7 @@ from dsrl.algorithms import AdaptiveKLController, EstimatorInputs, FixedKLContro
 from dsrl.config import Config, to_dict
 from dsrl.data.batch import Batch
 from dsrl.data.datasets import PromptSampler, collate_prompts, load_prompts
-from dsrl.distributed import all_gather_rows, global_mean
+from dsrl.distributed import all_gather_rows, all_reduce, global_mean
 from dsrl.engines import ActorEngine, CriticEngine, ReferenceEngine, init_distributed
 from dsrl.metrics import batch_metrics, rollout_logprob_metrics
 from dsrl.rewards import RewardScorer
@@ -134,10 +134,11 @@ class Trainer:
             [ids[mask.bool()] for ids, mask in zip(batch.response_ids, batch.response_mask)], skip_special_tokens=True
         )
         scores, _, counts = self.scorer.score_batch(batch.data_sources, responses, batch.ground_truths, batch.extra_infos)
+        totals = all_reduce(torch.tensor([float(v) for v in counts.values()])).tolist()
         token_level_scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)
         last = batch.response_mask.sum(-1).long() - 1
         token_level_scores[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=torch.float32)
-        return token_level_scores, counts
+        return token_level_scores, dict(zip(counts, totals))
 
     def rewards_with_kl(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """In-reward KL: ``token_level_rewards = scores - beta * KL(old || ref)``, then the controller update."""

@@ -48,12 +48,10 @@ def main(argv: list[str]) -> int:
         for violation in err.violations:
             print(f"  {violation}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") == "0":  # the resolved config, once per run
+        print("".join(f"# note: {note}\n" for note in notes) + to_yaml(cfg), end="", flush=True)
     if args.validate_only:
-        print("".join(f"# note: {note}\n" for note in notes) + to_yaml(cfg), end="")
         return 0
-    if os.environ.get("RANK", "0") == "0":
-        for note in notes:
-            print(f"dsrl: note: {note}", file=sys.stderr)
     from dsrl.trainer import train
 
     train(cfg)

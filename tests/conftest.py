@@ -107,3 +107,24 @@ def make_cfg(tiny_model_dir):
         "data.train_files=unused.parquet",
     ]
     return lambda *overrides: load_config(None, [*base, *overrides])
+
+
+DIGITS_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(ch.isdigit() for ch in solution_str) / 4.0
+"""
+
+
+@pytest.fixture(scope="session")
+def arithmetic_data(tmp_path_factory) -> Path:
+    """A small arithmetic task (64 train / 8 test prompts) and ``digits_reward.py``: a custom reward
+    paying for digits, so that even an untrained model's samples differ in reward within a group."""
+    out = tmp_path_factory.mktemp("arithmetic")
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--task", "arithmetic", "--out", str(out),
+         "--train-size", "64", "--test-size", "8"],
+        check=True,
+        capture_output=True,
+    )
+    (out / "digits_reward.py").write_text(DIGITS_REWARD)
+    return out

@@ -25,6 +25,7 @@ from dsrl.algorithms.losses import (
     register_policy_loss,
     value_loss,
 )
+from dsrl.algorithms.rollout_correction import ROLLOUT_CORRECTION_LEVELS, RolloutCorrection, rollout_correction
 from dsrl.algorithms.tensor_ops import (
     entropy_from_logits,
     logprobs_from_logits,
@@ -37,9 +38,11 @@ from dsrl.algorithms.tensor_ops import (
 __all__ = [
     "KL_KINDS",
     "LOSS_AGG_MODES",
+    "ROLLOUT_CORRECTION_LEVELS",
     "AdaptiveKLController",
     "EstimatorInputs",
     "FixedKLController",
+    "RolloutCorrection",
     "agg_loss",
     "apply_kl_penalty",
     "compute_advantages",
@@ -54,6 +57,7 @@ __all__ = [
     "policy_loss_names",
     "register_estimator",
     "register_policy_loss",
+    "rollout_correction",
     "sum_pi_squared_from_logits",
     "value_loss",
 ]

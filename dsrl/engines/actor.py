@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM
 
 from dsrl.algorithms import agg_loss, kl_penalty, policy_loss
 from dsrl.data.batch import Batch
+from dsrl.distributed import accelerator_device
 from dsrl.engines.deepspeed_setup import (
     DTYPES,
-    accelerator_device,
     build_ds_config,
     init_distributed,
     load_pretrained,

@@ -17,9 +17,9 @@ from transformers import AutoModel
 
 from dsrl.algorithms import masked_mean, value_loss
 from dsrl.data.batch import Batch
+from dsrl.distributed import accelerator_device
 from dsrl.engines.deepspeed_setup import (
     DTYPES,
-    accelerator_device,
     build_ds_config,
     init_distributed,
     load_pretrained,

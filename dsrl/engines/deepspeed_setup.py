@@ -49,11 +49,6 @@ def init_distributed() -> None:
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
 
 
-def accelerator_device() -> torch.device:
-    """This rank's accelerator device (``cpu`` under ``DS_ACCELERATOR=cpu``)."""
-    return torch.device(get_accelerator().current_device_name())
-
-
 def load_ds_config(name_or_path: str, key: str) -> dict[str, Any]:
     """The JSON ``ds_configs/<name>.json``, or the file itself when ``name_or_path`` ends in ``.json``."""
     path = deepspeed_config_path(name_or_path)
@@ -168,16 +163,3 @@ def lr_warmup(warmup_steps: int) -> Callable[[torch.optim.Optimizer], torch.opti
         return min(1.0, step / warmup_steps) if warmup_steps > 0 else 1.0
 
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def all_reduce(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """``values`` reduced (``sum`` or ``max``) over all ranks; a new tensor on ``values``' device.
-
-    Sums travel as float64 so token counts and metric sums stay exact. The collective runs on the
-    accelerator device (gloo on CPU, nccl on GPUs).
-    """
-    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-    out = values.detach().to(accelerator_device(), dtype=torch.float64 if op == "sum" else values.dtype, copy=True)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(out, op=ops[op])
-    return out.to(values.device)

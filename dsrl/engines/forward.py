@@ -30,7 +30,7 @@ from dsrl.algorithms import (
     sum_pi_squared_from_logits,
 )
 from dsrl.data.batch import Batch
-from dsrl.engines.deepspeed_setup import accelerator_device, all_reduce
+from dsrl.distributed import accelerator_device, all_reduce
 
 # Float32 elements of one chunk of logits (2**26 * 4 bytes = 256 MiB): a few such temporaries live at once.
 CHUNK_ELEMENTS = 2**26

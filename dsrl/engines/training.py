@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dsrl.data.batch import Batch
-from dsrl.engines.deepspeed_setup import all_reduce
+from dsrl.distributed import all_reduce
 
 # loss_fn(micro, num_tokens, num_seqs) -> (loss, metric contributions); the contributions of all
 # micro-batches and ranks add up to the mini-batch's metric values.

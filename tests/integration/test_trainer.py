@@ -1,15 +1,13 @@
 """Every algorithm config trains the tiny model end to end in one process (ZeRO-3 + CPU offload).
 
-The reward is a custom function that pays for digits in the response, so that even the untrained
-model gets rewards that differ within a group and the update has a real gradient. Weight decay is
-off: a parameter that moved was moved by the loss.
+The reward pays for digits in the response (the ``arithmetic_data`` fixture), so that even the
+untrained model gets rewards that differ within a group and the update has a real gradient. Weight
+decay is off: a parameter that moved was moved by the loss.
 """
 
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,24 +15,6 @@ import torch
 from tests.conftest import REPO
 
 ALGORITHM_CONFIGS = ("ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb")
-
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return sum(ch.isdigit() for ch in solution_str) / 4.0
-'''
-
-
-@pytest.fixture(scope="module")
-def arithmetic_data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("arithmetic")
-    subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--task", "arithmetic", "--out", str(out),
-         "--train-size", "64", "--test-size", "8"],
-        check=True, capture_output=True,
-    )
-    reward = out / "digits_reward.py"
-    reward.write_text(REWARD)
-    return out
 
 
 def run_config(name, tiny_model_dir, data, ds_test_config, *overrides):

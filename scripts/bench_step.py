@@ -1,0 +1,62 @@
+"""Time N training steps of the quickstart model and print the per-phase split and tokens/s.
+
+    OMP_NUM_THREADS=1 python scripts/bench_step.py                  # configs/quickstart.yaml, 10 steps
+    OMP_NUM_THREADS=1 python scripts/bench_step.py --steps 5 actor_rollout_ref.rollout.n=4
+
+The first step is reported apart (it includes one-off warm-up) and left out of the means.
+Extra arguments are dotted config overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from dsrl.config import ConfigError, load_and_validate  # noqa: E402
+
+PHASES = ("update_weights", "gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/quickstart.yaml")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    overrides = [*args.overrides, f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false",
+                 "trainer.test_freq=-1", "trainer.logger=[console]"]
+    try:
+        cfg, _ = load_and_validate(args.config, overrides, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as err:
+        print("\n".join(err.violations), file=sys.stderr)
+        return 2
+
+    from dsrl.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    steps: list[dict[str, float]] = []
+    trainer.tracker.log_metrics = lambda metrics, step: steps.append(metrics)
+    trainer.fit()
+    if trainer.rank != 0:
+        return 0
+    timed = steps[1:] or steps
+    step_s = statistics.mean(m["timing_s/step"] for m in timed)
+    print(f"\n{len(timed)} steps after the first ({steps[0]['timing_s/step']:.2f} s); world size {trainer.world_size}")
+    print(f"{'phase':<16}{'mean s':>10}{'share':>8}")
+    for phase in PHASES:
+        key = f"timing_s/{phase}"
+        if key in timed[0]:
+            seconds = statistics.mean(m[key] for m in timed)
+            print(f"{phase:<16}{seconds:>10.3f}{seconds / step_s:>8.1%}")
+    print(f"{'step':<16}{step_s:>10.3f}{1:>8.0%}")
+    tokens = statistics.mean(m["perf/throughput"] for m in timed)
+    print(f"tokens/s per rank: {tokens:.0f}; response length mean {statistics.mean(m['response_length/mean'] for m in timed):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The quickstart config on two CPU ranks under the real ``deepspeed`` launcher (ZeRO-3 + offload).
+
+Each rank runs its own share of the prompts; every logged metric except the rank-local timings
+must be the same number on both ranks (they are all-reduced), and ``scripts/train.py`` itself must
+run under the launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("trainer_2ranks_worker.py")
+RANK_LOCAL = ("timing_s/", "perf/")
+
+
+@pytest.fixture(scope="module")
+def setup(arithmetic_data, tiny_model_dir, ds_test_config, deepspeed_cpu_ops, free_port):
+    data = arithmetic_data
+    overrides = [
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        f"data.train_files={data / 'train.parquet'}",
+        f"data.val_files={data / 'test.parquet'}",
+        f"custom_reward_function.path={data / 'digits_reward.py'}",
+        f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # two optimizer steps per step
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.n=4",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=2",
+    ]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "3"}
+    launcher = lambda: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
+    return overrides, env, launcher
+
+
+def run(command, env):
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=480, check=False)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return result.stdout
+
+
+def test_ranks_log_the_same_metrics(setup, tmp_path):
+    overrides, env, launcher = setup
+    run([*launcher(), str(WORKER), "--out", str(tmp_path), str(REPO / "configs" / "quickstart.yaml"), *overrides], env)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world"] for r in reports] == [2, 2]
+    steps = [[entry["step"] for entry in r["logged"]] for r in reports]
+    assert steps == [[0, 1, 2], [0, 1, 2]]
+    for entry0, entry1 in zip(reports[0]["logged"], reports[1]["logged"]):
+        shared0 = {k: v for k, v in entry0["metrics"].items() if not k.startswith(RANK_LOCAL)}
+        shared1 = {k: v for k, v in entry1["metrics"].items() if not k.startswith(RANK_LOCAL)}
+        assert shared0 == shared1
+        assert all(math.isfinite(v) for v in entry0["metrics"].values())
+    step1 = reports[0]["logged"][1]["metrics"]
+    assert step1["actor/grad_norm"] > 0
+    assert step1["rollout/logprob_diff_mean"] < 1e-4
+
+
+def test_train_script_runs_under_the_launcher(setup):
+    overrides, env, launcher = setup
+    stdout = run([*launcher(), str(REPO / "scripts" / "train.py"), str(REPO / "configs" / "quickstart.yaml"), *overrides], env)
+    assert "[dsrl] step 2/2" in stdout
+    assert "validation accuracy: before" in stdout
