@@ -159,7 +159,8 @@ def greedy_accuracy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, 
         pad_token_id=tokenizer.pad_token_id,
     )
     responses = tokenizer.batch_decode(output[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
-    return sum(compute_score(r, arithmetic.answer(a, b)) for r, (a, b) in zip(responses, pairs)) / len(pairs)
+    scores = [compute_score(r, arithmetic.answer(a, b)) for r, (a, b) in zip(responses, pairs, strict=True)]
+    return sum(scores) / len(scores)
 
 
 def main(argv: list[str] | None = None) -> float:

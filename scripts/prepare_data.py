@@ -45,9 +45,11 @@ MATH_INSTRUCTION = "Let's think step by step and output the final answer within 
 
 def _read_local_split(root: Path, split: str) -> list[dict]:
     """All rows of ``split`` from jsonl/json/parquet files named ``<split>*`` under ``root``."""
-    files = sorted(
-        p for p in root.rglob(f"{split}*") if p.is_file() and p.suffix in (".jsonl", ".json", ".parquet")
-    ) if root.is_dir() else []
+    files = (
+        sorted(p for p in root.rglob(f"{split}*") if p.is_file() and p.suffix in (".jsonl", ".json", ".parquet"))
+        if root.is_dir()
+        else []
+    )
     if not files:
         raise SystemExit(
             f"--local-path {root}: no {split}*.jsonl / {split}*.parquet file in it or below. "
@@ -74,7 +76,7 @@ def _read_hub_split(task: str, split: str) -> list[dict]:
             f"could not load {name} ({split}) from the Hugging Face hub: {type(exc).__name__}: {exc}\n"
             f"Fix: download it where the hub is reachable (e.g. `hf download {name} --repo-type dataset "
             f"--local-dir DIR`) and pass --local-path DIR."
-        )
+        ) from exc
 
 
 def _convert(task: str, examples: list[dict], split: str) -> list[dict]:
@@ -83,7 +85,10 @@ def _convert(task: str, examples: list[dict], split: str) -> list[dict]:
     rows = []
     for index, example in enumerate(examples):
         if question_field not in example or solution_field not in example:
-            raise SystemExit(f"{task} {split} row {index}: needs fields {question_field!r} and {solution_field!r}, has {sorted(example)}")
+            raise SystemExit(
+                f"{task} {split} row {index}: needs fields {question_field!r} and {solution_field!r}, "
+                f"has {sorted(example)}"
+            )
         question, solution = example[question_field], example[solution_field]
         if task == "gsm8k":
             ground_truth = extract_answer(solution, method="strict")
@@ -94,7 +99,10 @@ def _convert(task: str, examples: list[dict], split: str) -> list[dict]:
             content = question + " " + MATH_INSTRUCTION
             extra_info = {"split": split, "index": index}
         if ground_truth is None:
-            raise SystemExit(f"{task} {split} row {index}: the reference {solution_field!r} has no final answer to extract: {solution[-200:]!r}")
+            raise SystemExit(
+                f"{task} {split} row {index}: the reference {solution_field!r} has no final answer to extract: "
+                f"{solution[-200:]!r}"
+            )
         rows.append(
             {
                 "data_source": data_source,

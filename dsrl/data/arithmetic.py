@@ -37,7 +37,9 @@ def problems(split: str, size: int, seed: int) -> list[tuple[int, int]]:
     """``size`` distinct operand pairs ``(a, b)`` of the split's pool, in a seeded order."""
     pool = _pool(split)
     if not 0 < size <= len(pool):
-        raise ValueError(f"{split} size={size}: the arithmetic {split} pool holds {len(pool)} problems; choose 1..{len(pool)}")
+        raise ValueError(
+            f"{split} size={size}: the arithmetic {split} pool holds {len(pool)} problems; choose 1..{len(pool)}"
+        )
     return random.Random(f"dsrl-arithmetic/{split}/{seed}").sample(pool, size)
 
 

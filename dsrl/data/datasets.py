@@ -61,10 +61,18 @@ def _messages(value: Any, file: str, row: int, prompt_key: str) -> list[dict]:
         "(scripts/prepare_data.py writes that), or set data.prompt_key to the column that holds them"
     )
     if not isinstance(value, list) or not value:
-        raise _row_error(file, row, f"{prompt_key!r} is {type(value).__name__} {value!r:.80}, not a list of messages", fix)
+        raise _row_error(
+            file, row, f"{prompt_key!r} is {type(value).__name__} {value!r:.80}, not a list of messages", fix
+        )
     for message in value:
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
-            raise _row_error(file, row, f"{prompt_key!r} holds a message {message!r:.80} without str 'role' and 'content'", fix)
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise _row_error(
+                file, row, f"{prompt_key!r} holds a message {message!r:.80} without str 'role' and 'content'", fix
+            )
     return value
 
 
@@ -88,15 +96,33 @@ def _read_rows(file: str, prompt_key: str) -> list[tuple[list[dict], str, Any, d
             table.column(prompt_key).to_pylist(),
             table.column("reward_model").to_pylist(),
             extra_infos,
+            strict=True,
         )
     ):
         if not isinstance(data_source, str) or not data_source:
-            raise _row_error(file, row, f"data_source is {data_source!r}, not a non-empty string", "set data_source (it chooses the reward)")
+            raise _row_error(
+                file,
+                row,
+                f"data_source is {data_source!r}, not a non-empty string",
+                "set data_source (it chooses the reward)",
+            )
         if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
-            raise _row_error(file, row, f"reward_model is {reward_model!r:.80}, without reward_model.ground_truth", "give every row a reward_model.ground_truth")
+            raise _row_error(
+                file,
+                row,
+                f"reward_model is {reward_model!r:.80}, without reward_model.ground_truth",
+                "give every row a reward_model.ground_truth",
+            )
         if extra_info is not None and not isinstance(extra_info, dict):
-            raise _row_error(file, row, f"extra_info is {type(extra_info).__name__}, not a dict or null", "store extra_info as a struct (dict) or leave it null")
-        rows.append((_messages(prompt, file, row, prompt_key), data_source, reward_model["ground_truth"], extra_info or {}))
+            raise _row_error(
+                file,
+                row,
+                f"extra_info is {type(extra_info).__name__}, not a dict or null",
+                "store extra_info as a struct (dict) or leave it null",
+            )
+        rows.append(
+            (_messages(prompt, file, row, prompt_key), data_source, reward_model["ground_truth"], extra_info or {})
+        )
     return rows
 
 
@@ -131,7 +157,7 @@ def load_prompts(
         texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m, *_ in rows]
         token_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         stats["rows"] += len(rows)
-        for row, (ids, (_, data_source, ground_truth, extra_info)) in enumerate(zip(token_ids, rows)):
+        for row, (ids, (_, data_source, ground_truth, extra_info)) in enumerate(zip(token_ids, rows, strict=True)):
             if len(ids) > max_prompt_length:
                 if filter_overlong_prompts:
                     stats["filtered_overlong"] += 1
@@ -140,8 +166,10 @@ def load_prompts(
                     raise _row_error(
                         file,
                         row,
-                        f"the prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length} (data.truncation=error)",
-                        "raise data.max_prompt_length, set data.filter_overlong_prompts=true, or set data.truncation=left",
+                        f"the prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length} "
+                        "(data.truncation=error)",
+                        "raise data.max_prompt_length, set data.filter_overlong_prompts=true, "
+                        "or set data.truncation=left",
                     )
                 ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
                 stats["truncated"] += 1
@@ -150,7 +178,9 @@ def load_prompts(
     if stats["filtered_overlong"]:
         logger.warning(
             "dropped %d of %d prompts longer than data.max_prompt_length=%d tokens (data.filter_overlong_prompts=true)",
-            stats["filtered_overlong"], stats["rows"], max_prompt_length,
+            stats["filtered_overlong"],
+            stats["rows"],
+            max_prompt_length,
         )
     if not records:
         raise ValueError(
@@ -191,7 +221,9 @@ class PromptSampler:
     def _epoch_order(self) -> np.ndarray:
         if self._order_epoch != self.epoch:
             n = len(self.records)
-            self._order = np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._order = (
+                np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
+            )
             self._order_epoch = self.epoch
         return self._order
 
@@ -219,7 +251,9 @@ class PromptSampler:
         self.epoch, self.index = epoch, index
 
 
-def left_pad(sequences: list[tuple[int, ...]] | list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    sequences: list[tuple[int, ...]] | list[list[int]], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token sequences to the longest: ``(ids, mask)``, both ``[B, P]`` int64, mask 1 on tokens.
 
     Left padding puts every prompt's last token in column ``P - 1``, where generation continues.

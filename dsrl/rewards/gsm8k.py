@@ -29,8 +29,10 @@ def extract_answer(solution_str: str, method: str = "strict") -> str | None:
         found = _STRICT_ANSWER.findall(tail)
         return found[-1].replace(",", "").replace("$", "") if found else None
     if method == "flexible":
-        numbers = [n for n in _NUMBER.findall(tail) if n not in ("", ".")]
-        return numbers[-1] if numbers else None
+        found = _NUMBER.findall(tail)
+        numbers = [n for n in found if n != "."]
+        # verl falls through to the first match when every match is "."; kept for identical scores.
+        return numbers[-1] if numbers else (found[0] if found else None)
     raise ValueError(f"method={method!r}: must be 'strict' or 'flexible'")
 
 

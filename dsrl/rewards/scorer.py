@@ -68,7 +68,9 @@ class RewardScorer:
             status, message = parent_end.recv()
         except EOFError:
             code = self._stop_worker()
-            raise RuntimeError(f"the reward worker exited during start-up (exit code {code}); see its stderr above")
+            raise RuntimeError(
+                f"the reward worker exited during start-up (exit code {code}); see its stderr above"
+            ) from None
         if status != "ready":
             self._stop_worker()
             raise ValueError(message)
@@ -118,7 +120,7 @@ class RewardScorer:
                 f"score_batch: got {len(data_sources)} data_sources, {n} responses, {len(ground_truths)} "
                 f"ground_truths, {len(extra_infos)} extra_infos; all must have one entry per response"
             )
-        calls = list(zip(data_sources, responses, ground_truths, extra_infos))
+        calls = list(zip(data_sources, responses, ground_truths, extra_infos, strict=True))
         replies = self._run(calls)
 
         scores, row_extras, errors = [0.0] * n, [{}] * n, []
@@ -167,13 +169,15 @@ def _as_score(result) -> tuple[float, dict]:
     extras = {}
     if isinstance(result, dict):
         if "score" not in result:
-            raise ValueError(f"reward function returned a dict without 'score' (keys: {sorted(result)})")
+            raise ValueError(f"reward function returned a dict without 'score' (keys: {list(result)})")
         extras = {k: v for k, v in result.items() if k != "score"}
         result = result["score"]
     try:
         score = float(result)
     except (TypeError, ValueError):
-        raise ValueError(f"reward function returned {type(result).__name__}; it must return a float or a dict with 'score'")
+        raise ValueError(
+            f"reward function returned {type(result).__name__}; it must return a float or a dict with 'score'"
+        ) from None
     if not math.isfinite(score):
         raise ValueError(f"reward function returned {score}; scores must be finite")
     return score, extras

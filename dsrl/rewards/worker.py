@@ -35,7 +35,15 @@ def main(argv: list[str]) -> int:
             return 0
         for data_source, solution_str, ground_truth, extra_info in calls:
             try:
-                reply = ("ok", fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info))
+                reply = (
+                    "ok",
+                    fn(
+                        data_source=data_source,
+                        solution_str=solution_str,
+                        ground_truth=ground_truth,
+                        extra_info=extra_info,
+                    ),
+                )
             except Exception as exc:
                 reply = ("error", f"{type(exc).__name__}: {exc}")
             try:

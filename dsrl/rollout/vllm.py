@@ -136,6 +136,10 @@ class VLLMRollout:
                 if self.rank in ranks:
                     self.tp_group = group
 
+        # The CPU build cannot rewind a seeded request's random generator (CPU generators have no
+        # offset), which vLLM does when a prompt's prefill is split over steps: "CPU Generator does
+        # not use offset". Unsplit prefills avoid it.
+        cpu_only = {"enable_chunked_prefill": False} if current_platform.is_cpu() else {}
         self.llm = LLM(
             model=model_path,
             tokenizer=model_path,
@@ -150,6 +154,7 @@ class VLLMRollout:
             logprobs_mode="processed_logprobs",
             generation_config="vllm",
             seed=seed,
+            **cpu_only,
         )
         self.weights_valid = True  # False after a level-2 sleep until the next push
         self.sleep()

@@ -42,7 +42,3 @@ def reference_model(tiny_model_dir):
 
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
-
-def full_state(model):
-    """``(name, tensor)`` of every parameter, cloned (what ``iter_full_parameters`` yields)."""
-    return [(name, p.detach().clone()) for name, p in model.named_parameters()]

@@ -1,0 +1,187 @@
+"""Prompt parquet files: reading, chat template, length policy, errors, sampler, left padding."""
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dsrl.data.datasets import PromptSampler, collate_prompts, left_pad, load_prompts
+
+_spec = importlib.util.spec_from_file_location(
+    "make_tiny_model", Path(__file__).parents[2] / "scripts" / "make_tiny_model.py"
+)
+make_tiny_model = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_tiny_model)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tiny_model.build_tokenizer()
+
+
+def row(content="1+2=", truth="3", source="arithmetic", index=0):
+    return {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": content}],
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": truth},
+        "extra_info": {"split": "train", "index": index},
+    }
+
+
+def write(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def load(files, tokenizer, **kwargs):
+    options = dict(max_prompt_length=64, filter_overlong_prompts=True, truncation="error") | kwargs
+    return load_prompts(files, tokenizer, **options)
+
+
+def test_reads_files_in_order_and_applies_the_chat_template(tmp_path, tokenizer):
+    first = write(tmp_path / "a.parquet", [row("1+2=", "3", index=0), row("4+5=", "9", index=1)])
+    second = write(tmp_path / "b.parquet", [row("10+1=", "11", source="other", index=0)])
+    records, stats = load([first, second], tokenizer)
+    expected = tokenizer("<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)[
+        "input_ids"
+    ]
+    assert list(records[0].prompt_ids) == expected
+    assert [r.ground_truth for r in records] == ["3", "9", "11"]
+    assert [r.data_source for r in records] == ["arithmetic", "arithmetic", "other"]
+    assert records[1].extra_info == {"split": "train", "index": 1}
+    assert stats == {"rows": 3, "kept": 3, "filtered_overlong": 0, "truncated": 0}
+    assert len(load(first, tokenizer)[0]) == 2  # a single path works too
+
+
+def test_missing_extra_info_column_gives_empty_dicts_and_prompt_key_selects_the_column(tmp_path, tokenizer):
+    rows = [
+        {
+            "data_source": "arithmetic",
+            "question": [{"role": "user", "content": "1+1="}],
+            "reward_model": {"ground_truth": "2"},
+        }
+    ]
+    path = write(tmp_path / "q.parquet", rows)
+    records, _ = load(path, tokenizer, prompt_key="question")
+    assert records[0].extra_info == {}
+    with pytest.raises(ValueError, match=r"no column \['prompt'\].*data.prompt_key"):
+        load(path, tokenizer)
+
+
+def test_overlong_prompts_are_filtered_counted_and_reported(tmp_path, tokenizer, caplog):
+    path = write(tmp_path / "p.parquet", [row("1+2="), row("x" * 100), row("3+4="), row("y" * 200)])
+    with caplog.at_level(logging.WARNING):
+        records, stats = load(path, tokenizer, max_prompt_length=40)
+    assert len(records) == 2 and all(len(r.prompt_ids) <= 40 for r in records)
+    assert stats == {"rows": 4, "kept": 2, "filtered_overlong": 2, "truncated": 0}
+    assert "dropped 2 of 4 prompts longer than data.max_prompt_length=40" in caplog.text
+    with pytest.raises(ValueError, match="no prompts left"):
+        load(path, tokenizer, max_prompt_length=5)
+
+
+def test_truncation_error_names_file_row_and_fixes(tmp_path, tokenizer):
+    path = write(tmp_path / "p.parquet", [row("1+2="), row("x" * 100)])
+    with pytest.raises(ValueError) as info:
+        load(path, tokenizer, max_prompt_length=40, filter_overlong_prompts=False)
+    message = str(info.value)
+    assert "p.parquet row 1" in message and "data.max_prompt_length=40" in message
+    assert "data.filter_overlong_prompts=true" in message and "data.truncation=left" in message
+
+
+@pytest.mark.parametrize("mode", ["left", "right"])
+def test_truncation_left_keeps_the_end_right_keeps_the_start(tmp_path, tokenizer, mode):
+    path = write(tmp_path / "p.parquet", [row("1+2="), row("x" * 100)])
+    full = load(path, tokenizer, max_prompt_length=200)[0][1].prompt_ids
+    records, stats = load(path, tokenizer, max_prompt_length=40, filter_overlong_prompts=False, truncation=mode)
+    assert stats["truncated"] == 1 and len(records) == 2
+    assert records[1].prompt_ids == (full[-40:] if mode == "left" else full[:40])
+    with pytest.raises(ValueError, match=r"data.truncation='middle'"):
+        load(path, tokenizer, truncation="middle")
+
+
+@pytest.mark.parametrize(
+    "bad, rule",
+    [
+        ({"prompt": "1+2="}, r"'prompt' is str .* not a list of messages"),
+        ({"prompt": []}, r"not a list of messages"),
+        ({"prompt": [{"role": "user"}]}, r"without str 'role' and 'content'"),
+        ({"reward_model": {"style": "rule", "ground_truth": None}}, r"without reward_model.ground_truth"),
+        ({"data_source": ""}, r"data_source is '', not a non-empty string"),
+    ],
+)
+def test_malformed_rows_are_errors_naming_file_row_and_rule(tmp_path, tokenizer, bad, rule):
+    path = write(
+        tmp_path / "bad.parquet", [row(index=0), row(index=1) | bad] if "prompt" not in bad else [row(index=0) | bad]
+    )
+    bad_row = 0 if "prompt" in bad else 1
+    with pytest.raises(ValueError, match=rf"bad.parquet row {bad_row}: .*{rule}.*Fix: "):
+        load(path, tokenizer)
+
+
+def test_missing_file_and_missing_chat_template(tmp_path, tokenizer):
+    with pytest.raises(FileNotFoundError, match="prepare_data.py"):
+        load(str(tmp_path / "none.parquet"), tokenizer)
+    plain = make_tiny_model.build_tokenizer()
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        load(write(tmp_path / "p.parquet", [row()]), plain)
+
+
+def records_of(n, tokenizer, tmp_path):
+    path = write(tmp_path / "n.parquet", [row(f"{i}+0=", str(i), index=i) for i in range(n)])
+    return load(path, tokenizer)[0]
+
+
+def test_sampler_epochs_are_seeded_permutations_without_the_remainder(tmp_path, tokenizer):
+    records = records_of(10, tokenizer, tmp_path)
+    sampler = PromptSampler(records, 3, shuffle=True, seed=7)
+    assert sampler.batches_per_epoch == 3
+    epochs = [[r.ground_truth for _ in range(3) for r in sampler.next_batch()] for _ in range(2)]
+    assert sampler.state_dict() == {"epoch": 1, "index": 3}
+    for taken in epochs:
+        assert len(taken) == len(set(taken)) == 9  # one batch of 3 per step, 1 record left out per epoch
+    assert epochs[0] != epochs[1]
+    again = PromptSampler(records, 3, shuffle=True, seed=7)
+    assert [r.ground_truth for r in again.next_batch()] == epochs[0][:3]
+    other_seed = PromptSampler(records, 3, shuffle=True, seed=8)
+    assert [r.ground_truth for _ in range(3) for r in other_seed.next_batch()] != epochs[0]
+    ordered = PromptSampler(records, 4, shuffle=False, seed=7)
+    assert [r.ground_truth for r in ordered.next_batch()] == ["0", "1", "2", "3"]
+
+
+def test_sampler_resumes_exactly(tmp_path, tokenizer):
+    records = records_of(10, tokenizer, tmp_path)
+    straight = PromptSampler(records, 4, shuffle=True, seed=1)
+    expected = [straight.next_batch() for _ in range(7)]
+    first = PromptSampler(records, 4, shuffle=True, seed=1)
+    taken = [first.next_batch() for _ in range(3)]
+    resumed = PromptSampler(records, 4, shuffle=True, seed=1)
+    resumed.load_state_dict(first.state_dict())
+    assert taken + [resumed.next_batch() for _ in range(4)] == expected
+    with pytest.raises(ValueError, match="another dataset or data.train_batch_size"):
+        resumed.load_state_dict({"epoch": 0, "index": 5})
+    with pytest.raises(ValueError, match="data.train_batch_size=11"):
+        PromptSampler(records, 11, shuffle=True, seed=1)
+
+
+def test_left_pad_and_collate():
+    ids, mask = left_pad([(5, 6, 7), (8,)], pad_token_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert ids.dtype == mask.dtype == torch.long
+
+
+def test_collate_prompts_gives_the_batch_prompt_fields(tmp_path, tokenizer):
+    records = records_of(3, tokenizer, tmp_path)
+    fields = collate_prompts(records[:2], tokenizer.pad_token_id)
+    assert set(fields) == {"prompt_ids", "prompt_mask", "data_sources", "ground_truths", "extra_infos"}
+    assert fields["prompt_ids"].shape == fields["prompt_mask"].shape == (2, len(records[0].prompt_ids))
+    assert fields["prompt_ids"][fields["prompt_mask"].bool()].tolist() == list(
+        records[0].prompt_ids + records[1].prompt_ids
+    )
+    assert fields["ground_truths"] == ["0", "1"] and fields["extra_infos"][1] == {"split": "train", "index": 1}

@@ -1,0 +1,298 @@
+"""VLLMRollout on the real vLLM: sampling and log-probs against a transformers forward, seeds,
+EOS and length, and the weight push from a ZeRO-3 actor (tied and untied output heads)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from dsrl.data.batch import Batch  # noqa: E402
+from dsrl.rollout import SamplingParams, iter_full_parameters  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+P = 6
+PROMPT_LENGTHS = (6, 4, 2)
+# fp32 vLLM (CPU kernels) against an fp32 transformers forward: measured ~1e-6 on this machine.
+FP32_ATOL = 1e-5
+
+
+def prompts(lengths=PROMPT_LENGTHS, width=P, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths)
+    mask = (torch.arange(width) >= width - lengths[:, None]).long()
+    return torch.randint(3, 100, (len(lengths), width), generator=g) * mask, mask
+
+
+def as_batch(prompt_ids, prompt_mask, out, n: int) -> Batch:
+    rows = torch.arange(len(prompt_ids)).repeat_interleave(n)
+    return Batch(
+        prompt_ids=prompt_ids[rows],
+        prompt_mask=prompt_mask[rows],
+        response_ids=out.response_ids,
+        response_mask=out.response_mask,
+        group_ids=rows,
+        rollout_log_probs=out.log_probs,
+    )
+
+
+def forward_log_probs(model, batch: Batch, temperature: float = 1.0, top_k: int | None = None) -> torch.Tensor:
+    """[B, T] log-probs of the response tokens under ``model`` (temperature, then top-k)."""
+    width = batch.prompt_ids.shape[1]
+    T = batch.response_ids.shape[1]
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        ).logits[:, width - 1 : width + T - 1]
+    logits = logits / temperature
+    if top_k is not None:
+        top = logits.topk(top_k, dim=-1)
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
+    return torch.log_softmax(logits, -1).gather(-1, batch.response_ids[..., None]).squeeze(-1)
+
+
+def full_state(model):
+    return [(name, p.detach().clone()) for name, p in model.named_parameters()]
+
+
+@pytest.fixture
+def initial(vllm_rollout, reference_model):
+    """The engine holding the initial weights (other tests push other ones)."""
+    vllm_rollout.update_weights(full_state(reference_model))
+    return vllm_rollout
+
+
+def test_log_probs_match_a_transformers_forward(initial, reference_model):
+    prompt_ids, prompt_mask = prompts()
+    out = initial.generate(prompt_ids, prompt_mask, SamplingParams(n=3, temperature=0.9, max_tokens=12, seed=5))
+
+    assert out.response_ids.shape == out.response_mask.shape == out.log_probs.shape == (9, 12)
+    assert out.log_probs.dtype == torch.float32 and out.response_ids.dtype == torch.long
+    mask = out.response_mask.bool()
+    assert (out.log_probs[~mask] == 0).all() and (out.response_ids[~mask] == initial.pad_token_id).all()
+    batch = as_batch(prompt_ids, prompt_mask, out, n=3)
+    expected = forward_log_probs(reference_model, batch, temperature=0.9)
+    diff = (out.log_probs - expected)[mask].abs()
+    print(f"fp32 vLLM vs transformers log-prob diff: max {diff.max():.2e} mean {diff.mean():.2e}")
+    assert diff.max() < FP32_ATOL
+    assert len({tuple(r) for r in out.response_ids[:3].tolist()}) == 3  # n distinct samples of prompt 0
+
+
+def test_top_k_log_probs_are_those_of_the_truncated_distribution(initial, reference_model):
+    prompt_ids, prompt_mask = prompts()
+    out = initial.generate(prompt_ids, prompt_mask, SamplingParams(n=2, temperature=1.3, top_k=5, max_tokens=8, seed=1))
+    batch = as_batch(prompt_ids, prompt_mask, out, n=2)
+    mask = out.response_mask.bool()
+    expected = forward_log_probs(reference_model, batch, temperature=1.3, top_k=5)
+    assert torch.isfinite(expected[mask]).all()  # every sampled token is among the top 5
+    torch.testing.assert_close(out.log_probs[mask], expected[mask], atol=FP32_ATOL, rtol=0)
+
+
+def test_greedy_decoding_takes_the_argmax_and_reports_raw_log_probs(initial, reference_model):
+    prompt_ids, prompt_mask = prompts()
+    out = initial.generate(prompt_ids, prompt_mask, SamplingParams(do_sample=False, temperature=0.0, max_tokens=8))
+    batch = as_batch(prompt_ids, prompt_mask, out, n=1)
+    expected = forward_log_probs(reference_model, batch)
+    mask = out.response_mask.bool()
+    torch.testing.assert_close(out.log_probs[mask], expected[mask], atol=FP32_ATOL, rtol=0)
+    width = batch.prompt_ids.shape[1]
+    with torch.no_grad():
+        logits = reference_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                 position_ids=batch.position_ids).logits[:, width - 1 : -1]
+    assert (logits.argmax(-1) == batch.response_ids)[mask].all()
+
+
+def test_eos_ends_the_response_and_length_caps_it(initial):
+    prompt_ids, prompt_mask = prompts()
+    # The untrained model is close to uniform over 100 tokens at temperature 2 (vLLM's maximum):
+    # EOS comes up at ~1% per token, so 24 responses of 64 tokens show both endings.
+    out = initial.generate(prompt_ids, prompt_mask, SamplingParams(n=8, temperature=2.0, max_tokens=64, seed=0))
+    eos = torch.tensor(initial.eos_token_ids)
+    for ids, mask, reason in zip(out.response_ids, out.response_mask, out.finish_reasons):
+        valid = int(mask.sum())
+        assert (mask[:valid] == 1).all() and (mask[valid:] == 0).all()
+        is_eos = torch.isin(ids[:valid], eos)
+        if reason == "stop":
+            assert is_eos[-1] and not is_eos[:-1].any()  # the first EOS, included in the mask
+            assert (ids[valid:] == initial.pad_token_id).all()
+        else:
+            assert reason == "length" and valid == 64 and not is_eos.any()
+    assert set(out.finish_reasons) == {"stop", "length"}
+
+
+def test_a_seed_fixes_the_samples_and_prompts_get_their_own_streams(initial):
+    prompt_ids, prompt_mask = prompts()
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=11)
+    first = initial.generate(prompt_ids, prompt_mask, sampling)
+    again = initial.generate(prompt_ids, prompt_mask, sampling)
+    other = initial.generate(prompt_ids, prompt_mask, sampling.replace(seed=12))
+    assert torch.equal(first.response_ids, again.response_ids) and torch.equal(first.log_probs, again.log_probs)
+    assert not torch.equal(first.response_ids, other.response_ids)
+    # The same prompt twice in one call: different samples (a seed per prompt, not one per call).
+    twice = initial.generate(prompt_ids[[0, 0]], prompt_mask[[0, 0]], sampling.replace(n=1))
+    assert not torch.equal(twice.response_ids[0], twice.response_ids[1])
+
+
+def test_a_batch_larger_than_one_scheduler_step(initial):
+    """More prompt tokens than one engine step schedules: prompts wait or (on GPUs) prefill in
+    chunks; seeded sampling must survive it (the CPU build cannot rewind a seeded generator)."""
+    prompt_ids, prompt_mask = prompts(lengths=[120] * 100, width=120, seed=3)
+    budget = initial.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert prompt_mask.sum() > budget
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=9)
+    out = initial.generate(prompt_ids, prompt_mask, sampling)
+    assert out.response_ids.shape == (200, 4) and out.response_mask[:, 0].all()
+    assert torch.equal(initial.generate(prompt_ids, prompt_mask, sampling).response_ids, out.response_ids)
+
+
+def test_sleep_mode_is_refused_where_vllm_has_none(tiny_model_dir):
+    from vllm.platforms import current_platform
+
+    from dsrl.rollout.vllm import VLLMRollout
+
+    if current_platform.is_sleep_mode_available():
+        pytest.skip("this platform has sleep mode")
+    with pytest.raises(ValueError, match="enable_sleep_mode=true: vLLM has no sleep mode"):
+        VLLMRollout(str(tiny_model_dir), enable_sleep_mode=True)
+
+
+# ---------------------------------------------------------------- the weight push
+
+
+@pytest.fixture(scope="module")
+def actor(world_of_one, make_cfg, ds_test_config, vllm_rollout):
+    """A ZeRO-3 (+ offload) actor on the tiny model, built after the engine as the trainer does."""
+    from dsrl.engines import ActorEngine
+
+    return ActorEngine(
+        make_cfg(
+            f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6",
+            "actor_rollout_ref.actor.optim.lr=0.01",
+            "actor_rollout_ref.actor.optim.weight_decay=0",
+        )
+    )
+
+
+def sample_and_score(rollout, actor, seed):
+    """Rollout log-probs and the actor's on the same tokens, and the batch."""
+    prompt_ids, prompt_mask = prompts()
+    out = rollout.generate(prompt_ids, prompt_mask, SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=seed))
+    batch = as_batch(prompt_ids, prompt_mask, out, n=2)
+    actor_lp = actor.compute_log_probs(batch, temperature=1.0)["old_log_probs"]
+    return out.log_probs, actor_lp, batch
+
+
+def test_push_after_an_actor_update_gives_the_new_policy(vllm_rollout, actor):
+    vllm_rollout.update_weights(iter_full_parameters(actor.module))
+    rollout_lp, actor_lp, batch = sample_and_score(vllm_rollout, actor, seed=3)
+    mask = batch.response_mask.bool()
+    assert (rollout_lp - actor_lp)[mask].abs().max() < FP32_ATOL
+
+    embedding_before = dict(iter_full_parameters(actor.module))["model.embed_tokens.weight"]
+    advantages = torch.where(torch.arange(len(batch)) % 2 == 0, 1.0, -1.0)[:, None] * batch.response_mask
+    for _ in range(3):
+        actor.update(batch.replace(old_log_probs=actor_lp, advantages=advantages), temperature=1.0)
+    after = dict(iter_full_parameters(actor.module))
+    # The update moved the input embedding, which is also the (tied) output head.
+    assert not torch.equal(after["model.embed_tokens.weight"], embedding_before)
+
+    stale_lp, new_actor_lp, batch = sample_and_score(vllm_rollout, actor, seed=4)
+    mask = batch.response_mask.bool()
+    assert (stale_lp - new_actor_lp)[mask].abs().max() > 1e-2  # the engine still holds the old weights
+
+    vllm_rollout.update_weights(iter_full_parameters(actor.module, bucket_bytes=4096))  # many small buckets
+    rollout_lp, new_actor_lp, batch = sample_and_score(vllm_rollout, actor, seed=4)
+    mask = batch.response_mask.bool()
+    diff = (rollout_lp - new_actor_lp)[mask].abs()
+    print(f"after update + push, fp32 vLLM vs ZeRO-3 actor: max {diff.max():.2e} mean {diff.mean():.2e}")
+    assert diff.max() < FP32_ATOL
+
+
+def test_the_push_resets_the_prefix_cache(vllm_rollout, reference_model):
+    """A prompt longer than a KV block (128 tokens on CPU) is cached; the push must drop it."""
+    import copy
+
+    vllm_rollout.update_weights(full_state(reference_model))
+    prompt_ids, prompt_mask = prompts(lengths=(200,), width=200, seed=7)
+    sampling = SamplingParams(n=1, temperature=1.0, max_tokens=6, seed=2)
+    vllm_rollout.generate(prompt_ids, prompt_mask, sampling)  # fills the prefix cache
+
+    changed = copy.deepcopy(reference_model)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+
+    def diff_to_changed():
+        out = vllm_rollout.generate(prompt_ids, prompt_mask, sampling)
+        batch = as_batch(prompt_ids, prompt_mask, out, n=1)
+        mask = out.response_mask.bool()
+        return (out.log_probs - forward_log_probs(changed, batch))[mask].abs().max().item()
+
+    # Reload alone (no reset): the cached prompt KV of the old weights is reused.
+    vllm_rollout.llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": iter(full_state(changed)), "is_checkpoint_format": True}
+    )
+    assert diff_to_changed() > 1e-2
+    vllm_rollout.update_weights(full_state(changed))
+    assert diff_to_changed() < FP32_ATOL
+
+
+UNTIED_CHECK = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from dsrl.engines import init_distributed
+from dsrl.rollout import SamplingParams
+from dsrl.rollout.vllm import VLLMRollout
+init_distributed()
+path = sys.argv[1]
+rollout = VLLMRollout(path, dtype="float32", max_model_len=64, enforce_eager=True, gpu_memory_utilization=0.1)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+with torch.no_grad():
+    model.lm_head.weight.add_(torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
+rollout.update_weights([(n, p.detach().clone()) for n, p in model.named_parameters()])
+prompt = torch.tensor([[5, 6, 7, 8]])
+out = rollout.generate(prompt, torch.ones_like(prompt), SamplingParams(n=4, max_tokens=8, seed=0))
+diffs = []
+for ids, lp, mask in zip(out.response_ids, out.log_probs, out.response_mask):
+    full = torch.cat([prompt[0], ids[mask.bool()]])[None]
+    with torch.no_grad():
+        logits = model(full).logits[0, 3:-1]
+    expected = torch.log_softmax(logits, -1).gather(-1, full[0, 4:, None])[:, 0]
+    diffs.append((expected - lp[mask.bool()]).abs().max().item())
+print("MAXDIFF", max(diffs))
+"""
+
+
+def test_an_untied_output_head_is_pushed(reference_model, tmp_path, free_port):
+    """Its own process: one vLLM engine per process, and this model differs (separate lm_head)."""
+    untied = tmp_path / "untied"
+    reference_model.config.tie_word_embeddings = False
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_config(reference_model.config, dtype=torch.float32)
+        model.load_state_dict(reference_model.state_dict(), strict=False)
+        with torch.no_grad():
+            model.lm_head.weight.copy_(reference_model.get_input_embeddings().weight)
+        model.save_pretrained(untied)
+    finally:
+        reference_model.config.tie_word_embeddings = True
+    AutoTokenizer.from_pretrained(reference_model.name_or_path).save_pretrained(untied)
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    result = subprocess.run([sys.executable, "-c", UNTIED_CHECK, str(untied)], env=env, capture_output=True,
+                            text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr[-3000:]
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("MAXDIFF")]
+    assert float(line.split()[1]) < FP32_ATOL

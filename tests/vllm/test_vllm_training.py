@@ -1,0 +1,95 @@
+"""Training with ``actor_rollout_ref.rollout.name=vllm`` end to end: one process, and two CPU ranks
+under the deepspeed launcher with tensor parallel 1 (two engines) and 2 (one engine over both)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("train_worker.py")
+RANK_LOCAL = ("timing_s/", "perf/")
+# fp32 vLLM against the fp32 ZeRO-3 actor after every push (the tied output head included).
+FP32_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def overrides(arithmetic_data, tiny_model_dir, ds_test_config, deepspeed_cpu_ops):
+    data = arithmetic_data
+    return [
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        f"data.train_files={data / 'train.parquet'}",
+        f"data.val_files={data / 'test.parquet'}",
+        f"custom_reward_function.path={data / 'digits_reward.py'}",
+        f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.enforce_eager=true",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.1",
+        "algorithm.rollout_correction.rollout_is=token",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # two optimizer steps per step
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.n=4",
+        "trainer.total_training_steps=3",
+        "trainer.test_freq=3",
+        "trainer.logger=[console]",
+    ]
+
+
+def run(command, port):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "5",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "MASTER_PORT": str(port)}
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+
+
+def check_run(report):
+    assert report["rollout"] == "VLLMRollout"
+    assert [entry["step"] for entry in report["logged"]] == [0, 1, 2, 3]
+    for entry in report["logged"]:
+        bad = {k: v for k, v in entry["metrics"].items() if not math.isfinite(v)}
+        assert not bad, (entry["step"], bad)
+    for entry in report["logged"][1:]:
+        metrics = entry["metrics"]
+        for key in ("timing_s/update_weights", "timing_s/gen", "timing_s/wake", "timing_s/sleep",
+                    "rollout_corr/is_ratio_mean", "rollout_corr/masked_fraction", "actor/pg_loss"):
+            assert key in metrics, key
+        # Each step pushes the weights of the previous step's update: vLLM scores like the actor.
+        assert metrics["rollout/logprob_diff_max"] < FP32_ATOL, metrics["rollout/logprob_diff_max"]
+        assert abs(metrics["rollout_corr/is_ratio_mean"] - 1) < FP32_ATOL
+        assert metrics["actor/grad_norm"] > 0
+    assert "val/arithmetic/reward/mean" in report["logged"][3]["metrics"]
+
+
+def test_three_steps_in_one_process(overrides, tmp_path, free_port):
+    run([sys.executable, str(WORKER), "--out", str(tmp_path), str(REPO / "configs" / "quickstart.yaml"), *overrides],
+        free_port())
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    assert (report["world"], report["tp"]) == (1, 1)
+    check_run(report)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_ranks_under_the_launcher(overrides, tmp_path, free_port, tp):
+    port = free_port()
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port)]
+    run([*launcher, str(WORKER), "--out", str(tmp_path), str(REPO / "configs" / "quickstart.yaml"), *overrides,
+         f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"], port)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["world"], r["tp"]) for r in reports] == [(2, tp), (2, tp)]
+    for report in reports:
+        check_run(report)
+    for entry0, entry1 in zip(reports[0]["logged"], reports[1]["logged"]):
+        shared0 = {k: v for k, v in entry0["metrics"].items() if not k.startswith(RANK_LOCAL)}
+        shared1 = {k: v for k, v in entry1["metrics"].items() if not k.startswith(RANK_LOCAL)}
+        assert shared0 == shared1  # all-reduced: every rank logs the same numbers
