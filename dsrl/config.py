@@ -989,6 +989,14 @@ def _vllm_rules(cfg: Config, need: Need) -> None:
         "unsupported rollout precision",
         f"use one of {', '.join(MODEL_DTYPES)}, or null (= actor_rollout_ref.model.dtype)",
     )
+    if rollout.name == "vllm":
+        for key in (f"{prefix}.temperature", f"{prefix}.val_kwargs.temperature"):
+            need(
+                OmegaConf.select(cfg, key) <= 2,
+                key,
+                "vLLM samples with temperatures in [0, 2] only",
+                "set it to at most 2 (1.0 samples from the policy itself)",
+            )
     sequence = data.max_prompt_length + data.max_response_length
     need(
         rollout.max_model_len is None or rollout.max_model_len >= sequence,

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from dsrl.algorithms import RolloutCorrection
 from dsrl.data.batch import Batch
-from dsrl.distributed import global_stats
+from dsrl.distributed import global_mean, global_stats
 
 
 def _add_stats(metrics: dict[str, float], name: str, values: torch.Tensor) -> None:
@@ -37,3 +38,16 @@ def rollout_logprob_metrics(batch: Batch) -> dict[str, float]:
     diff = (batch.rollout_log_probs - batch.old_log_probs).abs()[batch.response_mask.bool()]
     mean, hi, _ = global_stats(diff)
     return {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": hi}
+
+
+def rollout_correction_metrics(batch: Batch, correction: RolloutCorrection) -> dict[str, float]:
+    """Importance ratios rollout -> actor over the response tokens, whether or not they are applied."""
+    mask = batch.response_mask.bool()
+    mean, hi, lo = global_stats(correction.ratio[mask])
+    return {
+        "rollout_corr/is_ratio_mean": mean,
+        "rollout_corr/is_ratio_max": hi,
+        "rollout_corr/is_ratio_min": lo,
+        "rollout_corr/is_weight_mean": global_mean(correction.weights[mask]),
+        "rollout_corr/masked_fraction": global_mean(1.0 - correction.keep_mask[mask]),
+    }

@@ -16,15 +16,23 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from dsrl.algorithms import AdaptiveKLController, EstimatorInputs, FixedKLController, apply_kl_penalty, compute_advantages
+from dsrl.algorithms import (
+    AdaptiveKLController,
+    EstimatorInputs,
+    FixedKLController,
+    apply_kl_penalty,
+    compute_advantages,
+    rollout_correction,
+)
 from dsrl.config import Config, to_dict
 from dsrl.data.batch import Batch
 from dsrl.data.datasets import PromptSampler, collate_prompts, load_prompts
 from dsrl.distributed import all_gather_rows, all_reduce, global_mean
 from dsrl.engines import ActorEngine, CriticEngine, ReferenceEngine, init_distributed
-from dsrl.metrics import batch_metrics, rollout_logprob_metrics
+from dsrl.metrics import batch_metrics, rollout_correction_metrics, rollout_logprob_metrics
 from dsrl.rewards import RewardScorer
 from dsrl.rollout import HFRollout, SamplingParams, iter_full_parameters
+from dsrl.rollout.colocation import colocated_generation
 from dsrl.tracking import Tracker, flatten
 
 
@@ -58,10 +66,16 @@ class Trainer:
         self.sampler = PromptSampler(self.train_prompts, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
 
         self.needs_ref = actor_cfg.use_kl_loss or algo.use_kl_in_reward
+        if cfg.actor_rollout_ref.rollout.name == "vllm":
+            from dsrl.rollout.vllm import VLLMRollout  # needs the vllm package
+
+            # Before the DeepSpeed engines take device memory; with sleep mode it sleeps right away.
+            self.rollout = VLLMRollout.from_config(cfg)
         self.actor = ActorEngine(cfg)
         self.ref = ReferenceEngine(cfg) if self.needs_ref else None
         self.critic = CriticEngine(cfg) if algo.adv_estimator == "gae" else None
-        self.rollout = HFRollout(model_cfg.path, dtype=model_cfg.dtype, trust_remote_code=model_cfg.trust_remote_code)
+        if cfg.actor_rollout_ref.rollout.name == "hf":
+            self.rollout = HFRollout(model_cfg.path, dtype=model_cfg.dtype, trust_remote_code=model_cfg.trust_remote_code)
         self.scorer = RewardScorer(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
 
         if algo.kl_ctrl.type == "adaptive":
@@ -114,9 +128,16 @@ class Trainer:
             seed=self.cfg.trainer.seed + 7919 * self.global_step + self.rank,
         )
 
-    def sync_weights(self) -> None:
-        """Push the actor's current weights into the rollout engine (a collective on every rank)."""
-        self.rollout.update_weights(iter_full_parameters(self.actor.module))
+    def colocated(self, metrics: dict[str, float]):
+        """The rollout engine awake with the actor's current weights, the DeepSpeed engines' device
+        memory released around it (``dsrl.rollout.colocation``; a collective on every rank)."""
+        engines = [role.engine for role in (self.actor, self.critic, self.ref) if role is not None]
+        return colocated_generation(
+            self.rollout,
+            weights=lambda: iter_full_parameters(self.actor.module),
+            trainer_engines=engines,
+            metrics=metrics,
+        )
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
         """Sample ``sampling.n`` responses per prompt; rows of one prompt are contiguous."""
@@ -178,15 +199,31 @@ class Trainer:
         T = batch.response_mask.shape[1]
         return advantages[rows, :T], returns[rows, :T]
 
+    def rollout_correction(self, batch: Batch):
+        """Importance ratios rollout -> actor on this batch (``algorithm.rollout_correction``)."""
+        corr = self.cfg.algorithm.rollout_correction
+        return rollout_correction(
+            batch.old_log_probs,
+            batch.rollout_log_probs,
+            batch.response_mask,
+            rollout_is=corr.rollout_is,
+            rollout_is_threshold=corr.rollout_is_threshold,
+            rollout_rs=corr.rollout_rs,
+            rollout_rs_threshold=corr.rollout_rs_threshold,
+            rollout_rs_threshold_lower=corr.rollout_rs_threshold_lower,
+        )
+
     def validate(self) -> dict[str, float]:
         """Mean reward per data source on the validation files (``val/<data_source>/reward/mean``)."""
-        self.sync_weights()
         shard = self.val_prompts[self.rank :: self.world_size]
         sampling = self._sampling(validation=True)
         chunk = self.cfg.data.val_batch_size or max(len(shard), 1)
         sums: dict[str, list[float]] = {}
-        for start in range(0, len(shard), chunk):
-            batch = self.generate(self._prompt_batch(shard[start : start + chunk], first_group_id=start), sampling)
+        batches = []
+        with self.colocated({}):
+            for start in range(0, len(shard), chunk):
+                batches.append(self.generate(self._prompt_batch(shard[start : start + chunk], first_group_id=start), sampling))
+        for batch in batches:
             scores, _ = self.score(batch)
             for source, score in zip(batch.data_sources, scores.sum(-1).tolist()):
                 total = sums.setdefault(source, [0.0, 0.0])
@@ -213,9 +250,8 @@ class Trainer:
         timer = PhaseTimer()
         metrics: dict[str, float] = {}
         with timer("step"):
-            with timer("update_weights"):
-                self.sync_weights()
-            with timer("gen"):
+            # timing_s/update_weights, /wake, /gen, /sleep (and sleep-mode memory on GPUs)
+            with self.colocated(metrics):
                 batch = self.generate(prompts, self._sampling(validation=False))
                 reward_baselines = None
                 if algo.adv_estimator == "remax":
@@ -246,6 +282,10 @@ class Trainer:
                 with timer("values"):
                     batch = batch.replace(values=self.critic.compute_values(batch))
             with timer("adv"):
+                correction = self.rollout_correction(batch)
+                metrics.update(rollout_correction_metrics(batch, correction))
+                if algo.rollout_correction.rollout_is or algo.rollout_correction.rollout_rs:
+                    batch = batch.replace(rollout_is_weights=correction.weights)
                 if algo.use_kl_in_reward:
                     rewards, kl_metrics = self.rewards_with_kl(batch)
                     metrics.update(kl_metrics)

@@ -48,15 +48,19 @@ _SEED_RANGE = 2**62  # per-prompt seeds; + n stays far inside int64
 
 
 def _refresh_shared_weight_layers(worker: Any) -> None:
-    """Run the post-load processing again on every layer whose weight is shared with another
-    (a tied LM head): vLLM's in-place reload processes only the layers that received tensors.
-    Runs on each vLLM worker (``collective_rpc``)."""
+    """Run the post-load processing again on unquantized embedding layers that share their weight
+    (an LM head tied to the input embedding): vLLM's in-place reload processes only the layers
+    that received tensors, and the CPU build's processing packs a copy of the weight for its
+    GEMM. Idempotent for these layers (a no-op on GPUs). Runs on each vLLM worker (``collective_rpc``)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        UnquantizedEmbeddingMethod,
+    )
+
     model = worker.model_runner.get_model()
     layers: dict[int, list[torch.nn.Module]] = {}
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and hasattr(module, "quant_method") and weight.numel() > 0:
-            layers.setdefault(weight.data_ptr(), []).append(module)
+        if isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod) and module.weight.numel():
+            layers.setdefault(module.weight.data_ptr(), []).append(module)
     for shared in layers.values():
         if len(shared) > 1:
             for module in shared:

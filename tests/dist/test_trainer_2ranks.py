@@ -40,7 +40,8 @@ def setup(arithmetic_data, tiny_model_dir, ds_test_config, deepspeed_cpu_ops, fr
         "trainer.test_freq=2",
     ]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "3"}
-    launcher = lambda: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
+    def launcher():
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
     return overrides, env, launcher
 
 

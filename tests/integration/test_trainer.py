@@ -87,3 +87,17 @@ def test_config_trains_two_steps(name, tiny_model_dir, arithmetic_data, ds_test_
         assert "actor/kl_loss" in step_metrics and "timing_s/ref" in step_metrics
     if name == "otb":
         assert trainer.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
+
+
+def test_remax_and_in_reward_kl(tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops):
+    """ReMax's greedy baseline rollout and the adaptive in-reward KL controller, on the GRPO config."""
+    trainer, logged, (actor_before, actor_after), _ = run_config(
+        "grpo", tiny_model_dir, arithmetic_data, ds_test_config,
+        "algorithm.adv_estimator=remax", "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.01",
+    )
+    step1, step2 = logged[1][1], logged[2][1]
+    assert step1["actor/reward_kl_penalty_coeff"] == 0.01
+    assert step2["actor/reward_kl_penalty_coeff"] != 0.01  # the adaptive controller moved beta after step 1
+    assert step2["actor/reward_kl_penalty"] > 0  # the actor left the reference after one update
+    assert changed_fraction(actor_before, actor_after) == 1.0

@@ -97,9 +97,9 @@ def test_the_phase_order_and_its_metrics(monkeypatch):
 def test_a_failing_generation_leaves_the_engines_where_they_are(monkeypatch):
     calls = []
     monkeypatch.setattr(colocation, "get_accelerator", lambda: Accelerator("cuda", calls))
-    with pytest.raises(RuntimeError, match="boom"):
-        with colocation.colocated_generation(
-            Rollout(calls), weights=lambda: iter([]), trainer_engines=[engine("actor", calls)], metrics={}
-        ):
-            raise RuntimeError("boom")
+    phase = colocation.colocated_generation(
+        Rollout(calls), weights=lambda: iter([]), trainer_engines=[engine("actor", calls)], metrics={}
+    )
+    with pytest.raises(RuntimeError, match="boom"), phase:
+        raise RuntimeError("boom")
     assert "sleep" not in calls and "actor.reload_states" not in calls  # no collective cleanup after an error

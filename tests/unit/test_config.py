@@ -252,7 +252,8 @@ def test_shipped_config_is_valid_once_its_files_exist(name, files):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_shipped_config_points_at_the_tiny_model_and_arithmetic_data(name):
+def test_shipped_config_points_at_the_tiny_model_and_arithmetic_data(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a fresh checkout: the model and data are not built yet
     cfg = C.load_config(str(REPO / "configs" / f"{name}.yaml"), [])
     assert cfg.actor_rollout_ref.model.path == "./outputs/tiny_model"
     assert cfg.data.train_files == "outputs/data/arithmetic/train.parquet"
@@ -821,6 +822,8 @@ def test_sleep_mode_needs_the_vllm_rollout(files):
         "actor_rollout_ref.rollout.max_model_len=100",
         "algorithm.rollout_correction.rollout_is=geometric",
         "algorithm.rollout_correction.rollout_is_threshold=1.0",
+        "actor_rollout_ref.rollout.temperature=2.5",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=3",
     ],
 )
 def test_vllm_and_rollout_correction_values_out_of_range(files, override):

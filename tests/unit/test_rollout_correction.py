@@ -94,7 +94,7 @@ def test_weights_scale_the_policy_loss_per_token():
     out = rollout_correction(old, rollout, MASK, rollout_is="token")
     log_probs = torch.where(MASK.bool(), old, 0.0).requires_grad_()
     adv = torch.ones(2, 4)
-    kwargs = dict(old_log_probs=log_probs.detach(), log_probs=log_probs, advantages=adv, response_mask=MASK.float())
+    kwargs = {"old_log_probs": log_probs.detach(), "log_probs": log_probs, "advantages": adv, "response_mask": MASK.float()}
     weighted, _ = policy_loss("vanilla", rollout_is_weights=out.weights, **kwargs)
     # On-policy ratio 1: vanilla loss per token is -A = -1, so the weighted token-mean is -mean(w).
     assert weighted.item() == pytest.approx(-(out.weights.sum() / MASK.sum()).item())

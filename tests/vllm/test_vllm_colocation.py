@@ -13,11 +13,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch  # noqa: E402
-from deepspeed.accelerator import get_accelerator  # noqa: E402
+import torch
+from deepspeed.accelerator import get_accelerator
 
-from dsrl.rollout import SamplingParams, iter_full_parameters  # noqa: E402
-from dsrl.rollout import colocation  # noqa: E402
+from dsrl.rollout import SamplingParams, colocation, iter_full_parameters
 
 pytestmark = pytest.mark.vllm
 

@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch  # noqa: E402
+import torch
 
-from dsrl.data.batch import Batch  # noqa: E402
-from dsrl.rollout import SamplingParams, iter_full_parameters  # noqa: E402
+from dsrl.data.batch import Batch
+from dsrl.rollout import SamplingParams, iter_full_parameters
 
 pytestmark = pytest.mark.vllm
 
@@ -292,7 +292,7 @@ def test_an_untied_output_head_is_pushed(reference_model, tmp_path, free_port):
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
     result = subprocess.run([sys.executable, "-c", UNTIED_CHECK, str(untied)], env=env, capture_output=True,
-                            text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+                            text=True, timeout=300, cwd=Path(__file__).resolve().parents[2], check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     [line] = [line for line in result.stdout.splitlines() if line.startswith("MAXDIFF")]
     assert float(line.split()[1]) < FP32_ATOL
