@@ -18,7 +18,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from dsrl.config import ConfigError, load_and_validate  # noqa: E402
 
-PHASES = ("update_weights", "gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+PHASES = ("release_memory", "update_weights", "wake", "gen", "sleep", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
 
 
 def main() -> int:

@@ -103,7 +103,9 @@ def test_one_generation_phase_runs_in_the_design_order(vllm_rollout, actor, reco
         "actor.reload_states",
     ]
     assert out.response_ids.shape == (2, 4)
-    assert set(metrics) == {"timing_s/update_weights", "timing_s/wake", "timing_s/gen", "timing_s/sleep"}
+    assert set(metrics) == {
+        "timing_s/release_memory", "timing_s/update_weights", "timing_s/wake", "timing_s/gen", "timing_s/sleep"
+    }
     assert all(v >= 0 for v in metrics.values())
 
 
