@@ -19,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.dist
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("trainer_2ranks_worker.py")
+WORKER = Path(__file__).parents[1] / "train_worker.py"
 RANK_LOCAL = ("timing_s/", "perf/")
 
 

@@ -9,9 +9,7 @@ from transformers import AutoModelForCausalLM
 from dsrl.data.batch import Batch
 from dsrl.engines import ActorEngine
 from dsrl.rollout import HFRollout, SamplingParams, iter_full_parameters
-
-P = 6
-PROMPT_LENGTHS = (6, 4, 2)
+from tests.rollout_helpers import P, as_batch, prompts
 
 
 @pytest.fixture(scope="module")
@@ -23,25 +21,6 @@ def rollout(tiny_model_dir) -> HFRollout:
 def reference_model(tiny_model_dir):
     """The initial weights as a plain transformers model, to check the rollout against."""
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-def prompts() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.tensor(PROMPT_LENGTHS)
-    mask = (torch.arange(P) >= P - lengths[:, None]).long()
-    return torch.randint(3, 100, (len(lengths), P), generator=g) * mask, mask
-
-
-def as_batch(prompt_ids, prompt_mask, out, n: int) -> Batch:
-    rows = torch.arange(len(prompt_ids)).repeat_interleave(n)
-    return Batch(
-        prompt_ids=prompt_ids[rows],
-        prompt_mask=prompt_mask[rows],
-        response_ids=out.response_ids,
-        response_mask=out.response_mask,
-        group_ids=rows,
-        rollout_log_probs=out.log_probs,
-    )
 
 
 def forward_logits(model, batch: Batch) -> torch.Tensor:

@@ -16,32 +16,12 @@ import torch
 
 from dsrl.data.batch import Batch
 from dsrl.rollout import SamplingParams, iter_full_parameters
+from tests.rollout_helpers import as_batch, prompts
 
 pytestmark = pytest.mark.vllm
 
-P = 6
-PROMPT_LENGTHS = (6, 4, 2)
 # fp32 vLLM (CPU kernels) against an fp32 transformers forward: measured ~1e-6 on this machine.
 FP32_ATOL = 1e-5
-
-
-def prompts(lengths=PROMPT_LENGTHS, width=P, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor(lengths)
-    mask = (torch.arange(width) >= width - lengths[:, None]).long()
-    return torch.randint(3, 100, (len(lengths), width), generator=g) * mask, mask
-
-
-def as_batch(prompt_ids, prompt_mask, out, n: int) -> Batch:
-    rows = torch.arange(len(prompt_ids)).repeat_interleave(n)
-    return Batch(
-        prompt_ids=prompt_ids[rows],
-        prompt_mask=prompt_mask[rows],
-        response_ids=out.response_ids,
-        response_mask=out.response_mask,
-        group_ids=rows,
-        rollout_log_probs=out.log_probs,
-    )
 
 
 def forward_log_probs(model, batch: Batch, temperature: float = 1.0, top_k: int | None = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("train_worker.py")
+WORKER = Path(__file__).parents[1] / "train_worker.py"
 RANK_LOCAL = ("timing_s/", "perf/")
 # fp32 vLLM against the fp32 ZeRO-3 actor after every push (the tied output head included).
 FP32_ATOL = 1e-4

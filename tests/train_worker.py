@@ -1,5 +1,5 @@
-"""One rank of a training run with the vLLM rollout: the real Trainer; every logged step's metrics
-go to ``<out>/rank<N>.json``. Runs alone (a world of one) or under the deepspeed launcher."""
+"""One rank of a training run (hf or vLLM rollout): the real Trainer; every logged step's metrics go
+to ``<out>/rank<N>.json``. Runs alone (a world of one) or under the deepspeed launcher."""
 
 import argparse
 import json
