@@ -24,6 +24,7 @@ CONSOLE_KEYS = (
     "response_length/mean",
     "rollout/logprob_diff_mean",
     "timing_s/step",
+    "tracking/failures",
 )
 _MLFLOW_FORBIDDEN = re.compile(r"[^A-Za-z0-9_\-./ ]")
 
