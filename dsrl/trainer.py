@@ -65,14 +65,14 @@ class Trainer:
         self.val_prompts = self._load_prompts(cfg.data.val_files) if cfg.data.val_files else None
         self.sampler = PromptSampler(self.train_prompts, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
 
-        self.needs_ref = actor_cfg.use_kl_loss or algo.use_kl_in_reward
+        needs_ref = actor_cfg.use_kl_loss or algo.use_kl_in_reward
         if cfg.actor_rollout_ref.rollout.name == "vllm":
             from dsrl.rollout.vllm import VLLMRollout  # needs the vllm package
 
             # Before the DeepSpeed engines take device memory; with sleep mode it sleeps right away.
             self.rollout = VLLMRollout.from_config(cfg)
         self.actor = ActorEngine(cfg)
-        self.ref = ReferenceEngine(cfg) if self.needs_ref else None
+        self.ref = ReferenceEngine(cfg) if needs_ref else None
         self.critic = CriticEngine(cfg) if algo.adv_estimator == "gae" else None
         if cfg.actor_rollout_ref.rollout.name == "hf":
             self.rollout = HFRollout(model_cfg.path, dtype=model_cfg.dtype, trust_remote_code=model_cfg.trust_remote_code)

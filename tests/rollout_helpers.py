@@ -29,3 +29,20 @@ def as_batch(prompt_ids, prompt_mask, out, n: int) -> Batch:
         group_ids=rows,
         rollout_log_probs=out.log_probs,
     )
+
+
+def assert_eos_and_length_handling(out, eos_token_ids, pad_token_id: int, max_tokens: int) -> None:
+    """The rollout contract for how a response ends: the mask is one run from the start; a 'stop'
+    response ends at its first EOS (included in the mask) and is padded after it; a 'length'
+    response fills ``max_tokens`` without an EOS; both endings occur."""
+    eos = torch.tensor(eos_token_ids)
+    for ids, mask, reason in zip(out.response_ids, out.response_mask, out.finish_reasons):
+        valid = int(mask.sum())
+        assert (mask[:valid] == 1).all() and (mask[valid:] == 0).all()
+        is_eos = torch.isin(ids[:valid], eos)
+        if reason == "stop":
+            assert is_eos[-1] and not is_eos[:-1].any()
+            assert (ids[valid:] == pad_token_id).all()
+        else:
+            assert reason == "length" and valid == max_tokens and not is_eos.any()
+    assert set(out.finish_reasons) == {"stop", "length"}

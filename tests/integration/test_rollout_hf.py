@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from dsrl.data.batch import Batch
 from dsrl.engines import ActorEngine
 from dsrl.rollout import HFRollout, SamplingParams, iter_full_parameters
-from tests.rollout_helpers import P, as_batch, prompts
+from tests.rollout_helpers import P, as_batch, assert_eos_and_length_handling, prompts
 
 
 @pytest.fixture(scope="module")
@@ -80,17 +80,7 @@ def test_eos_ends_the_mask_and_sets_the_finish_reason(rollout):
     prompt_ids, prompt_mask = prompts()
     # A hot temperature flattens the untrained model's distribution: EOS then comes up at ~1%/token.
     out = rollout.generate(prompt_ids, prompt_mask, SamplingParams(n=4, temperature=3.0, max_tokens=64, seed=0))
-    eos = torch.tensor(rollout.eos_token_ids)
-    for ids, mask, reason in zip(out.response_ids, out.response_mask, out.finish_reasons):
-        valid = int(mask.sum())
-        assert (mask[:valid] == 1).all() and (mask[valid:] == 0).all()  # one contiguous run from the start
-        is_eos = torch.isin(ids[:valid], eos)
-        if reason == "stop":
-            assert is_eos[-1] and not is_eos[:-1].any()  # ends at its first EOS
-            assert (ids[valid:] == rollout.pad_token_id).all()
-        else:
-            assert reason == "length" and valid == 64 and not is_eos.any()
-    assert set(out.finish_reasons) == {"stop", "length"}
+    assert_eos_and_length_handling(out, rollout.eos_token_ids, rollout.pad_token_id, max_tokens=64)
 
 
 def test_a_seed_fixes_the_samples_and_leaves_the_global_rng_alone(rollout):

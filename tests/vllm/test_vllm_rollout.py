@@ -16,7 +16,7 @@ import torch
 
 from dsrl.data.batch import Batch
 from dsrl.rollout import SamplingParams, iter_full_parameters
-from tests.rollout_helpers import as_batch, prompts
+from tests.rollout_helpers import as_batch, assert_eos_and_length_handling, prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -95,17 +95,7 @@ def test_eos_ends_the_response_and_length_caps_it(initial):
     # The untrained model is close to uniform over 100 tokens at temperature 2 (vLLM's maximum):
     # EOS comes up at ~1% per token, so 24 responses of 64 tokens show both endings.
     out = initial.generate(prompt_ids, prompt_mask, SamplingParams(n=8, temperature=2.0, max_tokens=64, seed=0))
-    eos = torch.tensor(initial.eos_token_ids)
-    for ids, mask, reason in zip(out.response_ids, out.response_mask, out.finish_reasons):
-        valid = int(mask.sum())
-        assert (mask[:valid] == 1).all() and (mask[valid:] == 0).all()
-        is_eos = torch.isin(ids[:valid], eos)
-        if reason == "stop":
-            assert is_eos[-1] and not is_eos[:-1].any()  # the first EOS, included in the mask
-            assert (ids[valid:] == initial.pad_token_id).all()
-        else:
-            assert reason == "length" and valid == 64 and not is_eos.any()
-    assert set(out.finish_reasons) == {"stop", "length"}
+    assert_eos_and_length_handling(out, initial.eos_token_ids, initial.pad_token_id, max_tokens=64)
 
 
 def test_a_seed_fixes_the_samples_and_prompts_get_their_own_streams(initial):
