@@ -67,6 +67,22 @@ ROLLOUT_NAMES = ("hf", "vllm")
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 SLEEP_LEVELS = (1, 2)
 LOGGERS = ("console", "mlflow")
+RESUME_MODES = ("auto", "disable", "resume_path")
+# What a checkpoint holds (verl's checkpoint.save_contents); a ZeRO checkpoint keeps the weights inside the
+# optimizer partitions, so model, optimizer and extra (trainer state) are always saved together.
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+REQUIRED_CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
+# Keys (regular expressions over dotted keys) that may change when a run resumes: how long it runs, how
+# often it validates and saves, where it logs. Every other key shapes the run and must match the checkpoint
+# unless trainer.resume_allow_config_change is set.
+RESUME_HARMLESS_KEYS = (
+    r"trainer\.(total_epochs|total_training_steps|save_freq|test_freq|val_before_train|logger)",
+    r"trainer\.(project_name|experiment_name|default_local_dir|max_consecutive_skips)",
+    r"trainer\.(resume_mode|resume_from_path|resume_allow_config_change|max_actor_ckpt_to_keep|max_critic_ckpt_to_keep)",
+    r"data\.(val_files|val_batch_size)",
+    r"actor_rollout_ref\.rollout\.val_kwargs\..*",
+    r"actor_rollout_ref\.actor\.checkpoint\..*",
+)
 MODEL_DTYPES = ("bfloat16", "float32")
 
 DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
@@ -138,6 +154,14 @@ class PolicyLossConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    save_contents: list[str] = _f(
+        lambda: ["model", "optimizer", "extra"],
+        "what a checkpoint holds: model, optimizer, extra (always, for resuming) and hf_model (a loadable Hugging Face copy of the actor)",
+    )
+
+
+@dataclass
 class ActorConfig:
     deepspeed_config: str = _f(
         "zero3_offload",
@@ -187,6 +211,7 @@ class ActorConfig:
     grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 turns clipping off")
     policy_loss: PolicyLossConfig = _f(PolicyLossConfig, "policy loss variant")
     optim: OptimConfig = _f(OptimConfig, "actor optimizer")
+    checkpoint: CheckpointConfig = _f(CheckpointConfig, "what the actor's checkpoints hold")
 
 
 @dataclass
@@ -349,15 +374,31 @@ class TrainerConfig:
     logger: list[str] = _f(lambda: ["console"], "where metrics go: any of console, mlflow")
     total_epochs: int = _f(1, "passes over the training prompts")
     total_training_steps: Optional[int] = _f(None, "stop after this many steps; null = total_epochs worth")
-    save_freq: int = _f(-1, "save a checkpoint every this many steps; -1 = never")
+    save_freq: int = _f(
+        -1, "save a checkpoint (default_local_dir/global_step_N) every this many steps and at the last step; -1 = never"
+    )
     test_freq: int = _f(-1, "validate every this many steps; -1 = never")
     val_before_train: bool = _f(True, "validate once before the first step (when val_files is set)")
     critic_warmup: int = _f(0, "steps that train only the critic before the actor starts (gae)")
     default_local_dir: str = _f(
-        "checkpoints/${trainer.project_name}/${trainer.experiment_name}", "checkpoint directory"
+        "checkpoints/${trainer.project_name}/${trainer.experiment_name}",
+        "checkpoints and the final Hugging Face model go here; every rank must see it (a shared filesystem across nodes)",
     )
     resume_mode: str = _f(
-        "auto", "auto (latest checkpoint in default_local_dir if any) | disable | a checkpoint directory"
+        "auto",
+        "auto (the newest complete checkpoint in default_local_dir, if any) | disable | resume_path (trainer.resume_from_path)",
+    )
+    resume_from_path: Optional[str] = _f(
+        None, "resume_mode=resume_path: the checkpoint to resume from, a default_local_dir/global_step_N directory"
+    )
+    resume_allow_config_change: bool = _f(
+        False,
+        "resume although settings that shape the run changed (model, estimator, batch geometry, seed, ...); optimizer and LR schedule continue from the checkpoint",
+    )
+    max_actor_ckpt_to_keep: Optional[int] = _f(None, "keep the actor state of this many newest checkpoints; null = all")
+    max_critic_ckpt_to_keep: Optional[int] = _f(None, "keep the critic state of this many newest checkpoints; null = all")
+    max_consecutive_skips: int = _f(
+        5, "stop the run after this many optimizer steps in a row skipped for a non-finite loss or gradient norm"
     )
     seed: int = _f(1, "seed of sampling and initialisation on every rank")
 
@@ -490,8 +531,6 @@ def _verl_only_key(key: str) -> Optional[tuple[str, str]]:
         )
     if key == "actor_rollout_ref.model.use_remove_padding":
         return ("dsrl always runs padded batches", "remove it")
-    if key == "trainer.resume_from_path":
-        return ("dsrl takes the checkpoint path in trainer.resume_mode", "set trainer.resume_mode=<checkpoint dir>")
     return None
 
 
@@ -1147,11 +1186,49 @@ def _trainer_rules(cfg: Config, need: Need) -> None:
         "set it to a name",
     )
     mode = trainer.resume_mode
+    if mode not in RESUME_MODES:
+        fix = "set it to auto, disable or resume_path"
+        if Path(mode).expanduser().is_dir():
+            fix = f"set trainer.resume_mode=resume_path trainer.resume_from_path={mode}"
+        need(False, "trainer.resume_mode", f"must be one of {', '.join(RESUME_MODES)}", fix)
+    path = trainer.resume_from_path
+    if mode == "resume_path":
+        need(
+            path is not None and Path(path).expanduser().is_dir(),
+            "trainer.resume_from_path",
+            "resume_mode=resume_path needs an existing checkpoint directory",
+            "set it to a checkpoint such as checkpoints/dsrl/default/global_step_10",
+        )
+    else:
+        need(
+            path is None,
+            "trainer.resume_from_path",
+            f"is read only with trainer.resume_mode=resume_path (now {mode})",
+            "set trainer.resume_mode=resume_path, or remove it",
+        )
+    for key in ("trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep"):
+        kept = OmegaConf.select(cfg, key)
+        need(kept is None or kept >= 1, key, "must be null (keep all) or >= 1", "set it to null or e.g. 3")
     need(
-        mode in ("auto", "disable") or Path(mode).expanduser().is_dir(),
-        "trainer.resume_mode",
-        "must be auto, disable or an existing checkpoint directory",
-        "set it to auto, disable, or e.g. checkpoints/dsrl/default/global_step_10",
+        trainer.max_consecutive_skips >= 1,
+        "trainer.max_consecutive_skips",
+        "must be >= 1",
+        "set it to 5",
+    )
+    contents = list(cfg.actor_rollout_ref.actor.checkpoint.save_contents)
+    key = "actor_rollout_ref.actor.checkpoint.save_contents"
+    need(
+        all(item in CHECKPOINT_CONTENTS for item in contents),
+        key,
+        f"entries must be among {', '.join(CHECKPOINT_CONTENTS)}",
+        "set it to [model,optimizer,extra] or [model,optimizer,extra,hf_model]",
+    )
+    need(
+        all(item in contents for item in REQUIRED_CHECKPOINT_CONTENTS),
+        key,
+        "dsrl checkpoints always hold model, optimizer and extra (ZeRO keeps the weights inside the optimizer "
+        "partitions, and resuming needs all three)",
+        "set it to [model,optimizer,extra], adding hf_model for a loadable model in every checkpoint",
     )
 
 

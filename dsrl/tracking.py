@@ -63,15 +63,19 @@ class ConsoleBackend:
 
 
 class MLflowBackend:
-    """One MLflow run: experiment = trainer.project_name, run name = trainer.experiment_name."""
+    """One MLflow run: experiment = trainer.project_name, run name = trainer.experiment_name; a
+    resumed training run continues its MLflow run (``run_id``)."""
 
-    def __init__(self, project_name: str, experiment_name: str):
+    def __init__(self, project_name: str, experiment_name: str, run_id: str | None = None):
         import mlflow
 
         self.mlflow = mlflow
         mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
-        mlflow.set_experiment(project_name)
-        self.run = mlflow.start_run(run_name=experiment_name)
+        if run_id is not None:
+            self.run = mlflow.start_run(run_id=run_id)
+        else:
+            mlflow.set_experiment(project_name)
+            self.run = mlflow.start_run(run_name=experiment_name)
 
     def log_params(self, params: dict[str, Any]) -> None:
         self.mlflow.log_params({sanitize_metric_name(k): v for k, v in params.items()})
@@ -87,7 +91,16 @@ class MLflowBackend:
 class Tracker:
     """Fans out params and metrics to the configured backends on rank 0; inert on other ranks."""
 
-    def __init__(self, loggers: list[str], *, project_name: str, experiment_name: str, total_steps: int, rank: int):
+    def __init__(
+        self,
+        loggers: list[str],
+        *,
+        project_name: str,
+        experiment_name: str,
+        total_steps: int,
+        rank: int,
+        run_id: str | None = None,
+    ):
         self.backends: list[Any] = []
         self.failures = 0
         if rank != 0:
@@ -96,9 +109,15 @@ class Tracker:
             if name == "console":
                 self.backends.append(ConsoleBackend(total_steps))
             elif name == "mlflow":
-                backend = self._guarded("start", lambda: MLflowBackend(project_name, experiment_name))
+                backend = self._guarded("start", lambda: MLflowBackend(project_name, experiment_name, run_id))
                 if backend is not None:
                     self.backends.append(backend)
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run's id (rank 0, when MLflow is on and started), else None."""
+        runs = [backend.run.info.run_id for backend in self.backends if isinstance(backend, MLflowBackend)]
+        return runs[0] if runs else None
 
     def _guarded(self, what: str, call):
         try:

@@ -2,19 +2,28 @@
 
 Each step (DESIGN §2) is a sequence of phase calls, each timed as ``timing_s/<phase>``:
 gen (with update_weights) -> reward -> old_log_prob -> ref -> values -> adv -> update_critic ->
-update_actor, then validation every ``trainer.test_freq`` steps. Tensor math lives in
-``dsrl.algorithms`` and the engines; this file only orders the calls.
+update_actor, then validation every ``trainer.test_freq`` steps and a checkpoint every
+``trainer.save_freq`` steps (``dsrl.checkpoint``). Tensor math lives in ``dsrl.algorithms`` and the
+engines; this file only orders the calls.
+
+Stopping. SIGTERM or SIGINT lets every rank finish the current step; a checkpoint is saved and
+``fit`` raises ``TrainingInterrupted`` (scripts/train.py exits with 128 + the signal number: 143
+for SIGTERM, 130 for SIGINT). A second signal exits at once with that code.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import set_seed
 
 from dsrl.algorithms import (
     AdaptiveKLController,
@@ -23,6 +32,20 @@ from dsrl.algorithms import (
     apply_kl_penalty,
     compute_advantages,
     rollout_correction,
+)
+from dsrl.checkpoint import (
+    HF_DIR,
+    CheckpointError,
+    config_differences,
+    config_hash,
+    dsrl_version,
+    export_hf_model,
+    load_checkpoint,
+    newest_complete,
+    read_state,
+    save_checkpoint,
+    state_config,
+    step_dir,
 )
 from dsrl.config import Config, to_dict
 from dsrl.data.batch import Batch
@@ -49,12 +72,65 @@ class PhaseTimer:
         self.seconds[f"timing_s/{phase}"] = self.seconds.get(f"timing_s/{phase}", 0.0) + time.perf_counter() - start
 
 
+class TrainingInterrupted(Exception):
+    """SIGTERM/SIGINT stopped the run after a step; a checkpoint was saved at ``checkpoint``."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to {checkpoint}")
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (e.g. too many optimizer steps in a row with non-finite values)."""
+
+
+class StopSignals:
+    """Within ``with``: the first SIGTERM/SIGINT is recorded for the loop; a second one exits at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.signum = 0
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum:
+            os._exit(128 + signum)
+        self.signum = signum
+        print(
+            f"[dsrl] rank {self.rank}: {signal.Signals(signum).name} received: finishing this step, then saving "
+            "a checkpoint (send it again to exit at once)",
+            flush=True,
+        )
+
+    def __enter__(self) -> "StopSignals":
+        for signum in self.SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def received(self) -> int:
+        """The signal any rank received (0 if none); the same answer on every rank. Collective."""
+        return int(all_reduce(torch.tensor(float(self.signum)), "max"))
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         init_distributed()
         self.cfg = cfg
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        torch.manual_seed(cfg.trainer.seed + self.rank)
+        set_seed(cfg.trainer.seed + self.rank)  # python, numpy, torch and the accelerator
+        self.checkpoint_root = Path(cfg.trainer.default_local_dir)
+        # Before any model loads: a checkpoint that cannot be resumed from fails in seconds.
+        self.resume_from, resume_state = self._checkpoint_to_resume()
         model_cfg, actor_cfg = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor
         algo = cfg.algorithm
 
@@ -84,15 +160,126 @@ class Trainer:
             self.kl_ctrl = FixedKLController(algo.kl_ctrl.kl_coef)
 
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
+        self.global_step = 0
+        if self.resume_from is not None:
+            self._restore(resume_state)
         self.tracker = Tracker(
             cfg.trainer.logger,
             project_name=cfg.trainer.project_name,
             experiment_name=cfg.trainer.experiment_name,
             total_steps=self.total_steps,
             rank=self.rank,
+            run_id=resume_state["mlflow_run_id"] if resume_state else None,
         )
-        self.tracker.log_params(flatten(to_dict(cfg)))
-        self.global_step = 0
+        if self.resume_from is None:
+            self.tracker.log_params(flatten(to_dict(cfg)))
+
+    # ---- checkpoints --------------------------------------------------------------------------
+
+    def _checkpoint_to_resume(self) -> tuple[Path | None, dict | None]:
+        """The checkpoint ``trainer.resume_mode`` asks for and its state; rank 0 decides for all."""
+        trainer = self.cfg.trainer
+        decision: list = [None, None, None]  # path, state, error
+        if self.rank == 0:
+            try:
+                path = None
+                if trainer.resume_mode == "resume_path":
+                    path = Path(trainer.resume_from_path)
+                elif trainer.resume_mode == "auto":
+                    path, skipped = newest_complete(self.checkpoint_root)
+                    for line in skipped:
+                        print(f"[dsrl] resume: {line}", flush=True)
+                if path is not None:
+                    decision[:2] = path, read_state(path)
+                    self._check_resumable(path, decision[1])
+            except CheckpointError as err:
+                decision[2] = str(err)
+        dist.broadcast_object_list(decision, src=0)
+        path, state, error = decision
+        if error is not None:
+            raise CheckpointError(error)
+        return path, state
+
+    def _check_resumable(self, path: Path, state: dict) -> None:
+        saved, now = state["config"], state_config(self.cfg, self.world_size)
+        if saved["world_size"] != self.world_size:
+            raise CheckpointError(
+                f"{path}: written by {saved['world_size']} ranks, this run has {self.world_size}; ZeRO partitions "
+                f"weights and optimizer per rank; fix: start with {saved['world_size']} ranks, or "
+                "trainer.resume_mode=disable to start over"
+            )
+        differences = config_differences(saved, now)
+        if differences and not self.cfg.trainer.resume_allow_config_change:
+            raise CheckpointError(
+                f"{path}: the run's settings differ from the checkpoint's:\n  " + "\n  ".join(differences)
+                + "\nfix: restore them, set trainer.resume_allow_config_change=true to resume anyway, "
+                "or trainer.resume_mode=disable to start over"
+            )
+
+    def _engines(self) -> dict:
+        return {name: role.engine for name, role in (("actor", self.actor), ("critic", self.critic)) if role is not None}
+
+    def _restore(self, state: dict) -> None:
+        load_checkpoint(self.resume_from, self._engines(), self.rank)
+        self.global_step = state["global_step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.value = state["kl_coef"]
+        self.actor.skips.load_state_dict(state["skips"]["actor"])
+        if self.critic is not None:
+            self.critic.skips.load_state_dict(state["skips"]["critic"])
+        if self.rank == 0:
+            print(f"[dsrl] resumed from {self.resume_from} (step {self.global_step})", flush=True)
+
+    def save(self) -> Path:
+        """``default_local_dir/global_step_<global_step>``, complete or not at all. Collective."""
+        trainer = self.cfg.trainer
+        config = state_config(self.cfg, self.world_size)
+        contents = list(self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
+        state = {
+            "format": 1,
+            "dsrl_version": dsrl_version(),
+            "global_step": self.global_step,
+            "world_size": self.world_size,
+            "sampler": self.sampler.state_dict(),
+            "kl_coef": self.kl_ctrl.value,
+            "skips": {name: role.skips.state_dict() for name, role in (("actor", self.actor), ("critic", self.critic)) if role},
+            "mlflow_run_id": self.tracker.run_id,
+            "save_contents": contents,
+            "config": config,
+            "config_hash": config_hash(config),
+        }
+        keep = {"actor": trainer.max_actor_ckpt_to_keep}
+        if self.critic is not None:
+            keep["critic"] = trainer.max_critic_ckpt_to_keep
+        return save_checkpoint(
+            self.checkpoint_root,
+            self.global_step,
+            engines=self._engines(),
+            state=state,
+            export_hf="hf_model" in contents,
+            actor_module=self.actor.module,
+            tokenizer=self.tokenizer,
+            keep=keep,
+        )
+
+    def export_final_model(self) -> Path:
+        """The actor as a Hugging Face model: the last checkpoint's copy when it has one, else
+        ``default_local_dir/huggingface``. Collective."""
+        in_checkpoint = step_dir(self.checkpoint_root, self.global_step) / "actor" / HF_DIR
+        if in_checkpoint.is_dir():
+            return in_checkpoint
+        return export_hf_model(self.actor.module, self.tokenizer, self.checkpoint_root / HF_DIR)
+
+    def _check_skips(self, step: int) -> None:
+        limit = self.cfg.trainer.max_consecutive_skips
+        for role in (self.actor, self.critic):
+            if role is not None and role.skips.consecutive >= limit:
+                bad = ", ".join(f"{name}={value}" for name, value in role.skips.last_bad.items())
+                raise TrainingStopped(
+                    f"step {step}: {role.skips.consecutive} {role.skips.prefix} optimizer steps in a row skipped for "
+                    f"non-finite values (last: {bad}); trainer.max_consecutive_skips={limit}. Look for a reward or "
+                    "advantage that is not finite, or lower the learning rate; resume from the last checkpoint"
+                )
 
     # ---- phases -------------------------------------------------------------------------------
 
@@ -307,37 +494,51 @@ class Trainer:
         return metrics
 
     def fit(self) -> dict[str, float]:
-        """Train for ``total_steps`` steps; returns the validation metrics before and after."""
+        """Train up to ``total_steps`` steps; returns the validation metrics before and after and the
+        path of the exported model (``model_dir``). Raises ``TrainingInterrupted`` after a signal."""
         cfg = self.cfg
         results: dict[str, float] = {}
         if self.val_prompts is not None and cfg.trainer.val_before_train:
             val = self.validate()
             results["before/val/accuracy"] = val["val/accuracy"]
-            self.tracker.log_metrics(val, step=0)
+            self.tracker.log_metrics(val, step=self.global_step)
         per_rank = cfg.data.train_batch_size // self.world_size
         val = {}
-        for self.global_step in range(self.global_step, self.total_steps):
-            records = self.sampler.next_batch()[self.rank * per_rank : (self.rank + 1) * per_rank]
-            metrics = self.step(self._prompt_batch(records, first_group_id=self.rank * per_rank))
-            step = self.global_step + 1
-            last = step == self.total_steps
-            if self.val_prompts is not None and cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
-                val = self.validate()
-                metrics.update(val)
-            self.tracker.log_metrics(metrics, step=step)
-        self.global_step = self.total_steps
+        with StopSignals(self.rank) as signals:
+            while self.global_step < self.total_steps:
+                records = self.sampler.next_batch()[self.rank * per_rank : (self.rank + 1) * per_rank]
+                metrics = self.step(self._prompt_batch(records, first_group_id=self.rank * per_rank))
+                self.global_step += 1
+                step, last = self.global_step, self.global_step == self.total_steps
+                self._check_skips(step)
+                if self.val_prompts is not None and cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
+                    val = self.validate()
+                    metrics.update(val)
+                self.tracker.log_metrics(metrics, step=step)
+                signum = signals.received()
+                if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or last) or signum:
+                    path = self.save()
+                    if self.rank == 0:
+                        print(f"[dsrl] checkpoint saved to {path}", flush=True)
+                if signum:
+                    self.tracker.finish()
+                    raise TrainingInterrupted(signum, step, path)
         if val:
             results["after/val/accuracy"] = val["val/accuracy"]
+        self.model_dir = self.export_final_model()
         self.tracker.finish()
         return results
 
 
 def train(cfg: Config) -> dict[str, float]:
-    """Build every role and run the loop; prints validation accuracy before and after on rank 0."""
+    """Build every role and run the loop; prints validation accuracy before and after and where the
+    model went on rank 0."""
     trainer = Trainer(cfg)
     results = trainer.fit()
-    if trainer.rank == 0 and results:
-        before = results.get("before/val/accuracy", math.nan)
-        after = results.get("after/val/accuracy", math.nan)
-        print(f"[dsrl] validation accuracy: before {before:.3f}  after {after:.3f}", flush=True)
+    if trainer.rank == 0:
+        if results:
+            before = results.get("before/val/accuracy", math.nan)
+            after = results.get("after/val/accuracy", math.nan)
+            print(f"[dsrl] validation accuracy: before {before:.3f}  after {after:.3f}", flush=True)
+        print(f"[dsrl] model saved to {trainer.model_dir} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)
     return results

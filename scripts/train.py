@@ -5,7 +5,9 @@
     python scripts/train.py configs/otb.yaml --validate-only                      # print the resolved config
 
 The config is checked before torch or DeepSpeed is imported: a bad one exits with code 2 within a
-second, listing every problem (dotted key, value, rule, fix).
+second, listing every problem (dotted key, value, rule, fix). Exit codes: 0 done; 2 a bad config or a
+checkpoint that cannot be resumed from; 1 a run that cannot go on (e.g. non-finite updates);
+143 / 130 stopped by SIGTERM / SIGINT after saving a checkpoint (resume with trainer.resume_mode=auto).
 """
 
 from __future__ import annotations
@@ -52,9 +54,23 @@ def main(argv: list[str]) -> int:
         print("".join(f"# note: {note}\n" for note in notes) + to_yaml(cfg), end="", flush=True)
     if args.validate_only:
         return 0
-    from dsrl.trainer import train
+    from dsrl.trainer import CheckpointError, TrainingInterrupted, TrainingStopped, train
 
-    train(cfg)
+    first_rank = os.environ.get("RANK", "0") == "0"
+    try:
+        train(cfg)
+    except CheckpointError as err:
+        if first_rank:
+            print(f"dsrl: {err}", file=sys.stderr)
+        return 2
+    except TrainingStopped as err:
+        if first_rank:
+            print(f"dsrl: {err}", file=sys.stderr)
+        return 1
+    except TrainingInterrupted as err:
+        if first_rank:
+            print(f"[dsrl] {err}; exit code {err.exit_code}", flush=True)
+        return err.exit_code
     return 0
 
 

@@ -1,27 +1,97 @@
 """One rank of a training run (hf or vLLM rollout): the real Trainer; every logged step's metrics go
-to ``<out>/rank<N>.json``. Runs alone (a world of one) or under the deepspeed launcher."""
+to ``<out>/rank<N>.json`` at the end and, as they happen, to ``<out>/metrics_rank<N>.jsonl`` (so a
+killed run keeps what it logged). Runs alone (a world of one) or under the deepspeed launcher.
+
+Fault injection: ``--kill-at PHASE@STEP`` sends SIGKILL to this process at one point of training
+step STEP (1-based): ``update`` (in the middle of the step, before the actor update), or during
+that step's checkpoint save right after ``save_engines`` (DeepSpeed files written), ``write_state``
+(the state file written, not yet published) or ``publish`` (renamed into place, before pruning).
+``--nan-at STEPS`` makes the actor's loss NaN in the listed steps (comma-separated, 1-based).
+The process exits with scripts/train.py's codes for a signal (128 + signum) and a stopped run (1).
+"""
 
 import argparse
 import json
 import os
+import signal
+import sys
 from pathlib import Path
 
+import dsrl.checkpoint
 from dsrl.config import load_and_validate
-from dsrl.trainer import Trainer
+from dsrl.trainer import Trainer, TrainingInterrupted, TrainingStopped
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--local_rank", type=int)
+parser.add_argument("--kill-at", default=None)
+parser.add_argument("--nan-at", default="")
 parser.add_argument("config")
 parser.add_argument("overrides", nargs="*")
 args = parser.parse_args()
 
 cfg, _ = load_and_validate(args.config, args.overrides, int(os.environ.get("WORLD_SIZE", "1")))
 trainer = Trainer(cfg)
+out = Path(args.out)
 logged = []
-trainer.tracker.log_metrics = lambda metrics, step: logged.append({"step": step, "metrics": metrics})
-trainer.fit()
+metrics_log = out / f"metrics_rank{trainer.rank}.jsonl"
+
+
+def log_metrics(metrics, step):
+    logged.append({"step": step, "metrics": metrics})
+    with metrics_log.open("a") as f:
+        f.write(json.dumps({"step": step, "metrics": metrics}) + "\n")
+
+
+trainer.tracker.log_metrics = log_metrics
+
+
+def kill_after(fn, at_global_step):
+    def wrapped(*a, **kw):
+        result = fn(*a, **kw)
+        if trainer.global_step == at_global_step:
+            print(f"[worker] SIGKILL at {args.kill_at}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    return wrapped
+
+
+if args.kill_at:
+    phase, step = args.kill_at.split("@")
+    step = int(step)
+    if phase == "update":  # global_step counts finished steps, so step STEP runs at STEP - 1
+        trainer.actor.update = kill_after(trainer.actor.update, step - 1)
+    else:
+        setattr(dsrl.checkpoint, phase, kill_after(getattr(dsrl.checkpoint, phase), step))
+
+nan_steps = {int(s) for s in args.nan_at.split(",") if s}
+if nan_steps:
+    loss = trainer.actor._loss
+
+    def nan_loss(*a, **kw):
+        value, contributions = loss(*a, **kw)
+        return (value * float("nan") if trainer.global_step + 1 in nan_steps else value), contributions
+
+    trainer.actor._loss = nan_loss
+
+code = 0
+try:
+    trainer.fit()
+except TrainingInterrupted as err:
+    code = err.exit_code
+except TrainingStopped as err:
+    print(f"dsrl: {err}", flush=True)
+    code = 1
 llm = getattr(trainer.rollout, "llm", None)
 tp = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size if llm is not None else None
-report = {"world": trainer.world_size, "rollout": type(trainer.rollout).__name__, "tp": tp, "logged": logged}
-Path(args.out, f"rank{trainer.rank}.json").write_text(json.dumps(report))
+report = {
+    "world": trainer.world_size,
+    "rollout": type(trainer.rollout).__name__,
+    "tp": tp,
+    "logged": logged,
+    "model_dir": str(getattr(trainer, "model_dir", "")),
+    "skipped": trainer.actor.skips.state_dict(),
+}
+(out / f"rank{trainer.rank}.json").write_text(json.dumps(report))
+sys.exit(code)

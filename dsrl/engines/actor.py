@@ -34,7 +34,7 @@ from dsrl.engines.forward import (
     response_logits,
     response_stats,
 )
-from dsrl.engines.training import mini_batch_geometry, run_ppo_updates
+from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 
 
 class ActorEngine:
@@ -81,6 +81,7 @@ class ActorEngine:
             config=self.ds_config,
             lr_scheduler=lr_warmup(actor.optim.lr_warmup_steps),
         )
+        self.skips = SkipCounter("actor")
 
     @property
     def module(self) -> torch.nn.Module:
@@ -140,7 +141,7 @@ class ActorEngine:
             loss_fn=lambda micro, num_tokens, num_seqs: self._loss(
                 micro, num_tokens=num_tokens, num_seqs=num_seqs, temperature=temperature, on_policy=on_policy
             ),
-            prefix="actor",
+            skips=self.skips,
         )
 
     def _loss(

@@ -26,7 +26,7 @@ from dsrl.engines.deepspeed_setup import (
     lr_warmup,
 )
 from dsrl.engines.forward import micro_batch_indices, model_inputs, pad_response
-from dsrl.engines.training import mini_batch_geometry, run_ppo_updates
+from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 
 
 class ValueModel(nn.Module):
@@ -95,6 +95,7 @@ class CriticEngine:
             config=self.ds_config,
             lr_scheduler=lr_warmup(critic.optim.lr_warmup_steps),
         )
+        self.skips = SkipCounter("critic")
 
     @property
     def module(self) -> nn.Module:
@@ -138,7 +139,7 @@ class CriticEngine:
             seed=self.cfg.trainer.seed,
             split=self._split,
             loss_fn=self._loss,
-            prefix="critic",
+            skips=self.skips,
         )
 
     def _loss(self, micro: Batch, num_tokens: float, num_seqs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

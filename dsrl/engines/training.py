@@ -13,11 +13,18 @@ gradient is exactly ``grad L`` for any split into micro-batches (and any number 
 accumulation boundary is driven explicitly (``set_gradient_accumulation_boundary``), so the
 number of micro-batches may differ from the nominal ``gradient_accumulation_steps`` (token-budget
 micro-batching).
+
+Non-finite updates. ZeRO (stages 1-3, every precision dsrl allows) discards an optimizer step whose
+global gradient norm is not finite and leaves the LR scheduler where it was. dsrl counts those steps
+(``SkipCounter``) and checks the guarantee: a step DeepSpeed applied with a non-finite loss or norm
+stops the run before that state can be saved.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -29,6 +36,36 @@ from dsrl.distributed import all_reduce
 # micro-batches and ranks add up to the mini-batch's metric values.
 LossFn = Callable[[Batch, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 SplitFn = Callable[[Batch], list[torch.Tensor]]
+
+
+class SkipCounter:
+    """Optimizer steps skipped for a non-finite loss or gradient norm: in total and in a row."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.total = 0
+        self.consecutive = 0
+        self.last_bad: dict[str, float] = {}
+
+    def record(self, *, applied: bool, loss: float, grad_norm: float) -> None:
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if applied and not finite:
+            raise RuntimeError(
+                f"{self.prefix}: DeepSpeed applied an optimizer step with loss={loss}, grad_norm={grad_norm}; "
+                "dsrl needs ZeRO's non-finite gradient check (zero_optimization.stage 1-3, bf16.check_grad_overflow true)"
+            )
+        if applied:
+            self.consecutive = 0
+            return
+        self.total += 1
+        self.consecutive += 1
+        self.last_bad = {f"{self.prefix}/loss": loss, f"{self.prefix}/grad_norm": grad_norm}
+
+    def state_dict(self) -> dict:
+        return {"total": self.total, "consecutive": self.consecutive, "last_bad": self.last_bad}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total, self.consecutive, self.last_bad = state["total"], state["consecutive"], state["last_bad"]
 
 
 def mini_batch_geometry(
@@ -87,13 +124,15 @@ def run_ppo_updates(
     seed: int,
     split: SplitFn,
     loss_fn: LossFn,
-    prefix: str,
+    skips: SkipCounter,
 ) -> dict[str, float]:
     """Train ``engine`` on ``batch``; metrics averaged over the optimizer steps, equal on all ranks.
 
-    Adds ``{prefix}/grad_norm`` (global, before clipping) and ``{prefix}/lr`` (of each step) to the
-    loss function's metrics.
+    Adds ``{prefix}/grad_norm`` (global, before clipping), ``{prefix}/lr`` (of each step) and
+    ``{prefix}/skipped_steps`` (optimizer steps skipped so far in the run) to the loss function's
+    metrics; ``prefix`` is ``skips.prefix``.
     """
+    prefix = skips.prefix
     world = dist.get_world_size()
     start_step = engine.global_steps
     records: dict[str, list[float]] = {}
@@ -103,18 +142,23 @@ def run_ppo_updates(
             mini = batch.select(rows)
             num_tokens, num_seqs = global_counts(mini.response_mask)
             micro_rows = split(mini)
+            loss_name = f"{prefix}/loss"  # the objective itself, for the non-finite check
             sums: dict[str, torch.Tensor] = {}
             for j, idx in enumerate(micro_rows):
                 engine.set_gradient_accumulation_boundary(j == len(micro_rows) - 1)
                 loss, contributions = loss_fn(mini.select(idx), num_tokens, num_seqs)
                 engine.backward(loss * world, scale_wrt_gas=False)
-                for name, value in contributions.items():
+                for name, value in {**contributions, loss_name: loss}.items():
                     sums[name] = sums.get(name, 0.0) + value.detach().double()  # stays on device: no sync
             records.setdefault(f"{prefix}/lr", []).append(float(engine.get_lr()[0]))
             engine.step()
             names = sorted(sums)
-            totals = all_reduce(torch.stack([sums[name] for name in names])).tolist()
-            for name, total in zip(names, totals):
+            totals = dict(zip(names, all_reduce(torch.stack([sums[name] for name in names])).tolist()))
+            grad_norm = float(engine.get_global_grad_norm())
+            skips.record(applied=engine.was_step_applied(), loss=totals.pop(loss_name), grad_norm=grad_norm)
+            for name, total in totals.items():
                 records.setdefault(name, []).append(total)
-            records.setdefault(f"{prefix}/grad_norm", []).append(float(engine.get_global_grad_norm()))
-    return {name: sum(values) / len(values) for name, values in records.items()}
+            records.setdefault(f"{prefix}/grad_norm", []).append(grad_norm)
+    metrics = {name: sum(values) / len(values) for name, values in records.items()}
+    metrics[f"{prefix}/skipped_steps"] = float(skips.total)
+    return metrics

@@ -688,11 +688,41 @@ def test_deepspeed_configs_are_checked_for_the_engines_that_are_built(files):
     )
 
 
-def test_resume_mode(files, tmp_path):
-    [v] = problems("grpo", files + [f"trainer.resume_mode={tmp_path / 'step_3'}"])
-    assert "must be auto, disable or an existing checkpoint directory" in v
+def test_resume_keys_follow_verl(files, tmp_path):
     assert problems("grpo", files + ["trainer.resume_mode=disable"]) == []
-    assert problems("grpo", files + [f"trainer.resume_mode={tmp_path}"]) == []
+    assert problems("grpo", files + ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path}"]) == []
+    [v] = problems("grpo", files + ["trainer.resume_mode=latest"])
+    assert v.startswith("trainer.resume_mode=latest: must be one of auto, disable, resume_path")
+    # dsrl's former form, a directory in resume_mode, points to verl's two keys
+    [v] = problems("grpo", files + [f"trainer.resume_mode={tmp_path}"])
+    assert f"fix: set trainer.resume_mode=resume_path trainer.resume_from_path={tmp_path}" in v
+    [v] = problems("grpo", files + ["trainer.resume_mode=resume_path"])
+    assert v.startswith("trainer.resume_from_path=null: resume_mode=resume_path needs an existing checkpoint directory")
+    [v] = problems("grpo", files + ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path / 'gone'}"])
+    assert "needs an existing checkpoint directory" in v
+    [v] = problems("grpo", files + [f"trainer.resume_from_path={tmp_path}"])  # ignored under auto: refused
+    assert "is read only with trainer.resume_mode=resume_path (now auto)" in v
+
+
+def test_checkpoint_keys(files):
+    ok = "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"
+    assert problems("grpo", files + [ok, "trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=1"]) == []
+    [v] = problems("grpo", files + ["actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]"])
+    assert "always hold model, optimizer and extra" in v
+    [v] = problems("grpo", files + ["actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,weights]"])
+    assert "entries must be among model, optimizer, extra, hf_model" in v
+    [v] = problems("grpo", files + ["trainer.max_actor_ckpt_to_keep=0"])
+    assert v.startswith("trainer.max_actor_ckpt_to_keep=0: must be null (keep all) or >= 1")
+    [v] = problems("grpo", files + ["trainer.max_consecutive_skips=0"])
+    assert v.startswith("trainer.max_consecutive_skips=0: must be >= 1")
+
+
+def test_resume_harmless_keys_name_real_keys():
+    """Each pattern of the keys that may change on resume matches at least one key of the schema."""
+    import re
+
+    for pattern in C.RESUME_HARMLESS_KEYS:
+        assert any(re.fullmatch(pattern, key) for key in C.SCHEMA), pattern
 
 
 def test_logger_entries(files):
@@ -785,7 +815,8 @@ def test_validation_imports_nothing_heavy(files):
 
 def test_main_hands_the_validated_config_to_the_trainer(files, monkeypatch):
     trained = []
-    monkeypatch.setitem(sys.modules, "dsrl.trainer", types.SimpleNamespace(train=trained.append))
+    errors = {name: type(name, (Exception,), {}) for name in ("CheckpointError", "TrainingInterrupted", "TrainingStopped")}
+    monkeypatch.setitem(sys.modules, "dsrl.trainer", types.SimpleNamespace(train=trained.append, **errors))
     monkeypatch.setenv("WORLD_SIZE", "1")
     main = runpy.run_path(TRAIN)["main"]
     assert main([str(REPO / "configs" / "grpo.yaml"), *files, "data.train_batch_size=16"]) == 0

@@ -1,0 +1,343 @@
+"""Checkpoints that resume the whole loop exactly, and the actor exported as a Hugging Face model.
+
+Layout (verl's names)::
+
+    default_local_dir/
+      latest_checkpointed_iteration.txt   N of the newest complete checkpoint (replaced atomically)
+      global_step_N/
+        actor/ds/...             DeepSpeed checkpoint: partitioned weights, optimizer, LR scheduler
+        actor/huggingface/       with hf_model in actor.checkpoint.save_contents
+        critic/ds/...            (gae)
+        rng/rank_R.pt            RNG states of rank R (python, numpy, torch, accelerator)
+        trainer_state.json       written last: step, sampler position, KL coefficient, skip counters,
+                                 MLflow run id, state-relevant config and its hash, file manifest
+
+Every rank writes into ``.tmp_global_step_N``; after a barrier rank 0 records the manifest (each
+file's size) in ``trainer_state.json``, syncs it, and renames the directory to ``global_step_N``: a
+checkpoint is visible only once complete. Old checkpoints are renamed to ``.trash_*`` before they
+are deleted, so a crash while pruning never leaves a half-deleted ``global_step_*``. Resuming scans
+``global_step_*`` newest first and takes the first whose manifest checks out, so a crash at any
+point of a save falls back to the previous checkpoint.
+
+Every function that takes engines is a collective: every rank calls it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Iterator
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from safetensors.torch import save_file
+
+from dsrl.config import RESUME_HARMLESS_KEYS, Config, to_dict
+from dsrl.rollout.weight_sync import iter_full_parameters
+from dsrl.tracking import flatten
+
+STATE_FILE = "trainer_state.json"
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+DS_TAG = "ds"  # DeepSpeed's tag: engine files live in <role>/ds/
+HF_DIR = "huggingface"
+FORMAT = 1
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+MAX_SHARD_BYTES = 5 * 2**30
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from: the path, what is wrong, and the fix."""
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"global_step_{step}"
+
+
+# ---- what is saved ---------------------------------------------------------------------------
+
+
+def state_config(cfg: Config, world_size: int) -> dict[str, Any]:
+    """The settings that shape the run (all but ``RESUME_HARMLESS_KEYS``), flattened, with the world size."""
+    flat = flatten(to_dict(cfg))
+    kept = {k: v for k, v in flat.items() if not any(re.fullmatch(p, k) for p in RESUME_HARMLESS_KEYS)}
+    return {**kept, "world_size": world_size}
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
+def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``key: saved -> now`` for every state-relevant setting that differs (absent keys show as <unset>)."""
+    unset = "<unset>"
+    return [
+        f"{key}: {saved.get(key, unset)!r} -> {now.get(key, unset)!r}"
+        for key in sorted(set(saved) | set(now))
+        if saved.get(key, unset) != now.get(key, unset)
+    ]
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG streams as tensors and plain values (loads with ``weights_only=True``)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
+                  "has_gauss": has_gauss, "gauss": gauss},
+        "torch": torch.get_rng_state(),
+        "accelerator": get_accelerator().get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version_, internal, gauss = state["python"]
+    random.setstate((version_, tuple(internal), gauss))
+    np_state = state["numpy"]
+    np.random.set_state(
+        (np_state["name"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"], np_state["has_gauss"],
+         np_state["gauss"])
+    )
+    torch.set_rng_state(state["torch"])
+    get_accelerator().set_rng_state(state["accelerator"])
+
+
+# ---- saving ----------------------------------------------------------------------------------
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``path`` holds either its old content or all of ``text``, never a part."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    _fsync_file(tmp)
+    os.replace(tmp, path)
+
+
+def _remove(path: Path) -> None:
+    """Rename out of the ``global_step_*`` namespace first, then delete: never a half-deleted checkpoint."""
+    trash = path.parent / f".trash_{path.name}"
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash)
+
+
+def _manifest(directory: Path) -> dict[str, int]:
+    return {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != STATE_FILE
+    }
+
+
+def save_engines(directory: Path, engines: dict[str, Any]) -> None:
+    """Each engine's DeepSpeed checkpoint under ``directory/<role>/ds``. Collective."""
+    for role, engine in engines.items():
+        engine.save_checkpoint(str(directory / role), tag=DS_TAG, save_latest=False)
+
+
+def save_rng(directory: Path, rank: int) -> None:
+    (directory / "rng").mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), directory / "rng" / f"rank_{rank}.pt")
+
+
+def write_state(directory: Path, state: dict[str, Any]) -> None:
+    """``trainer_state.json`` with the manifest of everything else in ``directory``; written last."""
+    state = {**state, "files": _manifest(directory)}
+    path = directory / STATE_FILE
+    path.write_text(json.dumps(state, indent=1, sort_keys=True))
+    _fsync_file(path)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Make the complete checkpoint visible under its final name and point ``latest`` at it."""
+    if final.exists():  # a rerun from an older checkpoint writes this step again
+        _remove(final)
+    os.replace(tmp, final)
+    _write_atomically(final.parent / LATEST_FILE, final.name.removeprefix("global_step_"))
+
+
+def prune(root: Path, keep: dict[str, int | None]) -> None:
+    """Delete the state of ``role`` from all but its ``keep[role]`` newest checkpoints (None: keep all);
+    a checkpoint left with no role's state is deleted whole."""
+    steps = sorted(complete_steps(root), reverse=True)
+    for age, step in enumerate(steps):
+        directory = step_dir(root, step)
+        present = [role for role in keep if (directory / role).is_dir()]
+        dropped = [role for role in present if keep[role] is not None and age >= keep[role]]
+        if not dropped:
+            continue
+        if len(dropped) == len(present):
+            _remove(directory)
+        else:
+            for role in dropped:
+                _remove(directory / role)
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    *,
+    engines: dict[str, Any],
+    state: dict[str, Any],
+    export_hf: bool,
+    actor_module: torch.nn.Module,
+    tokenizer: Any,
+    keep: dict[str, int | None],
+) -> Path:
+    """Write ``root/global_step_<step>`` (see the module docstring); returns its path. Collective."""
+    rank = dist.get_rank()
+    final = step_dir(root, step)
+    tmp = root / f".tmp_{final.name}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    save_engines(tmp, engines)
+    save_rng(tmp, rank)
+    if export_hf:
+        export_hf_model(actor_module, tokenizer, tmp / "actor" / HF_DIR)
+    dist.barrier()
+    if rank == 0:
+        write_state(tmp, state)
+        publish(tmp, final)
+        prune(root, keep)
+    dist.barrier()
+    return final
+
+
+# ---- the Hugging Face model --------------------------------------------------------------------
+
+
+def _shards(named: Iterator[tuple[str, torch.Tensor]], max_shard_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > max_shard_bytes:
+            yield shard
+            shard, size = {}, 0
+        shard[name] = tensor
+        size += nbytes
+    if shard:
+        yield shard
+
+
+def export_hf_model(
+    module: torch.nn.Module, tokenizer: Any, out: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> Path:
+    """The actor as a Hugging Face model directory: safetensors shards with an index, ``config.json``,
+    ``generation_config.json`` and the tokenizer. Collective.
+
+    Parameters are gathered from ZeRO-3 a bucket at a time (``iter_full_parameters``); rank 0 keeps
+    at most one shard and one bucket of full tensors, the other ranks one bucket. Written to a
+    temporary directory renamed to ``out`` when complete (an older ``out`` is replaced).
+    """
+    rank = dist.get_rank()
+    tmp = out.with_name(f".tmp_{out.name}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    count = 0
+    for shard in _shards(iter_full_parameters(module), max_shard_bytes):
+        if rank == 0:
+            count += 1
+            name = f"shard-{count:05d}.safetensors"
+            save_file({k: v.contiguous() for k, v in shard.items()}, str(tmp / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+            total += sum(v.numel() * v.element_size() for v in shard.values())
+    if rank == 0:
+        renamed = {f"shard-{i:05d}.safetensors": f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)}
+        for old, new in renamed.items():
+            os.replace(tmp / old, tmp / new)
+        index = {"metadata": {"total_size": total}, "weight_map": {k: renamed[v] for k, v in sorted(weight_map.items())}}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        module.config.save_pretrained(tmp)
+        if getattr(module, "generation_config", None) is not None:
+            module.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            _remove(out)
+        os.replace(tmp, out)
+    dist.barrier()
+    return out
+
+
+# ---- resuming --------------------------------------------------------------------------------
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps N with a ``global_step_N`` directory under ``root`` (complete by construction, unchecked)."""
+    if not root.is_dir():
+        return []
+    return [int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+
+
+def checkpoint_problem(directory: Path) -> str | None:
+    """Why ``directory`` cannot be resumed from, or None: the state file must parse and every file
+    of its manifest be present with its recorded size."""
+    path = directory / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        return f"no {STATE_FILE} (not a dsrl checkpoint, or its save never finished)"
+    except (OSError, ValueError) as err:
+        return f"{STATE_FILE} is unreadable ({err})"
+    if not isinstance(state, dict) or state.get("format") != FORMAT or "files" not in state:
+        return f"{STATE_FILE} is not a dsrl checkpoint state of format {FORMAT}"
+    for name, size in state["files"].items():
+        file = directory / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def read_state(directory: Path) -> dict[str, Any]:
+    problem = checkpoint_problem(directory)
+    if problem is not None:
+        raise CheckpointError(
+            f"trainer.resume_from_path={directory}: not a complete dsrl checkpoint: {problem}; "
+            "fix: point it at a global_step_N directory written by dsrl, or set trainer.resume_mode=auto"
+        )
+    return json.loads((directory / STATE_FILE).read_text())
+
+
+def newest_complete(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under ``root`` that checks out, and one line per newer one skipped."""
+    skipped = []
+    for step in sorted(complete_steps(root), reverse=True):
+        directory = step_dir(root, step)
+        problem = checkpoint_problem(directory)
+        if problem is None:
+            return directory, skipped
+        skipped.append(f"skipping {directory}: {problem}")
+    return None, skipped
+
+
+def load_checkpoint(directory: Path, engines: dict[str, Any], rank: int) -> None:
+    """Restore every engine (weights, optimizer, LR scheduler, step counters) and this rank's RNG. Collective."""
+    for role, engine in engines.items():
+        path, _ = engine.load_checkpoint(str(directory / role), tag=DS_TAG)
+        if path is None:
+            raise CheckpointError(f"{directory / role}: DeepSpeed found no {role} checkpoint to load")
+    set_rng_state(torch.load(directory / "rng" / f"rank_{rank}.pt", weights_only=True))
+
+
+def dsrl_version() -> str:
+    return version("dsrl")

@@ -1,0 +1,238 @@
+"""Runs of ``tests/train_worker.py`` that are killed and resumed, and the comparisons of their results.
+
+A run is a subprocess (one rank, or two under the deepspeed launcher) so that SIGKILL is real.
+Exactness is judged on everything a run leaves: every logged metric except wall-clock ones, and
+every tensor and value in the DeepSpeed checkpoint files and trainer state of the final step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "train_worker.py"
+RANK_LOCAL = ("timing_s/", "perf/")  # wall-clock metrics differ between any two runs
+STEPS = 8
+
+
+def resume_overrides(name, *, model, data, ds_config, ckpt, world) -> list[str]:
+    """configs/<name>.yaml shrunk to seconds per step: 4 prompts x 4 responses, two optimizer steps
+    per step (shuffled mini-batches), validation at steps 4 and 8, a checkpoint every 2 steps."""
+    overrides = [
+        f"actor_rollout_ref.model.path={model}",
+        f"data.train_files={data / 'train.parquet'}",
+        f"data.val_files={data / 'test.parquet'}",
+        f"custom_reward_function.path={data / 'digits_reward.py'}",
+        f"actor_rollout_ref.actor.deepspeed_config={ds_config}",
+        "data.train_batch_size=4",
+        "data.max_response_length=6",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={8 // world}",
+        f"trainer.total_training_steps={STEPS}",
+        "trainer.save_freq=2",
+        "trainer.test_freq=4",
+        "trainer.val_before_train=false",
+        f"trainer.default_local_dir={ckpt}",
+        "trainer.logger=[console]",
+    ]
+    if name == "ppo":
+        overrides += [
+            f"critic.model.path={model}",
+            f"critic.deepspeed_config={ds_config}",
+            "critic.ppo_mini_batch_size=2",
+            f"critic.ppo_micro_batch_size_per_gpu={8 // world}",
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_ctrl.type=adaptive",
+            "algorithm.kl_ctrl.kl_coef=0.05",
+        ]
+    return overrides
+
+
+def start_worker(config, overrides, out: Path, *, world=1, port, kill_at=None, nan_at=None) -> subprocess.Popen:
+    """Start the worker on ``world`` ranks; ``out`` collects its files. Pass a free port per concurrent run."""
+    out.mkdir(parents=True, exist_ok=True)
+    flags = ["--out", str(out)] + (["--kill-at", kill_at] if kill_at else []) + (["--nan-at", nan_at] if nan_at else [])
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "3"}
+    if world == 1:
+        command = [sys.executable, str(WORKER)]
+        env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    else:
+        command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(world), "--master_port",
+                   str(port), str(WORKER)]
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(name, None)
+    return subprocess.Popen(
+        [*command, *flags, str(REPO / "configs" / f"{config}.yaml"), *overrides],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def finish(process: subprocess.Popen, timeout=600) -> tuple[int, str]:
+    """(exit code, output) of a started worker."""
+    output, _ = process.communicate(timeout=timeout)
+    return process.returncode, output
+
+
+def run_worker(config, overrides, out: Path, **kwargs) -> tuple[int, str]:
+    return finish(start_worker(config, overrides, out, **kwargs))
+
+
+def logged_steps(out: Path, rank: int = 0) -> list[dict]:
+    """Every ``{"step", "metrics"}`` the runs writing to ``out`` logged on ``rank``, in order."""
+    path = out / f"metrics_rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def comparable(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith(RANK_LOCAL)}
+
+
+def metric_mismatches(reference: list[dict], entries: list[dict]) -> list[str]:
+    """Entries whose non-timing metrics differ from the reference run's at the same step (NaN == NaN)."""
+    by_step = {entry["step"]: comparable(entry["metrics"]) for entry in reference}
+    problems = []
+    for entry in entries:
+        expected, got = by_step[entry["step"]], comparable(entry["metrics"])
+        same = expected.keys() == got.keys() and all(
+            expected[k] == got[k] or (math.isnan(expected[k]) and math.isnan(got[k])) for k in expected
+        )
+        if not same:
+            diff = {k: (expected.get(k), got.get(k)) for k in expected.keys() | got.keys() if expected.get(k) != got.get(k)}
+            problems.append(f"step {entry['step']}: {diff}")
+    return problems
+
+
+def _differences(a, b, where: str) -> list[str]:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+        same = same and a.shape == b.shape and torch.equal(a, b)
+        return [] if same else [where]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))}"]
+        return [d for k in a for d in _differences(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: length {len(a)} vs {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}[{i}]")]
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return []
+    if type(a).__module__.startswith("deepspeed") and type(a) is type(b):  # e.g. the loss scaler
+        return _differences(vars(a), vars(b), where)
+    return [] if a == b else [f"{where}: {a!r} vs {b!r}"]
+
+
+def _zero3_valid_masks(optim_file: Path) -> list[torch.Tensor]:
+    """Per parameter group, the elements of rank R's flat fp32 partition that hold parameters.
+
+    ZeRO-3 gives each parameter of ``n`` elements a partition of ``ceil(n / W)`` per rank, in the
+    group's order; the last ranks' partitions end in padding that is never read (nor initialised).
+    """
+    rank = int(re.search(r"zero_pp_rank_(\d+)_", optim_file.name).group(1))
+    model_states = torch.load(
+        optim_file.with_name(optim_file.name.replace("optim_states", "model_states")), weights_only=False
+    )
+    world = model_states["dp_world_size"]
+    masks = []
+    for shapes in model_states["param_shapes"]:
+        valid = []
+        for shape in shapes.values():
+            n = math.prod(shape)
+            part = -(-n // world)
+            kept = min(max(n - rank * part, 0), part)
+            valid += [True] * kept + [False] * (part - kept)
+        masks.append(torch.tensor(valid))
+    return masks
+
+
+def checkpoint_differences(a: Path, b: Path) -> list[str]:
+    """Every difference between two checkpoint directories: each DeepSpeed file's tensors and values
+    (optimizer state, fp32 partitions, LR scheduler, step counters), the RNG files and the trainer state."""
+    files = sorted(p.relative_to(a) for p in a.rglob("*.pt"))
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*.pt")), (a, b)
+    problems = []
+    for name in files:
+        x = torch.load(a / name, weights_only=False, map_location="cpu")
+        y = torch.load(b / name, weights_only=False, map_location="cpu")
+        if name.name.endswith("optim_states.pt"):  # ZeRO-3 pads each parameter's partition; padding is garbage
+            valid = _zero3_valid_masks(a / name)
+            for state in (x, y):
+                flat = state["optimizer_state_dict"]["fp32_flat_groups"]
+                flat[:] = [group.detach()[mask] for group, mask in zip(flat, valid)]
+        problems += _differences(x, y, str(name))
+    state_a, state_b = (json.loads((p / "trainer_state.json").read_text()) for p in (a, b))
+    problems += _differences(state_a, state_b, "trainer_state.json")
+    return problems
+
+
+class Baselines:
+    """Uninterrupted runs, one per config, started on demand and shared by the tests that compare with them."""
+
+    def __init__(self, root: Path, overrides_for, free_port, world: int):
+        self.root, self.overrides_for, self.free_port, self.world = root, overrides_for, free_port, world
+        self.running: dict[str, subprocess.Popen] = {}
+        self.done: dict[str, Path] = {}
+
+    def start(self, name: str) -> None:
+        if name not in self.running and name not in self.done:
+            out = self.root / name
+            self.running[name] = start_worker(
+                name, self.overrides_for(name, out / "ckpt"), out, world=self.world, port=self.free_port()
+            )
+
+    def result(self, name: str) -> Path:
+        """The finished run's folder (``metrics_rank0.jsonl``, ``ckpt/global_step_8``)."""
+        self.start(name)
+        if name not in self.done:
+            code, output = finish(self.running.pop(name))
+            assert code == 0, output[-4000:]
+            self.done[name] = self.root / name
+        return self.done[name]
+
+
+def resume_chain(name, kills, *, out: Path, overrides, world, free_port) -> list[str]:
+    """Run ``name`` into ``out`` killed at each of ``kills`` ((kill-at, step the next run resumes from)),
+    then once more to the end. Returns every run's output; asserts the kills and resume points."""
+    outputs = []
+    for kill_at, resumes_from in [*kills, (None, None)]:
+        code, output = run_worker(name, overrides, out, world=world, port=free_port(), kill_at=kill_at)
+        outputs.append(output)
+        if kill_at is None:
+            assert code == 0, output[-4000:]
+        else:
+            assert code != 0 and f"SIGKILL at {kill_at}" in output, output[-4000:]
+    for (kill_at, resumes_from), output in zip(kills, outputs[1:]):
+        assert f"resumed from {out / 'ckpt' / f'global_step_{resumes_from}'} (step {resumes_from})" in output, (
+            kill_at, output[-3000:]
+        )
+    return outputs
+
+
+def assert_same_run(baseline: Path, chain: Path, ranks=(0,)) -> int:
+    """Every metric any run of the chain logged equals the baseline's at that step, every step was
+    logged, and the final checkpoints are bit-identical; returns the number of compared entries."""
+    compared = 0
+    for rank in ranks:
+        reference, entries = logged_steps(baseline, rank), logged_steps(chain, rank)
+        assert {e["step"] for e in entries} == set(range(1, STEPS + 1))
+        assert metric_mismatches(reference, entries) == []
+        compared += len(entries)
+    final = f"ckpt/global_step_{STEPS}"
+    assert checkpoint_differences(baseline / final, chain / final) == []
+    assert not list((chain / "ckpt").glob(".tmp_*")), "a partial checkpoint was left behind"
+    model_dir = chain / "ckpt" / "huggingface"  # the last checkpoint has no hf_model: exported beside it
+    shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    assert shards and shards == sorted(p.name for p in (baseline / "ckpt" / "huggingface").glob("*.safetensors"))
+    for shard in shards:
+        assert _differences(load_file(baseline / "ckpt" / "huggingface" / shard), load_file(model_dir / shard), shard) == []
+    return compared
