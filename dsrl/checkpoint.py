@@ -197,8 +197,11 @@ def save_checkpoint(
     tokenizer: Any,
     keep: dict[str, int | None],
 ) -> Path:
-    """Write ``root/global_step_<step>`` (see the module docstring); returns its path. Collective."""
+    """Write ``root/global_step_<step>`` (see the module docstring) with the trainer's ``state`` plus
+    step, world size, dsrl version and format; returns its path. Collective."""
     rank = dist.get_rank()
+    state = {**state, "format": FORMAT, "dsrl_version": version("dsrl"), "global_step": step,
+             "world_size": dist.get_world_size()}
     final = step_dir(root, step)
     tmp = root / f".tmp_{final.name}"
     if rank == 0:
@@ -246,33 +249,36 @@ def export_hf_model(
     temporary directory renamed to ``out`` when complete (an older ``out`` is replaced).
     """
     rank = dist.get_rank()
+    named = iter_full_parameters(module)
+    if rank != 0:
+        for _ in named:  # the gathers are collectives; only rank 0 writes
+            pass
+        dist.barrier()
+        return out
     tmp = out.with_name(f".tmp_{out.name}")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     weight_map: dict[str, str] = {}
     total = 0
     count = 0
-    for shard in _shards(iter_full_parameters(module), max_shard_bytes):
-        if rank == 0:
-            count += 1
-            name = f"shard-{count:05d}.safetensors"
-            save_file({k: v.contiguous() for k, v in shard.items()}, str(tmp / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-            total += sum(v.numel() * v.element_size() for v in shard.values())
-    if rank == 0:
-        renamed = {f"shard-{i:05d}.safetensors": f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)}
-        for old, new in renamed.items():
-            os.replace(tmp / old, tmp / new)
-        index = {"metadata": {"total_size": total}, "weight_map": {k: renamed[v] for k, v in sorted(weight_map.items())}}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        module.config.save_pretrained(tmp)
-        if getattr(module, "generation_config", None) is not None:
-            module.generation_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if out.exists():
-            _remove(out)
-        os.replace(tmp, out)
+    for shard in _shards(((name, tensor.cpu()) for name, tensor in named), max_shard_bytes):
+        count += 1
+        name = f"shard-{count:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in shard.items()}, str(tmp / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+        total += sum(v.numel() * v.element_size() for v in shard.values())
+    renamed = {f"shard-{i:05d}.safetensors": f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)}
+    for old, new in renamed.items():
+        os.replace(tmp / old, tmp / new)
+    index = {"metadata": {"total_size": total}, "weight_map": {k: renamed[v] for k, v in sorted(weight_map.items())}}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    module.config.save_pretrained(tmp)
+    if getattr(module, "generation_config", None) is not None:
+        module.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():
+        _remove(out)
+    os.replace(tmp, out)
     dist.barrier()
     return out
 
@@ -337,7 +343,3 @@ def load_checkpoint(directory: Path, engines: dict[str, Any], rank: int) -> None
         if path is None:
             raise CheckpointError(f"{directory / role}: DeepSpeed found no {role} checkpoint to load")
     set_rng_state(torch.load(directory / "rng" / f"rank_{rank}.pt", weights_only=True))
-
-
-def dsrl_version() -> str:
-    return version("dsrl")

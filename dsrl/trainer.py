@@ -38,7 +38,6 @@ from dsrl.checkpoint import (
     CheckpointError,
     config_differences,
     config_hash,
-    dsrl_version,
     export_hf_model,
     load_checkpoint,
     newest_complete,
@@ -216,50 +215,48 @@ class Trainer:
                 "or trainer.resume_mode=disable to start over"
             )
 
-    def _engines(self) -> dict:
-        return {name: role.engine for name, role in (("actor", self.actor), ("critic", self.critic)) if role is not None}
+    def _trained_roles(self) -> dict:
+        """The engines a checkpoint holds, by the name of their folder in it."""
+        return {name: role for name, role in (("actor", self.actor), ("critic", self.critic)) if role is not None}
 
     def _restore(self, state: dict) -> None:
-        load_checkpoint(self.resume_from, self._engines(), self.rank)
+        start = time.perf_counter()
+        roles = self._trained_roles()
+        load_checkpoint(self.resume_from, {name: role.engine for name, role in roles.items()}, self.rank)
         self.global_step = state["global_step"]
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.value = state["kl_coef"]
-        self.actor.skips.load_state_dict(state["skips"]["actor"])
-        if self.critic is not None:
-            self.critic.skips.load_state_dict(state["skips"]["critic"])
+        for name, role in roles.items():
+            role.skips.load_state_dict(state["skips"][name])
         if self.rank == 0:
-            print(f"[dsrl] resumed from {self.resume_from} (step {self.global_step})", flush=True)
+            seconds = time.perf_counter() - start
+            print(f"[dsrl] resumed from {self.resume_from} (step {self.global_step}; loaded in {seconds:.2f} s)", flush=True)
 
     def save(self) -> Path:
         """``default_local_dir/global_step_<global_step>``, complete or not at all. Collective."""
         trainer = self.cfg.trainer
+        roles = self._trained_roles()
         config = state_config(self.cfg, self.world_size)
         contents = list(self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
         state = {
-            "format": 1,
-            "dsrl_version": dsrl_version(),
-            "global_step": self.global_step,
-            "world_size": self.world_size,
             "sampler": self.sampler.state_dict(),
             "kl_coef": self.kl_ctrl.value,
-            "skips": {name: role.skips.state_dict() for name, role in (("actor", self.actor), ("critic", self.critic)) if role},
+            "skips": {name: role.skips.state_dict() for name, role in roles.items()},
             "mlflow_run_id": self.tracker.run_id,
             "save_contents": contents,
             "config": config,
             "config_hash": config_hash(config),
         }
-        keep = {"actor": trainer.max_actor_ckpt_to_keep}
-        if self.critic is not None:
-            keep["critic"] = trainer.max_critic_ckpt_to_keep
+        keep = {"actor": trainer.max_actor_ckpt_to_keep, "critic": trainer.max_critic_ckpt_to_keep}
         return save_checkpoint(
             self.checkpoint_root,
             self.global_step,
-            engines=self._engines(),
+            engines={name: role.engine for name, role in roles.items()},
             state=state,
             export_hf="hf_model" in contents,
             actor_module=self.actor.module,
             tokenizer=self.tokenizer,
-            keep=keep,
+            keep={name: keep[name] for name in roles},
         )
 
     def export_final_model(self) -> Path:
@@ -272,8 +269,8 @@ class Trainer:
 
     def _check_skips(self, step: int) -> None:
         limit = self.cfg.trainer.max_consecutive_skips
-        for role in (self.actor, self.critic):
-            if role is not None and role.skips.consecutive >= limit:
+        for role in self._trained_roles().values():
+            if role.skips.consecutive >= limit:
                 bad = ", ".join(f"{name}={value}" for name, value in role.skips.last_bad.items())
                 raise TrainingStopped(
                     f"step {step}: {role.skips.consecutive} {role.skips.prefix} optimizer steps in a row skipped for "
@@ -517,9 +514,12 @@ class Trainer:
                 self.tracker.log_metrics(metrics, step=step)
                 signum = signals.received()
                 if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or last) or signum:
+                    start = time.perf_counter()
                     path = self.save()
                     if self.rank == 0:
-                        print(f"[dsrl] checkpoint saved to {path}", flush=True)
+                        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+                        seconds = time.perf_counter() - start
+                        print(f"[dsrl] checkpoint saved to {path} ({size:.1f} MiB in {seconds:.2f} s)", flush=True)
                 if signum:
                     self.tracker.finish()
                     raise TrainingInterrupted(signum, step, path)

@@ -28,7 +28,7 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     overrides = [*args.overrides, f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false",
-                 "trainer.test_freq=-1", "trainer.logger=[console]"]
+                 "trainer.test_freq=-1", "trainer.logger=[console]", "trainer.resume_mode=disable"]
     try:
         cfg, _ = load_and_validate(args.config, overrides, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as err:

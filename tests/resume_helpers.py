@@ -212,7 +212,7 @@ def resume_chain(name, kills, *, out: Path, overrides, world, free_port) -> list
         else:
             assert code != 0 and f"SIGKILL at {kill_at}" in output, output[-4000:]
     for (kill_at, resumes_from), output in zip(kills, outputs[1:]):
-        assert f"resumed from {out / 'ckpt' / f'global_step_{resumes_from}'} (step {resumes_from})" in output, (
+        assert f"resumed from {out / 'ckpt' / f'global_step_{resumes_from}'} (step {resumes_from};" in output, (
             kill_at, output[-3000:]
         )
     return outputs

@@ -46,3 +46,21 @@ def assert_eos_and_length_handling(out, eos_token_ids, pad_token_id: int, max_to
         else:
             assert reason == "length" and valid == max_tokens and not is_eos.any()
     assert set(out.finish_reasons) == {"stop", "length"}
+
+
+def vllm_logprob_gap(model_dir, port: int, *flags: str) -> float:
+    """Largest |vLLM - transformers| log-prob of sampled tokens for ``model_dir``, measured by
+    ``tests/vllm/logprob_check.py`` in a process of its own (one vLLM engine per process)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    result = subprocess.run([sys.executable, str(repo / "tests" / "vllm" / "logprob_check.py"), str(model_dir), *flags],
+                            env=env, capture_output=True, text=True, timeout=300, cwd=repo, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("MAXDIFF")]
+    return float(line.split()[1])

@@ -116,17 +116,6 @@ def build_ds_config(
         return ds
     if "optimizer" not in ds:
         raise ValueError(f'{where}: a training engine needs an "optimizer" section (see ds_configs/zero3_offload.json)')
-    # ZeRO discards optimizer steps whose gradient norm is not finite; dsrl relies on it (training.py).
-    if zero_stage(ds) not in (1, 2, 3):
-        raise ValueError(
-            f"{where}: zero_optimization.stage={zero_stage(ds)}: a training engine needs ZeRO stage 1, 2 or 3 "
-            "(dsrl relies on its check that skips steps with a non-finite gradient norm); use zero2 or zero3"
-        )
-    if ds["bf16"].get("check_grad_overflow") is False:
-        raise ValueError(
-            f"{where}: bf16.check_grad_overflow=false would apply optimizer steps with a non-finite gradient norm; "
-            "remove the key or set it to true"
-        )
     if "scheduler" in ds:
         raise ValueError(f"{where}: remove the scheduler section; dsrl schedules lr from {prefix}.optim.lr_warmup_steps")
     params = ds["optimizer"].setdefault("params", {})
@@ -135,6 +124,22 @@ def build_ds_config(
     _fill(params, "betas", [float(b) for b in optim.betas], where=optim_where, decided_by=f"{prefix}.optim.betas")
     _fill(params, "weight_decay", float(optim.weight_decay), where=optim_where, decided_by=f"{prefix}.optim.weight_decay")
     _fill(ds, "gradient_clipping", float(grad_clip), where=where, decided_by=f"{prefix}.grad_clip")
+    # ZeRO discards optimizer steps whose gradient norm is not finite; dsrl relies on it (training.py).
+    if zero_stage(ds) not in (1, 2, 3):
+        raise ValueError(
+            f"{where}: zero_optimization.stage={zero_stage(ds)}: a training engine needs ZeRO stage 1, 2 or 3 "
+            "(dsrl relies on its check that skips steps with a non-finite gradient norm); use zero2 or zero3"
+        )
+    if ds["zero_optimization"].get("compute_grad_norm") is False:
+        raise ValueError(
+            f"{where}: zero_optimization.compute_grad_norm=false turns off the gradient norm and its non-finite "
+            "check; remove the key"
+        )
+    if ds["bf16"].get("check_grad_overflow") is False:
+        raise ValueError(
+            f"{where}: bf16.check_grad_overflow=false would apply optimizer steps with a non-finite gradient norm; "
+            "remove the key or set it to true"
+        )
     return ds
 
 

@@ -24,7 +24,7 @@ RANK_LOCAL = ("timing_s/", "perf/")
 
 
 @pytest.fixture(scope="module")
-def setup(arithmetic_data, tiny_model_dir, ds_test_config, deepspeed_cpu_ops, free_port):
+def setup(arithmetic_data, tiny_model_dir, ds_test_config, deepspeed_cpu_ops, free_port, tmp_path_factory):
     data = arithmetic_data
     overrides = [
         f"actor_rollout_ref.model.path={tiny_model_dir}",
@@ -38,6 +38,8 @@ def setup(arithmetic_data, tiny_model_dir, ds_test_config, deepspeed_cpu_ops, fr
         "actor_rollout_ref.rollout.n=4",
         "trainer.total_training_steps=2",
         "trainer.test_freq=2",
+        f"trainer.default_local_dir={tmp_path_factory.mktemp('checkpoints')}",
+        "trainer.resume_mode=disable",  # both tests train from scratch in the same directory
     ]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "3"}
     def launcher():
@@ -73,3 +75,4 @@ def test_train_script_runs_under_the_launcher(setup):
     stdout = run([*launcher(), str(REPO / "scripts" / "train.py"), str(REPO / "configs" / "quickstart.yaml"), *overrides], env)
     assert "[dsrl] step 2/2" in stdout
     assert "validation accuracy: before" in stdout
+    assert "[dsrl] model saved to " in stdout

@@ -196,6 +196,13 @@ def test_resume_refuses_a_changed_run_before_any_model_loads(tiny_model_dir, ari
     with pytest.raises(CheckpointError, match=r"settings differ from the checkpoint's:\n  trainer.seed: 1 -> 5\nfix:"):
         dsrl.trainer.Trainer(changed)
 
+    allowed, _ = load_and_validate(
+        str(REPO / "configs" / "grpo.yaml"), base + ["trainer.seed=5", "trainer.resume_allow_config_change=true"],
+        world_size=1,
+    )
+    with pytest.raises(AssertionError, match="a model was loaded"):  # past the check, on to the models
+        dsrl.trainer.Trainer(allowed)
+
     step_dir(tmp_path, 4).mkdir()
     write_state(step_dir(tmp_path, 4), {"format": 1, "config": state_config(saved, world_size=8)})
     with pytest.raises(CheckpointError, match="written by 8 ranks, this run has 1"):

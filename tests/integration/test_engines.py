@@ -209,9 +209,10 @@ def test_actor_update_is_micro_batch_invariant(actors):
 
     expected_keys = {
         "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower",
-        "actor/entropy", "actor/kl_loss", "actor/grad_norm", "actor/lr",
+        "actor/entropy", "actor/kl_loss", "actor/grad_norm", "actor/lr", "actor/skipped_steps",
     }
     assert set(metrics["micro1"]) == expected_keys
+    assert metrics["micro1"]["actor/skipped_steps"] == 0
     assert all(math.isfinite(v) for v in metrics["micro1"].values())
     assert metrics["micro1"]["actor/pg_clipfrac"] > 0  # the perturbed old log-probs make clipping matter
     assert metrics["micro1"]["actor/lr"] == pytest.approx(0.01)
@@ -256,8 +257,11 @@ def test_critic_update_is_micro_batch_invariant(critics):
     metrics = {name: critic.update(batch) for name, critic in critics.items()}
     params = {name: full_params(critic.module) for name, critic in critics.items()}
 
-    expected_keys = {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr"}
+    expected_keys = {
+        "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr", "critic/skipped_steps"
+    }
     assert set(metrics["micro1"]) == expected_keys
+    assert metrics["micro1"]["critic/skipped_steps"] == 0
     assert all(math.isfinite(v) for v in metrics["micro1"].values())
     assert metrics["micro1"]["critic/vf_clipfrac"] > 0  # returns ~1 away from values, cliprange 0.2
     assert max((params["micro1"][k] - before[k]).abs().max().item() for k in before) > 1e-3
@@ -313,6 +317,19 @@ def test_ds_config_filling_refuses_conflicts(world_of_one, tmp_path, make_cfg):
     conflicting.write_text('{"gradient_clipping": 2.0, "optimizer": {"type": "AdamW"}}')
     with pytest.raises(ValueError, match=r"gradient_clipping=2.0 disagrees .*actor.grad_clip"):
         build_ds_config(str(conflicting), **fill, dtype="float32", optim=actor.optim, grad_clip=1.0, prefix="actor")
+    # ZeRO's non-finite gradient check is what skips bad steps: no ZeRO, or the check off, is refused.
+    no_zero = tmp_path / "no_zero.json"
+    no_zero.write_text('{"optimizer": {"type": "AdamW"}}')
+    with pytest.raises(ValueError, match=r"zero_optimization.stage=0: a training engine needs ZeRO stage 1, 2 or 3"):
+        build_ds_config(str(no_zero), **fill, dtype="float32", optim=actor.optim, grad_clip=1.0, prefix="actor")
+    no_norm = tmp_path / "no_norm.json"
+    no_norm.write_text('{"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2, "compute_grad_norm": false}}')
+    with pytest.raises(ValueError, match=r"compute_grad_norm=false turns off the gradient norm"):
+        build_ds_config(str(no_norm), **fill, dtype="float32", optim=actor.optim, grad_clip=1.0, prefix="actor")
+    unchecked = tmp_path / "unchecked.json"
+    unchecked.write_text('{"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}, "bf16": {"check_grad_overflow": false}}')
+    with pytest.raises(ValueError, match=r"bf16.check_grad_overflow=false would apply optimizer steps"):
+        build_ds_config(str(unchecked), **fill, dtype="bfloat16", optim=actor.optim, grad_clip=1.0, prefix="actor")
     with pytest.raises(ValueError, match="no optimizer section"):
         build_ds_config("zero3_offload", **fill, dtype="float32")
     with pytest.raises(ValueError, match="zero3_offload_inference"):

@@ -17,7 +17,7 @@ from tests.conftest import REPO
 ALGORITHM_CONFIGS = ("ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb")
 
 
-def run_config(name, tiny_model_dir, data, ds_test_config, *overrides):
+def run_config(name, tiny_model_dir, data, ds_test_config, out, *overrides):
     from dsrl.config import load_and_validate
     from dsrl.rollout import iter_full_parameters
     from dsrl.trainer import Trainer
@@ -35,6 +35,7 @@ def run_config(name, tiny_model_dir, data, ds_test_config, *overrides):
             "trainer.total_training_steps=2",
             "trainer.test_freq=2",
             "trainer.logger=[console]",
+            f"trainer.default_local_dir={out}",
             *overrides,
         ],
         world_size=1,
@@ -59,13 +60,15 @@ def changed_fraction(before, after):
 
 
 @pytest.mark.parametrize("name", ALGORITHM_CONFIGS)
-def test_config_trains_two_steps(name, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops):
+def test_config_trains_two_steps(
+    name, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
     overrides = []
     if name == "ppo":
         ds_critic = ds_test_config("zero3_offload")
         overrides = [f"critic.model.path={tiny_model_dir}", f"critic.deepspeed_config={ds_critic}", "critic.optim.weight_decay=0"]
     trainer, logged, (actor_before, actor_after), (critic_before, critic_after) = run_config(
-        name, tiny_model_dir, arithmetic_data, ds_test_config, *overrides
+        name, tiny_model_dir, arithmetic_data, ds_test_config, tmp_path, *overrides
     )
     assert [step for step, _ in logged] == [0, 1, 2]  # validation before training, then two steps
     for step, metrics in logged:
@@ -87,12 +90,15 @@ def test_config_trains_two_steps(name, tiny_model_dir, arithmetic_data, ds_test_
         assert "actor/kl_loss" in step_metrics and "timing_s/ref" in step_metrics
     if name == "otb":
         assert trainer.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
+    # No checkpoint was asked for (save_freq -1), but the trained model is always exported.
+    assert trainer.model_dir == tmp_path / "huggingface" and not list(tmp_path.glob("global_step_*"))
+    assert (trainer.model_dir / "model.safetensors.index.json").is_file()
 
 
-def test_remax_and_in_reward_kl(tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops):
+def test_remax_and_in_reward_kl(tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path):
     """ReMax's greedy baseline rollout and the adaptive in-reward KL controller, on the GRPO config."""
     trainer, logged, (actor_before, actor_after), _ = run_config(
-        "grpo", tiny_model_dir, arithmetic_data, ds_test_config,
+        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
         "algorithm.adv_estimator=remax", "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true",
         "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.01",
     )

@@ -56,3 +56,22 @@ def test_a_tracking_failure_is_counted_not_raised(tmp_path, monkeypatch, capsys)
         tracker.log_metrics({"critic/score/mean": 1.0}, step=2)
     assert "step 2/1 critic/score/mean=1 tracking/failures=1" in capsys.readouterr().out.splitlines()[-1]
     assert tracker.failures == 2
+
+
+def test_a_resumed_run_continues_its_mlflow_run(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    first = Tracker(["mlflow"], project_name="proj", experiment_name="run1", total_steps=4, rank=0)
+    first.log_metrics({"actor/pg_loss": 0.1}, step=1)
+    run_id = first.run_id
+    first.finish()
+    resumed = Tracker(["console", "mlflow"], project_name="proj", experiment_name="run1", total_steps=4, rank=0,
+                      run_id=run_id)
+    assert resumed.run_id == run_id
+    resumed.log_metrics({"actor/pg_loss": 0.2}, step=2)
+    resumed.finish()
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    [run] = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")] == [(1, 0.1), (2, 0.2)]
+    assert Tracker(["console"], project_name="p", experiment_name="e", total_steps=1, rank=0).run_id is None

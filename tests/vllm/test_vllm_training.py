@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.rollout_helpers import vllm_logprob_gap
+
 pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.vllm
@@ -21,10 +23,11 @@ WORKER = Path(__file__).parents[1] / "train_worker.py"
 RANK_LOCAL = ("timing_s/", "perf/")
 # fp32 vLLM against the fp32 ZeRO-3 actor after every push (the tied output head included).
 FP32_ATOL = 1e-4
+EXPORT_ATOL = 1e-5  # fp32 vLLM vs transformers on the same weights (tests/vllm/test_vllm_rollout.py)
 
 
 @pytest.fixture(scope="module")
-def overrides(arithmetic_data, tiny_model_dir, ds_test_config, deepspeed_cpu_ops):
+def overrides(arithmetic_data, tiny_model_dir, ds_test_config, deepspeed_cpu_ops, tmp_path_factory):
     data = arithmetic_data
     return [
         f"actor_rollout_ref.model.path={tiny_model_dir}",
@@ -43,6 +46,8 @@ def overrides(arithmetic_data, tiny_model_dir, ds_test_config, deepspeed_cpu_ops
         "trainer.total_training_steps=3",
         "trainer.test_freq=3",
         "trainer.logger=[console]",
+        f"trainer.default_local_dir={tmp_path_factory.mktemp('checkpoints')}",
+        "trainer.resume_mode=disable",  # every test trains from scratch in the same directory
     ]
 
 
@@ -77,6 +82,8 @@ def test_three_steps_in_one_process(overrides, tmp_path, free_port):
     report = json.loads((tmp_path / "rank0.json").read_text())
     assert (report["world"], report["tp"]) == (1, 1)
     check_run(report)
+    # The trained model as exported loads in vLLM, which scores like transformers on the same files.
+    assert vllm_logprob_gap(report["model_dir"], free_port()) < EXPORT_ATOL
 
 
 @pytest.mark.parametrize("tp", [1, 2])
