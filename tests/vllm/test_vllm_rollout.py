@@ -228,4 +228,6 @@ def test_an_untied_output_head_is_pushed(reference_model, tmp_path, free_port):
     finally:
         reference_model.config.tie_word_embeddings = True
     AutoTokenizer.from_pretrained(reference_model.name_or_path).save_pretrained(untied)
-    assert vllm_logprob_gap(untied, free_port(), "--perturb-head") < FP32_ATOL
+    # The perturbed head makes larger logits and a larger float gap (1.2e-5 measured on this machine, just
+    # over FP32_ATOL); a head that was not pushed is off by O(1).
+    assert vllm_logprob_gap(untied, free_port(), "--perturb-head") < 1e-4
