@@ -18,6 +18,7 @@ from dsrl.engines import ActorEngine
 from dsrl.rollout import iter_full_parameters
 from tests.conftest import REPO
 from tests.integration.test_engines import ACTOR_TRAINING, make_batch, training_batch
+from tests.integration.test_trainer import trainer_for
 from tests.resume_helpers import _differences
 
 
@@ -94,30 +95,14 @@ def test_non_finite_loss_skips_the_step_and_changes_no_tensor(actor, monkeypatch
     assert all(not torch.equal(before["params"][k], after[k]) for k in after)
 
 
-def make_trainer(name, tiny_model_dir, data, ds_test_config, *overrides):
-    from dsrl.config import load_and_validate
-    from dsrl.trainer import Trainer
-
-    ds_config = ds_test_config("zero3_offload")
+def make_trainer(name, tiny_model_dir, data, ds_test_config, out, *overrides):
     extra = []
     if name == "ppo":
-        extra = [f"critic.model.path={tiny_model_dir}", f"critic.deepspeed_config={ds_config}"]
-    cfg, _ = load_and_validate(
-        str(REPO / "configs" / f"{name}.yaml"),
-        [
-            f"actor_rollout_ref.model.path={tiny_model_dir}",
-            f"data.train_files={data / 'train.parquet'}",
-            f"custom_reward_function.path={data / 'digits_reward.py'}",
-            f"actor_rollout_ref.actor.deepspeed_config={ds_config}",
-            "data.val_files=null",
-            "data.max_response_length=6",
-            "trainer.logger=[console]",
-            *extra,
-            *overrides,
-        ],
-        world_size=1,
+        extra = [f"critic.model.path={tiny_model_dir}", f"critic.deepspeed_config={ds_test_config('zero3_offload')}"]
+    return trainer_for(
+        name, tiny_model_dir, data, ds_test_config, out, "data.val_files=null", "data.max_response_length=6", *extra,
+        *overrides,
     )
-    return Trainer(cfg)
 
 
 def test_consecutive_non_finite_steps_stop_the_run_naming_step_and_metric(
@@ -126,8 +111,8 @@ def test_consecutive_non_finite_steps_stop_the_run_naming_step_and_metric(
     from dsrl.trainer import TrainingStopped
 
     trainer = make_trainer(
-        "grpo", tiny_model_dir, arithmetic_data, ds_test_config,
-        "trainer.total_training_steps=4", "trainer.max_consecutive_skips=3", f"trainer.default_local_dir={tmp_path}",
+        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
+        "trainer.total_training_steps=4", "trainer.max_consecutive_skips=3",
     )
     loss = trainer.actor._loss
     trainer.actor._loss = lambda *a, **kw: (loss(*a, **kw)[0] * math.nan, loss(*a, **kw)[1])
@@ -143,8 +128,8 @@ def test_empty_responses_and_equal_rewards_give_no_nan(
     equal (the reward of an empty string is 0 for every row of a group): every tensor of the
     batch and every metric stay finite."""
     trainer = make_trainer(
-        name, tiny_model_dir, arithmetic_data, ds_test_config,
-        "trainer.total_training_steps=1", f"trainer.default_local_dir={tmp_path}",
+        name, tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
+        "trainer.total_training_steps=1",
         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "critic.ppo_mini_batch_size=4",
     )

@@ -313,23 +313,20 @@ def test_ds_config_filling_refuses_conflicts(world_of_one, tmp_path, make_cfg):
     assert ds["optimizer"]["params"]["lr"] == actor.optim.lr
     assert build_ds_config("zero3_offload", **fill, dtype="float32", optim=actor.optim, grad_clip=1.0)["bf16"]["enabled"] is False
 
-    conflicting = tmp_path / "conflict.json"
-    conflicting.write_text('{"gradient_clipping": 2.0, "optimizer": {"type": "AdamW"}}')
-    with pytest.raises(ValueError, match=r"gradient_clipping=2.0 disagrees .*actor.grad_clip"):
-        build_ds_config(str(conflicting), **fill, dtype="float32", optim=actor.optim, grad_clip=1.0, prefix="actor")
-    # ZeRO's non-finite gradient check is what skips bad steps: no ZeRO, or the check off, is refused.
-    no_zero = tmp_path / "no_zero.json"
-    no_zero.write_text('{"optimizer": {"type": "AdamW"}}')
-    with pytest.raises(ValueError, match=r"zero_optimization.stage=0: a training engine needs ZeRO stage 1, 2 or 3"):
-        build_ds_config(str(no_zero), **fill, dtype="float32", optim=actor.optim, grad_clip=1.0, prefix="actor")
-    no_norm = tmp_path / "no_norm.json"
-    no_norm.write_text('{"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2, "compute_grad_norm": false}}')
-    with pytest.raises(ValueError, match=r"compute_grad_norm=false turns off the gradient norm"):
-        build_ds_config(str(no_norm), **fill, dtype="float32", optim=actor.optim, grad_clip=1.0, prefix="actor")
-    unchecked = tmp_path / "unchecked.json"
-    unchecked.write_text('{"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}, "bf16": {"check_grad_overflow": false}}')
-    with pytest.raises(ValueError, match=r"bf16.check_grad_overflow=false would apply optimizer steps"):
-        build_ds_config(str(unchecked), **fill, dtype="bfloat16", optim=actor.optim, grad_clip=1.0, prefix="actor")
+    refused = [
+        ('{"gradient_clipping": 2.0, "optimizer": {"type": "AdamW"}}', "float32", r"gradient_clipping=2.0 disagrees .*actor.grad_clip"),
+        # ZeRO's non-finite gradient check is what skips bad steps: no ZeRO, or the check turned off, is refused.
+        ('{"optimizer": {"type": "AdamW"}}', "float32", r"zero_optimization.stage=0: a training engine needs ZeRO stage 1, 2 or 3"),
+        ('{"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2, "compute_grad_norm": false}}', "float32",
+         r"compute_grad_norm=false turns off the gradient norm"),
+        ('{"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}, "bf16": {"check_grad_overflow": false}}',
+         "bfloat16", r"bf16.check_grad_overflow=false would apply optimizer steps"),
+    ]
+    for i, (text, dtype, message) in enumerate(refused):
+        path = tmp_path / f"refused{i}.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            build_ds_config(str(path), **fill, dtype=dtype, optim=actor.optim, grad_clip=1.0, prefix="actor")
     with pytest.raises(ValueError, match="no optimizer section"):
         build_ds_config("zero3_offload", **fill, dtype="float32")
     with pytest.raises(ValueError, match="zero3_offload_inference"):

@@ -17,9 +17,9 @@ from tests.conftest import REPO
 ALGORITHM_CONFIGS = ("ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb")
 
 
-def run_config(name, tiny_model_dir, data, ds_test_config, out, *overrides):
+def trainer_for(name, tiny_model_dir, data, ds_test_config, out, *overrides):
+    """A Trainer for configs/<name>.yaml on the tiny model and the digits reward, 2 steps, checkpoints in ``out``."""
     from dsrl.config import load_and_validate
-    from dsrl.rollout import iter_full_parameters
     from dsrl.trainer import Trainer
 
     ds_config = ds_test_config("zero3_offload")
@@ -40,7 +40,13 @@ def run_config(name, tiny_model_dir, data, ds_test_config, out, *overrides):
         ],
         world_size=1,
     )
-    trainer = Trainer(cfg)
+    return Trainer(cfg)
+
+
+def run_config(name, tiny_model_dir, data, ds_test_config, out, *overrides):
+    from dsrl.rollout import iter_full_parameters
+
+    trainer = trainer_for(name, tiny_model_dir, data, ds_test_config, out, *overrides)
     logged = []
     trainer.tracker.log_metrics = lambda metrics, step: logged.append((step, metrics))
 
