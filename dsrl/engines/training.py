@@ -22,9 +22,8 @@ stops the run before that state can be saved.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -133,6 +132,7 @@ def run_ppo_updates(
     metrics; ``prefix`` is ``skips.prefix``.
     """
     prefix = skips.prefix
+    loss_name = f"{prefix}/loss"  # the objective itself, summed for the non-finite check
     world = dist.get_world_size()
     start_step = engine.global_steps
     records: dict[str, list[float]] = {}
@@ -142,7 +142,6 @@ def run_ppo_updates(
             mini = batch.select(rows)
             num_tokens, num_seqs = global_counts(mini.response_mask)
             micro_rows = split(mini)
-            loss_name = f"{prefix}/loss"  # the objective itself, for the non-finite check
             sums: dict[str, torch.Tensor] = {}
             for j, idx in enumerate(micro_rows):
                 engine.set_gradient_accumulation_boundary(j == len(micro_rows) - 1)

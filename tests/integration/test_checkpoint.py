@@ -70,7 +70,17 @@ def optimizer_state(actor):
     }
 
 
-def test_non_finite_loss_skips_the_step_and_changes_no_tensor(actor, monkeypatch):
+@pytest.fixture(scope="module", params=["zero3_offload", "zero2"])
+def any_actor(request, actor, make_cfg, ds_test_config):
+    """The ZeRO-3 + offload actor, and one on ZeRO-2 (device optimizer; JIT-builds DeepSpeed's fused Adam once)."""
+    if request.param == "zero3_offload":
+        return actor
+    return ActorEngine(make_cfg(*ACTOR_TRAINING, f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero2')}"))
+
+
+def test_non_finite_loss_skips_the_step_and_changes_no_tensor(any_actor, monkeypatch):
+    """ZeRO's own check skips the step (on every stage dsrl accepts); dsrl counts it."""
+    actor = any_actor
     batch = training_batch(actor)
     before = optimizer_state(actor)
     total_before = actor.skips.total
