@@ -130,6 +130,26 @@ def test_consecutive_non_finite_steps_stop_the_run_naming_step_and_metric(
         trainer.fit()  # 2 optimizer steps per step: 2 skipped after step 1, 4 >= 3 after step 2
 
 
+def test_checkpoints_are_kept_as_asked_and_the_model_comes_from_the_last_one(
+    tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    from dsrl.checkpoint import LATEST_FILE, complete_steps
+
+    trainer = make_trainer(
+        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
+        "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=2",
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+    )
+    trainer.fit()
+    assert sorted(complete_steps(tmp_path)) == [2, 3] and (tmp_path / LATEST_FILE).read_text() == "3"
+    assert trainer.model_dir == step_dir(tmp_path, 3) / "actor" / "huggingface"
+    assert (trainer.model_dir / "model.safetensors.index.json").is_file()
+    assert not (tmp_path / "huggingface").exists()  # not exported twice
+    state = json.loads((step_dir(tmp_path, 3) / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and state["sampler"] == {"epoch": 0, "index": 3}
+    assert state["save_contents"] == ["model", "optimizer", "extra", "hf_model"] and state["world_size"] == 1
+
+
 @pytest.mark.parametrize("name", ["grpo", "ppo", "otb"])
 def test_empty_responses_and_equal_rewards_give_no_nan(
     name, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
