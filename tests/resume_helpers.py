@@ -58,10 +58,10 @@ def resume_overrides(name, *, model, data, ds_config, ckpt, world) -> list[str]:
     return overrides
 
 
-def start_worker(config, overrides, out: Path, *, world=1, port, kill_at=None, nan_at=None) -> subprocess.Popen:
+def start_worker(config, overrides, out: Path, *, world=1, port, kill_at=None) -> subprocess.Popen:
     """Start the worker on ``world`` ranks; ``out`` collects its files. Pass a free port per concurrent run."""
     out.mkdir(parents=True, exist_ok=True)
-    flags = ["--out", str(out)] + (["--kill-at", kill_at] if kill_at else []) + (["--nan-at", nan_at] if nan_at else [])
+    flags = ["--out", str(out)] + (["--kill-at", kill_at] if kill_at else [])
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "3"}
     if world == 1:
         command = [sys.executable, str(WORKER)]

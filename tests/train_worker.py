@@ -3,11 +3,10 @@ to ``<out>/rank<N>.json`` at the end and, as they happen, to ``<out>/metrics_ran
 killed run keeps what it logged). Runs alone (a world of one) or under the deepspeed launcher.
 
 Fault injection: ``--kill-at PHASE@STEP`` sends SIGKILL to this process at one point of training
-step STEP (1-based): ``update`` (in the middle of the step, before the actor update), or during
+step STEP (1-based): ``update`` (in the middle of the step, right after the actor update), or during
 that step's checkpoint save right after ``save_engines`` (DeepSpeed files written), ``write_state``
 (the state file written, not yet published) or ``publish`` (renamed into place, before pruning).
-``--nan-at STEPS`` makes the actor's loss NaN in the listed steps (comma-separated, 1-based).
-The process exits with scripts/train.py's codes for a signal (128 + signum) and a stopped run (1).
+After SIGTERM/SIGINT the process exits as scripts/train.py does, with 128 + the signal number.
 """
 
 import argparse
@@ -19,13 +18,12 @@ from pathlib import Path
 
 import dsrl.checkpoint
 from dsrl.config import load_and_validate
-from dsrl.trainer import Trainer, TrainingInterrupted, TrainingStopped
+from dsrl.trainer import Trainer, TrainingInterrupted
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--local_rank", type=int)
 parser.add_argument("--kill-at", default=None)
-parser.add_argument("--nan-at", default="")
 parser.add_argument("config")
 parser.add_argument("overrides", nargs="*")
 args = parser.parse_args()
@@ -65,24 +63,11 @@ if args.kill_at:
     else:
         setattr(dsrl.checkpoint, phase, kill_after(getattr(dsrl.checkpoint, phase), step))
 
-nan_steps = {int(s) for s in args.nan_at.split(",") if s}
-if nan_steps:
-    loss = trainer.actor._loss
-
-    def nan_loss(*a, **kw):
-        value, contributions = loss(*a, **kw)
-        return (value * float("nan") if trainer.global_step + 1 in nan_steps else value), contributions
-
-    trainer.actor._loss = nan_loss
-
 code = 0
 try:
     trainer.fit()
 except TrainingInterrupted as err:
     code = err.exit_code
-except TrainingStopped as err:
-    print(f"dsrl: {err}", flush=True)
-    code = 1
 llm = getattr(trainer.rollout, "llm", None)
 tp = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size if llm is not None else None
 report = {
@@ -91,7 +76,6 @@ report = {
     "tp": tp,
     "logged": logged,
     "model_dir": str(getattr(trainer, "model_dir", "")),
-    "skipped": trainer.actor.skips.state_dict(),
 }
 (out / f"rank{trainer.rank}.json").write_text(json.dumps(report))
 sys.exit(code)
