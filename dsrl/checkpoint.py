@@ -156,9 +156,7 @@ def save_rng(directory: Path, rank: int) -> None:
 def write_state(directory: Path, state: dict[str, Any]) -> None:
     """``trainer_state.json`` with the manifest of everything else in ``directory``; written last."""
     state = {**state, "files": _manifest(directory)}
-    path = directory / STATE_FILE
-    path.write_text(json.dumps(state, indent=1, sort_keys=True))
-    _fsync_file(path)
+    _write_atomically(directory / STATE_FILE, json.dumps(state, indent=1, sort_keys=True))
 
 
 def publish(tmp: Path, final: Path) -> None:

@@ -491,8 +491,8 @@ class Trainer:
         return metrics
 
     def fit(self) -> dict[str, float]:
-        """Train up to ``total_steps`` steps; returns the validation metrics before and after and the
-        path of the exported model (``model_dir``). Raises ``TrainingInterrupted`` after a signal."""
+        """Train up to ``total_steps`` steps; returns the validation metrics before and after, and
+        sets ``model_dir`` to the exported model. Raises ``TrainingInterrupted`` after a signal."""
         cfg = self.cfg
         results: dict[str, float] = {}
         if self.val_prompts is not None and cfg.trainer.val_before_train:

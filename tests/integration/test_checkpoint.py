@@ -136,12 +136,16 @@ def test_checkpoints_are_kept_as_asked_and_the_model_comes_from_the_last_one(
     from dsrl.checkpoint import LATEST_FILE, complete_steps
 
     trainer = make_trainer(
-        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
-        "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=2",
+        "ppo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
+        "trainer.total_training_steps=3", "trainer.save_freq=1",
+        "trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=1",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
     )
     trainer.fit()
+    # step 1 is outside both windows (deleted whole); step 2 keeps the actor only
     assert sorted(complete_steps(tmp_path)) == [2, 3] and (tmp_path / LATEST_FILE).read_text() == "3"
+    assert (step_dir(tmp_path, 2) / "actor").is_dir() and not (step_dir(tmp_path, 2) / "critic").exists()
+    assert (step_dir(tmp_path, 3) / "critic").is_dir()
     assert trainer.model_dir == step_dir(tmp_path, 3) / "actor" / "huggingface"
     assert (trainer.model_dir / "model.safetensors.index.json").is_file()
     assert not (tmp_path / "huggingface").exists()  # not exported twice
