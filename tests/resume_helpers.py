@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import recipe
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "train_worker.py"
 RANK_LOCAL = ("timing_s/", "perf/")  # wall-clock metrics differ between any two runs
@@ -72,7 +74,7 @@ def start_worker(config, overrides, out: Path, *, world=1, port, kill_at=None) -
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(name, None)
     return subprocess.Popen(
-        [*command, *flags, str(REPO / "configs" / f"{config}.yaml"), *overrides],
+        [*command, *flags, *recipe(config), *overrides],
         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 

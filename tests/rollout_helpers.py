@@ -1,10 +1,8 @@
-"""Prompts and batch assembly shared by the rollout tests (hf and vLLM)."""
+"""Prompts and checks shared by the rollout tests (hf and vLLM)."""
 
 from __future__ import annotations
 
 import torch
-
-from dsrl.data.batch import Batch
 
 P = 6
 PROMPT_LENGTHS = (6, 4, 2)
@@ -16,19 +14,6 @@ def prompts(lengths=PROMPT_LENGTHS, width=P, seed=0) -> tuple[torch.Tensor, torc
     lengths = torch.tensor(lengths)
     mask = (torch.arange(width) >= width - lengths[:, None]).long()
     return torch.randint(3, 100, (len(lengths), width), generator=g) * mask, mask
-
-
-def as_batch(prompt_ids, prompt_mask, out, n: int) -> Batch:
-    """A Batch of a rollout's output; prompt i is repeated for its n responses."""
-    rows = torch.arange(len(prompt_ids)).repeat_interleave(n)
-    return Batch(
-        prompt_ids=prompt_ids[rows],
-        prompt_mask=prompt_mask[rows],
-        response_ids=out.response_ids,
-        response_mask=out.response_mask,
-        group_ids=rows,
-        rollout_log_probs=out.log_probs,
-    )
 
 
 def assert_eos_and_length_handling(out, eos_token_ids, pad_token_id: int, max_tokens: int) -> None:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import dsrl.checkpoint
+from dsrl.cli import split_files_and_overrides
 from dsrl.config import load_and_validate
 from dsrl.trainer import Trainer, TrainingInterrupted
 
@@ -24,11 +25,11 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--local_rank", type=int)
 parser.add_argument("--kill-at", default=None)
-parser.add_argument("config")
-parser.add_argument("overrides", nargs="*")
+parser.add_argument("args", nargs="+", help="config files, then key=value overrides")
 args = parser.parse_args()
 
-cfg, _ = load_and_validate(args.config, args.overrides, int(os.environ.get("WORLD_SIZE", "1")))
+files, overrides = split_files_and_overrides(args.args)
+cfg, _ = load_and_validate(files, overrides, int(os.environ.get("WORLD_SIZE", "1")))
 trainer = Trainer(cfg)
 out = Path(args.out)
 logged = []

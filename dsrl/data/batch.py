@@ -52,6 +52,20 @@ class Batch:
     returns: torch.Tensor | None = None
     rollout_is_weights: torch.Tensor | None = None
 
+    @classmethod
+    def of_responses(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, out: Any, n: int) -> Batch:
+        """The batch of ``n`` responses per prompt (``out``: a rollout's output, rows of prompt i at
+        ``i*n .. i*n+n-1``), each row with its prompt; group ids are the prompts' positions."""
+        rows = torch.arange(len(prompt_ids)).repeat_interleave(n)
+        return cls(
+            prompt_ids=prompt_ids[rows],
+            prompt_mask=prompt_mask[rows],
+            response_ids=out.response_ids,
+            response_mask=out.response_mask,
+            group_ids=rows,
+            rollout_log_probs=out.log_probs,
+        )
+
     def __len__(self) -> int:
         return self.response_ids.shape[0]
 

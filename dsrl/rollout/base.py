@@ -8,6 +8,7 @@ trainer (vLLM's sleep mode); engines that hold nothing worth releasing treat the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -55,6 +56,23 @@ class RolloutOutput:
     response_mask: torch.Tensor  # [B*n, T] int64, 1 on generated tokens up to and including EOS
     log_probs: torch.Tensor  # [B*n, T] float32, log-prob of each token under the sampling distribution, 0 on padding
     finish_reasons: list[str]  # [B*n] "stop" (ended with EOS) or "length" (hit max_tokens)
+
+
+def seeded(seed: int | None, device: torch.device):
+    """A context in which this process's default generators (CPU and ``device``) start from ``seed``
+    and are restored afterwards; a no-op context for ``None``."""
+    if seed is None:
+        return contextlib.nullcontext()
+    devices = [] if device.type == "cpu" else [device.index if device.index is not None else 0]
+    fork = torch.random.fork_rng(devices=devices, device_type=device.type)
+
+    @contextlib.contextmanager
+    def context():
+        with fork:
+            torch.manual_seed(seed)
+            yield
+
+    return context()
 
 
 class RolloutEngine(Protocol):

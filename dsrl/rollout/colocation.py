@@ -4,23 +4,29 @@ The devices are shared: while the rollout engine generates, the trainer's engine
 device memory as they can, and while they train, the rollout engine sleeps. The order, on every
 rank, is
 
-    release trainer memory    offload_states() of each engine that keeps states on the device,
-                              empty_partition_cache() of every engine, empty the allocator cache
-    wake_up(["weights"])      the rollout engine's weights come back (level 1) or are re-allocated (level 2)
+    release trainer memory    offload_states(include=...) of each engine that keeps states on the device
+                              (``offload_targets``), empty_partition_cache() of every engine, empty the
+                              allocator cache
+    wake_up(["weights"])      the rollout engine's weights are re-allocated (level 2) or come back (level 1)
     update_weights(...)       the actor's full parameters, gathered a bucket at a time (a collective);
                               the engine drops its prefix cache after the push
+    empty the allocator cache the push's buffers go back to the driver before the KV cache is mapped
     wake_up(["kv_cache"])     the KV cache is allocated only once the weights are in
     generate(...)             the body of the ``with`` block, any number of calls
     sleep()                   the rollout engine hands its memory back
     reload_states()           the engines offloaded above get their states back
 
-Engines whose states already live in CPU memory (ZeRO parameter offload, or a CPU accelerator)
-are not offloaded: there is nothing on the device to move. A rollout engine without sleep mode
-(``HFRollout``; vLLM on CPU) makes ``wake_up`` / ``sleep`` no-ops, so the same code runs there.
+Engines whose states already live in CPU memory (ZeRO parameter offload, or a CPU accelerator) are not
+offloaded: there is nothing on the device to move. Nor is anything offloaded for a rollout engine whose
+device memory is reserved for good (``static_memory``: vLLM without sleep mode), since that would free
+nothing it could use. A rollout engine without sleep mode makes ``wake_up`` / ``sleep`` no-ops, so the
+same code runs there. The sleep and reloads also run when the body raises: every step is rank-local, so
+no rank waits for another, and the engines are left as training expects them.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -28,7 +34,8 @@ from typing import Any
 
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+from deepspeed.ops.adam import FusedAdam
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
 from dsrl.rollout.base import RolloutEngine
@@ -36,17 +43,40 @@ from dsrl.rollout.base import RolloutEngine
 _GIB = 2**30
 
 
-def keeps_states_on_device(engine: Any) -> bool:
-    """Whether ``engine.offload_states()`` would free device memory: a device accelerator, an
-    optimizer that can move its states (DeepSpeed's ZeRO optimizers; not an inference-only
-    engine), and parameters that are not offloaded already (DeepSpeed refuses to move those)."""
+def offload_targets(engine: Any) -> list[OffloadStateTypeEnum]:
+    """What ``engine.offload_states(include=...)`` should move off the device for a generation phase;
+    [] when nothing: a CPU accelerator, an engine without a ZeRO optimizer (the reference), or offloaded
+    parameters (DeepSpeed refuses to move those).
+
+    Gradients and their buffers always go. ZeRO-3 also moves its bf16 partition (1/world of the model);
+    under ZeRO-1/2 those are the full weights the push reads, so they stay. The fp32 master weights and the
+    Adam moments go unless the optimizer already keeps them in CPU memory; ZeRO-3 moves them only for
+    DeepSpeed's FusedAdam (it asserts so)."""
     if get_accelerator().device_name() == "cpu":
-        return False
+        return []
     optimizer = getattr(engine, "optimizer", None)
     if optimizer is None or isinstance(optimizer, DeepSpeedZeRoOffload) or not hasattr(optimizer, "offload_states"):
-        return False
-    param_offload = engine.zero_offload_param()
-    return param_offload is None or param_offload.device == OffloadDeviceEnum.none
+        return []
+    if _offloaded(engine.zero_offload_param()):
+        return []
+    targets = [OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_buffer]
+    stage3 = engine.zero_optimization_stage() == 3
+    if stage3:
+        targets.append(OffloadStateTypeEnum.lp_params)
+    if not _offloaded(engine.zero_offload_optimizer()) and (not stage3 or type(optimizer.optimizer) is FusedAdam):
+        targets += [OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params]
+    return targets
+
+
+def _offloaded(offload_config: Any) -> bool:
+    return offload_config is not None and offload_config.device != OffloadDeviceEnum.none
+
+
+def _release_cache() -> None:
+    """Hand the caching allocator's free blocks back to the driver (vLLM maps its memory outside it)."""
+    if get_accelerator().device_name() != "cpu":
+        gc.collect()  # drop the last references to the push's buffers first
+        get_accelerator().empty_cache()
 
 
 def _free_device_memory() -> float | None:
@@ -74,42 +104,50 @@ def colocated_generation(
             ``lambda: iter_full_parameters(actor.module)``; consumed once (a collective).
         trainer_engines: the DeepSpeed engines sharing the devices (actor, critic, reference).
         metrics: filled with ``timing_s/release_memory``, ``timing_s/update_weights``,
-            ``timing_s/wake``, ``timing_s/gen`` (the body), ``timing_s/sleep``, and on CUDA ``rollout/free_mem_before_sleep_gib``,
-            ``rollout/free_mem_after_sleep_gib`` and ``rollout/sleep_freed_gib``.
+            ``timing_s/wake``, ``timing_s/gen`` (the body), ``timing_s/sleep``, and on CUDA
+            ``rollout/free_mem_before_wake_gib`` (free before the KV cache is mapped),
+            ``rollout/free_mem_before_sleep_gib``, ``rollout/free_mem_after_sleep_gib`` and ``rollout/sleep_freed_gib``.
     Yields:
         ``rollout``, awake, holding the actor's weights. Collective: every rank enters it.
     """
     start = time.perf_counter()
-    offloaded = [engine for engine in trainer_engines if keeps_states_on_device(engine)]
-    for engine in offloaded:
-        engine.offload_states()
-    for engine in trainer_engines:
-        engine.empty_partition_cache()  # includes a gc.collect(): ~0.4 s per call on the CPU quickstart
-    get_accelerator().empty_cache()
-    metrics["timing_s/release_memory"] = time.perf_counter() - start
+    offloaded = []
+    if not getattr(rollout, "static_memory", False):
+        offloaded = [(engine, targets) for engine in trainer_engines if (targets := offload_targets(engine))]
+    for engine, targets in offloaded:
+        engine.offload_states(include=targets)
+    try:
+        for engine in trainer_engines:
+            engine.empty_partition_cache()  # includes a gc.collect(): ~0.4 s per call on the CPU quickstart
+        get_accelerator().empty_cache()
+        metrics["timing_s/release_memory"] = time.perf_counter() - start
 
-    start = time.perf_counter()
-    rollout.wake_up(["weights"])
-    wake = time.perf_counter() - start
-    start = time.perf_counter()
-    rollout.update_weights(weights())
-    metrics["timing_s/update_weights"] = time.perf_counter() - start
-    start = time.perf_counter()
-    rollout.wake_up(["kv_cache"])
-    metrics["timing_s/wake"] = wake + time.perf_counter() - start
+        start = time.perf_counter()
+        rollout.wake_up(["weights"])
+        wake = time.perf_counter() - start
+        start = time.perf_counter()
+        rollout.update_weights(weights())
+        _release_cache()
+        metrics["timing_s/update_weights"] = time.perf_counter() - start
+        free = _free_device_memory()
+        if free is not None:
+            metrics["rollout/free_mem_before_wake_gib"] = free  # what the KV cache's wake has to fit in
+        start = time.perf_counter()
+        rollout.wake_up(["kv_cache"])
+        metrics["timing_s/wake"] = wake + time.perf_counter() - start
 
-    start = time.perf_counter()
-    yield rollout
-    metrics["timing_s/gen"] = time.perf_counter() - start
-
-    before = _free_device_memory()
-    start = time.perf_counter()
-    rollout.sleep()
-    metrics["timing_s/sleep"] = time.perf_counter() - start
-    after = _free_device_memory()
-    if before is not None and after is not None:
-        metrics["rollout/free_mem_before_sleep_gib"] = before
-        metrics["rollout/free_mem_after_sleep_gib"] = after
-        metrics["rollout/sleep_freed_gib"] = after - before
-    for engine in offloaded:
-        engine.reload_states()
+        start = time.perf_counter()
+        yield rollout
+        metrics["timing_s/gen"] = time.perf_counter() - start
+    finally:
+        before = _free_device_memory()
+        start = time.perf_counter()
+        rollout.sleep()
+        metrics["timing_s/sleep"] = time.perf_counter() - start
+        after = _free_device_memory()
+        if before is not None and after is not None:
+            metrics["rollout/free_mem_before_sleep_gib"] = before
+            metrics["rollout/free_mem_after_sleep_gib"] = after
+            metrics["rollout/sleep_freed_gib"] = after - before
+        for engine, _ in offloaded:
+            engine.reload_states()

@@ -2,23 +2,26 @@
 
 The CPU default. Each rank samples its own prompts with ``synced_gpus=False`` (generation is
 rank-local; the copy is not a ZeRO-3 module, so no rank waits for another), left-padded prompts,
-KV cache on.
+KV cache on, ``micro_batch_size`` prompts per ``generate`` call (the KV cache grows with it).
+
+Memory. On a device the copy lives there only while generating: ``sleep`` moves it to CPU memory and
+``wake_up(["weights"])`` brings it back, so training has the device to itself. On a CPU both do nothing.
 
 Sampling distribution and log-probs: the logits are divided by the temperature, then top-k and
 top-p filter them (in that order); each token's log-prob is its log-softmax under that processed
 distribution (what vLLM calls ``processed_logprobs``). Greedy decoding (``do_sample=False``)
-reports the log-softmax of the raw logits. The warpers are applied by dsrl's own logits-processor
+reports the log-softmax of the raw logits. Rows of the output layer beyond the tokenizer's vocabulary
+(Qwen pads its vocabulary) get logits -inf first: no token, never sampled. The warpers are applied by dsrl's own logits-processor
 list, the last entry of which records the chosen tokens' log-probs one step later, so no
 ``[B, T, V]`` score history is kept.
 
-Determinism: with ``sampling.seed`` set, generation runs inside ``torch.random.fork_rng`` seeded
-with it: the same seed, weights and prompts give the same samples, and the caller's global RNG
-streams are left untouched.
+Determinism: with ``sampling.seed`` set, each ``generate`` call runs inside ``torch.random.fork_rng``
+seeded with it (call ``k`` of a batch with ``seed + k * CHUNK_SEED_STRIDE``): the same seed, weights and
+prompts give the same samples, and the caller's global RNG streams are left untouched.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -35,9 +38,22 @@ from transformers import (
 )
 
 from dsrl.algorithms import logprobs_from_logits
-from dsrl.rollout.base import RolloutOutput, SamplingParams
+from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+CHUNK_SEED_STRIDE = 1_000_003  # seeds of successive generate calls of one batch
+
+
+class _MaskPaddedVocab(LogitsProcessor):
+    """Logits of ids >= ``vocab_size`` (output-layer padding, no token) become -inf."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return scores.index_fill(-1, torch.arange(self.vocab_size, scores.shape[-1], device=scores.device), float("-inf"))
 
 
 class _ChosenTokenLogProbs(LogitsProcessor):
@@ -58,22 +74,6 @@ class _ChosenTokenLogProbs(LogitsProcessor):
         self.log_probs.append(logprobs_from_logits(self.previous, chosen))
 
 
-def _seeded(seed: int | None, device: torch.device):
-    """A context in which the RNG of this process (CPU and ``device``) starts from ``seed``."""
-    if seed is None:
-        return contextlib.nullcontext()
-    devices = [] if device.type == "cpu" else [device.index if device.index is not None else 0]
-    fork = torch.random.fork_rng(devices=devices, device_type=device.type)
-
-    @contextlib.contextmanager
-    def context():
-        with fork:
-            torch.manual_seed(seed)
-            yield
-
-    return context()
-
-
 class HFRollout:
     """``generate`` with a transformers model loaded from ``model_path`` (local dir or hub id).
 
@@ -84,13 +84,19 @@ class HFRollout:
     dropped: only ``SamplingParams`` decide how to sample.
     """
 
-    def __init__(self, model_path: str, *, dtype: str = "bfloat16", trust_remote_code: bool = False):
+    static_memory = False  # generation's memory grows with the batch: offloading training states helps it
+
+    def __init__(
+        self, model_path: str, *, dtype: str = "bfloat16", trust_remote_code: bool = False, micro_batch_size: int = 64
+    ):
+        if micro_batch_size < 1:
+            raise ValueError(f"actor_rollout_ref.rollout.micro_batch_size={micro_batch_size}: must be >= 1")
+        self.micro_batch_size = micro_batch_size
         self.device = torch.device(get_accelerator().current_device_name())
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
-        ).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
         self.model.eval().requires_grad_(False)
+        self.vocab_size = len(tokenizer)  # ids the rollout may sample
         eos = {tokenizer.eos_token_id} | set(_as_list(self.model.generation_config.eos_token_id))
         self.eos_token_ids = sorted(i for i in eos if i is not None)
         if not self.eos_token_ids:
@@ -120,7 +126,24 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams) -> RolloutOutput:
         """``sampling.n`` responses per left-padded prompt ``[B, P]``; see ``RolloutOutput``."""
-        processors = []
+        outputs = []
+        for call, start in enumerate(range(0, len(prompt_ids), self.micro_batch_size)):
+            chunk = slice(start, start + self.micro_batch_size)
+            seed = None if sampling.seed is None else sampling.seed + call * CHUNK_SEED_STRIDE
+            outputs.append(self._generate(prompt_ids[chunk], prompt_mask[chunk], sampling.replace(seed=seed)))
+        if len(outputs) == 1:
+            return outputs[0]
+        return RolloutOutput(
+            torch.cat([o.response_ids for o in outputs]),
+            torch.cat([o.response_mask for o in outputs]),
+            torch.cat([o.log_probs for o in outputs]),
+            [reason for o in outputs for reason in o.finish_reasons],
+        )
+
+    def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams) -> RolloutOutput:
+        processors: list[LogitsProcessor] = []
+        if self.vocab_size < self.model.get_output_embeddings().weight.shape[0]:
+            processors.append(_MaskPaddedVocab(self.vocab_size))
         if sampling.do_sample:
             processors.append(TemperatureLogitsWarper(sampling.temperature))
             if sampling.top_k > 0:
@@ -141,7 +164,7 @@ class HFRollout:
             **warper_off,
         )
         prompt_len = prompt_ids.shape[1]
-        with _seeded(sampling.seed, self.device):
+        with seeded(sampling.seed, self.device):
             sequences = self.model.generate(
                 input_ids=prompt_ids.to(self.device),
                 attention_mask=prompt_mask.to(self.device),
@@ -169,10 +192,14 @@ class HFRollout:
         return RolloutOutput(response_ids, response_mask, out_log_probs, finish_reasons)
 
     def sleep(self) -> None:
-        """No-op: the copy stays where it is (the CPU default has no device memory to give back)."""
+        """Move the copy to CPU memory (on a device; a no-op on a CPU)."""
+        if self.device.type != "cpu":
+            self.model.to("cpu")
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """No-op, see ``sleep``."""
+        """Bring the copy back to the device when ``tags`` include the weights (``None``: everything)."""
+        if tags is None or "weights" in tags:
+            self.model.to(self.device)
 
 
 def _as_list(value) -> list:

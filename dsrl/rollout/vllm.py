@@ -9,40 +9,51 @@ ranks (``tensor_model_parallel_size`` of them): every rank of a group submits th
 (the prompts of all its ranks, each with the seed of the rank it came from) and keeps the rows of
 its own prompts; with size 1 every rank is an independent engine.
 
-Sampling. ``SamplingParams(n, temperature, top_p, top_k, max_tokens, seed, logprobs=0)`` with
+Sampling. ``SamplingParams(n, temperature, top_p, top_k, max_tokens, logprobs=0)`` with
 ``logprobs_mode="processed_logprobs"``: each token's log-prob is taken under the distribution it
 was sampled from (after temperature, top-k, top-p), as ``HFRollout`` reports it; greedy decoding
 reports the raw log-softmax. Responses stop at the tokenizer's EOS and the model's
 ``generation_config`` EOS ids; the model's other generation defaults are ignored
-(``generation_config="vllm"``). Prompt ``i`` gets its own seed, drawn from ``sampling.seed``, and
-its ``n`` samples use that seed + 0..n-1 (vLLM's parallel sampling), so prompts never share random
-streams.
+(``generation_config="vllm"``). Rows of the output layer beyond the tokenizer's vocabulary (Qwen pads
+151,665 tokens to 151,936) are never sampled: their logits are set to -inf.
 
-Weights. ``update_weights`` streams full tensors into vLLM's in-place reload
-(``collective_rpc("reload_weights", kwargs={"weights_iterator": ..., "is_checkpoint_format": True})``),
-which routes them through the model's own loader (fusing q/k/v and gate/up, sharding for tensor
-parallel) and re-runs vLLM's post-load processing, e.g. the CPU build's repacking of linear
-weights. The reload processes only the layers that received tensors; a layer that shares its
-weight with one of them (an LM head tied to the input embedding) is processed again here, or it
-would keep a packed copy of the old weight. Then ``reset_prefix_cache()``: cached KV blocks were
+Seeds. By default requests carry no seed, so vLLM samples the whole batch at once from the default
+generators, and each ``generate`` call runs with those generators forked and seeded with
+``sampling.seed`` (of the first rank of the tensor-parallel group: the ranks of a group must sample
+alike); the same seed, weights and prompts give the same samples, and the caller's generators are left
+alone. With ``per_prompt_seeds`` prompt ``i`` gets its own seed, drawn from ``sampling.seed``, and its
+``n`` samples use that seed + 0..n-1, so a prompt's samples do not depend on the rest of the batch;
+vLLM then draws each seeded request's noise separately, which costs time on GPUs. The engine's own
+seed is ``trainer.seed + rank // tensor_parallel_size``.
+
+Weights. ``update_weights`` streams full tensors (HF names) into the engine. vLLM releases whose
+worker ``reload_weights`` takes a ``weights_iterator`` reload in place, layer by layer, and re-run the
+post-load processing (e.g. the CPU build's repacking of linear weights); the reload processes only the
+layers that received tensors, so a layer sharing its weight with one of them (an LM head tied to the
+input embedding) is processed again here. Older releases get the tensors through the model's own
+``load_weights`` on each worker, as verl, TRL and OpenRLHF push them. Either path fuses q/k/v and
+gate/up and shards for tensor parallelism. Then ``reset_prefix_cache()``: cached KV blocks were
 computed by the old weights.
 
 Memory. With sleep mode (GPUs), the engine sleeps right after it is built (so the DeepSpeed
 engines built next find the device free) and around every generation (see
-``dsrl.rollout.colocation``): level 1 moves the weights to CPU memory and drops the KV cache,
-level 2 drops both, after which ``generate`` refuses to run until the weights are pushed again.
-vLLM has no sleep mode on CPU: there ``sleep`` and ``wake_up`` do nothing.
+``dsrl.rollout.colocation``): level 2 drops weights and KV cache (the push after the weights' wake
+refills them), level 1 copies the weights to CPU memory and back. The engine tracks what is asleep:
+pushing weights that are not awake, or generating before the KV cache is, raises. vLLM has no sleep
+mode on CPU: there ``sleep`` and ``wake_up`` do nothing. Supported: vLLM >= 0.10.2 (``logprobs_mode``).
 """
 
 from __future__ import annotations
 
+import inspect
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dsrl.rollout.base import RolloutOutput, SamplingParams
+from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded
 
 _SEED_RANGE = 2**62  # per-prompt seeds; + n stays far inside int64
 
@@ -65,6 +76,51 @@ def _refresh_shared_weight_layers(worker: Any) -> None:
         if len(shared) > 1:
             for module in shared:
                 module.quant_method.process_weights_after_loading(module)
+
+
+def _reload_takes_iterator(worker: Any) -> bool:
+    """Whether this vLLM's in-place reload accepts tensors (``reload_weights(weights_iterator=...)``);
+    older releases only reload from disk. The model runner's signature decides: the worker's own
+    method forwards ``*args, **kwargs`` in recent releases. Runs on each vLLM worker."""
+    return "weights_iterator" in inspect.signature(worker.model_runner.reload_weights).parameters
+
+
+def _load_weights(worker: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """The push of vLLM releases without an in-place reload: the model's own loader. Runs on each vLLM worker."""
+    worker.model_runner.get_model().load_weights(weights=named_tensors)
+
+
+def _mask_padded_vocab(worker: Any, vocab_size: int) -> None:
+    """Never sample ids >= ``vocab_size``: the output layer's padding rows (no token) get logits -inf.
+    Wraps the model's ``compute_logits`` (sampling runs outside CUDA graphs). Runs on each vLLM worker."""
+    model = worker.model_runner.get_model()
+    compute_logits = model.compute_logits
+
+    def masked(*args, **kwargs):
+        logits = compute_logits(*args, **kwargs)
+        if logits is not None:
+            logits[..., vocab_size:] = float("-inf")
+        return logits
+
+    model.compute_logits = masked
+
+
+def prepare_environment() -> None:
+    """Settings vLLM needs in this process before the launcher's process group exists: NCCL must not use
+    cuMem-allocated buffers alongside vLLM's memory pool (vLLM sets NCCL_CUMEM_ENABLE=0 when imported,
+    which is too late for the group DeepSpeed creates first)."""
+    os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+
+
+def check_allocator_for_sleep_mode() -> None:
+    """vLLM's sleep mode keeps its memory in a pool of its own, which PyTorch's expandable segments
+    cannot share (vLLM asserts at start-up with a message that does not say what to change)."""
+    allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments:True" in allocator:
+        raise ValueError(
+            f"PYTORCH_CUDA_ALLOC_CONF={allocator}: vLLM's sleep mode cannot run with expandable segments; "
+            "fix: remove expandable_segments:True, or set actor_rollout_ref.rollout.enable_sleep_mode=false"
+        )
 
 
 def _prompt_seeds(seed: int | None, count: int) -> list[int | None]:
@@ -93,8 +149,9 @@ class VLLMRollout:
         max_model_len: int | None = None,
         enforce_eager: bool = False,
         enable_sleep_mode: bool | None = None,
-        sleep_level: int = 1,
+        sleep_level: int = 2,
         seed: int = 0,
+        per_prompt_seeds: bool = False,
     ):
         from transformers import AutoTokenizer, GenerationConfig
         from vllm import LLM
@@ -109,9 +166,13 @@ class VLLMRollout:
                 f"({current_platform.device_name}); set it to null (on where supported) or false"
             )
         self.sleep_mode = supported if enable_sleep_mode is None else enable_sleep_mode
+        if self.sleep_mode:
+            check_allocator_for_sleep_mode()
         self.sleep_level = sleep_level
+        self.per_prompt_seeds = per_prompt_seeds
         self.tensor_parallel_size = tensor_parallel_size
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         if self.world_size % tensor_parallel_size:
             raise ValueError(
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={tensor_parallel_size}: "
@@ -128,6 +189,7 @@ class VLLMRollout:
         if not self.eos_token_ids:
             raise ValueError(f"{model_path}: neither the tokenizer nor the generation config names an EOS token")
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.vocab_size = len(tokenizer)  # ids the rollout may sample
 
         # Every rank of a tensor-parallel group must submit the same requests: the group's ranks
         # exchange their prompts over a CPU (gloo) group of their own. new_group is collective:
@@ -157,9 +219,13 @@ class VLLMRollout:
             enable_sleep_mode=self.sleep_mode,
             logprobs_mode="processed_logprobs",
             generation_config="vllm",
-            seed=seed,
+            seed=seed + self.rank // tensor_parallel_size,
             **cpu_only,
         )
+        if self.llm.llm_engine.model_config.get_vocab_size() > self.vocab_size:
+            self.llm.collective_rpc(_mask_padded_vocab, args=(self.vocab_size,))
+        self.reload_in_place = all(self.llm.collective_rpc(_reload_takes_iterator))
+        self.asleep: set[str] = set()  # what sleep released and wake_up has not brought back
         self.weights_valid = True  # False after a level-2 sleep until the next push
         self.sleep()
 
@@ -178,19 +244,31 @@ class VLLMRollout:
             enable_sleep_mode=rollout.enable_sleep_mode,
             sleep_level=rollout.sleep_level,
             seed=cfg.trainer.seed,
+            per_prompt_seeds=rollout.per_prompt_seeds,
         )
 
     # ---- weights -----------------------------------------------------------------------------
 
+    @property
+    def static_memory(self) -> bool:
+        """Without sleep mode the engine keeps its device memory for good: offloading training states
+        around generation would free nothing it can use."""
+        return not self.sleep_mode
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Reload full tensors (HF names) in place, then drop the prefix cache.
+        """Load full tensors (HF names) into the engine (see the module docstring), then drop the prefix cache.
 
         The iterator is consumed inside vLLM's loader, one tensor at a time, so a ZeRO-3 stream
         (``iter_full_parameters``) never holds more than its bucket. Every rank of a
         tensor-parallel group must pass the same full tensors (vLLM shards them)."""
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
-        )
+        if "weights" in self.asleep:
+            raise RuntimeError("VLLMRollout.update_weights while the weights sleep: call wake_up(['weights']) first")
+        if self.reload_in_place:
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
+            )
+        else:
+            self.llm.collective_rpc(_load_weights, args=(iter(named_tensors),))
         self.llm.collective_rpc(_refresh_shared_weight_layers)
         self.llm.reset_prefix_cache()
         self.weights_valid = True
@@ -198,25 +276,30 @@ class VLLMRollout:
     # ---- sleep mode --------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        """Release device memory (sleep mode only): level 1 keeps the weights in CPU memory,
-        level 2 drops them (the next ``update_weights`` refills them)."""
+        """Release device memory (sleep mode only): level 2 drops the weights (the next
+        ``update_weights`` refills them), level 1 keeps them in CPU memory; the KV cache is dropped."""
         if self.sleep_mode:
             self.llm.sleep(level=self.sleep_level)
+            self.asleep = {"weights", "kv_cache"}
             self.weights_valid = self.sleep_level == 1
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Re-allocate ``tags`` (``["weights"]``, ``["kv_cache"]``; ``None``: all) (sleep mode only)."""
         if self.sleep_mode:
             self.llm.wake_up(list(tags) if tags is not None else None)
+            self.asleep = self.asleep - set(tags) if tags is not None else set()
 
     # ---- generation --------------------------------------------------------------------------
 
-    def _group_requests(self, prompts: list[list[int]], seed: int | None) -> tuple[list[list[int]], list, slice]:
-        """This rank's prompts and per-prompt seeds joined with those of its tensor-parallel group
-        (rank order); returns all prompts, all seeds and the slice of them that is this rank's."""
-        mine = (prompts, _prompt_seeds(seed, len(prompts)))
+    def _group_requests(
+        self, prompts: list[list[int]], seed: int | None
+    ) -> tuple[list[list[int]], list, slice, int | None]:
+        """This rank's prompts and per-prompt seeds (None each without ``per_prompt_seeds``) joined with
+        those of its tensor-parallel group (rank order); returns all prompts, all seeds, the slice of them
+        that is this rank's, and the seed of the call (the group's first rank's ``seed``)."""
+        mine = (prompts, _prompt_seeds(seed if self.per_prompt_seeds else None, len(prompts)), seed)
         if self.tp_group is None:
-            return mine[0], mine[1], slice(0, len(prompts))
+            return mine[0], mine[1], slice(0, len(prompts)), seed
         parts: list[Any] = [None] * self.tensor_parallel_size
         dist.all_gather_object(parts, mine, group=self.tp_group)
         position = self.rank % self.tensor_parallel_size
@@ -225,6 +308,7 @@ class VLLMRollout:
             [prompt for part in parts for prompt in part[0]],
             [s for part in parts for s in part[1]],
             slice(start, start + len(prompts)),
+            parts[0][2],
         )
 
     @torch.no_grad()
@@ -232,15 +316,17 @@ class VLLMRollout:
         """``sampling.n`` responses per left-padded prompt ``[B, P]``; see ``RolloutOutput``.
 
         Collective within the tensor-parallel group (every rank calls it, with its own prompts)."""
-        from vllm import SamplingParams as VLLMSamplingParams
-        from vllm.inputs import TokensPrompt
-
+        if self.asleep:
+            raise RuntimeError(f"VLLMRollout.generate while {sorted(self.asleep)} sleep: call wake_up() first")
         if not self.weights_valid:
             raise RuntimeError(
                 "VLLMRollout.generate after a level-2 sleep: the weights were dropped; push them with update_weights first"
             )
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
-        all_prompts, seeds, mine = self._group_requests(prompts, sampling.seed)
+        all_prompts, seeds, mine, call_seed = self._group_requests(prompts, sampling.seed)
         greedy = not sampling.do_sample
         params = [
             VLLMSamplingParams(
@@ -256,9 +342,10 @@ class VLLMRollout:
             )
             for seed in seeds
         ]
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in all_prompts], params, use_tqdm=False
-        )[mine]
+        with seeded(None if self.per_prompt_seeds else call_seed, self.device):
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in all_prompts], params, use_tqdm=False
+            )[mine]
         return self._to_rollout_output(outputs, sampling)
 
     def _to_rollout_output(self, outputs: list, sampling: SamplingParams) -> RolloutOutput:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import QUICKSTART
+
 pytestmark = pytest.mark.dist
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +57,7 @@ def run(command, env):
 
 def test_ranks_log_the_same_metrics(setup, tmp_path):
     overrides, env, launcher = setup
-    run([*launcher(), str(WORKER), "--out", str(tmp_path), str(REPO / "configs" / "quickstart.yaml"), *overrides], env)
+    run([*launcher(), str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides], env)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world"] for r in reports] == [2, 2]
     steps = [[entry["step"] for entry in r["logged"]] for r in reports]
@@ -72,7 +74,7 @@ def test_ranks_log_the_same_metrics(setup, tmp_path):
 
 def test_train_script_runs_under_the_launcher(setup):
     overrides, env, launcher = setup
-    stdout = run([*launcher(), str(REPO / "scripts" / "train.py"), str(REPO / "configs" / "quickstart.yaml"), *overrides], env)
+    stdout = run([*launcher(), str(REPO / "scripts" / "train.py"), *QUICKSTART, *overrides], env)
     assert "[dsrl] step 2/2" in stdout
     assert "validation accuracy: before" in stdout
     assert "[dsrl] model saved to " in stdout

@@ -16,7 +16,7 @@ import torch
 from dsrl.checkpoint import CheckpointError, export_hf_model, state_config, step_dir, write_state
 from dsrl.engines import ActorEngine
 from dsrl.rollout import iter_full_parameters
-from tests.conftest import REPO
+from tests.conftest import recipe
 from tests.integration.test_engines import ACTOR_TRAINING, make_batch, training_batch
 from tests.integration.test_trainer import trainer_for
 from tests.resume_helpers import _differences
@@ -123,6 +123,7 @@ def test_consecutive_non_finite_steps_stop_the_run_naming_step_and_metric(
     trainer = make_trainer(
         "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
         "trainer.total_training_steps=4", "trainer.max_consecutive_skips=3",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
     )
     loss = trainer.actor._loss
     trainer.actor._loss = lambda *a, **kw: (loss(*a, **kw)[0] * math.nan, loss(*a, **kw)[1])
@@ -207,16 +208,16 @@ def test_resume_refuses_a_changed_run_before_any_model_loads(tiny_model_dir, ari
         "data.val_files=null",
         f"trainer.default_local_dir={tmp_path}",
     ]
-    saved, _ = load_and_validate(str(REPO / "configs" / "grpo.yaml"), base, world_size=1)
+    saved, _ = load_and_validate(recipe("grpo"), base, world_size=1)
     step_dir(tmp_path, 2).mkdir(parents=True)
     write_state(step_dir(tmp_path, 2), {"format": 1, "config": state_config(saved, world_size=1)})
 
-    changed, _ = load_and_validate(str(REPO / "configs" / "grpo.yaml"), base + ["trainer.seed=5"], world_size=1)
+    changed, _ = load_and_validate(recipe("grpo"), base + ["trainer.seed=5"], world_size=1)
     with pytest.raises(CheckpointError, match=r"settings differ from the checkpoint's:\n  trainer.seed: 1 -> 5\nfix:"):
         dsrl.trainer.Trainer(changed)
 
     allowed, _ = load_and_validate(
-        str(REPO / "configs" / "grpo.yaml"), base + ["trainer.seed=5", "trainer.resume_allow_config_change=true"],
+        recipe("grpo"), base + ["trainer.seed=5", "trainer.resume_allow_config_change=true"],
         world_size=1,
     )
     with pytest.raises(AssertionError, match="a model was loaded"):  # past the check, on to the models
@@ -228,7 +229,7 @@ def test_resume_refuses_a_changed_run_before_any_model_loads(tiny_model_dir, ari
         dsrl.trainer.Trainer(saved)
 
     not_a_checkpoint, _ = load_and_validate(
-        str(REPO / "configs" / "grpo.yaml"),
+        recipe("grpo"),
         base + ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={arithmetic_data}"],
         world_size=1,
     )

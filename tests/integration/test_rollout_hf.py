@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from dsrl.data.batch import Batch
 from dsrl.engines import ActorEngine
 from dsrl.rollout import HFRollout, SamplingParams, iter_full_parameters
-from tests.rollout_helpers import P, as_batch, assert_eos_and_length_handling, prompts
+from tests.rollout_helpers import P, assert_eos_and_length_handling, prompts
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_samples_are_grouped_and_their_log_probs_match_a_forward(rollout, refere
     mask = out.response_mask.bool()
     assert (out.log_probs[~mask] == 0).all() and (out.response_ids[~mask] == rollout.pad_token_id).all()
     # Row i*n + j continues prompt i: its log-probs are those of a forward on prompt i.
-    batch = as_batch(prompt_ids, prompt_mask, out, n=3)
+    batch = Batch.of_responses(prompt_ids, prompt_mask, out, n=3)
     expected = torch.log_softmax(forward_logits(reference_model, batch) / 0.9, -1)
     expected = expected.gather(-1, batch.response_ids[..., None]).squeeze(-1)
     torch.testing.assert_close(out.log_probs[mask], expected[mask], atol=1e-5, rtol=1e-5)
@@ -54,7 +54,7 @@ def test_samples_are_grouped_and_their_log_probs_match_a_forward(rollout, refere
 def test_top_k_log_probs_are_those_of_the_truncated_distribution(rollout, reference_model):
     prompt_ids, prompt_mask = prompts()
     out = rollout.generate(prompt_ids, prompt_mask, SamplingParams(n=2, temperature=1.3, top_k=5, max_tokens=8, seed=1))
-    batch = as_batch(prompt_ids, prompt_mask, out, n=2)
+    batch = Batch.of_responses(prompt_ids, prompt_mask, out, n=2)
     logits = forward_logits(reference_model, batch) / 1.3
     top = logits.topk(5, dim=-1)
     truncated = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
@@ -68,7 +68,7 @@ def test_top_k_log_probs_are_those_of_the_truncated_distribution(rollout, refere
 def test_greedy_decoding_takes_the_argmax(rollout, reference_model):
     prompt_ids, prompt_mask = prompts()
     out = rollout.generate(prompt_ids, prompt_mask, SamplingParams(do_sample=False, temperature=0.0, max_tokens=8))
-    batch = as_batch(prompt_ids, prompt_mask, out, n=1)
+    batch = Batch.of_responses(prompt_ids, prompt_mask, out, n=1)
     logits = forward_logits(reference_model, batch)
     mask = out.response_mask.bool()
     assert (logits.argmax(-1) == batch.response_ids)[mask].all()
@@ -93,6 +93,58 @@ def test_a_seed_fixes_the_samples_and_leaves_the_global_rng_alone(rollout):
     other = rollout.generate(prompt_ids, prompt_mask, sampling.replace(seed=12))
     assert torch.equal(first.response_ids, again.response_ids) and torch.equal(first.log_probs, again.log_probs)
     assert not torch.equal(first.response_ids, other.response_ids)
+
+
+def test_generation_in_chunks_is_greedy_identical_and_seeded_per_chunk(tiny_model_dir, rollout):
+    """micro_batch_size prompts per generate call bound the KV cache; greedy decoding does not depend on
+    the chunks, and a seeded batch in chunks repeats exactly."""
+    chunked = HFRollout(str(tiny_model_dir), dtype="float32", micro_batch_size=2)
+    prompt_ids, prompt_mask = prompts()
+    assert len(prompt_ids) > 2
+    greedy = SamplingParams(n=1, do_sample=False, max_tokens=10)
+    whole, parts = rollout.generate(prompt_ids, prompt_mask, greedy), chunked.generate(prompt_ids, prompt_mask, greedy)
+    assert torch.equal(whole.response_ids, parts.response_ids) and torch.equal(whole.response_mask, parts.response_mask)
+    torch.testing.assert_close(whole.log_probs, parts.log_probs)
+    assert whole.finish_reasons == parts.finish_reasons
+    sampling = SamplingParams(n=2, max_tokens=10, seed=4)
+    first, again = chunked.generate(prompt_ids, prompt_mask, sampling), chunked.generate(prompt_ids, prompt_mask, sampling)
+    assert first.response_ids.shape == (2 * len(prompt_ids), 10) and torch.equal(first.response_ids, again.response_ids)
+    with pytest.raises(ValueError, match="micro_batch_size=0: must be >= 1"):
+        HFRollout(str(tiny_model_dir), micro_batch_size=0)
+
+
+def test_ids_beyond_the_tokenizer_are_never_sampled(tiny_model_dir):
+    """The output layer's padding rows (Qwen pads its vocabulary) get no probability; shown by treating
+    the tiny model's ids from 40 on as padding: no response token reaches them, and the log-probs are
+    those of the distribution renormalised over the rest."""
+    masked = HFRollout(str(tiny_model_dir), dtype="float32")
+    masked.vocab_size = 40
+    prompt_ids, prompt_mask = prompts()
+    out = masked.generate(prompt_ids, prompt_mask, SamplingParams(n=4, temperature=2.0, max_tokens=16, seed=3))
+    mask = out.response_mask.bool()
+    assert (out.response_ids[mask] < 40).all()
+    batch = Batch.of_responses(prompt_ids, prompt_mask, out, n=4)
+    logits = forward_logits(masked.model, batch)[..., :40] / 2.0
+    expected = torch.log_softmax(logits, -1).gather(-1, batch.response_ids.clamp(max=39)[..., None]).squeeze(-1)
+    torch.testing.assert_close(out.log_probs[mask], expected[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_sleep_moves_the_copy_off_the_device_and_wake_brings_it_back(tiny_model_dir):
+    """On a device the copy lives there only while generating; a CPU "device" here, with the moves recorded."""
+    engine = HFRollout(str(tiny_model_dir), dtype="float32")
+    moves = []
+    engine.model.to = lambda device: moves.append(str(device))
+    engine.device = torch.device("cuda", 0)  # as on a GPU machine
+    engine.sleep()
+    engine.wake_up(["kv_cache"])  # the KV cache is allocated by generate itself
+    engine.wake_up(["weights"])
+    engine.wake_up()
+    assert moves == ["cpu", "cuda:0", "cuda:0"]
+    engine.device = torch.device("cpu")
+    moves.clear()
+    engine.sleep()
+    assert moves == []  # on a CPU there is nowhere else to go
+    assert HFRollout.static_memory is False
 
 
 def test_sampling_params_refuse_nonsense():
@@ -125,7 +177,7 @@ def test_after_a_step_and_a_sync_the_rollout_scores_like_the_actor(actor, tiny_m
 
     prompt_ids, prompt_mask = prompts()
     sampling = SamplingParams(n=2, temperature=0.8, max_tokens=10, seed=3)
-    batch = as_batch(prompt_ids, prompt_mask, rollout.generate(prompt_ids, prompt_mask, sampling), n=2)
+    batch = Batch.of_responses(prompt_ids, prompt_mask, rollout.generate(prompt_ids, prompt_mask, sampling), n=2)
     mask = batch.response_mask.bool()
     old = actor.compute_log_probs(batch, temperature=0.8)["old_log_probs"]
     torch.testing.assert_close(old[mask], batch.rollout_log_probs[mask], atol=1e-5, rtol=1e-5)
@@ -136,7 +188,7 @@ def test_after_a_step_and_a_sync_the_rollout_scores_like_the_actor(actor, tiny_m
     rollout.update_weights(iter_full_parameters(actor.module, bucket_bytes=4096))  # many small buckets
 
     # Same prompts and seed after the sync: the rollout's own log-probs match the updated actor ...
-    fresh = as_batch(prompt_ids, prompt_mask, rollout.generate(prompt_ids, prompt_mask, sampling), n=2)
+    fresh = Batch.of_responses(prompt_ids, prompt_mask, rollout.generate(prompt_ids, prompt_mask, sampling), n=2)
     new = actor.compute_log_probs(fresh, temperature=0.8)["old_log_probs"]
     fresh_mask = fresh.response_mask.bool()
     torch.testing.assert_close(new[fresh_mask], fresh.rollout_log_probs[fresh_mask], atol=1e-5, rtol=1e-5)

@@ -12,19 +12,19 @@ import math
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import recipe
 
 ALGORITHM_CONFIGS = ("ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb")
 
 
 def trainer_for(name, tiny_model_dir, data, ds_test_config, out, *overrides):
-    """A Trainer for configs/<name>.yaml on the tiny model and the digits reward, 2 steps, checkpoints in ``out``."""
+    """A Trainer for configs/<name>.yaml (CPU overlay) on the tiny model and the digits reward, 2 steps, checkpoints in ``out``."""
     from dsrl.config import load_and_validate
     from dsrl.trainer import Trainer
 
     ds_config = ds_test_config("zero3_offload")
     cfg, _ = load_and_validate(
-        str(REPO / "configs" / f"{name}.yaml"),
+        recipe(name),
         [
             f"actor_rollout_ref.model.path={tiny_model_dir}",
             f"data.train_files={data / 'train.parquet'}",

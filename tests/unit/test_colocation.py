@@ -6,6 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
+from deepspeed.ops.adam import FusedAdam
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
@@ -23,19 +25,24 @@ class Accelerator:
         self.calls.append("empty_cache")
 
 
-def engine(name, calls, *, param_offload=None, optimizer="zero"):
+def engine(name, calls, *, stage=3, param_offload=None, optimizer_offload=None, optimizer="zero", inner=FusedAdam):
     """A stand-in DeepSpeed engine recording offload/reload/empty_partition_cache."""
     optim = {
-        "zero": SimpleNamespace(offload_states=None),
+        "zero": SimpleNamespace(offload_states=None, optimizer=object.__new__(inner)),
         "inference": object.__new__(DeepSpeedZeRoOffload),
         "none": None,
     }[optimizer]
-    offload = None if param_offload is None else SimpleNamespace(device=OffloadDeviceEnum(param_offload))
+
+    def offload(device):
+        return None if device is None else SimpleNamespace(device=OffloadDeviceEnum(device))
+
     return SimpleNamespace(
         name=name,
         optimizer=optim,
-        zero_offload_param=lambda: offload,
-        offload_states=lambda: calls.append(f"{name}.offload_states"),
+        zero_optimization_stage=lambda: stage,
+        zero_offload_param=lambda: offload(param_offload),
+        zero_offload_optimizer=lambda: offload(optimizer_offload),
+        offload_states=lambda include: calls.append(f"{name}.offload_states({sorted(t.value for t in include)})"),
         reload_states=lambda: calls.append(f"{name}.reload_states"),
         empty_partition_cache=lambda: calls.append(f"{name}.empty_partition_cache"),
     )
@@ -55,22 +62,38 @@ class Rollout:
         self.calls.append("sleep")
 
 
-def test_only_engines_with_states_on_a_device_are_offloaded(monkeypatch):
+def targets(engine):
+    return sorted(t.value for t in colocation.offload_targets(engine))
+
+
+GRADS = ["contiguous_grad_buffer", "lp_grads"]
+OPTIMIZER = ["hp_params", "optim_states"]
+
+
+def test_what_is_offloaded_depends_on_where_each_state_lives(monkeypatch):
     calls = []
     monkeypatch.setattr(colocation, "get_accelerator", lambda: Accelerator("cuda"))
-    assert colocation.keeps_states_on_device(engine("zero3", calls))
-    assert colocation.keeps_states_on_device(engine("zero3", calls, param_offload="none"))
-    assert not colocation.keeps_states_on_device(engine("offloaded", calls, param_offload="cpu"))
-    assert not colocation.keeps_states_on_device(engine("reference", calls, optimizer="inference"))
-    assert not colocation.keeps_states_on_device(engine("no optimizer", calls, optimizer="none"))
+    assert targets(engine("zero3", calls)) == sorted(GRADS + OPTIMIZER + ["lp_params"])
+    assert targets(engine("zero3", calls, param_offload="none")) == sorted(GRADS + OPTIMIZER + ["lp_params"])
+    # ZeRO-1/2: the bf16 weights are the full model the push reads; they stay on the device.
+    assert targets(engine("zero2", calls, stage=2)) == sorted(GRADS + OPTIMIZER)
+    # Optimizer states already in CPU memory stay where they are; the rest still moves.
+    assert targets(engine("zero3", calls, optimizer_offload="cpu")) == sorted(GRADS + ["lp_params"])
+    assert targets(engine("zero2", calls, stage=2, optimizer_offload="cpu")) == GRADS
+    # ZeRO-3 moves optimizer states only for FusedAdam (DeepSpeed asserts so); torch's AdamW keeps them.
+    assert targets(engine("torch adam", calls, inner=torch.optim.AdamW)) == sorted(GRADS + ["lp_params"])
+    assert targets(engine("zero2 torch adam", calls, stage=2, inner=torch.optim.AdamW)) == sorted(GRADS + OPTIMIZER)
+    assert targets(engine("offloaded", calls, param_offload="cpu")) == []
+    assert targets(engine("reference", calls, optimizer="inference")) == []
+    assert targets(engine("no optimizer", calls, optimizer="none")) == []
     monkeypatch.setattr(colocation, "get_accelerator", lambda: Accelerator("cpu"))
-    assert not colocation.keeps_states_on_device(engine("zero3", calls))
+    assert targets(engine("zero3", calls)) == []
 
 
 def test_the_phase_order_and_its_metrics(monkeypatch):
     calls = []
     monkeypatch.setattr(colocation, "get_accelerator", lambda: Accelerator("cuda", calls))
-    free = iter([10.0, 30.0])  # GiB free before and after the rollout sleeps
+    free = iter([12.0, 10.0, 30.0])  # GiB free before the KV cache wakes, before and after the rollout sleeps
     monkeypatch.setattr(colocation, "_free_device_memory", lambda: next(free))
     actor, ref = engine("actor", calls), engine("ref", calls, param_offload="cpu")
     metrics = {}
@@ -79,28 +102,60 @@ def test_the_phase_order_and_its_metrics(monkeypatch):
     ):
         calls.append("generate")
     assert calls == [
-        "actor.offload_states",
+        "actor.offload_states(['contiguous_grad_buffer', 'hp_params', 'lp_grads', 'lp_params', 'optim_states'])",
         "actor.empty_partition_cache",
         "ref.empty_partition_cache",
         "empty_cache",
         "wake_up(['weights'])",
         "update_weights(['w'])",
+        "empty_cache",  # the push's buffers, before the KV cache is mapped
         "wake_up(['kv_cache'])",
         "generate",
         "sleep",
         "actor.reload_states",
     ]
+    assert metrics["rollout/free_mem_before_wake_gib"] == 12.0
     assert metrics["rollout/sleep_freed_gib"] == 20.0 and metrics["rollout/free_mem_after_sleep_gib"] == 30.0
     timings = {"timing_s/release_memory", "timing_s/update_weights", "timing_s/wake", "timing_s/gen", "timing_s/sleep"}
     assert timings <= metrics.keys()
 
 
-def test_a_failing_generation_leaves_the_engines_where_they_are(monkeypatch):
+def test_nothing_is_offloaded_for_a_rollout_whose_memory_is_reserved(monkeypatch):
     calls = []
     monkeypatch.setattr(colocation, "get_accelerator", lambda: Accelerator("cuda", calls))
+    monkeypatch.setattr(colocation, "_free_device_memory", lambda: None)
+    rollout = Rollout(calls)
+    rollout.static_memory = True  # vLLM without sleep mode: offloading would free nothing it can use
+    with colocation.colocated_generation(
+        rollout, weights=lambda: iter([]), trainer_engines=[engine("actor", calls)], metrics={}
+    ):
+        pass
+    assert not [call for call in calls if "offload_states" in call or "reload_states" in call]
+
+
+def test_a_failing_generation_still_puts_the_rollout_to_sleep_and_reloads_the_engines(monkeypatch):
+    calls = []
+    monkeypatch.setattr(colocation, "get_accelerator", lambda: Accelerator("cuda", calls))
+    monkeypatch.setattr(colocation, "_free_device_memory", lambda: None)
     phase = colocation.colocated_generation(
         Rollout(calls), weights=lambda: iter([]), trainer_engines=[engine("actor", calls)], metrics={}
     )
     with pytest.raises(RuntimeError, match="boom"), phase:
         raise RuntimeError("boom")
-    assert "sleep" not in calls and "actor.reload_states" not in calls  # no collective cleanup after an error
+    assert calls[-2:] == ["sleep", "actor.reload_states"]  # both rank-local: no rank waits for another
+
+
+def test_a_failing_push_still_reloads_the_engines(monkeypatch):
+    calls = []
+    monkeypatch.setattr(colocation, "get_accelerator", lambda: Accelerator("cuda", calls))
+    monkeypatch.setattr(colocation, "_free_device_memory", lambda: None)
+
+    def broken_weights():
+        raise ValueError("bad name")
+
+    phase = colocation.colocated_generation(
+        Rollout(calls), weights=broken_weights, trainer_engines=[engine("actor", calls)], metrics={}
+    )
+    with pytest.raises(ValueError, match="bad name"), phase:
+        pytest.fail("the body must not run")
+    assert "generate" not in calls and calls[-2:] == ["sleep", "actor.reload_states"]

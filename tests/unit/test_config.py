@@ -13,9 +13,11 @@ import yaml
 from omegaconf.errors import ReadonlyConfigError
 
 from dsrl import config as C
+from tests.conftest import QUICKSTART, recipe
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if p.stem != "quickstart")
+OVERLAYS = ("cpu", "quickstart")  # applied on top of a recipe
+CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if p.stem not in OVERLAYS)
 TRAIN = str(REPO / "scripts" / "train.py")
 
 
@@ -37,9 +39,9 @@ def critic_path(files):
 
 
 def problems(name, overrides, world_size=1):
-    """The violations of configs/<name>.yaml with ``overrides``; [] when it loads."""
+    """The violations of configs/<name>.yaml under the CPU overlay with ``overrides``; [] when it loads."""
     try:
-        C.load_and_validate(str(REPO / "configs" / f"{name}.yaml"), overrides, world_size)
+        C.load_and_validate(recipe(name), overrides, world_size)
     except C.ConfigError as err:
         return err.violations
     return []
@@ -115,9 +117,33 @@ def test_a_list_of_train_files_is_accepted(files, tmp_path):
 
 
 def test_overrides_win_over_the_yaml_file(files):
-    cfg, _ = C.load_and_validate(str(REPO / "configs" / "grpo.yaml"), files + ["actor_rollout_ref.rollout.n=4"], 1)
+    cfg, _ = C.load_and_validate(recipe("grpo"), files + ["actor_rollout_ref.rollout.n=4"], 1)
     assert cfg.actor_rollout_ref.rollout.n == 4
     assert cfg.algorithm.adv_estimator == "grpo"
+
+
+def test_files_merge_left_to_right(files, tmp_path):
+    """A recipe, the CPU overlay, then a file of one's own: each later file wins on the keys it sets."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("data:\n  train_batch_size: 16\n")
+    cfg, _ = C.load_and_validate([*recipe("grpo"), str(mine)], files, 1)
+    assert cfg.data.train_batch_size == 16  # mine
+    assert cfg.actor_rollout_ref.model.dtype == "float32" and cfg.actor_rollout_ref.rollout.name == "hf"  # cpu.yaml
+    assert cfg.actor_rollout_ref.actor.kl_loss_coef == 0.001 and cfg.actor_rollout_ref.rollout.n == 5  # grpo.yaml
+    quickstart, _ = C.load_and_validate(QUICKSTART, files, 1)
+    assert quickstart.data.train_batch_size == 32 and quickstart.actor_rollout_ref.actor.use_kl_loss is False
+
+
+def test_a_recipe_name_stands_for_the_shipped_file(files, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # anywhere: an installed dsrl finds its recipes in the package
+    by_name = C.load_config(["grpo", "cpu"], files)
+    by_path = C.load_config(recipe("grpo"), files)
+    assert C.to_dict(by_name) == C.to_dict(by_path)
+    (tmp_path / "grpo").mkdir()  # a path that exists is a path, never a recipe name
+    with pytest.raises(C.ConfigError, match="config file grpo: cannot be read"):
+        C.load_config(["grpo"], files)
+    with pytest.raises(C.ConfigError, match=r"config file nope: cannot be read .*shipped recipe \(cpu, grpo, "):
+        C.load_config(["nope"], files)
 
 
 def test_unknown_override_key_suggests_the_closest():
@@ -240,22 +266,65 @@ def test_bad_interpolation_is_a_violation():
 
 
 def test_every_algorithm_has_a_config():
-    assert set(CONFIGS) >= {"ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb"}
+    assert set(CONFIGS) == {"ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb"}
 
 
+@pytest.fixture
+def gsm8k_checkout(tmp_path, monkeypatch):
+    """A checkout where ``python scripts/prepare_data.py --task gsm8k`` has run (its default paths)."""
+    data = tmp_path / "outputs" / "data" / "gsm8k"
+    data.mkdir(parents=True)
+    for split in ("train", "test"):
+        (data / f"{split}.parquet").touch()
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("world_size", [8, 4, 2, 1])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_shipped_config_is_valid_once_its_files_exist(name, files):
-    extra = critic_path(files) if name == "ppo" else []
-    _, notes = C.load_and_validate(str(REPO / "configs" / f"{name}.yaml"), files + extra, 1)
-    assert notes == []  # nothing for dsrl to switch on: the YAMLs say it all
+def test_each_recipe_runs_as_written_on_8_4_2_and_1_gpus(name, world_size, gsm8k_checkout):
+    _, notes = C.load_and_validate(str(REPO / "configs" / f"{name}.yaml"), [], world_size)
+    assert notes == []  # nothing for dsrl to switch on: the recipes say it all
     assert (REPO / "configs" / f"{name}.yaml").read_text().startswith("# ")  # what it is, and the paper
 
 
+@pytest.mark.parametrize("world_size", [2, 1])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_shipped_config_points_at_the_tiny_model_and_arithmetic_data(name, tmp_path, monkeypatch):
+def test_each_recipe_runs_under_the_cpu_overlay(name, world_size, files):
+    cfg, _ = C.load_and_validate(recipe(name), files, world_size)
+    assert cfg.actor_rollout_ref.rollout.name == "hf" and cfg.actor_rollout_ref.model.dtype == "float32"
+
+
+def test_the_readme_gpu_command_validates_as_written(gsm8k_checkout):
+    """README: deepspeed --num_gpus 8 scripts/train.py configs/opo.yaml (after prepare_data.py --task gsm8k)."""
+    readme = (REPO / "README.md").read_text()
+    assert "deepspeed --num_gpus 8 scripts/train.py configs/opo.yaml\n" in readme
+    result = subprocess.run(
+        [sys.executable, TRAIN, str(REPO / "configs" / "opo.yaml"), "--validate-only"],
+        capture_output=True, text=True, env={**os.environ, "WORLD_SIZE": "8"}, cwd=gsm8k_checkout, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    printed = yaml.safe_load(result.stdout)
+    assert printed["actor_rollout_ref"]["rollout"]["name"] == "vllm"
+
+
+def test_recipes_point_at_qwen_and_the_gsm8k_files_prepare_data_writes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a fresh checkout: the data is not prepared yet
+    for name in CONFIGS:
+        cfg = C.load_config(str(REPO / "configs" / f"{name}.yaml"), [])
+        assert cfg.actor_rollout_ref.model.path == "Qwen/Qwen2.5-0.5B-Instruct"
+        assert cfg.data.train_files == "outputs/data/gsm8k/train.parquet"
+        assert cfg.data.val_files == "outputs/data/gsm8k/test.parquet"
+        violations = C.validate(cfg, 8)
+        assert about(violations, "data.train_files")[0].endswith("python scripts/prepare_data.py --task gsm8k")
+        assert about(violations, "actor_rollout_ref.model.path") == []  # a hub id
+
+
+def test_the_cpu_overlay_points_at_the_tiny_model_and_arithmetic_data(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a fresh checkout: the model and data are not built yet
-    cfg = C.load_config(str(REPO / "configs" / f"{name}.yaml"), [])
+    cfg = C.load_config(recipe("ppo"), [])
     assert cfg.actor_rollout_ref.model.path == "./outputs/tiny_model"
+    assert C.to_dict(cfg)["critic"]["model"]["path"] == "./outputs/tiny_model"  # the recipe's critic follows
     assert cfg.data.train_files == "outputs/data/arithmetic/train.parquet"
     assert cfg.data.val_files == "outputs/data/arithmetic/test.parquet"
     violations = C.validate(cfg, 1)
@@ -263,6 +332,15 @@ def test_shipped_config_points_at_the_tiny_model_and_arithmetic_data(name, tmp_p
     assert "python scripts/make_tiny_model.py" in about(violations, "actor_rollout_ref.model.path")[0]
 
 
+GPU_NODE = {  # every recipe: what an 8-GPU node runs
+    "actor_rollout_ref.model.dtype": "bfloat16",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": True,
+    "actor_rollout_ref.actor.deepspeed_config": "zero3",
+    "actor_rollout_ref.rollout.name": "vllm",
+    "actor_rollout_ref.rollout.enable_sleep_mode": True,
+    "actor_rollout_ref.rollout.sleep_level": 2,
+    "actor_rollout_ref.actor.entropy_coeff": 0.0,
+}
 RECOMMENDED = {
     "ppo": {
         "algorithm.adv_estimator": "gae",
@@ -270,33 +348,50 @@ RECOMMENDED = {
         "algorithm.lam": 1.0,
         "actor_rollout_ref.actor.clip_ratio": 0.2,
         "critic.cliprange_value": 0.5,
-        "critic.model.path": "./outputs/tiny_model",
+        "critic.model.path": "Qwen/Qwen2.5-0.5B-Instruct",
+        "data.train_batch_size": 256,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 64,
+        "critic.ppo_mini_batch_size": 64,
+        "data.max_prompt_length": 1024,
+        "data.max_response_length": 512,
+        "actor_rollout_ref.actor.optim.lr": 1e-6,
+        "critic.optim.lr": 1e-5,
     },
     "grpo": {
         "algorithm.adv_estimator": "grpo",
         "actor_rollout_ref.actor.use_kl_loss": True,
         "actor_rollout_ref.actor.kl_loss_type": "low_var_kl",
         "actor_rollout_ref.actor.kl_loss_coef": 0.001,
-        "actor_rollout_ref.rollout.n": 8,
+        "actor_rollout_ref.rollout.n": 5,
         "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
         "critic.model.path": None,
     },
-    "rloo": {"algorithm.adv_estimator": "rloo", "algorithm.use_kl_in_reward": True, "critic.model.path": None},
-    "reinforce_pp": {"algorithm.adv_estimator": "reinforce_plus_plus", "actor_rollout_ref.actor.kl_loss_type": "mse"},
+    "rloo": {
+        "algorithm.adv_estimator": "rloo",
+        "algorithm.use_kl_in_reward": True,
+        "actor_rollout_ref.rollout.n": 5,
+        "critic.model.path": None,
+    },
+    "reinforce_pp": {
+        "algorithm.adv_estimator": "reinforce_plus_plus",
+        "actor_rollout_ref.actor.kl_loss_type": "mse",
+        "actor_rollout_ref.rollout.n": 5,
+    },
     "opo": {
         "algorithm.adv_estimator": "opo",
-        "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
-        "data.train_batch_size": 8,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 1024,
+        "data.train_batch_size": 1024,
         "actor_rollout_ref.actor.ppo_epochs": 1,
-        "actor_rollout_ref.actor.entropy_coeff": 0.0,
         "actor_rollout_ref.actor.use_kl_loss": False,
         "actor_rollout_ref.actor.kl_loss_coef": 0.0,
-        "actor_rollout_ref.rollout.n": 8,
+        "algorithm.use_kl_in_reward": False,
     },
     "otb": {
         "algorithm.adv_estimator": "optimal_token_baseline",
         "actor_rollout_ref.actor.calculate_sum_pi_squared": True,
         "actor_rollout_ref.rollout.n": 8,
+        "actor_rollout_ref.actor.use_dynamic_bsz": True,
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 24576,
         "algorithm.use_kl_in_reward": False,
         "actor_rollout_ref.actor.use_fused_kernels": False,
     },
@@ -306,7 +401,7 @@ RECOMMENDED = {
 @pytest.mark.parametrize("name", sorted(RECOMMENDED))
 def test_shipped_config_has_the_recommended_settings(name):
     cfg = C.to_dict(C.load_config(str(REPO / "configs" / f"{name}.yaml"), []))
-    for key, value in RECOMMENDED[name].items():
+    for key, value in {**GPU_NODE, **RECOMMENDED[name]}.items():
         node = cfg
         for part in key.split("."):
             node = node[part]
@@ -375,13 +470,13 @@ def test_mini_batch_must_divide_the_batch(files):
 
 
 def test_micro_batch_must_divide_the_per_rank_mini_batch(files):
-    # grpo.yaml: 4 prompts per mini-batch x 8 responses over 2 ranks = 16 sequences per rank
+    # grpo.yaml on the CPU overlay: 8 prompts per mini-batch x 5 responses over 2 ranks = 20 sequences per rank
     [v] = about(
-        problems("grpo", files + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"], 2),
+        problems("grpo", files + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6"], 2),
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
     )
-    assert "4*8/2 = 16 sequences" in v and "e.g. 4" in v
-    assert problems("grpo", files + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"], 2) == []
+    assert "8*5/2 = 20 sequences" in v and "e.g. 5" in v
+    assert problems("grpo", files + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=20"], 2) == []
 
 
 def test_dynamic_batch_size_replaces_the_micro_batch_rule_by_a_token_budget(files):
@@ -447,7 +542,7 @@ def test_critic_free_estimators_refuse_a_critic(files):
 @pytest.mark.parametrize("estimator", C.SUM_PI_SQUARED_ESTIMATORS)
 def test_otb_turns_on_sum_pi_squared_and_says_so(files, estimator):
     cfg, notes = C.load_and_validate(
-        str(REPO / "configs" / "otb.yaml"),
+        recipe("otb"),
         files + [f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.actor.calculate_sum_pi_squared=false"],
         1,
     )
@@ -754,6 +849,7 @@ def test_validate_only_prints_the_resolved_config_and_exits_0(files):
         [
             "--local_rank=0",
             "configs/otb.yaml",
+            "configs/cpu.yaml",
             *files,
             "actor_rollout_ref.actor.calculate_sum_pi_squared=false",
             "--validate-only",
@@ -774,6 +870,7 @@ def test_invalid_config_exits_2_with_every_problem_and_no_traceback(files):
     result = run_train(
         [
             "configs/grpo.yaml",
+            "configs/cpu.yaml",
             *files,
             "data.train_batch_size=abc",
             "actor_rollout_ref.actor.fsdp_config.param_offload=true",
@@ -794,7 +891,7 @@ def test_invalid_config_exits_2_with_every_problem_and_no_traceback(files):
 
 
 def test_world_size_comes_from_the_environment(files):
-    result = run_train(["configs/grpo.yaml", *files, "--validate-only"], world_size="3")
+    result = run_train(["configs/grpo.yaml", "configs/cpu.yaml", *files, "--validate-only"], world_size="3")
     assert result.returncode == 2
     assert "data.train_batch_size=8: must be divisible by the world size 3" in result.stderr
 
@@ -806,7 +903,7 @@ def test_validation_imports_nothing_heavy(files):
         "heavy = [m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules];"
         "assert not heavy, heavy; sys.exit(rc)"
     )
-    args = ["--local_rank", "0", "configs/grpo.yaml", *files, "--validate-only"]
+    args = ["--local_rank", "0", "configs/grpo.yaml", "configs/cpu.yaml", *files, "--validate-only"]
     result = subprocess.run(
         [sys.executable, "-c", code, TRAIN, *args], capture_output=True, text=True, cwd=REPO, timeout=60
     )
@@ -819,7 +916,7 @@ def test_main_hands_the_validated_config_to_the_trainer(files, monkeypatch):
     monkeypatch.setitem(sys.modules, "dsrl.trainer", types.SimpleNamespace(train=trained.append, **errors))
     monkeypatch.setenv("WORLD_SIZE", "1")
     main = runpy.run_path(TRAIN)["main"]
-    assert main([str(REPO / "configs" / "grpo.yaml"), *files, "data.train_batch_size=16"]) == 0
+    assert main([*recipe("grpo"), *files, "data.train_batch_size=16"]) == 0
     [cfg] = trained
     assert cfg.data.train_batch_size == 16 and cfg.algorithm.adv_estimator == "grpo"
 
@@ -831,9 +928,41 @@ def test_vllm_keys_default_to_the_model_and_the_data():
     cfg = C.load_config(None, [])
     rollout = cfg.actor_rollout_ref.rollout
     assert rollout.dtype is None and rollout.max_model_len is None  # = model.dtype, prompt + response length
-    assert rollout.enable_sleep_mode is None and rollout.sleep_level == 1 and rollout.enforce_eager is False
+    assert rollout.enable_sleep_mode is None and rollout.sleep_level == 2 and rollout.enforce_eager is False
+    assert rollout.name is None and rollout.per_prompt_seeds is False and rollout.micro_batch_size == 64
     corr = cfg.algorithm.rollout_correction
     assert corr.rollout_is is None and corr.rollout_rs is None and corr.rollout_is_threshold == 2.0
+
+
+def test_the_default_engine_is_vllm_where_a_gpu_and_vllm_are(tmp_path, monkeypatch):
+    gpus = tmp_path / "gpus"
+    gpus.mkdir()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(C.importlib.util, "find_spec", lambda name: object() if name == "vllm" else None)
+    assert C.default_rollout_name(gpus) == "hf"  # the driver lists no device
+    (gpus / "0000:18:00.0").mkdir()
+    assert C.default_rollout_name(gpus) == "vllm"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert C.default_rollout_name(gpus) == "hf"  # none visible to this process
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(C.importlib.util, "find_spec", lambda name: None)
+    assert C.default_rollout_name(gpus) == "hf"  # no vllm package
+
+
+def test_an_unset_engine_is_resolved_with_a_note_and_validated_as_that_engine(files, monkeypatch):
+    unset = ["actor_rollout_ref.rollout.name=null"]
+    monkeypatch.setattr(C, "default_rollout_name", lambda: "vllm")
+    cfg, notes = C.load_and_validate(recipe("grpo"), files + unset + ["actor_rollout_ref.rollout.enable_sleep_mode=true"], 1)
+    assert cfg.actor_rollout_ref.rollout.name == "vllm"
+    assert notes == ["actor_rollout_ref.rollout.name set to vllm: a CUDA device and the vllm package are present"]
+    monkeypatch.setattr(C, "default_rollout_name", lambda: "hf")
+    [v] = problems("grpo", files + unset + ["actor_rollout_ref.rollout.enable_sleep_mode=true"])
+    assert "the hf rollout has none" in v
+
+
+def test_hf_generation_chunks_must_hold_a_prompt(files):
+    [v] = problems("grpo", files + ["actor_rollout_ref.rollout.micro_batch_size=0"])
+    assert v.startswith("actor_rollout_ref.rollout.micro_batch_size=0: must be >= 1")
 
 
 def test_sleep_mode_needs_the_vllm_rollout(files):

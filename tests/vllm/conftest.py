@@ -21,7 +21,8 @@ MAX_MODEL_LEN = 256  # the tiny model's positions
 
 @pytest.fixture(scope="session")
 def vllm_rollout(tiny_model_dir, world_of_one):
-    """One engine for the session, float32, eager; tests push the weights they compare against."""
+    """One engine for the session, float32, eager, awake for good (no sleep mode, also on a GPU, where
+    nothing here wakes it), seeded per prompt; tests push the weights they compare against."""
     from dsrl.rollout.vllm import VLLMRollout
 
     return VLLMRollout(
@@ -30,7 +31,9 @@ def vllm_rollout(tiny_model_dir, world_of_one):
         max_model_len=MAX_MODEL_LEN,
         enforce_eager=True,
         gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+        enable_sleep_mode=False,
         seed=0,
+        per_prompt_seeds=True,
     )
 
 

@@ -15,6 +15,7 @@ pytest.importorskip("vllm")
 
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
 from dsrl.rollout import SamplingParams, colocation, iter_full_parameters
 
@@ -59,21 +60,41 @@ def actor(world_of_one, make_cfg, ds_test_config, vllm_rollout):
 
 @pytest.fixture
 def recorded(vllm_rollout, actor, monkeypatch):
-    """Every call of the phase in order; the engine in sleep mode (recorded) and the actor treated
-    as holding device states (recorded)."""
+    """Every call of the phase in order; the engine in sleep mode (recorded), the accelerator a device
+    and the actor treated as holding device states (recorded)."""
     calls: list[str] = []
     monkeypatch.setattr(vllm_rollout, "llm", RecordingLLM(vllm_rollout.llm, calls))
     monkeypatch.setattr(vllm_rollout, "sleep_mode", True)
-    monkeypatch.setattr(colocation, "keeps_states_on_device", lambda engine: engine is actor.engine)
+    monkeypatch.setattr(vllm_rollout, "asleep", set())  # restored after the test: the engine never slept
+    monkeypatch.setattr(vllm_rollout, "weights_valid", True)
+    monkeypatch.setattr(colocation, "get_accelerator", lambda: FakeDevice(get_accelerator(), calls))
+    monkeypatch.setattr(colocation, "_free_device_memory", lambda: None)
+    grads = [OffloadStateTypeEnum.lp_grads]
+    monkeypatch.setattr(colocation, "offload_targets", lambda engine: grads if engine is actor.engine else [])
     engine = actor.engine
     for name in ("offload_states", "reload_states"):
         monkeypatch.setattr(engine, name, lambda *a, _n=name, **k: calls.append(f"actor.{_n}"))
     partition_cache = engine.empty_partition_cache
     monkeypatch.setattr(engine, "empty_partition_cache", lambda: (calls.append("actor.empty_partition_cache"), partition_cache()))
-    accelerator = get_accelerator()
-    empty_cache = accelerator.empty_cache
-    monkeypatch.setattr(accelerator, "empty_cache", lambda: (calls.append("empty_cache"), empty_cache()))
     return calls
+
+
+class FakeDevice:
+    """The accelerator as colocation sees it: a device (so the actor counts as holding device states and
+    the allocator cache is emptied), recording ``empty_cache``; everything else is the real one."""
+
+    def __init__(self, accelerator, calls):
+        self._accelerator, self._calls = accelerator, calls
+
+    def device_name(self):
+        return "cuda"
+
+    def empty_cache(self):
+        self._calls.append("empty_cache")
+        self._accelerator.empty_cache()
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
 
 
 def test_one_generation_phase_runs_in_the_design_order(vllm_rollout, actor, recorded):
@@ -90,32 +111,48 @@ def test_one_generation_phase_runs_in_the_design_order(vllm_rollout, actor, reco
     assert recorded == [
         "actor.offload_states",
         "actor.empty_partition_cache",
-        "empty_cache",  # DeepSpeed's own, inside empty_partition_cache
         "empty_cache",
         "llm.wake_up(['weights'])",
         "llm.collective_rpc(reload_weights)",
         "llm.collective_rpc(_refresh_shared_weight_layers)",
         "llm.reset_prefix_cache",
+        "empty_cache",  # the push's buffers, before the KV cache is mapped
         "llm.wake_up(['kv_cache'])",
         "body",
         "llm.generate",
-        "llm.sleep(level=1)",
+        "llm.sleep(level=2)",
         "actor.reload_states",
     ]
     assert out.response_ids.shape == (2, 4)
-    assert set(metrics) == {
-        "timing_s/release_memory", "timing_s/update_weights", "timing_s/wake", "timing_s/gen", "timing_s/sleep"
-    }
+    assert {"timing_s/release_memory", "timing_s/update_weights", "timing_s/wake", "timing_s/gen", "timing_s/sleep"} <= set(metrics)
     assert all(v >= 0 for v in metrics.values())
 
 
-def test_after_a_level_2_sleep_the_push_comes_before_generation(vllm_rollout, actor, recorded, monkeypatch):
-    monkeypatch.setattr(vllm_rollout, "sleep_level", 2)
+def test_the_engine_refuses_to_push_or_generate_while_asleep(vllm_rollout, actor, recorded):
+    """Level 2 (the default): weights and KV cache are dropped; the push needs the weights awake, generation
+    needs both awake and the weights pushed again."""
     prompt = torch.tensor([[5, 6, 7, 8]])
     sampling = SamplingParams(max_tokens=4, seed=0)
     vllm_rollout.sleep()
     assert recorded[-1] == "llm.sleep(level=2)"
+    with pytest.raises(RuntimeError, match=r"while \['kv_cache', 'weights'\] sleep"):
+        vllm_rollout.generate(prompt, torch.ones_like(prompt), sampling)
+    with pytest.raises(RuntimeError, match="update_weights while the weights sleep"):
+        vllm_rollout.update_weights(iter([]))
+    vllm_rollout.wake_up(["weights"])
+    with pytest.raises(RuntimeError, match=r"while \['kv_cache'\] sleep"):
+        vllm_rollout.generate(prompt, torch.ones_like(prompt), sampling)
+    vllm_rollout.wake_up(["kv_cache"])
     with pytest.raises(RuntimeError, match="level-2 sleep"):
         vllm_rollout.generate(prompt, torch.ones_like(prompt), sampling)
     vllm_rollout.update_weights(iter_full_parameters(actor.module))
     vllm_rollout.generate(prompt, torch.ones_like(prompt), sampling)
+
+
+def test_after_a_level_1_sleep_the_weights_need_no_push(vllm_rollout, actor, recorded, monkeypatch):
+    monkeypatch.setattr(vllm_rollout, "sleep_level", 1)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    vllm_rollout.sleep()
+    vllm_rollout.wake_up()
+    vllm_rollout.generate(prompt, torch.ones_like(prompt), SamplingParams(max_tokens=4, seed=0))
+    assert recorded[-3:] == ["llm.sleep(level=1)", "llm.wake_up(None)", "llm.generate"]

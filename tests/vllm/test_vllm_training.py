@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import QUICKSTART
 from tests.rollout_helpers import vllm_logprob_gap
 
 pytest.importorskip("vllm")
@@ -76,7 +77,7 @@ def check_run(report):
 
 
 def test_three_steps_in_one_process(overrides, tmp_path, free_port):
-    run([sys.executable, str(WORKER), "--out", str(tmp_path), str(REPO / "configs" / "quickstart.yaml"), *overrides],
+    run([sys.executable, str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides],
         free_port())
     report = json.loads((tmp_path / "rank0.json").read_text())
     assert (report["world"], report["tp"]) == (1, 1)
@@ -89,7 +90,7 @@ def test_three_steps_in_one_process(overrides, tmp_path, free_port):
 def test_two_ranks_under_the_launcher(overrides, tmp_path, free_port, tp):
     port = free_port()
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port)]
-    run([*launcher, str(WORKER), "--out", str(tmp_path), str(REPO / "configs" / "quickstart.yaml"), *overrides,
+    run([*launcher, str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides,
          f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"], port)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [(r["world"], r["tp"]) for r in reports] == [(2, tp), (2, tp)]

@@ -1,0 +1,5 @@
+"""``python -m dsrl ...`` (and ``deepspeed --module dsrl ...``): the ``dsrl-train`` command."""
+
+from dsrl.cli import run
+
+run()

@@ -1,0 +1,416 @@
+"""One check of a colocated ZeRO-3 actor and rollout engine on one device, printed as one table.
+
+    python scripts/gpu_check.py             # Qwen2.5-0.5B's shape, one GPU, < 8 minutes
+    python scripts/gpu_check.py --smoke     # a tiny shape, the same code, seconds on CPU
+
+Model: Qwen2.5-0.5B's shape with random weights (nothing is downloaded) and the character tokenizer
+of ``scripts/make_tiny_model.py``; embedding rows beyond the tokenizer's vocabulary are padding, as in
+Qwen's own checkpoints, and like those all but impossible (``silence_vocab_padding``). Inputs are built
+in memory (random prompt ids, random advantages): no Trainer, data files or rewards. The actor runs
+ds_configs/zero3.json, with torch's AdamW where DeepSpeed's FusedAdam cannot be compiled (the header
+says so).
+
+Two rounds of: push the actor's weights into the rollout engine and generate
+(``colocated_generation``), the actor's log-probs of the responses, a PPO update. Round one warms up
+(compilation, allocator) and its update moves the weights, so round two's push carries weights the
+rollout engine never loaded; round two is reported, its update timed over ``UPDATE_REPEATS`` calls.
+
+MFU = 6 * N * tokens / seconds / peak bf16 dense FLOP/s, the 6N convention: N counts every parameter
+once (the tied LM head included), tokens are the batch's valid prompt + response tokens; the
+recomputation of gradient checkpointing and the attention scores are not counted. The peak comes
+from the device name (``PEAK_BF16_FLOPS``) or the environment variable ``PEAK_TFLOPS``.
+
+Rollout: vLLM with sleep mode when ``vllm`` imports and CUDA is present, else transformers
+``generate``; the header says which and why. The table also goes to ``$OUT/gpu_check.json``
+(default ``outputs/gpu_check``). Exit codes: 0 done (or no CUDA device without ``--smoke``),
+2 deepspeed, omegaconf, pyyaml or accelerate missing (transformers' DeepSpeed integration imports it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+# Modules dsrl needs beyond torch and transformers, with their pip names.
+REQUIRED = {"deepspeed": "deepspeed", "omegaconf": "omegaconf", "yaml": "pyyaml", "accelerate": "accelerate"}
+# Dense bf16 FLOP/s by device-name substring, first match wins (SXM parts unless named).
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+UPDATE_REPEATS = 3
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class CheckSize:
+    """Model shape and batch of one check."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int  # rows of the (tied) embedding; those past the tokenizer's vocabulary are padding
+    prompts: int
+    prompt_length: int
+    n: int  # responses per prompt
+    max_tokens: int  # response length cap
+    micro_batch: int  # sequences per actor forward (update and log-probs)
+    dtype: str
+    deepspeed_config: str
+    gradient_checkpointing: bool
+
+
+QWEN25_05B = CheckSize(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    prompts=64,
+    prompt_length=128,
+    n=4,
+    max_tokens=512,  # random weights rarely emit EOS: responses run to the cap, steady throughput
+    micro_batch=32,
+    dtype="bfloat16",
+    deepspeed_config="zero3",
+    gradient_checkpointing=True,
+)
+# head_dim 64: the smallest vLLM's attention backends all take, should --smoke meet a GPU with vLLM.
+# The vocabulary is padded past the tokenizer's, as the full shape's is.
+SMOKE = CheckSize(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    vocab_size=256,
+    prompts=4,
+    prompt_length=8,
+    n=2,
+    max_tokens=8,
+    micro_batch=4,
+    dtype="float32",  # exact log-prob agreement; CPU runs use the offload config
+    deepspeed_config="zero3_offload",
+    gradient_checkpointing=True,
+)
+
+
+def missing_packages() -> list[str]:
+    """Pip names of the ``REQUIRED`` modules that do not import."""
+    missing = []
+    for module, package in REQUIRED.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(package)
+    return missing
+
+
+def choose_rollout(on_cuda: bool) -> tuple[str, str]:
+    """(``actor_rollout_ref.rollout.name``, why) for this machine."""
+    if not on_cuda:
+        return "hf", "no CUDA device: transformers rollout"
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        why = "vllm not installed" if err.name == "vllm" else f"vllm does not import ({err})"
+        return "hf", f"{why}: transformers rollout"
+    return "vllm", "vllm rollout with sleep mode"
+
+
+@torch.no_grad()
+def silence_vocab_padding(model: torch.nn.Module, vocab_size: int) -> None:
+    """Give the output rows past the tokenizer's ``vocab_size`` logits far below every token's (~40 at
+    Qwen2.5-0.5B's shape), as a trained Qwen's padding rows have. The rollout engines never sample those
+    ids and normalise over the tokens only, while the actor's softmax covers every row: with random
+    padding rows holding almost all the probability, the two would differ by ~log(rows / vocab_size)
+    nats instead of by rounding.
+
+    How: hidden channel 0 carries a constant no layer writes to (every token's embedding sets it to 1;
+    the rows of ``o_proj`` and ``down_proj`` that write it are zero), and the tied padding rows read it
+    with weight -100."""
+    embedding = model.get_input_embeddings().weight  # tied: also the output layer
+    embedding[:vocab_size, 0] = 1.0
+    embedding[vocab_size:, 0] = -100.0
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight[0].zero_()
+        layer.mlp.down_proj.weight[0].zero_()
+
+
+def save_random_model(size: CheckSize, out: Path) -> int:
+    """A randomly initialised Qwen2 of ``size`` and the character tokenizer in ``out``; returns N."""
+    from make_tiny_model import build_tokenizer
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    tokenizer = build_tokenizer()
+    tokenizer.model_max_length = 4096
+    config = Qwen2Config(
+        hidden_size=size.hidden_size,
+        intermediate_size=size.intermediate_size,
+        num_hidden_layers=size.num_hidden_layers,
+        num_attention_heads=size.num_attention_heads,
+        num_key_value_heads=size.num_key_value_heads,
+        vocab_size=size.vocab_size,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, size.dtype))
+    if config.vocab_size > len(tokenizer):
+        silence_vocab_padding(model, len(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return model.num_parameters()
+
+
+def random_prompts(tokenizer_dir: Path, size: CheckSize) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-length prompts of random non-special tokens: ids and mask ``[prompts, prompt_length]``."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    special = set(tokenizer.all_special_ids)
+    ordinary = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
+    generator = torch.Generator().manual_seed(0)
+    ids = ordinary[torch.randint(len(ordinary), (size.prompts, size.prompt_length), generator=generator)]
+    return ids, torch.ones_like(ids)
+
+
+def fused_adam_problem() -> str | None:
+    """Why DeepSpeed's FusedAdam, the GPU optimizer of the zero3 config, cannot load here (it is
+    compiled on first use, which needs the CUDA toolkit), or None when it loads."""
+    from deepspeed.accelerator import get_accelerator
+
+    try:
+        get_accelerator().create_op_builder("FusedAdamBuilder").load(verbose=False)
+    except Exception as err:  # no toolkit, no ninja or a failed compile: each raises its own type
+        return f"{type(err).__name__}: {next(iter(str(err).splitlines()), '')}"
+    return None
+
+
+def actor_deepspeed_config(size: CheckSize, out: Path) -> tuple[str | Path, str]:
+    """The actor's DeepSpeed config, and a note when it is not ``size.deepspeed_config`` itself:
+    where zero3's FusedAdam cannot load, a copy in ``out`` that uses torch's AdamW instead."""
+    if size.deepspeed_config != "zero3":
+        return size.deepspeed_config, ""
+    problem = fused_adam_problem()
+    if problem is None:
+        return size.deepspeed_config, ""
+    from dsrl.config import deepspeed_config_path
+
+    ds = json.loads(deepspeed_config_path(size.deepspeed_config).read_text())
+    ds["optimizer"]["params"]["torch_adam"] = True
+    path = out / "zero3_torch_adam.json"
+    path.write_text(json.dumps(ds, indent=2))
+    return path, f" with torch AdamW (FusedAdam does not load: {problem})"
+
+
+def run_config(size: CheckSize, model_dir: Path, rollout_name: str, deepspeed_config: str | Path):
+    from dsrl.config import load_and_validate
+
+    # data.train_files is required to exist; nothing reads it here.
+    placeholder = model_dir / "unused.parquet"
+    placeholder.touch()
+    overrides = [
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"actor_rollout_ref.model.dtype={size.dtype}",
+        f"actor_rollout_ref.model.enable_gradient_checkpointing={str(size.gradient_checkpointing).lower()}",
+        f"actor_rollout_ref.actor.deepspeed_config={deepspeed_config}",
+        # Large enough that round one's update changes the bf16 weights that round two pushes.
+        "actor_rollout_ref.actor.optim.lr=1e-4",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={size.prompts}",  # one optimizer step per update
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={size.micro_batch}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={size.micro_batch}",
+        f"actor_rollout_ref.rollout.n={size.n}",
+        f"actor_rollout_ref.rollout.name={rollout_name}",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
+        f"data.train_files={placeholder}",
+        f"data.train_batch_size={size.prompts}",
+        f"data.max_prompt_length={size.prompt_length}",
+        f"data.max_response_length={size.max_tokens}",
+        "algorithm.adv_estimator=grpo",
+    ]
+    if rollout_name == "vllm":
+        overrides.append("actor_rollout_ref.rollout.enable_sleep_mode=true")
+    cfg, _ = load_and_validate(None, overrides, world_size=1)
+    return cfg
+
+
+class DeviceMemory:
+    """torch's peak allocation, and the least free device memory seen at the ``sample`` points
+    (the driver's count, which includes vLLM's own memory pool). ``None`` off CUDA."""
+
+    def __init__(self, on_cuda: bool):
+        self.on_cuda = on_cuda
+        self.min_free_gib: float | None = None
+
+    def sample(self) -> None:
+        if self.on_cuda:
+            free = torch.cuda.mem_get_info()[0] / GIB
+            self.min_free_gib = free if self.min_free_gib is None else min(self.min_free_gib, free)
+
+    def peak_allocated_gib(self) -> float | None:
+        return torch.cuda.max_memory_allocated() / GIB if self.on_cuda else None
+
+
+def peak_flops(device_name: str) -> float | None:
+    if "PEAK_TFLOPS" in os.environ:
+        return float(os.environ["PEAK_TFLOPS"]) * 1e12
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in device_name), None)
+
+
+def format_value(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
+def run(size: CheckSize, out_dir: Path, started: float) -> None:
+    """The check at ``size``; ``started`` is the ``time.perf_counter()`` the wall time counts from."""
+    from deepspeed.accelerator import get_accelerator
+
+    from dsrl.data.batch import Batch
+    from dsrl.engines import ActorEngine, init_distributed
+    from dsrl.metrics import rollout_logprob_metrics
+    from dsrl.rollout import HFRollout, SamplingParams, iter_full_parameters
+    from dsrl.rollout.colocation import colocated_generation
+
+    accelerator = get_accelerator()
+    on_cuda = accelerator.device_name() == "cuda"
+    rollout_name, why = choose_rollout(on_cuda)
+    memory = DeviceMemory(on_cuda)
+    sampling = SamplingParams(n=size.n, max_tokens=size.max_tokens, seed=1)
+    advantage_generator = torch.Generator().manual_seed(0)
+
+    def generation_round(rollout, actor, prompt_ids, prompt_mask) -> tuple[Batch, dict[str, float]]:
+        """Push, generate, then the actor's log-probs and random per-row advantages."""
+        metrics: dict[str, float] = {}
+        with colocated_generation(
+            rollout,
+            weights=lambda: iter_full_parameters(actor.module),
+            trainer_engines=[actor.engine],
+            metrics=metrics,
+        ):
+            out = rollout.generate(prompt_ids, prompt_mask, sampling)
+            memory.sample()  # awake: weights and KV cache allocated
+        batch = Batch.of_responses(prompt_ids, prompt_mask, out, size.n)
+        batch = batch.replace(**actor.compute_log_probs(batch, temperature=sampling.temperature))
+        advantages = torch.randn(len(batch), 1, generator=advantage_generator) * batch.response_mask  # [B, T]
+        return batch.replace(advantages=advantages), metrics
+
+    def timed_update(actor, batch) -> float:
+        accelerator.synchronize()
+        begin = time.perf_counter()
+        actor.update(batch, temperature=sampling.temperature)
+        accelerator.synchronize()
+        seconds = time.perf_counter() - begin
+        memory.sample()  # the caching allocator still holds the update's peak
+        return seconds
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
+        model_dir = Path(tmp)
+        n_params = save_random_model(size, model_dir)
+        prompt_ids, prompt_mask = random_prompts(model_dir, size)
+        deepspeed_config, optimizer_note = actor_deepspeed_config(size, model_dir)
+        cfg = run_config(size, model_dir, rollout_name, deepspeed_config)
+        if rollout_name == "vllm":
+            from dsrl.rollout.vllm import VLLMRollout, prepare_environment
+
+            prepare_environment()  # before the process group exists
+            init_distributed()
+            rollout = VLLMRollout.from_config(cfg)  # before the actor: vLLM sizes itself on an empty device
+            actor = ActorEngine(cfg)
+        else:
+            init_distributed()
+            actor = ActorEngine(cfg)
+            rollout = HFRollout(
+                str(model_dir), dtype=size.dtype, micro_batch_size=cfg.actor_rollout_ref.rollout.micro_batch_size
+            )
+        memory.sample()
+
+        warmup_batch, _ = generation_round(rollout, actor, prompt_ids, prompt_mask)
+        timed_update(actor, warmup_batch)
+        batch, phase = generation_round(rollout, actor, prompt_ids, prompt_mask)
+        agreement = rollout_logprob_metrics(batch)
+        update_s = sum(timed_update(actor, batch) for _ in range(UPDATE_REPEATS))
+
+    tokens = batch.attention_mask.sum().item() * UPDATE_REPEATS
+    update_tokens_per_s = tokens / update_s
+    device_name = torch.cuda.get_device_name() if on_cuda else accelerator.device_name()
+    peak = peak_flops(device_name)
+    generated = batch.response_mask.sum().item()
+    table = [
+        ("model parameters", n_params / 1e6, "M"),
+        ("actor update throughput", update_tokens_per_s, "tokens/s"),
+        ("actor update MFU (6N)", None if peak is None else 100 * 6 * n_params * update_tokens_per_s / peak, "%"),
+        ("trainer memory release", phase["timing_s/release_memory"], "s"),
+        ("weight push", phase["timing_s/update_weights"], "s"),
+        ("rollout wake", phase["timing_s/wake"], "s"),
+        ("rollout sleep", phase["timing_s/sleep"], "s"),
+        ("memory freed by sleep", phase.get("rollout/sleep_freed_gib"), "GiB"),
+        ("generation throughput", generated / phase["timing_s/gen"], "tokens/s"),
+        ("log-prob diff mean", agreement["rollout/logprob_diff_mean"], "|rollout - actor|"),
+        ("log-prob diff max", agreement["rollout/logprob_diff_max"], "|rollout - actor|"),
+        ("peak memory allocated", memory.peak_allocated_gib(), "GiB"),
+        ("min free device memory", memory.min_free_gib, "GiB"),
+        ("check wall time", time.perf_counter() - started, "s"),
+    ]
+    if rollout_name == "vllm":
+        why += f" level {cfg.actor_rollout_ref.rollout.sleep_level}"
+    header = (
+        f"[gpu_check] {device_name}; {why}; actor {size.deepspeed_config}{optimizer_note}; {size.dtype}, "
+        f"{n_params / 1e6:.1f}M parameters (random weights); "
+        f"{size.prompts} prompts x {size.prompt_length} tokens, n={size.n}, {size.max_tokens} new tokens"
+    )
+    print(header)
+    width = max(len(name) for name, _, _ in table)
+    for name, value, unit in table:
+        print(f"{name:<{width}}  {format_value(value):>12}  {unit}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "header": header,
+        "device": device_name,
+        "rollout": rollout_name,
+        "metrics": [{"name": name, "value": value, "unit": unit} for name, value, unit in table],
+    }
+    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny shape and batch: the same code on CPU in seconds")
+    args = parser.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("[gpu_check] no CUDA device; run with --smoke for the CPU smoke test")
+        return 0
+    missing = missing_packages()
+    if missing:
+        print(
+            f"[gpu_check] missing {', '.join(missing)}: pip install it, or run "
+            "WHEELS=<folder of wheels> bash scripts/gpu_check.sh to install it from there",
+            file=sys.stderr,
+        )
+        return 2
+    sys.path.insert(0, str(REPO))  # dsrl from this checkout, installed or not
+    run(SMOKE if args.smoke else QWEN25_05B, Path(os.environ.get("OUT", "outputs/gpu_check")), started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
