@@ -148,7 +148,7 @@ class ModelConfig:
         "bfloat16", "training precision: bfloat16 (DeepSpeed bf16, recommended on GPUs) | float32 (CPU, exact tests)"
     )
     enable_gradient_checkpointing: bool = _f(
-        False, "recompute activations in backward: less memory, ~30% slower; turn on for long responses"
+        True, "recompute activations in backward: much less memory for long sequences, ~30% slower (verl's default)"
     )
 
 
@@ -309,6 +309,9 @@ class ActorRolloutRefConfig:
 class CriticModelConfig:
     path: Optional[str] = _f(None, "critic backbone (a value head is added): local dir or hub id; set for gae only")
     trust_remote_code: bool = _f(False, "run model code shipped with the checkpoint; only for checkpoints you trust")
+    enable_gradient_checkpointing: bool = _f(
+        True, "recompute the critic's activations in backward: much less memory, ~30% slower (verl's default)"
+    )
 
 
 @dataclass
@@ -318,16 +321,27 @@ class CriticConfig:
         "zero3_offload", "DeepSpeed setup of the critic: a name in ds_configs/ or a path ending in .json"
     )
     optim: OptimConfig = _f(lambda: OptimConfig(lr=1e-5), "critic optimizer; a critic usually takes ~10x the actor lr")
-    ppo_mini_batch_size: int = _f(8, "prompts per critic optimizer step over all ranks (times rollout.n)")
+    # The critic's batch geometry follows the actor's unless set, as in verl.
+    ppo_mini_batch_size: int = _f(
+        "${actor_rollout_ref.actor.ppo_mini_batch_size}",
+        "prompts per critic optimizer step over all ranks (times rollout.n); default: the actor's",
+    )
     ppo_micro_batch_size_per_gpu: int = _f(4, "sequences per critic forward/backward on one rank; memory only")
-    use_dynamic_bsz: bool = _f(False, "split critic micro-batches by token budget instead of by count")
+    use_dynamic_bsz: bool = _f(
+        "${actor_rollout_ref.actor.use_dynamic_bsz}",
+        "split critic micro-batches by token budget instead of by count; default: the actor's",
+    )
     ppo_max_token_len_per_gpu: int = _f(32768, "token budget of one critic micro-batch when use_dynamic_bsz")
-    ppo_epochs: int = _f(1, "critic passes over each batch of rollouts")
-    shuffle: bool = _f(True, "shuffle the rollouts before cutting them into critic mini-batches")
+    ppo_epochs: int = _f("${actor_rollout_ref.actor.ppo_epochs}", "critic passes over each batch of rollouts; default: the actor's")
+    shuffle: bool = _f(
+        "${actor_rollout_ref.actor.shuffle}", "shuffle the rollouts before cutting them into critic mini-batches; default: the actor's"
+    )
     cliprange_value: float = _f(
         0.5, "value clipping: new values stay within this of the old ones in the clipped term; 0.5 is standard"
     )
-    loss_agg_mode: str = _f("token-mean", "aggregation of the value loss, as actor.loss_agg_mode")
+    loss_agg_mode: str = _f(
+        "${actor_rollout_ref.actor.loss_agg_mode}", "aggregation of the value loss, as actor.loss_agg_mode; default: the actor's"
+    )
     grad_clip: float = _f(1.0, "clip the critic's global gradient norm to this; 0 turns clipping off")
 
 
@@ -408,7 +422,9 @@ class TrainerConfig:
     )
     test_freq: int = _f(-1, "validate every this many steps; -1 = never")
     val_before_train: bool = _f(True, "validate once before the first step (when val_files is set)")
-    critic_warmup: int = _f(0, "steps that train only the critic before the actor starts (gae)")
+    critic_warmup: int = _f(
+        0, "gae: the actor starts training at step critic_warmup, the steps before it train only the critic (verl's count)"
+    )
     default_local_dir: str = _f(
         "checkpoints/${trainer.project_name}/${trainer.experiment_name}",
         "checkpoints and the final Hugging Face model go here; every rank must see it (a shared filesystem across nodes)",
@@ -1069,6 +1085,18 @@ def _rollout_rules(cfg: Config, world_size: int, need: Need) -> None:
     need(val.temperature >= 0, f"{prefix}.val_kwargs.temperature", "must be >= 0", "set it to 0 (greedy)")
     need(0 < val.top_p <= 1, f"{prefix}.val_kwargs.top_p", "must be in (0, 1]", "set it to 1.0")
     need(val.top_k == -1 or val.top_k > 0, f"{prefix}.val_kwargs.top_k", "must be -1 (off) or > 0", "set it to -1")
+    need(
+        not val.do_sample or val.temperature > 0,
+        f"{prefix}.val_kwargs.temperature",
+        "val_kwargs.do_sample=true samples, which needs a temperature > 0",
+        f"set {prefix}.val_kwargs.temperature=1.0, or val_kwargs.do_sample=false for greedy decoding",
+    )
+    need(
+        val.do_sample or val.n <= 1,
+        f"{prefix}.val_kwargs.n",
+        "greedy decoding (val_kwargs.do_sample=false) gives n identical responses",
+        f"set {prefix}.val_kwargs.n=1, or val_kwargs.do_sample=true with a temperature > 0",
+    )
 
 
 def _vllm_rules(cfg: Config, need: Need) -> None:

@@ -141,6 +141,10 @@ class Trainer:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
+        if self.tokenizer.pad_token_id is None:  # e.g. Llama 3: pad with EOS, as verl and the rollouts do
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+            if self.rank == 0:
+                print(f"[dsrl] {model_cfg.path}: the tokenizer has no pad token; padding with EOS ({self.tokenizer.eos_token})", flush=True)
         self.train_prompts = self._load_prompts(cfg.data.train_files)
         self.val_prompts = self._load_prompts(cfg.data.val_files) if cfg.data.val_files else None
         self.sampler = PromptSampler(self.train_prompts, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
@@ -343,16 +347,22 @@ class Trainer:
         )
 
     def score(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Token-level scores [B, T]: each response's score at its last response token."""
+        """Token-level scores [B, T] (each response's score at its last response token) and the reward
+        counts summed over the ranks (a collective)."""
+        token_level_scores, counts = self._score_rank_local(batch)
+        totals = all_reduce(torch.tensor([float(v) for v in counts.values()])).tolist()
+        return token_level_scores, dict(zip(counts, totals))
+
+    def _score_rank_local(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """``score`` of this rank's rows alone, counts not reduced (no collective)."""
         responses = self.tokenizer.batch_decode(
             [ids[mask.bool()] for ids, mask in zip(batch.response_ids, batch.response_mask)], skip_special_tokens=True
         )
         scores, _, counts = self.scorer.score_batch(batch.data_sources, responses, batch.ground_truths, batch.extra_infos)
-        totals = all_reduce(torch.tensor([float(v) for v in counts.values()])).tolist()
         token_level_scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)
         last = batch.response_mask.sum(-1).long() - 1
         token_level_scores[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=torch.float32)
-        return token_level_scores, dict(zip(counts, totals))
+        return token_level_scores, counts
 
     def rewards_with_kl(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """In-reward KL: ``token_level_rewards = scores - beta * KL(old || ref)``, then the controller update."""
@@ -366,7 +376,8 @@ class Trainer:
             kl_coef=beta,
         )
         current_kl = global_mean(current_kl)
-        self.kl_ctrl.update(current_kl, n_steps=self.cfg.data.train_batch_size)
+        # verl's count: the rows of the step (prompts x responses), not the prompts.
+        self.kl_ctrl.update(current_kl, n_steps=self.cfg.data.train_batch_size * self.cfg.actor_rollout_ref.rollout.n)
         return rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
 
     def advantages(self, batch: Batch, reward_baselines: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -407,17 +418,28 @@ class Trainer:
         )
 
     def validate(self) -> dict[str, float]:
-        """Mean reward per data source on the validation files (``val/<data_source>/reward/mean``)."""
+        """Mean reward per data source on the validation files (``val/<data_source>/reward/mean``).
+
+        Every rank makes the same calls whatever its share (a generate call is a collective within a
+        tensor-parallel group): shards are ``val_prompts[rank::world]``, at most ``ceil(N / world)`` prompts,
+        cut into the same number of chunks on every rank; a rank whose share ends early generates for a
+        filler prompt that it does not score. The only collective after generation is one gather."""
         shard = self.val_prompts[self.rank :: self.world_size]
+        most = math.ceil(len(self.val_prompts) / self.world_size)
+        chunk = self.cfg.data.val_batch_size or most
         sampling = self._sampling(validation=True)
-        chunk = self.cfg.data.val_batch_size or max(len(shard), 1)
         sums: dict[str, list[float]] = {}
         batches = []
         with self.colocated({}):
-            for start in range(0, len(shard), chunk):
-                batches.append(self.generate(self._prompt_batch(shard[start : start + chunk], first_group_id=start), sampling))
-        for batch in batches:
-            scores, _ = self.score(batch)
+            for start in range(0, most, chunk):
+                records = shard[start : start + chunk]
+                prompts = self._prompt_batch(records or self.val_prompts[:1], first_group_id=start)
+                batches.append((self.generate(prompts, sampling), len(records) * sampling.n))
+        for batch, real_rows in batches:
+            if not real_rows:
+                continue
+            batch = batch.select(torch.arange(real_rows))
+            scores, _ = self._score_rank_local(batch)
             for source, score in zip(batch.data_sources, scores.sum(-1).tolist()):
                 total = sums.setdefault(source, [0.0, 0.0])
                 total[0] += score
@@ -448,7 +470,7 @@ class Trainer:
                 batch = self.generate(prompts, self._sampling(validation=False))
                 reward_baselines = None
                 if algo.adv_estimator == "remax":
-                    greedy = self.generate(prompts, self._sampling(validation=True).replace(n=1, do_sample=False))
+                    greedy = self.generate(prompts, self._sampling(validation=False).replace(n=1, do_sample=False))
             with timer("reward"):
                 scores, counts = self.score(batch)
                 batch = batch.replace(token_level_scores=scores)
@@ -490,7 +512,7 @@ class Trainer:
             if self.critic is not None:
                 with timer("update_critic"):
                     metrics.update(self.critic.update(batch))
-            if self.global_step >= cfg.trainer.critic_warmup:
+            if self.global_step + 1 >= cfg.trainer.critic_warmup:  # verl: the actor trains from step critic_warmup
                 with timer("update_actor"):
                     metrics.update(self.actor.update(batch, temperature=rollout_cfg.temperature))
         metrics.update(batch_metrics(batch, cfg.data.max_response_length))

@@ -112,6 +112,8 @@ def make_cfg(tiny_model_dir):
         f"actor_rollout_ref.model.path={tiny_model_dir}",
         f"critic.model.path={tiny_model_dir}",
         "actor_rollout_ref.model.dtype=float32",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "critic.model.enable_gradient_checkpointing=false",
         "data.train_files=unused.parquet",
     ]
     return lambda *overrides: load_config(None, [*base, *overrides])

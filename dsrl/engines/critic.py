@@ -82,6 +82,8 @@ class CriticEngine:
                 critic.model.path, dtype=DTYPES[dtype], trust_remote_code=critic.model.trust_remote_code
             ),
         )
+        if critic.model.enable_gradient_checkpointing:
+            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # Built outside zero.Init: deepspeed.initialize partitions it with the rest of the model.
         head = nn.Linear(backbone.config.hidden_size, 1)
         generator = torch.Generator().manual_seed(cfg.trainer.seed)

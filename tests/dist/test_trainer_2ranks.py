@@ -78,3 +78,34 @@ def test_train_script_runs_under_the_launcher(setup):
     assert "[dsrl] step 2/2" in stdout
     assert "validation accuracy: before" in stdout
     assert "[dsrl] model saved to " in stdout
+
+
+GROUND_TRUTH_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(ground_truth)
+"""
+
+
+def test_validation_with_fewer_prompts_than_chunks_on_some_ranks(setup, arithmetic_data, tmp_path):
+    """3 validation prompts on 2 ranks, one per chunk: rank 0 holds 2, rank 1 holds 1 (and a filler it does
+    not score). Every rank makes the same calls; the mean counts each prompt once. The reward is the ground
+    truth itself (0, 0, 3), so the mean is 1.0; the filler (a copy of the first prompt, 0) would make it 0.75."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(arithmetic_data / "test.parquet").to_pylist()[:3]
+    for row, truth in zip(rows, ("0", "0", "3")):
+        row["reward_model"]["ground_truth"] = truth
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "val3.parquet")
+    (tmp_path / "truth_reward.py").write_text(GROUND_TRUTH_REWARD)
+    overrides, env, launcher = setup
+    run([*launcher(), str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides,
+         f"data.val_files={tmp_path / 'val3.parquet'}", "data.val_batch_size=1",
+         f"custom_reward_function.path={tmp_path / 'truth_reward.py'}", "trainer.total_training_steps=1",
+         "trainer.test_freq=1"], env)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for report in reports:
+        assert [entry["step"] for entry in report["logged"]] == [0, 1]
+        for entry in report["logged"]:
+            assert entry["metrics"]["val/accuracy"] == 1.0
+            assert entry["metrics"]["val/arithmetic/reward/mean"] == 1.0

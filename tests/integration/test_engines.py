@@ -227,9 +227,17 @@ def critics(world_of_one, make_cfg, z3):
     common = (*CRITIC_TRAINING, f"critic.deepspeed_config={z3}")
     return {
         "micro1": CriticEngine(make_cfg(*common, "critic.ppo_micro_batch_size_per_gpu=1")),
-        "micro4": CriticEngine(make_cfg(*common, "critic.ppo_micro_batch_size_per_gpu=4")),
+        # Activation checkpointing recomputes the same forward: it must not change the result either.
+        "micro4": CriticEngine(
+            make_cfg(*common, "critic.ppo_micro_batch_size_per_gpu=4", "critic.model.enable_gradient_checkpointing=true")
+        ),
         "dynamic": CriticEngine(make_cfg(*common, "critic.use_dynamic_bsz=true")),
     }
+
+
+def test_the_critic_checkpoints_activations_when_asked(critics):
+    assert critics["micro4"].module.backbone.is_gradient_checkpointing
+    assert not critics["micro1"].module.backbone.is_gradient_checkpointing
 
 
 def test_critic_values_align_with_the_token_before_each_response_token(critics):

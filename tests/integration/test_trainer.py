@@ -102,14 +102,56 @@ def test_config_trains_two_steps(
 
 
 def test_remax_and_in_reward_kl(tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path):
-    """ReMax's greedy baseline rollout and the adaptive in-reward KL controller, on the GRPO config."""
+    """ReMax's greedy baseline rollout (with sampled validation, n=4) and the adaptive in-reward KL controller,
+    on the GRPO config."""
     trainer, logged, (actor_before, actor_after), _ = run_config(
         "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
         "algorithm.adv_estimator=remax", "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true",
         "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.01",
+        "actor_rollout_ref.rollout.val_kwargs.n=4", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
     )
     step1, step2 = logged[1][1], logged[2][1]
     assert step1["actor/reward_kl_penalty_coeff"] == 0.01
-    assert step2["actor/reward_kl_penalty_coeff"] != 0.01  # the adaptive controller moved beta after step 1
+    # verl's update counts the step's rows, train_batch_size x n = 8 x 5, not its 8 prompts.
+    error = min(max(step1["actor/reward_kl_penalty"] / 0.1 - 1, -0.2), 0.2)
+    assert step2["actor/reward_kl_penalty_coeff"] == pytest.approx(0.01 * (1 + error * 8 * 5 / 10000), rel=1e-12)
+    assert step2["actor/reward_kl_penalty_coeff"] != 0.01
     assert step2["actor/reward_kl_penalty"] > 0  # the actor left the reference after one update
     assert changed_fraction(actor_before, actor_after) == 1.0
+
+
+@pytest.mark.parametrize("critic_warmup, actor_trains", [(2, False), (1, True)])
+def test_critic_warmup_counts_steps_as_verl(
+    critic_warmup, actor_trains, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    """verl's count: the actor trains from step critic_warmup on, so 1 means no warm-up and 2 one critic-only step."""
+    trainer, logged, (actor_before, actor_after), (critic_before, critic_after) = run_config(
+        "ppo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path, f"critic.model.path={tiny_model_dir}",
+        f"trainer.critic_warmup={critic_warmup}", "trainer.total_training_steps=1", "trainer.val_before_train=false",
+    )
+    assert changed_fraction(critic_before, critic_after) == 1.0
+    assert changed_fraction(actor_before, actor_after) == (1.0 if actor_trains else 0.0)
+    assert ("actor/pg_loss" in logged[0][1]) == actor_trains
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos(
+    tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path, capsys
+):
+    """Llama 3's tokenizers have no pad token: prompts are padded with EOS, as verl and the rollouts do."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "no_pad"
+    shutil.copytree(tiny_model_dir, model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(model)
+    assert AutoTokenizer.from_pretrained(model).pad_token_id is None
+    trainer, logged, (actor_before, actor_after), _ = run_config(
+        "grpo", model, arithmetic_data, ds_test_config, tmp_path / "out", "trainer.total_training_steps=1",
+    )
+    assert "the tokenizer has no pad token; padding with EOS" in capsys.readouterr().out
+    assert trainer.tokenizer.pad_token_id == trainer.tokenizer.eos_token_id
+    assert [step for step, _ in logged] == [0, 1] and changed_fraction(actor_before, actor_after) == 1.0

@@ -960,6 +960,36 @@ def test_an_unset_engine_is_resolved_with_a_note_and_validated_as_that_engine(fi
     assert "the hf rollout has none" in v
 
 
+def test_validation_sampling_that_cannot_run_is_refused_before_models_load(files):
+    [v] = problems("grpo", files + ["actor_rollout_ref.rollout.val_kwargs.do_sample=true"])  # temperature 0
+    assert v.startswith("actor_rollout_ref.rollout.val_kwargs.temperature=0.0: val_kwargs.do_sample=true samples")
+    [v] = problems("grpo", files + ["actor_rollout_ref.rollout.val_kwargs.n=4"])  # greedy
+    assert v.startswith("actor_rollout_ref.rollout.val_kwargs.n=4: greedy decoding")
+    sampled = ["actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"]
+    assert problems("grpo", files + sampled + ["actor_rollout_ref.rollout.val_kwargs.n=4"]) == []
+    # ReMax's greedy baseline does not come from val_kwargs: n>1 there is fine.
+    remax = ["algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.n=4"]
+    assert problems("grpo", files + remax + sampled + ["actor_rollout_ref.rollout.val_kwargs.n=4"]) == []
+
+
+def test_the_critic_geometry_follows_the_actor_unless_set(files):
+    actor = {
+        "ppo_mini_batch_size": 4, "ppo_epochs": 2, "shuffle": False, "loss_agg_mode": "seq-mean-token-mean",
+        "use_dynamic_bsz": True,
+    }
+    overrides = [f"actor_rollout_ref.actor.{key}={C._show(value)}" for key, value in actor.items()]
+    cfg, _ = C.load_and_validate(recipe("ppo"), files + overrides, 1)
+    assert {key: cfg.critic[key] for key in actor} == actor  # as verl: a script that sets the actor's sets both
+    cfg, _ = C.load_and_validate(recipe("ppo"), files + overrides + ["critic.ppo_mini_batch_size=8"], 1)
+    assert cfg.critic.ppo_mini_batch_size == 8 and cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 4
+    assert C.to_dict(cfg)["critic"]["ppo_epochs"] == 2  # resolved for MLflow params and the checkpoint state
+
+
+def test_gradient_checkpointing_is_on_by_default_for_both_models():
+    cfg = C.load_config(None, [])
+    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing and cfg.critic.model.enable_gradient_checkpointing
+
+
 def test_hf_generation_chunks_must_hold_a_prompt(files):
     [v] = problems("grpo", files + ["actor_rollout_ref.rollout.micro_batch_size=0"])
     assert v.startswith("actor_rollout_ref.rollout.micro_batch_size=0: must be >= 1")
