@@ -76,6 +76,10 @@ def seeded(seed: int | None, device: torch.device):
 
 
 class RolloutEngine(Protocol):
+    # True when the engine's device memory is reserved for good (vLLM without sleep mode): offloading the
+    # training states around generation would free nothing it can use.
+    static_memory: bool
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full tensors, named as in the policy's HF state dict, into the engine's model."""
 

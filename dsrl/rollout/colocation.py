@@ -19,8 +19,8 @@ rank, is
 Engines whose states already live in CPU memory (ZeRO parameter offload, or a CPU accelerator) are not
 offloaded: there is nothing on the device to move. Nor is anything offloaded for a rollout engine whose
 device memory is reserved for good (``static_memory``: vLLM without sleep mode), since that would free
-nothing it could use. A rollout engine without sleep mode makes ``wake_up`` / ``sleep`` no-ops, so the
-same code runs there. The sleep and reloads also run when the body raises: every step is rank-local, so
+nothing it could use. Where an engine has nothing to release (vLLM without sleep mode, the transformers
+rollout on a CPU) ``wake_up`` / ``sleep`` are no-ops, so the same code runs there. The sleep and reloads also run when the body raises: every step is rank-local, so
 no rank waits for another, and the engines are left as training expects them.
 """
 
@@ -112,7 +112,7 @@ def colocated_generation(
     """
     start = time.perf_counter()
     offloaded = []
-    if not getattr(rollout, "static_memory", False):
+    if not rollout.static_memory:
         offloaded = [(engine, targets) for engine in trainer_engines if (targets := offload_targets(engine))]
     for engine, targets in offloaded:
         engine.offload_states(include=targets)

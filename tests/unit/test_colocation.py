@@ -49,6 +49,8 @@ def engine(name, calls, *, stage=3, param_offload=None, optimizer_offload=None, 
 
 
 class Rollout:
+    static_memory = False
+
     def __init__(self, calls):
         self.calls = calls
 
