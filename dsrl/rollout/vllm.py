@@ -27,7 +27,7 @@ vLLM then draws each seeded request's noise separately, which costs time on GPUs
 seed is ``trainer.seed + rank // tensor_parallel_size``.
 
 Weights. ``update_weights`` streams full tensors (HF names) into the engine. vLLM releases whose
-worker ``reload_weights`` takes a ``weights_iterator`` reload in place, layer by layer, and re-run the
+model runner's ``reload_weights`` takes a ``weights_iterator`` reload in place, layer by layer, and re-run the
 post-load processing (e.g. the CPU build's repacking of linear weights); the reload processes only the
 layers that received tensors, so a layer sharing its weight with one of them (an LM head tied to the
 input embedding) is processed again here. Older releases get the tensors through the model's own
