@@ -58,6 +58,17 @@ class RolloutOutput:
     finish_reasons: list[str]  # [B*n] "stop" (ended with EOS) or "length" (hit max_tokens)
 
 
+def stop_and_pad_ids(tokenizer, generation_eos, model_path: str) -> tuple[list[int], int]:
+    """The ids that end a response (the tokenizer's EOS and the generation config's ``eos_token_id``, an
+    int or a list) and the id that pads one (the tokenizer's pad token, else the first EOS id)."""
+    generation = generation_eos if isinstance(generation_eos, (list, tuple)) else [generation_eos]
+    eos_token_ids = sorted(i for i in {tokenizer.eos_token_id, *generation} if i is not None)
+    if not eos_token_ids:
+        raise ValueError(f"{model_path}: neither the tokenizer nor the generation config names an EOS token")
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+    return eos_token_ids, pad_token_id
+
+
 def seeded(seed: int | None, device: torch.device):
     """A context in which this process's default generators (CPU and ``device``) start from ``seed``
     and are restored afterwards; a no-op context for ``None``."""

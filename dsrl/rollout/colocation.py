@@ -20,8 +20,9 @@ Engines whose states already live in CPU memory (ZeRO parameter offload, or a CP
 offloaded: there is nothing on the device to move. Nor is anything offloaded for a rollout engine whose
 device memory is reserved for good (``static_memory``: vLLM without sleep mode), since that would free
 nothing it could use. Where an engine has nothing to release (vLLM without sleep mode, the transformers
-rollout on a CPU) ``wake_up`` / ``sleep`` are no-ops, so the same code runs there. The sleep and reloads also run when the body raises: every step is rank-local, so
-no rank waits for another, and the engines are left as training expects them.
+rollout on a CPU) ``wake_up`` / ``sleep`` are no-ops, so the same code runs there. The sleep and reloads
+also run when the body raises: every step is rank-local, so no rank waits for another, and the engines
+are left as training expects them.
 """
 
 from __future__ import annotations

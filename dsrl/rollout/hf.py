@@ -11,9 +11,9 @@ Sampling distribution and log-probs: the logits are divided by the temperature, 
 top-p filter them (in that order); each token's log-prob is its log-softmax under that processed
 distribution (what vLLM calls ``processed_logprobs``). Greedy decoding (``do_sample=False``)
 reports the log-softmax of the raw logits. Rows of the output layer beyond the tokenizer's vocabulary
-(Qwen pads its vocabulary) get logits -inf first: no token, never sampled. The warpers are applied by dsrl's own logits-processor
-list, the last entry of which records the chosen tokens' log-probs one step later, so no
-``[B, T, V]`` score history is kept.
+(Qwen pads its vocabulary) get logits -inf first: no token, never sampled. The warpers are applied by
+dsrl's own logits-processor list, the last entry of which records the chosen tokens' log-probs one step
+later, so no ``[B, T, V]`` score history is kept.
 
 Determinism: with ``sampling.seed`` set, each ``generate`` call runs inside ``torch.random.fork_rng``
 seeded with it (call ``k`` of a batch with ``seed + k * CHUNK_SEED_STRIDE``): the same seed, weights and
@@ -38,7 +38,7 @@ from transformers import (
 )
 
 from dsrl.algorithms import logprobs_from_logits
-from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded
+from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded, stop_and_pad_ids
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -97,11 +97,9 @@ class HFRollout:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
         self.model.eval().requires_grad_(False)
         self.vocab_size = len(tokenizer)  # ids the rollout may sample
-        eos = {tokenizer.eos_token_id} | set(_as_list(self.model.generation_config.eos_token_id))
-        self.eos_token_ids = sorted(i for i in eos if i is not None)
-        if not self.eos_token_ids:
-            raise ValueError(f"{model_path}: neither the tokenizer nor the generation config names an EOS token")
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.eos_token_ids, self.pad_token_id = stop_and_pad_ids(
+            tokenizer, self.model.generation_config.eos_token_id, model_path
+        )
         self.model.generation_config = GenerationConfig(
             eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id, bos_token_id=tokenizer.bos_token_id
         )
@@ -201,8 +199,3 @@ class HFRollout:
         if tags is None or "weights" in tags:
             self.model.to(self.device)
 
-
-def _as_list(value) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded
+from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded, stop_and_pad_ids
 
 _SEED_RANGE = 2**62  # per-prompt seeds; + n stays far inside int64
 
@@ -184,11 +184,7 @@ class VLLMRollout:
             generation_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
         except OSError:  # no generation_config.json
             generation_eos = None
-        eos = {tokenizer.eos_token_id} | set(_as_list(generation_eos))
-        self.eos_token_ids = sorted(i for i in eos if i is not None)
-        if not self.eos_token_ids:
-            raise ValueError(f"{model_path}: neither the tokenizer nor the generation config names an EOS token")
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.eos_token_ids, self.pad_token_id = stop_and_pad_ids(tokenizer, generation_eos, model_path)
         self.vocab_size = len(tokenizer)  # ids the rollout may sample
 
         # Every rank of a tensor-parallel group must submit the same requests: the group's ranks
@@ -367,10 +363,4 @@ class VLLMRollout:
         if not set(finish_reasons) <= {"stop", "length"}:
             raise RuntimeError(f"vLLM finished requests with {sorted(set(finish_reasons))}; expected stop or length")
         return RolloutOutput(response_ids, response_mask, log_probs, finish_reasons)
-
-
-def _as_list(value) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
 

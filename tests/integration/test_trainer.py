@@ -109,8 +109,9 @@ def test_remax_and_in_reward_kl(tiny_model_dir, arithmetic_data, ds_test_config,
         "algorithm.adv_estimator=remax", "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true",
         "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.01",
         "actor_rollout_ref.rollout.val_kwargs.n=4", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "actor_rollout_ref.rollout.micro_batch_size=3",
     )
+    assert trainer.rollout.micro_batch_size == 3  # 8 prompts: three generate calls per rollout
     step1, step2 = logged[1][1], logged[2][1]
     assert step1["actor/reward_kl_penalty_coeff"] == 0.01
     # verl's update counts the step's rows, train_batch_size x n = 8 x 5, not its 8 prompts.

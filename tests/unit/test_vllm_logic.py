@@ -177,3 +177,31 @@ def test_padding_rows_of_the_vocabulary_get_no_probability():
     vllm_rollout._mask_padded_vocab(worker, 3)
     logits = model.compute_logits(torch.zeros(2, 5))
     assert torch.equal(logits[:, :3], torch.zeros(2, 3)) and torch.isneginf(logits[:, 3:]).all()
+
+
+def test_the_engine_gets_the_rollout_keys_from_the_config():
+    """``from_config`` hands every vllm key to the engine (its constructor needs vLLM; it is stood in for)."""
+    from dsrl.config import load_config
+
+    class Captured(VLLMRollout):
+        def __init__(self, model_path, **kwargs):
+            self.model_path, self.kwargs = model_path, kwargs
+
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.model.path=some/model",
+            "actor_rollout_ref.rollout.per_prompt_seeds=true",
+            "actor_rollout_ref.rollout.sleep_level=1",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "trainer.seed=9",
+            "data.max_prompt_length=100",
+            "data.max_response_length=28",
+        ],
+    )
+    engine = Captured.from_config(cfg)
+    assert engine.model_path == "some/model"
+    assert engine.kwargs["per_prompt_seeds"] is True and engine.kwargs["sleep_level"] == 1
+    assert engine.kwargs["tensor_parallel_size"] == 2 and engine.kwargs["seed"] == 9
+    assert engine.kwargs["max_model_len"] == 128 and engine.kwargs["enable_sleep_mode"] is None
+    assert load_config(None, []).actor_rollout_ref.rollout.sleep_level == 2  # the default the engine then gets
