@@ -1,43 +1,142 @@
-"""Step metrics computed from a batch, reduced over all ranks (verl's metric names).
+"""Step and validation metrics with verl 0.9's names and formulas.
 
-Every rank calls these (they are collectives) and gets the same numbers.
+``batch_metrics``, ``rollout_logprob_metrics`` and ``rollout_correction_metrics`` are collectives:
+every rank calls them and gets the same numbers, taken over every rank's rows.
+``validation_metrics`` and ``throughput_metrics`` are plain functions of their (already global)
+arguments; ``memory_metrics`` reads this process.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from functools import lru_cache
+
+import numpy as np
+import psutil
 import torch
 
 from dsrl.algorithms import RolloutCorrection
 from dsrl.data.batch import Batch
-from dsrl.distributed import global_mean, global_stats
+from dsrl.distributed import all_reduce, global_mean, global_stats
+
+NAN = float("nan")
+N_BOOTSTRAP = 1000  # verl's bootstrap samples per (prompt, variable, k)
+VF_EXPLAINED_VAR_EPS = 1e-5  # verl's epsilon under var(returns)
+GIB = 1024**3
+# verl's compute_timing_metrics: gen per response token, these per prompt + response token.
+_PHASES_PER_TOKEN = ("gen", "ref", "values", "adv", "update_critic", "update_actor")
 
 
-def _add_stats(metrics: dict[str, float], name: str, values: torch.Tensor) -> None:
-    metrics[f"{name}/mean"], metrics[f"{name}/max"], metrics[f"{name}/min"] = global_stats(values)
+# ---- reductions over ranks ------------------------------------------------------------------
 
 
-def batch_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
-    """Scores, rewards, advantages, returns, values and lengths of one step's batch."""
+def _stats(named: dict[str, torch.Tensor]) -> dict[str, tuple[float, float, float]]:
+    """(mean, max, min) of each tensor's elements over every rank, in two collectives.
+
+    A name no rank has elements for gets nans (verl's value for an empty selection)."""
+    flat = [v.detach().reshape(-1).double() for v in named.values()]
+    sums = all_reduce(torch.stack([torch.stack([v.sum(), v.new_tensor(v.numel())]) for v in flat]))
+    ends = all_reduce(
+        torch.stack([torch.stack([v.max(), -v.min()]) if v.numel() else v.new_full((2,), -math.inf) for v in flat]),
+        "max",
+    )
+    return {
+        name: (total / count, hi, -neg_lo) if count else (NAN, NAN, NAN)
+        for name, (total, count), (hi, neg_lo) in zip(named, sums.tolist(), ends.tolist())
+    }
+
+
+def _moments(columns: torch.Tensor) -> tuple[int, list[float], torch.Tensor]:
+    """Row count, column means and centred cross-product sums ``[k, k]`` of ``columns`` ``[n, k]``
+    over every rank.
+
+    Two passes (global means, then sums of centred products) so variances do not cancel the way
+    one-pass sums of x and x² can; ``sums[i, i] / (n - 1)`` is the unbiased variance."""
+    x = columns.detach().double()
+    head = all_reduce(torch.cat([x.new_tensor([x.shape[0]]), x.sum(0)]))
+    n = int(head[0])
+    means = head[1:] / max(n, 1)
+    centred = x - means
+    return n, means.tolist(), all_reduce(centred.T @ centred).cpu()
+
+
+def _unbiased_var(sum_sq: float, n: int) -> float:
+    """``torch.var``'s default (ddof 1): nan below two elements."""
+    return sum_sq / (n - 1) if n > 1 else NAN
+
+
+# ---- step metrics ---------------------------------------------------------------------------
+
+
+def batch_metrics(batch: Batch, *, max_prompt_length: int, max_response_length: int) -> dict[str, float]:
+    """verl's ``compute_data_metrics`` over every rank's rows of one step's batch.
+
+    Rows with an empty response count as aborted: verl leaves them out of ``critic/score``,
+    ``critic/rewards`` and ``response_length_non_aborted``. Advantages, returns and values are taken
+    over response tokens; a clip ratio is the fraction of rows whose length equals its maximum.
+    """
     mask = batch.response_mask.bool()
-    response_length = mask.sum(-1).float()  # [B]
-    metrics: dict[str, float] = {}
-    _add_stats(metrics, "critic/score", batch.token_level_scores.sum(-1))
-    _add_stats(metrics, "critic/rewards", batch.token_level_rewards.sum(-1))
-    _add_stats(metrics, "critic/advantages", batch.advantages[mask])
-    _add_stats(metrics, "critic/returns", batch.returns[mask])
+    response_length = mask.sum(-1).double()
+    prompt_length = batch.prompt_mask.sum(-1).double()
+    finished = response_length > 0
+    triples = {
+        "critic/score": batch.token_level_scores.sum(-1)[finished],
+        "critic/rewards": batch.token_level_rewards.sum(-1)[finished],
+        "critic/advantages": batch.advantages[mask],
+        "critic/returns": batch.returns[mask],
+        "response_length": response_length,
+        "response_length_non_aborted": response_length[finished],
+        "prompt_length": prompt_length,
+    }
     if batch.values is not None:
-        _add_stats(metrics, "critic/values", batch.values[mask])
-    _add_stats(metrics, "response_length", response_length)
-    metrics["response_length/clip_ratio"] = global_stats((response_length >= max_response_length).float())[0]
-    _add_stats(metrics, "prompt_length", batch.prompt_mask.sum(-1).float())
+        triples["critic/values"] = batch.values[mask]
+    ratios = {
+        "response_length/clip_ratio": (response_length == max_response_length).double(),
+        "response_length_non_aborted/clip_ratio": (response_length[finished] == max_response_length).double(),
+        "response/aborted_ratio": (~finished).double(),
+        "prompt_length/clip_ratio": (prompt_length == max_prompt_length).double(),
+    }
+    stats = _stats(triples | ratios)
+    metrics = {name: stats[name][0] for name in ratios}
+    for name in triples:
+        metrics[f"{name}/mean"], metrics[f"{name}/max"], metrics[f"{name}/min"] = stats[name]
+    if batch.values is not None:
+        returns = batch.returns[mask]
+        n, _, sums = _moments(torch.stack([returns - batch.values[mask], returns], dim=-1))
+        residual_var, returns_var = (_unbiased_var(sums[i, i].item(), n) for i in (0, 1))
+        metrics["critic/vf_explained_var"] = 1.0 - residual_var / (returns_var + VF_EXPLAINED_VAR_EPS) if n else NAN
     return metrics
 
 
 def rollout_logprob_metrics(batch: Batch) -> dict[str, float]:
-    """How far the rollout engine's log-probs are from the actor's on the same tokens."""
-    diff = (batch.rollout_log_probs - batch.old_log_probs).abs()[batch.response_mask.bool()]
-    mean, hi, _ = global_stats(diff)
-    return {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": hi}
+    """verl's rollout-vs-actor check (``calculate_debug_metrics``) over every rank's response tokens.
+
+    In probability space: statistics of ``|exp(old_log_probs) - exp(rollout_log_probs)|`` (std
+    unbiased) and the Pearson correlation of the two probabilities. ``..._valid`` is 0, and the rest
+    nan, when no rank has a response token.
+    """
+    mask = batch.response_mask.bool()
+    actor, rollout = batch.old_log_probs[mask].exp(), batch.rollout_log_probs[mask].exp()
+    diff = (actor - rollout).abs()
+    n, means, sums = _moments(torch.stack([diff, actor, rollout], dim=-1))
+    if n == 0:
+        names = ("max", "mean", "std")
+        return {"training/rollout_probs_diff_valid": 0.0, "training/rollout_actor_probs_pearson_corr": NAN} | {
+            f"training/rollout_probs_diff_{name}": NAN for name in names
+        }
+    local_max = diff.max().double() if diff.numel() else diff.new_tensor(-math.inf, dtype=torch.float64)
+    spread = math.sqrt(sums[1, 1].item() * sums[2, 2].item())
+    return {
+        "training/rollout_probs_diff_valid": 1.0,
+        "training/rollout_probs_diff_max": all_reduce(local_max, "max").item(),
+        "training/rollout_probs_diff_mean": means[0],
+        "training/rollout_probs_diff_std": math.sqrt(_unbiased_var(sums[0, 0].item(), n)),
+        # torch.corrcoef: clipped to [-1, 1], nan when either side is constant
+        "training/rollout_actor_probs_pearson_corr": (
+            min(1.0, max(-1.0, sums[1, 2].item() / spread)) if spread > 0 else NAN
+        ),
+    }
 
 
 def rollout_correction_metrics(batch: Batch, correction: RolloutCorrection) -> dict[str, float]:
@@ -51,3 +150,181 @@ def rollout_correction_metrics(batch: Batch, correction: RolloutCorrection) -> d
         "rollout_corr/is_weight_mean": global_mean(correction.weights[mask]),
         "rollout_corr/masked_fraction": global_mean(1.0 - correction.keep_mask[mask]),
     }
+
+
+def variance_proxy_metrics(batch: Batch, grad_norm: float | None) -> dict[str, float]:
+    """verl's ``variance_proxy/*`` (the OTB guide's gradient-variance gauges), over every rank's rows.
+
+    Per response, ``W = sum_t (1 - 2 pi_t + sum_v pi_v^2)`` (scaled by the squared rollout IS weight
+    where one applies) and ``A`` = the mean advantage over its tokens. Total power is
+    ``mean(A^2 max(W, 0))`` (off-policy: ``mean(rho^2 A^2 max(W/rho^2, 0))`` with rho the response's
+    mean IS weight), signal strength the actor's ``grad_norm^2``, and pure noise
+    ``max(0, (power - signal) / (N - 1))``. Only with ``sum_pi_squared`` (OTB, or
+    ``actor.calculate_sum_pi_squared``); a collective."""
+    if batch.sum_pi_squared is None or batch.advantages is None:
+        return {}
+    mask = batch.response_mask.float()
+    w_token = 1 - 2 * batch.old_log_probs.exp() + batch.sum_pi_squared
+    tokens = mask.sum(-1)
+    advantage = (batch.advantages * mask).sum(-1) / (tokens + 1e-8)  # verl's masked_mean
+    if batch.rollout_is_weights is None:
+        w = (w_token * mask).sum(-1)
+        power = advantage**2 * w.clamp(min=0)
+    else:
+        weights = batch.rollout_is_weights
+        w = (w_token * weights**2 * mask).sum(-1)
+        rho = (weights * mask).sum(-1) / (tokens + 1e-8)
+        w_unweighted = (w_token * weights**2 / (weights**2).clamp(min=1e-10) * mask).sum(-1)
+        power = rho**2 * advantage**2 * w_unweighted.clamp(min=0)
+    n, (power_mean, a_squared_mean, w_mean), _ = _moments(torch.stack([power, advantage**2, w], dim=1))
+    signal = grad_norm**2 if grad_norm is not None else None
+    noise = max(0.0, (power_mean - signal) / (n - 1)) if signal is not None and n > 1 else 0.0
+    return {
+        "variance_proxy/proxy1_signal_strength": signal if signal is not None else 0.0,
+        "variance_proxy/proxy2_total_power": power_mean,
+        "variance_proxy/proxy3_pure_noise": noise,
+        "variance_proxy/expected_a_squared": a_squared_mean,
+        "variance_proxy/expected_w": w_mean,
+    }
+
+
+def throughput_metrics(
+    timing_s: Mapping[str, float], *, num_prompt_tokens: int, num_response_tokens: int, world_size: int
+) -> dict[str, float]:
+    """verl's ``compute_throughout_metrics`` and ``compute_timing_metrics`` for one step.
+
+    ``timing_s`` holds ``timing_s/<phase>`` seconds (``timing_s/step`` required); token counts are
+    the whole step's over all ranks. Throughput is tokens per second per rank. Per-token times (ms)
+    exist only for verl's phases: ``gen`` per response token, ``ref``, ``values``, ``adv``,
+    ``update_critic``, ``update_actor`` per prompt + response token (0 when there are no tokens).
+    """
+    total = num_prompt_tokens + num_response_tokens
+    step = timing_s["timing_s/step"]
+    metrics = {"perf/total_num_tokens": total, "perf/time_per_step": step}
+    metrics["perf/throughput"] = total / (step * world_size)
+    for phase in _PHASES_PER_TOKEN:
+        seconds = timing_s.get(f"timing_s/{phase}")
+        if seconds is not None:
+            tokens = num_response_tokens if phase == "gen" else total
+            metrics[f"timing_per_token_ms/{phase}"] = seconds * 1000 / tokens if tokens > 0 else 0.0
+    return metrics
+
+
+def memory_metrics() -> dict[str, float]:
+    """The memory gauges verl's training engine logs with each update, in GiB.
+
+    This process's peak CUDA memory (only when CUDA is available) and the host's used RAM as
+    ``psutil.virtual_memory().used`` reports it.
+    """
+    metrics = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / GIB}
+    if torch.cuda.is_available():
+        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / GIB
+        metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / GIB
+    return metrics
+
+
+# ---- validation -----------------------------------------------------------------------------
+
+
+def _bootstrap_sizes(n: int) -> list[int]:
+    """verl's subset sizes for ``n`` responses: the powers of two below ``n``, then ``n`` (none for one)."""
+    if n <= 1:
+        return []
+    sizes = [2**e for e in range(1, n.bit_length()) if 2**e < n]
+    return sizes + [n]
+
+
+@lru_cache(maxsize=256)
+def _bootstrap_indices(n: int, k: int, seed: int) -> np.ndarray:
+    """``[N_BOOTSTRAP, k]`` draws with replacement from ``range(n)``.
+
+    verl reseeds numpy's legacy global generator with ``seed`` before each bootstrap, so its draws
+    depend only on ``(n, k, seed)``; a private ``RandomState`` gives the same ones without touching
+    the global generator."""
+    indices = np.random.RandomState(seed).choice(n, size=(N_BOOTSTRAP, k), replace=True)
+    indices.flags.writeable = False
+    return indices
+
+
+def _majority_values(values: np.ndarray, votes: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """Per sample (row of ``indices``): the value of the first response giving the most common vote.
+
+    Ties go to the vote seen first in the sample, as in verl's ``calc_maj_val``; ``votes`` are small
+    integer codes of the responses' predictions."""
+    samples = indices.shape[0]
+    rows = np.arange(samples)[:, None]
+    sample_votes = votes[indices]
+    counts = np.zeros((samples, int(votes.max()) + 1), dtype=np.int64)
+    np.add.at(counts, (rows, sample_votes), 1)
+    # The first position holding a most common vote is that vote's first response, and its vote is
+    # the earliest seen of the most common ones.
+    winners = counts[rows, sample_votes].argmax(axis=1)
+    return values[indices[np.arange(samples), winners]]
+
+
+def _prompt_metrics(values: np.ndarray, votes: np.ndarray | None, seed: int) -> dict[str, float]:
+    """One prompt's N responses: ``mean@N``, and for N > 1 ``std@N`` (population) and bootstrap
+    ``best|worst|maj@k/mean|std`` for each of verl's sizes k."""
+    n = len(values)
+    metrics = {f"mean@{n}": float(np.mean(values))}
+    if n == 1:
+        return metrics
+    metrics[f"std@{n}"] = float(np.std(values))
+    for k in _bootstrap_sizes(n):
+        indices = _bootstrap_indices(n, k, seed)
+        samples = values[indices]
+        draws = {"best": samples.max(axis=1), "worst": samples.min(axis=1)}
+        if votes is not None:
+            draws["maj"] = _majority_values(values, votes, indices)
+        for name, drawn in draws.items():
+            metrics[f"{name}@{k}/mean"], metrics[f"{name}@{k}/std"] = float(np.mean(drawn)), float(np.std(drawn))
+    return metrics
+
+
+def _vote_codes(preds: Sequence[Hashable]) -> np.ndarray:
+    """Integer codes of predictions, equal where the predictions are (dict equality, as verl votes)."""
+    codes: dict[Hashable, int] = {}
+    return np.array([codes.setdefault(pred, len(codes)) for pred in preds], dtype=np.int64)
+
+
+def validation_metrics(
+    data_sources: Sequence[str],
+    uids: Sequence[Hashable],
+    variables: Mapping[str, Sequence[float]],
+    preds: Sequence[Hashable] | None = None,
+    *,
+    seed: int = 42,
+) -> dict[str, float]:
+    """verl's validation metrics (``process_validation_metrics`` named as ``_validate`` names them).
+
+    One entry per response in every argument. Responses are grouped by data source and prompt
+    (``uids``); per prompt of N responses and per variable (``reward``, ``acc``, other numeric
+    extras) come ``mean@N``, and for N > 1 ``std@N`` and bootstrap ``best@k``/``worst@k``
+    (``maj@k`` too, voting on ``preds``, when given) ``/mean`` and ``/std``; each is then averaged
+    over the prompts of the data source that have it. Bootstrap draws follow response order, so pass
+    responses in dataset order to reproduce verl's numbers.
+
+    Names are ``<section>/<data_source>/<variable>/<metric>``: section ``val-core`` for the core
+    variable (``acc`` when given, else ``reward``) on ``mean``, ``maj`` and ``best`` metrics at the
+    data source's largest N (their ``/std`` included, as in verl), ``val-aux`` for all else.
+    """
+    groups: dict[str, dict[Hashable, list[int]]] = {}
+    for i, (source, uid) in enumerate(zip(data_sources, uids, strict=True)):
+        groups.setdefault(source, {}).setdefault(uid, []).append(i)
+    columns = {name: np.asarray(values, dtype=np.float64) for name, values in variables.items()}
+    core_variable = "acc" if "acc" in columns else "reward"
+    metrics: dict[str, float] = {}
+    for source, prompts in groups.items():
+        per_prompt: dict[str, dict[str, list[float]]] = {name: {} for name in columns}
+        for rows in prompts.values():
+            votes = None if preds is None else _vote_codes([preds[i] for i in rows])
+            for name, column in columns.items():
+                for metric, value in _prompt_metrics(column[rows], votes, seed).items():
+                    per_prompt[name].setdefault(metric, []).append(value)
+        for name, by_metric in per_prompt.items():
+            sizes = {metric: int(metric.split("/")[0].split("@")[1]) for metric in by_metric}
+            largest = max(sizes.values(), default=0)
+            for metric, values in by_metric.items():
+                core = name == core_variable and metric.startswith(("mean", "maj", "best")) and sizes[metric] == largest
+                metrics[f"{'val-core' if core else 'val-aux'}/{source}/{name}/{metric}"] = float(np.mean(values))
+    return metrics

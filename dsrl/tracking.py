@@ -16,13 +16,12 @@ from typing import Any
 # Metrics shown on the console line, in this order, when present.
 CONSOLE_KEYS = (
     "critic/score/mean",
-    "val/accuracy",
     "actor/pg_loss",
     "actor/entropy",
     "actor/kl_loss",
     "critic/vf_loss",
     "response_length/mean",
-    "rollout/logprob_diff_mean",
+    "training/rollout_probs_diff_mean",
     "timing_s/step",
     "tracking/failures",
 )
@@ -54,7 +53,9 @@ class ConsoleBackend:
         pass  # the resolved config is printed once at start-up by scripts/train.py
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        shown = [f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics]
+        keys = [k for k in CONSOLE_KEYS if k in metrics]
+        keys[1:1] = sorted(k for k in metrics if k.startswith("val-core/") and k.rpartition("/")[2].startswith("mean@"))
+        shown = [f"{k}={metrics[k]:.4g}" for k in keys]
         width = len(str(self.total_steps))
         print(f"[dsrl] step {step:>{width}}/{self.total_steps} " + " ".join(shown), flush=True)
 

@@ -1,8 +1,8 @@
 """The training loop: one SPMD loop per rank that drives every model role in-process.
 
-Each step (DESIGN §2) is a sequence of phase calls, each timed as ``timing_s/<phase>``:
-gen (with update_weights) -> reward -> old_log_prob -> ref -> values -> adv -> update_critic ->
-update_actor, then validation every ``trainer.test_freq`` steps and a checkpoint every
+Each step is a sequence of phase calls, each timed as ``timing_s/<phase>``: gen (with
+update_weights) -> balance (rows across ranks) -> reward -> old_log_prob -> ref -> values -> adv ->
+update_critic -> update_actor, then validation every ``trainer.test_freq`` steps and a checkpoint every
 ``trainer.save_freq`` steps (``dsrl.checkpoint``). Tensor math lives in ``dsrl.algorithms`` and the
 engines; this file only orders the calls.
 
@@ -17,7 +17,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from transformers import set_seed
 from dsrl.algorithms import (
     AdaptiveKLController,
     EstimatorInputs,
+    agg_loss,
     FixedKLController,
     apply_kl_penalty,
     compute_advantages,
@@ -47,12 +48,22 @@ from dsrl.checkpoint import (
     step_dir,
 )
 from dsrl.config import Config, to_dict
+from dsrl.balance import balance_across_ranks
 from dsrl.data.batch import Batch
 from dsrl.data.datasets import PromptSampler, collate_prompts, load_prompts
 from dsrl.distributed import all_gather_rows, all_reduce, global_mean
 from dsrl.engines import ActorEngine, CriticEngine, ReferenceEngine, init_distributed
-from dsrl.metrics import batch_metrics, rollout_correction_metrics, rollout_logprob_metrics
-from dsrl.rewards import RewardScorer
+from dsrl.engines.training import global_counts
+from dsrl.metrics import (
+    batch_metrics,
+    memory_metrics,
+    rollout_correction_metrics,
+    rollout_logprob_metrics,
+    throughput_metrics,
+    validation_metrics,
+    variance_proxy_metrics,
+)
+from dsrl.rewards import RewardScorer, numeric_extras
 from dsrl.rollout import HFRollout, SamplingParams, iter_full_parameters
 from dsrl.rollout.colocation import colocated_generation
 from dsrl.tracking import Tracker, flatten
@@ -121,6 +132,13 @@ class StopSignals:
         return int(all_reduce(torch.tensor(float(self.signum)), "max"))
 
 
+def validation_score(metrics: dict[str, float]) -> float:
+    """One number for a validation: the ``val-core/<data_source>/<var>/mean@N`` values averaged over
+    the data sources (the core variable is ``acc`` when the reward gives it, else the reward)."""
+    values = [v for k, v in metrics.items() if k.startswith("val-core/") and k.rpartition("/")[2].startswith("mean@")]
+    return sum(values) / len(values) if values else math.nan
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         uses_vllm = cfg.actor_rollout_ref.rollout.name == "vllm"
@@ -145,18 +163,23 @@ class Trainer:
             self.tokenizer.pad_token = self.tokenizer.eos_token
             if self.rank == 0:
                 print(f"[dsrl] {model_cfg.path}: the tokenizer has no pad token; padding with EOS ({self.tokenizer.eos_token})", flush=True)
-        self.train_prompts = self._load_prompts(cfg.data.train_files)
-        self.val_prompts = self._load_prompts(cfg.data.val_files) if cfg.data.val_files else None
+        self.train_prompts = self._load_prompts(cfg.data.train_files, cfg.data.train_max_samples)
+        self.val_prompts = self._load_prompts(cfg.data.val_files, cfg.data.val_max_samples) if cfg.data.val_files else None
         self.sampler = PromptSampler(self.train_prompts, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+        # As verl: the lr schedule spans total_training_steps when set, and the run stops at it or
+        # at the end of total_epochs, whichever comes first.
+        epoch_steps = cfg.trainer.total_epochs * self.sampler.batches_per_epoch
+        schedule_steps = cfg.trainer.total_training_steps or epoch_steps
+        self.total_steps = min(schedule_steps, epoch_steps)
 
         needs_ref = actor_cfg.use_kl_loss or algo.use_kl_in_reward
         if uses_vllm:
             # Before the DeepSpeed engines take device memory; with sleep mode it sleeps right away.
             self.rollout = VLLMRollout.from_config(cfg)
             set_seed(cfg.trainer.seed + self.rank)  # vLLM seeded the global generators with its engine seed
-        self.actor = ActorEngine(cfg)
+        self.actor = ActorEngine(cfg, total_training_steps=schedule_steps)
         self.ref = ReferenceEngine(cfg) if needs_ref else None
-        self.critic = CriticEngine(cfg) if algo.adv_estimator == "gae" else None
+        self.critic = CriticEngine(cfg, total_training_steps=schedule_steps) if algo.adv_estimator == "gae" else None
         if not uses_vllm:
             self.rollout = HFRollout(
                 model_cfg.path,
@@ -171,7 +194,6 @@ class Trainer:
         else:
             self.kl_ctrl = FixedKLController(algo.kl_ctrl.kl_coef)
 
-        self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
         self.global_step = 0
         if self.resume_from is not None:
             self._restore(resume_state)
@@ -241,6 +263,9 @@ class Trainer:
         self.kl_ctrl.value = state["kl_coef"]
         for name, role in roles.items():
             role.skips.load_state_dict(state["skips"][name])
+            role.lr_scheduler.load_state_dict(state["lr_schedulers"][name])
+            for group, lr in zip(role.lr_scheduler.optimizer.param_groups, role.lr_scheduler.get_last_lr()):
+                group["lr"] = lr  # the lr of the next step, whatever the optimizer state held
         if self.rank == 0:
             seconds = time.perf_counter() - start
             print(f"[dsrl] resumed from {self.resume_from} (step {self.global_step}; loaded in {seconds:.2f} s)", flush=True)
@@ -255,6 +280,7 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "kl_coef": self.kl_ctrl.value,
             "skips": {name: role.skips.state_dict() for name, role in roles.items()},
+            "lr_schedulers": {name: role.lr_scheduler.state_dict() for name, role in roles.items()},
             "mlflow_run_id": self.tracker.run_id,
             "save_contents": contents,
             "config": config,
@@ -293,7 +319,7 @@ class Trainer:
 
     # ---- phases -------------------------------------------------------------------------------
 
-    def _load_prompts(self, files):
+    def _load_prompts(self, files, max_samples: int):
         data = self.cfg.data
         records, _ = load_prompts(
             files,
@@ -302,6 +328,8 @@ class Trainer:
             max_prompt_length=data.max_prompt_length,
             filter_overlong_prompts=data.filter_overlong_prompts,
             truncation=data.truncation,
+            max_samples=max_samples,
+            chat_template_kwargs=dict(data.apply_chat_template_kwargs),
         )
         return records
 
@@ -348,21 +376,41 @@ class Trainer:
 
     def score(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Token-level scores [B, T] (each response's score at its last response token) and the reward
-        counts summed over the ranks (a collective)."""
-        token_level_scores, counts = self._score_rank_local(batch)
-        totals = all_reduce(torch.tensor([float(v) for v in counts.values()])).tolist()
-        return token_level_scores, dict(zip(counts, totals))
+        metrics over all ranks (a collective): the failure counts, and ``reward/<name>/mean`` for each
+        numeric extra a reward function returned (over the rows that returned it)."""
+        token_level_scores, extras, counts = self._score_rank_local(batch)
+        names: list[list[str]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(names, sorted(numeric_extras(extras)))
+        extra_names = sorted({name for part in names for name in part})
+        local = numeric_extras(extras)
+        sums = [sum(local.get(name, [])) for name in extra_names]
+        sizes = [len(local.get(name, [])) for name in extra_names]
+        totals = all_reduce(torch.tensor([float(v) for v in [*counts.values(), *sums, *sizes]], dtype=torch.float64)).tolist()
+        metrics = dict(zip(counts, totals))
+        k = len(extra_names)
+        for name, total, size in zip(extra_names, totals[len(counts) : len(counts) + k], totals[len(counts) + k :]):
+            metrics[f"reward/{name}/mean"] = total / size
+        return token_level_scores, metrics
 
-    def _score_rank_local(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        """``score`` of this rank's rows alone, counts not reduced (no collective)."""
+    def _score_rank_local(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list], dict[str, float]]:
+        """``score`` of this rank's rows alone (no collective): token-level scores, the reward
+        functions' extras (a list of B values per name, None where a row gave none) and the counts."""
         responses = self.tokenizer.batch_decode(
             [ids[mask.bool()] for ids, mask in zip(batch.response_ids, batch.response_mask)], skip_special_tokens=True
         )
-        scores, _, counts = self.scorer.score_batch(batch.data_sources, responses, batch.ground_truths, batch.extra_infos)
+        scores, extras, counts = self.scorer.score_batch(batch.data_sources, responses, batch.ground_truths, batch.extra_infos)
         token_level_scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)
         last = batch.response_mask.sum(-1).long() - 1
         token_level_scores[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=torch.float32)
-        return token_level_scores, counts
+        return token_level_scores, extras, counts
+
+    def entropy(self, batch: Batch) -> float:
+        """verl's ``actor/entropy``: the old-log-prob pass's entropy, aggregated as the loss is, over
+        the whole step's batch (a collective)."""
+        num_tokens, num_seqs = global_counts(batch.response_mask)
+        mode = self.cfg.actor_rollout_ref.actor.loss_agg_mode
+        local = agg_loss(batch.entropy, batch.response_mask.float(), mode, num_tokens=num_tokens, num_seqs=num_seqs)
+        return float(all_reduce(local))
 
     def rewards_with_kl(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """In-reward KL: ``token_level_rewards = scores - beta * KL(old || ref)``, then the controller update."""
@@ -380,7 +428,7 @@ class Trainer:
         self.kl_ctrl.update(current_kl, n_steps=self.cfg.data.train_batch_size * self.cfg.actor_rollout_ref.rollout.n)
         return rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
 
-    def advantages(self, batch: Batch, reward_baselines: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def advantages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The estimator over the whole global batch, so batch-wide whitening sees every rank's rows."""
         algo = self.cfg.algorithm
         fields = {
@@ -393,7 +441,7 @@ class Trainer:
         }
         gathered = {name: all_gather_rows(value)[0] for name, value in fields.items()}
         group_ids, rows = all_gather_rows(batch.group_ids[:, None])
-        baselines = all_gather_rows(None if reward_baselines is None else reward_baselines[:, None])[0]
+        baselines = all_gather_rows(None if batch.reward_baselines is None else batch.reward_baselines[:, None])[0]
         inputs = EstimatorInputs(
             **gathered, group_ids=group_ids[:, 0], reward_baselines=None if baselines is None else baselines[:, 0]
         )
@@ -418,7 +466,9 @@ class Trainer:
         )
 
     def validate(self) -> dict[str, float]:
-        """Mean reward per data source on the validation files (``val/<data_source>/reward/mean``).
+        """verl's validation metrics on the validation files: ``val-core/<data_source>/<reward|acc>/mean@N``
+        and the rest of ``dsrl.metrics.validation_metrics``, over the score and each numeric extra of
+        the reward function (``pred`` extras vote for ``maj@k``), the same on every rank.
 
         Every rank makes the same calls whatever its share (a generate call is a collective within a
         tensor-parallel group): shards are ``val_prompts[rank::world]``, at most ``ceil(N / world)`` prompts,
@@ -428,34 +478,35 @@ class Trainer:
         most = math.ceil(len(self.val_prompts) / self.world_size)
         chunk = self.cfg.data.val_batch_size or most
         sampling = self._sampling(validation=True)
-        sums: dict[str, list[float]] = {}
         batches = []
         with self.colocated({}):
             for start in range(0, most, chunk):
                 records = shard[start : start + chunk]
                 prompts = self._prompt_batch(records or self.val_prompts[:1], first_group_id=start)
                 batches.append((self.generate(prompts, sampling), len(records) * sampling.n))
+        rows = []  # (prompt's row in the validation files, data source, score, extras), one per response
         for batch, real_rows in batches:
             if not real_rows:
                 continue
             batch = batch.select(torch.arange(real_rows))
-            scores, _ = self._score_rank_local(batch)
-            for source, score in zip(batch.data_sources, scores.sum(-1).tolist()):
-                total = sums.setdefault(source, [0.0, 0.0])
-                total[0] += score
-                total[1] += 1
-        gathered: list[dict[str, list[float]]] = [{} for _ in range(self.world_size)]
-        dist.all_gather_object(gathered, sums)
-        merged: dict[str, list[float]] = {}
-        for part in gathered:
-            for source, (total, count) in part.items():
-                merged.setdefault(source, [0.0, 0.0])
-                merged[source][0] += total
-                merged[source][1] += count
-        metrics = {f"val/{source}/reward/mean": total / count for source, (total, count) in sorted(merged.items())}
-        total, count = (sum(v[i] for v in merged.values()) for i in (0, 1))
-        metrics["val/accuracy"] = total / max(count, 1)
-        return metrics
+            scores, extras, _ = self._score_rank_local(batch)
+            for i, (source, shard_row, score) in enumerate(
+                zip(batch.data_sources, batch.group_ids.tolist(), scores.sum(-1).tolist())
+            ):
+                row_extras = {name: values[i] for name, values in extras.items()}
+                rows.append((self.rank + self.world_size * shard_row, source, score, row_extras))
+        gathered: list[list] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, rows)
+        rows = sorted((row for part in gathered for row in part), key=lambda row: row[0])  # dataset order
+        extras = {name: [row[3].get(name) for row in rows] for name in sorted({n for row in rows for n in row[3]})}
+        variables = {"reward": [row[2] for row in rows]}
+        variables.update({name: v for name, v in numeric_extras(extras).items() if len(v) == len(rows) and name != "reward"})
+        preds = extras.get("pred")
+        if preds is not None and any(p is None or not isinstance(p, Hashable) for p in preds):
+            preds = None
+        return validation_metrics(
+            [row[1] for row in rows], [row[0] for row in rows], variables, preds, seed=self.cfg.trainer.seed
+        )
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -468,16 +519,20 @@ class Trainer:
             # timing_s/update_weights, /wake, /gen, /sleep (and sleep-mode memory on GPUs)
             with self.colocated(metrics):
                 batch = self.generate(prompts, self._sampling(validation=False))
-                reward_baselines = None
                 if algo.adv_estimator == "remax":
                     greedy = self.generate(prompts, self._sampling(validation=False).replace(n=1, do_sample=False))
+            with timer("reward"):
+                if algo.adv_estimator == "remax":  # scored before the rows move, like the responses below
+                    greedy_scores, _ = self.score(greedy)
+                    batch = batch.replace(reward_baselines=greedy_scores.sum(-1).repeat_interleave(rollout_cfg.n))
+            if cfg.trainer.balance_batch and self.world_size > 1:
+                with timer("balance"):
+                    batch, balance_metrics = balance_across_ranks(batch)
+                    metrics.update(balance_metrics)
             with timer("reward"):
                 scores, counts = self.score(batch)
                 batch = batch.replace(token_level_scores=scores)
                 metrics.update(counts)
-                if algo.adv_estimator == "remax":
-                    greedy_scores, _ = self.score(greedy)
-                    reward_baselines = greedy_scores.sum(-1).repeat_interleave(rollout_cfg.n)
             with timer("old_log_prob"):
                 batch = batch.replace(
                     **self.actor.compute_log_probs(
@@ -487,6 +542,7 @@ class Trainer:
                         with_sum_pi_squared=actor_cfg.calculate_sum_pi_squared,
                     )
                 )
+                metrics["actor/entropy"] = self.entropy(batch)
                 metrics.update(rollout_logprob_metrics(batch))
             if self.ref is not None:
                 with timer("ref"):
@@ -507,7 +563,7 @@ class Trainer:
                 else:
                     rewards = batch.token_level_scores
                 batch = batch.replace(token_level_rewards=rewards)
-                advantages, returns = self.advantages(batch, reward_baselines)
+                advantages, returns = self.advantages(batch)
                 batch = batch.replace(advantages=advantages, returns=returns)
             if self.critic is not None:
                 with timer("update_critic"):
@@ -515,21 +571,41 @@ class Trainer:
             if self.global_step + 1 >= cfg.trainer.critic_warmup:  # verl: the actor trains from step critic_warmup
                 with timer("update_actor"):
                     metrics.update(self.actor.update(batch, temperature=rollout_cfg.temperature))
-        metrics.update(batch_metrics(batch, cfg.data.max_response_length))
+        metrics.update(
+            batch_metrics(batch, max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length)
+        )
+        metrics.update(variance_proxy_metrics(batch, metrics.get("actor/grad_norm")))
         metrics.update(timer.seconds)
-        tokens = batch.attention_mask.sum().item()
-        metrics["perf/throughput"] = tokens / timer.seconds["timing_s/step"]
+        prompt_tokens, response_tokens = all_reduce(
+            torch.stack([batch.prompt_mask.sum(), batch.response_mask.sum()]).double()
+        ).tolist()
+        metrics.update(
+            throughput_metrics(
+                {k: v for k, v in metrics.items() if k.startswith("timing_s/")},  # the colocation's phases too
+                num_prompt_tokens=int(prompt_tokens),
+                num_response_tokens=int(response_tokens),
+                world_size=self.world_size,
+            )
+        )
+        metrics.update(memory_metrics())
+        metrics["training/global_step"] = self.global_step + 1
+        metrics["training/epoch"] = self.sampler.epoch
         return metrics
 
     def fit(self) -> dict[str, float]:
-        """Train up to ``total_steps`` steps; returns the validation metrics before and after, and
-        sets ``model_dir`` to the exported model. Raises ``TrainingInterrupted`` after a signal."""
+        """Train up to ``total_steps`` steps; returns ``validation_score`` ``before`` and ``after``
+        training (when validated), and sets ``model_dir`` to the exported model (None with
+        ``trainer.val_only``). Raises ``TrainingInterrupted`` after a signal."""
         cfg = self.cfg
         results: dict[str, float] = {}
-        if self.val_prompts is not None and cfg.trainer.val_before_train:
+        self.model_dir = None
+        if self.val_prompts is not None and (cfg.trainer.val_before_train or cfg.trainer.val_only):
             val = self.validate()
-            results["before/val/accuracy"] = val["val/accuracy"]
+            results["before"] = validation_score(val)
             self.tracker.log_metrics(val, step=self.global_step)
+            if cfg.trainer.val_only:
+                self.tracker.finish()
+                return results
         per_rank = cfg.data.train_batch_size // self.world_size
         val = {}
         with StopSignals(self.rank) as signals:
@@ -555,7 +631,7 @@ class Trainer:
                     self.tracker.finish()
                     raise TrainingInterrupted(signum, step, path)
         if val:
-            results["after/val/accuracy"] = val["val/accuracy"]
+            results["after"] = validation_score(val)
         self.model_dir = self.export_final_model()
         self.tracker.finish()
         return results
@@ -568,8 +644,8 @@ def train(cfg: Config) -> dict[str, float]:
     results = trainer.fit()
     if trainer.rank == 0:
         if results:
-            before = results.get("before/val/accuracy", math.nan)
-            after = results.get("after/val/accuracy", math.nan)
-            print(f"[dsrl] validation accuracy: before {before:.3f}  after {after:.3f}", flush=True)
-        print(f"[dsrl] model saved to {trainer.model_dir} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)
+            before, after = results.get("before", math.nan), results.get("after", math.nan)
+            print(f"[dsrl] validation score (val-core mean@N): before {before:.3f}  after {after:.3f}", flush=True)
+        if trainer.model_dir is not None:
+            print(f"[dsrl] model saved to {trainer.model_dir} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)
     return results

@@ -121,14 +121,16 @@ def make_cfg(tiny_model_dir):
 
 DIGITS_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return sum(ch.isdigit() for ch in solution_str) / 4.0
+    digits = sum(ch.isdigit() for ch in solution_str)
+    return {"score": digits / 4.0, "digits": digits}
 """
 
 
 @pytest.fixture(scope="session")
 def arithmetic_data(tmp_path_factory) -> Path:
     """A small arithmetic task (64 train / 8 test prompts) and ``digits_reward.py``: a custom reward
-    paying for digits, so that even an untrained model's samples differ in reward within a group."""
+    paying for digits, so that even an untrained model's samples differ in reward within a group; it
+    also returns the digit count as an extra (``reward/digits/mean``)."""
     out = tmp_path_factory.mktemp("arithmetic")
     subprocess.run(
         [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--task", "arithmetic", "--out", str(out),

@@ -22,13 +22,14 @@ from tests.conftest import recipe
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "train_worker.py"
-RANK_LOCAL = ("timing_s/", "perf/")  # wall-clock metrics differ between any two runs
+RANK_LOCAL = ("timing_s/", "timing_per_token_ms/", "perf/")  # wall-clock metrics differ between any two runs
 STEPS = 8
 
 
 def resume_overrides(name, *, model, data, ds_config, ckpt, world) -> list[str]:
     """configs/<name>.yaml shrunk to seconds per step: 4 prompts x 4 responses, two optimizer steps
-    per step (shuffled mini-batches), validation at steps 4 and 8, a checkpoint every 2 steps."""
+    per step (shuffled mini-batches), validation at steps 4 and 8, a checkpoint every 2 steps; PPO's
+    actor warms up its lr and its critic follows a cosine."""
     overrides = [
         f"actor_rollout_ref.model.path={model}",
         f"data.train_files={data / 'train.parquet'}",
@@ -56,6 +57,10 @@ def resume_overrides(name, *, model, data, ds_config, ckpt, world) -> list[str]:
             "algorithm.use_kl_in_reward=true",
             "algorithm.kl_ctrl.type=adaptive",
             "algorithm.kl_ctrl.kl_coef=0.05",
+            # lr schedules that change every step: a resumed run must continue them, not restart them
+            "actor_rollout_ref.actor.optim.lr_warmup_steps=3",
+            "critic.optim.lr_scheduler_type=cosine",
+            "critic.optim.min_lr_ratio=0.1",
         ]
     return overrides
 

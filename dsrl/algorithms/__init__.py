@@ -1,6 +1,6 @@
 """Pure-torch RL math: advantage estimators, policy / value losses, KL, masked reductions.
 
-No config objects, I/O or distributed calls: tensors in, tensors out (DESIGN §5). Estimators and
+No config objects, I/O or distributed calls: tensors in, tensors out. Estimators and
 policy losses are registries by name; `register_estimator` / `register_policy_loss` add your own.
 """
 

@@ -134,11 +134,14 @@ def load_prompts(
     max_prompt_length: int,
     filter_overlong_prompts: bool,
     truncation: str,
+    max_samples: int = -1,
+    chat_template_kwargs: dict | None = None,
 ) -> tuple[list[PromptRecord], dict[str, int]]:
     """Read parquet prompt files (in order) and tokenize them with the tokenizer's chat template.
 
-    Each prompt is ``apply_chat_template(messages, add_generation_prompt=True)`` tokenized without
-    extra special tokens (the template writes them). Returns ``(records, stats)`` with
+    Each prompt is ``apply_chat_template(messages, add_generation_prompt=True, **chat_template_kwargs)``
+    tokenized without extra special tokens (the template writes them). Only the first
+    ``max_samples`` rows of the files are read (-1: all). Returns ``(records, stats)`` with
     ``stats = {"rows": read, "kept": len(records), "filtered_overlong": dropped, "truncated": cut}``;
     dropped prompts are also logged as a warning.
     """
@@ -153,8 +156,15 @@ def load_prompts(
         )
     records, stats = [], {"rows": 0, "kept": 0, "filtered_overlong": 0, "truncated": 0}
     for file in [files] if isinstance(files, str) else list(files):
+        if stats["rows"] == max_samples:
+            break
         rows = _read_rows(file, prompt_key)
-        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m, *_ in rows]
+        if max_samples > 0:
+            rows = rows[: max_samples - stats["rows"]]
+        texts = [
+            tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {}))
+            for m, *_ in rows
+        ]
         token_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         stats["rows"] += len(rows)
         for row, (ids, (_, data_source, ground_truth, extra_info)) in enumerate(zip(token_ids, rows, strict=True)):

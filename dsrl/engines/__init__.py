@@ -1,4 +1,4 @@
-"""DeepSpeed engines: the actor and critic train, the reference only scores (DESIGN §6)."""
+"""DeepSpeed engines: the actor and critic train, the reference only scores."""
 
 from dsrl.engines.actor import ActorEngine
 from dsrl.engines.critic import CriticEngine

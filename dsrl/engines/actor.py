@@ -24,7 +24,8 @@ from dsrl.engines.deepspeed_setup import (
     build_ds_config,
     init_distributed,
     load_pretrained,
-    lr_warmup,
+    clip_grad,
+    lr_scheduler,
 )
 from dsrl.engines.forward import (
     compute_response_stats,
@@ -41,10 +42,11 @@ class ActorEngine:
     """The policy under DeepSpeed; ``module`` is the (ZeRO-partitioned) transformers model.
 
     ``cfg`` is the run config (``dsrl.config``); reads ``actor_rollout_ref.{model,actor,rollout}``
-    and ``trainer.seed`` (the shuffling of mini-batches).
+    and ``trainer.seed`` (the shuffling of mini-batches). ``total_training_steps`` (the run's) is
+    needed by a cosine lr schedule or a warm-up ratio.
     """
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, *, total_training_steps: int | None = None):
         init_distributed()
         self.cfg = cfg
         model_cfg, actor = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor
@@ -64,7 +66,7 @@ class ActorEngine:
             gradient_accumulation_steps=accumulation,
             dtype=model_cfg.dtype,
             optim=actor.optim,
-            grad_clip=actor.grad_clip,
+            grad_clip=clip_grad(actor),
             prefix=self.prefix,
         )
         module = load_pretrained(
@@ -79,7 +81,9 @@ class ActorEngine:
             model=module,
             model_parameters=[p for p in module.parameters() if p.requires_grad],
             config=self.ds_config,
-            lr_scheduler=lr_warmup(actor.optim.lr_warmup_steps),
+        )
+        self.lr_scheduler = lr_scheduler(
+            self.engine.basic_optimizer, actor.optim, total_training_steps=total_training_steps, prefix=self.prefix
         )
         self.skips = SkipCounter("actor")
 
@@ -130,7 +134,7 @@ class ActorEngine:
         num_mini_batches = -(-len(batch) // self.rows_per_mini_batch)
         on_policy = num_mini_batches == 1 and actor.ppo_epochs == 1
         self.engine.train()
-        return run_ppo_updates(
+        metrics = run_ppo_updates(
             self.engine,
             batch,
             rows_per_mini_batch=self.rows_per_mini_batch,
@@ -142,7 +146,11 @@ class ActorEngine:
                 micro, num_tokens=num_tokens, num_seqs=num_seqs, temperature=temperature, on_policy=on_policy
             ),
             skips=self.skips,
+            lr_scheduler=self.lr_scheduler,
         )
+        if actor.use_kl_loss:
+            metrics["actor/kl_coef"] = actor.kl_loss_coef
+        return metrics
 
     def _loss(
         self, micro: Batch, *, num_tokens: float, num_seqs: float, temperature: float, on_policy: bool
@@ -153,14 +161,13 @@ class ActorEngine:
         T = micro.response_ids.shape[1]
         inputs, width = model_inputs(micro, dev)
         logits = response_logits(self.engine, inputs, width)
+        # verl: the update's entropy only when it is in the loss or asked for; actor/entropy comes from
+        # the old-log-prob pass.
+        with_entropy = actor.entropy_coeff != 0 or actor.calculate_entropy
         stats = response_stats(
-            logits,
-            micro.response_ids[:, :width],
-            temperature=temperature,
-            with_entropy=True,
-            entropy_grad=actor.entropy_coeff != 0,
+            logits, micro.response_ids[:, :width], temperature=temperature, with_entropy=with_entropy, entropy_grad=True
         )
-        log_probs, entropy = pad_response(stats["log_probs"], T), pad_response(stats["entropy"], T)
+        log_probs = pad_response(stats["log_probs"], T)
         mask = micro.response_mask.float()
         normalisers = {"num_tokens": num_tokens, "num_seqs": num_seqs}
         clip_low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
@@ -178,13 +185,15 @@ class ActorEngine:
             rollout_is_weights=micro.rollout_is_weights,
             **normalisers,
         )
-        entropy_agg = agg_loss(entropy, mask, actor.loss_agg_mode, **normalisers)
-        loss = pg_loss - actor.entropy_coeff * entropy_agg
         # policy_loss's metrics are means over this micro-batch's tokens: weight them by its share.
         share = mask.sum() / num_tokens
         contributions = {name: value * share for name, value in pg_metrics.items()}
         contributions["actor/pg_loss"] = pg_loss
-        contributions["actor/entropy"] = entropy_agg
+        loss = pg_loss
+        if with_entropy:
+            entropy_loss = agg_loss(pad_response(stats["entropy"], T), mask, actor.loss_agg_mode, **normalisers)
+            loss = loss - actor.entropy_coeff * entropy_loss
+            contributions["actor/entropy_loss"] = entropy_loss
         if actor.use_kl_loss:
             kl = kl_penalty(log_probs, micro.ref_log_probs, actor.kl_loss_type)
             kl_loss = agg_loss(kl, mask, actor.loss_agg_mode, **normalisers)

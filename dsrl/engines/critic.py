@@ -23,7 +23,8 @@ from dsrl.engines.deepspeed_setup import (
     build_ds_config,
     init_distributed,
     load_pretrained,
-    lr_warmup,
+    clip_grad,
+    lr_scheduler,
 )
 from dsrl.engines.forward import micro_batch_indices, model_inputs, pad_response
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
@@ -50,10 +51,10 @@ class CriticEngine:
 
     Reads ``critic.*`` (model path, DeepSpeed config, optimiser, batch geometry, loss),
     ``actor_rollout_ref.rollout.n`` (responses per prompt in a mini-batch),
-    ``actor_rollout_ref.model.dtype`` and ``trainer.seed``.
+    ``actor_rollout_ref.model.dtype`` and ``trainer.seed``; ``total_training_steps`` as for the actor.
     """
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, *, total_training_steps: int | None = None):
         init_distributed()
         self.cfg = cfg
         critic, dtype = cfg.critic, cfg.actor_rollout_ref.model.dtype
@@ -73,7 +74,7 @@ class CriticEngine:
             gradient_accumulation_steps=accumulation,
             dtype=dtype,
             optim=critic.optim,
-            grad_clip=critic.grad_clip,
+            grad_clip=clip_grad(critic),
             prefix="critic",
         )
         backbone = load_pretrained(
@@ -95,7 +96,9 @@ class CriticEngine:
             model=module,
             model_parameters=[p for p in module.parameters() if p.requires_grad],
             config=self.ds_config,
-            lr_scheduler=lr_warmup(critic.optim.lr_warmup_steps),
+        )
+        self.lr_scheduler = lr_scheduler(
+            self.engine.basic_optimizer, critic.optim, total_training_steps=total_training_steps, prefix="critic"
         )
         self.skips = SkipCounter("critic")
 
@@ -142,6 +145,7 @@ class CriticEngine:
             split=self._split,
             loss_fn=self._loss,
             skips=self.skips,
+            lr_scheduler=self.lr_scheduler,
         )
 
     def _loss(self, micro: Batch, num_tokens: float, num_seqs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -25,6 +25,7 @@ from deepspeed.accelerator import get_accelerator
 # Importing model classes inside `deepspeed.zero.Init` fails with a signature-mismatch TypeError,
 # so the auto classes (and with them the model registry) are imported here, before any Init.
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: F401
+from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
 from transformers.integrations import HfDeepSpeedConfig
 
 from dsrl.config import DS_CONFIG_DIR, deepspeed_config_path
@@ -117,13 +118,13 @@ def build_ds_config(
     if "optimizer" not in ds:
         raise ValueError(f'{where}: a training engine needs an "optimizer" section (see ds_configs/zero3_offload.json)')
     if "scheduler" in ds:
-        raise ValueError(f"{where}: remove the scheduler section; dsrl schedules lr from {prefix}.optim.lr_warmup_steps")
+        raise ValueError(f"{where}: remove the scheduler section; dsrl schedules lr per training step from {prefix}.optim")
     params = ds["optimizer"].setdefault("params", {})
     optim_where = f"{where} optimizer.params"
     _fill(params, "lr", float(optim.lr), where=optim_where, decided_by=f"{prefix}.optim.lr")
     _fill(params, "betas", [float(b) for b in optim.betas], where=optim_where, decided_by=f"{prefix}.optim.betas")
     _fill(params, "weight_decay", float(optim.weight_decay), where=optim_where, decided_by=f"{prefix}.optim.weight_decay")
-    _fill(ds, "gradient_clipping", float(grad_clip), where=where, decided_by=f"{prefix}.grad_clip")
+    _fill(ds, "gradient_clipping", float(grad_clip), where=where, decided_by=f"{prefix}.optim.clip_grad")
     # ZeRO discards optimizer steps whose gradient norm is not finite; dsrl relies on it (training.py).
     if zero_stage(ds) not in (1, 2, 3):
         raise ValueError(
@@ -166,16 +167,29 @@ def load_pretrained(ds_config: dict[str, Any], load: Callable[[], torch.nn.Modul
         unset_hf_deepspeed_config()
 
 
-def lr_warmup(warmup_steps: int) -> Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LambdaLR]:
-    """Linear warmup over ``warmup_steps`` optimizer steps, then constant.
+def clip_grad(role_cfg: Any) -> float:
+    """The role's gradient-norm clip: ``grad_clip`` (verl's older name) when set, else ``optim.clip_grad``."""
+    return role_cfg.optim.clip_grad if role_cfg.grad_clip is None else role_cfg.grad_clip
 
-    ``lr_k = lr * min(1, k / warmup_steps)`` for optimizer step ``k = 0, 1, ...`` (the first step runs
-    at lr 0 when warming up, as in verl's schedule); constant ``lr`` when ``warmup_steps <= 0``.
-    Returned as a factory: DeepSpeed builds it around its own optimizer, steps it after every
-    optimizer step and saves it with its checkpoints.
+
+def lr_scheduler(
+    optimizer: torch.optim.Optimizer, optim: Any, *, total_training_steps: int | None, prefix: str
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """verl's schedule over training steps (the trainer steps it once per ``update``, as verl does).
+
+    Linear warm-up from 0 over ``lr_warmup_steps`` (or ``lr_warmup_steps_ratio`` of the run), then
+    constant or a cosine down to ``min_lr_ratio * lr``: transformers' schedules, whose formulas are
+    verl's. ``total_training_steps`` is needed by the ratio and the cosine only.
     """
-
-    def factor(step: int) -> float:
-        return min(1.0, step / warmup_steps) if warmup_steps > 0 else 1.0
-
-    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    kind = optim.warmup_style or optim.lr_scheduler_type
+    warmup = optim.lr_warmup_steps
+    needs_total = kind == "cosine" or (warmup <= 0 and optim.lr_warmup_steps_ratio > 0)
+    if needs_total and total_training_steps is None:
+        raise ValueError(f"{prefix}.optim: a cosine schedule or lr_warmup_steps_ratio needs the run's total training steps")
+    if warmup <= 0:
+        warmup = int(optim.lr_warmup_steps_ratio * total_training_steps) if needs_total else 0
+    if kind == "constant":
+        return get_constant_schedule_with_warmup(optimizer, warmup)
+    return get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, warmup, total_training_steps, num_cycles=optim.num_cycles, min_lr_rate=optim.min_lr_ratio
+    )

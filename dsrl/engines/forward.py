@@ -9,16 +9,19 @@ the float32 softmax statistics are computed ``chunk_rows`` positions at a time, 
 probabilities never exist at once; under autograd each chunk is checkpointed (recomputed in
 backward) so the saved state is the model-dtype logits only.
 
-Micro-batches: by count (consecutive rows) or by token budget (``use_dynamic_bsz``): rows are
-packed into micro-batches whose valid tokens (prompt + response) stay within the budget. Every
-rank must run the same number of forward/backward passes (ZeRO-3 gathers parameters
+Micro-batches: by count (consecutive rows) or by token budget (``use_dynamic_bsz``). The budget
+bounds the padded rectangle each forward really runs, ``b * (max prompt length + max response
+length)`` over the micro-batch's ``b`` rows (``model_inputs`` drops only the columns that are padding
+in every row), not the valid tokens: a micro-batch mixing one long row with many short ones has few
+valid tokens but the activations of ``b`` long rows. So rows are sorted by length (response, then
+prompt) and cut into contiguous runs, which keeps both maxima close to every row's own lengths.
+Every rank must run the same number of forward/backward passes (ZeRO-3 gathers parameters
 collectively in each forward), so the number of micro-batches is agreed across ranks.
 """
 
 from __future__ import annotations
 
-import heapq
-import math
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -36,27 +39,27 @@ from dsrl.distributed import accelerator_device, all_reduce
 CHUNK_ELEMENTS = 2**26
 
 
-def _fits(parts: list[list[int]], lengths: list[int], budget: int) -> bool:
-    return all(sum(lengths[i] for i in part) <= budget for part in parts)
+def _padded_lengths(batch: Batch) -> tuple[list[int], list[int]]:
+    """Per row: prompt columns from its first valid token to the end (prompts are left-padded), and
+    response columns up to its last valid token (right-padded; mask holes count as columns)."""
+    P, T = batch.prompt_mask.shape[1], batch.response_mask.shape[1]
+    prompt = (torch.arange(P, 0, -1) * (batch.prompt_mask.cpu() != 0)).amax(-1)
+    response = (torch.arange(1, T + 1) * (batch.response_mask.cpu() != 0)).amax(-1)
+    return prompt.tolist(), response.tolist()
 
 
-def pack_by_tokens(lengths: list[int], num_parts: int) -> list[list[int]]:
-    """Longest-processing-time packing of ``lengths`` into ``num_parts`` balanced parts.
-
-    Each row, longest first, goes to the part with the fewest tokens so far. Returns row indices
-    per part, sorted; every part is non-empty when ``num_parts <= len(lengths)``.
-    """
-    parts: list[list[int]] = [[] for _ in range(num_parts)]
-    loads = [(0, j) for j in range(num_parts)]  # a heap of (tokens so far, part)
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        load, j = heapq.heappop(loads)
-        parts[j].append(i)
-        heapq.heappush(loads, (load + lengths[i], j))
-    return [sorted(part) for part in parts]
+def _rectangles(rows: list[int], prompt: list[int], response: list[int]) -> list[int]:
+    """``k * (max prompt + max response columns)`` of ``rows[:k]`` for k = 1 .. len(rows): the
+    ``[k, columns]`` input ``model_inputs`` builds (it keeps at least one response column)."""
+    prompts, responses = accumulate((prompt[i] for i in rows), max), accumulate((response[i] for i in rows), max)
+    return [k * (p + max(1, r)) for k, (p, r) in enumerate(zip(prompts, responses), 1)]
 
 
-def _max_over_ranks(values: list[int]) -> list[int]:
-    return all_reduce(torch.tensor(values, dtype=torch.int64), op="max").tolist()
+def _best_cut(run: list[int], prompt: list[int], response: list[int]) -> int:
+    """Where to cut ``run`` (2+ rows) in two: the smallest larger rectangle, then the most even halves."""
+    heads, tails = _rectangles(run, prompt, response), _rectangles(run[::-1], prompt, response)
+    m = len(run)  # run[:c] spans heads[c - 1], run[c:] spans tails[m - c - 1]
+    return min(range(1, m), key=lambda c: (max(heads[c - 1], tails[m - c - 1]), abs(2 * c - m)))
 
 
 def micro_batch_indices(
@@ -64,29 +67,47 @@ def micro_batch_indices(
 ) -> list[torch.Tensor]:
     """Row indices of each micro-batch of ``batch`` (collective when ``max_token_len`` is set).
 
-    ``max_token_len is None``: consecutive chunks of ``micro_batch_size`` rows. Otherwise the fewest
-    parts, agreed over ranks (the maximum any rank needs), such that ``pack_by_tokens`` keeps each
-    part's valid tokens ``prompt_mask.sum + response_mask.sum`` within ``max_token_len``.
-    ``key`` names the config field of the budget in error messages.
+    ``max_token_len is None``: consecutive chunks of ``micro_batch_size`` rows. Otherwise every part
+    keeps the rectangle ``model_inputs`` runs, ``len(part) * (max prompt + max response columns)``,
+    within ``max_token_len``. Rows sorted by (response, prompt) length are cut greedily into
+    contiguous runs: the fewest parts for that order, since a run's rectangle only grows as it
+    extends. Responses lead the sort because they spread widest (a few tokens up to the maximum
+    response length); sorting by prompt + response instead lets a run mix long prompts with long
+    responses, which on skewed lengths costs more parts and area. The count is agreed over ranks
+    (the maximum any rank needs); a rank that needs fewer parts splits its part with the largest
+    rectangle in two until it has as many, which keeps every part within the budget and non-empty.
+    Only a rank with fewer rows than the agreed count gets empty trailing parts (does not arise:
+    callers pass equal row counts on every rank, and a rank never needs more parts than rows).
+    Row indices within a part are ascending. ``key`` names the config field of the budget in errors.
     """
     n = len(batch)
     if max_token_len is None:
         return list(torch.arange(n).split(micro_batch_size))
-    lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).long().tolist()
-    if max(lengths) > max_token_len:
+    prompt, response = _padded_lengths(batch)
+    longest = max((prompt[i] + max(1, response[i]) for i in range(n)), default=0)
+    if longest > max_token_len:
         raise ValueError(
-            f"{key}={max_token_len}: a sequence has {max(lengths)} tokens (prompt + response) and cannot fit; "
+            f"{key}={max_token_len}: a sequence spans {longest} tokens (prompt + response) and cannot fit; "
             "set it to at least max_prompt_length + max_response_length"
         )
-    # Agree on a count that fits on every rank: ranks whose packing overflows ask for one part more.
-    (num_parts,) = _max_over_ranks([math.ceil(sum(lengths) / max_token_len)])
-    while True:
-        parts = pack_by_tokens(lengths, num_parts)
-        overflow = int(not _fits(parts, lengths, max_token_len))
-        wanted, any_overflow = _max_over_ranks([num_parts + overflow, overflow])
-        if not any_overflow:
-            return [torch.tensor(part, dtype=torch.long) for part in parts]
-        num_parts = wanted
+    parts: list[list[int]] = []
+    prompt_max = response_max = 0  # of the last part
+    for i in sorted(range(n), key=lambda i: (response[i], prompt[i])):
+        p, r = max(prompt_max, prompt[i]), max(response_max, response[i])
+        if parts and (len(parts[-1]) + 1) * (p + max(1, r)) <= max_token_len:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+            p, r = prompt[i], response[i]
+        prompt_max, response_max = p, r
+    (num_parts,) = all_reduce(torch.tensor([len(parts)]), op="max").tolist()
+    while len(parts) < num_parts and any(len(part) > 1 for part in parts):
+        splittable = [j for j, part in enumerate(parts) if len(part) > 1]
+        j = max(splittable, key=lambda j: _rectangles(parts[j], prompt, response)[-1])
+        cut = _best_cut(parts[j], prompt, response)
+        parts[j : j + 1] = [parts[j][:cut], parts[j][cut:]]
+    parts += [[] for _ in range(num_parts - len(parts))]
+    return [torch.tensor(sorted(part), dtype=torch.long) for part in parts]
 
 
 def model_inputs(micro: Batch, device: torch.device) -> tuple[dict[str, torch.Tensor], int]:

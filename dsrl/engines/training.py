@@ -15,7 +15,7 @@ number of micro-batches may differ from the nominal ``gradient_accumulation_step
 micro-batching).
 
 Non-finite updates. ZeRO (stages 1-3, every precision dsrl allows) discards an optimizer step whose
-global gradient norm is not finite and leaves the LR scheduler where it was. dsrl counts those steps
+global gradient norm is not finite. dsrl counts those steps
 (``SkipCounter``) and checks the guarantee: a step DeepSpeed applied with a non-finite loss or norm
 stops the run before that state can be saved.
 """
@@ -124,15 +124,18 @@ def run_ppo_updates(
     split: SplitFn,
     loss_fn: LossFn,
     skips: SkipCounter,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> dict[str, float]:
-    """Train ``engine`` on ``batch``; metrics averaged over the optimizer steps, equal on all ranks.
+    """Train ``engine`` on ``batch`` (one training step), then step ``lr_scheduler`` once, as verl does.
 
-    Adds ``{prefix}/grad_norm`` (global, before clipping), ``{prefix}/lr`` (of each step) and
+    Metrics are averaged over the optimizer steps and equal on all ranks. Adds ``{prefix}/loss`` (the
+    objective), ``{prefix}/grad_norm``
+    (global, before clipping), ``{prefix}/lr`` (after the scheduler step: verl's value) and
     ``{prefix}/skipped_steps`` (optimizer steps skipped so far in the run) to the loss function's
     metrics; ``prefix`` is ``skips.prefix``.
     """
     prefix = skips.prefix
-    loss_name = f"{prefix}/loss"  # the objective itself, summed for the non-finite check
+    loss_name = f"{prefix}/loss"  # the objective itself: verl's metric, and the non-finite check
     world = dist.get_world_size()
     start_step = engine.global_steps
     records: dict[str, list[float]] = {}
@@ -149,15 +152,16 @@ def run_ppo_updates(
                 engine.backward(loss * world, scale_wrt_gas=False)
                 for name, value in {**contributions, loss_name: loss}.items():
                     sums[name] = sums.get(name, 0.0) + value.detach().double()  # stays on device: no sync
-            records.setdefault(f"{prefix}/lr", []).append(float(engine.get_lr()[0]))
             engine.step()
             names = sorted(sums)
             totals = dict(zip(names, all_reduce(torch.stack([sums[name] for name in names])).tolist()))
             grad_norm = float(engine.get_global_grad_norm())
-            skips.record(applied=engine.was_step_applied(), loss=totals.pop(loss_name), grad_norm=grad_norm)
+            skips.record(applied=engine.was_step_applied(), loss=totals[loss_name], grad_norm=grad_norm)
             for name, total in totals.items():
                 records.setdefault(name, []).append(total)
             records.setdefault(f"{prefix}/grad_norm", []).append(grad_norm)
     metrics = {name: sum(values) / len(values) for name, values in records.items()}
+    lr_scheduler.step()
+    metrics[f"{prefix}/lr"] = lr_scheduler.get_last_lr()[0]
     metrics[f"{prefix}/skipped_steps"] = float(skips.total)
     return metrics

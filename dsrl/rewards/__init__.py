@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dsrl.rewards import arithmetic, gsm8k
 from dsrl.rewards import math as math_answer
 from dsrl.rewards.custom import load_custom_reward_function
-from dsrl.rewards.scorer import RewardScorer
+from dsrl.rewards.scorer import RewardScorer, numeric_extras
 
 _RULES: dict[str, Callable[[str, str], float]] = {
     "arithmetic": arithmetic.compute_score,
@@ -44,4 +44,4 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     return float(rule(solution_str, ground_truth))
 
 
-__all__ = ["RewardScorer", "compute_score", "load_custom_reward_function"]
+__all__ = ["RewardScorer", "compute_score", "load_custom_reward_function", "numeric_extras"]

@@ -181,3 +181,14 @@ def _as_score(result) -> tuple[float, dict]:
     if not math.isfinite(score):
         raise ValueError(f"reward function returned {score}; scores must be finite")
     return score, extras
+
+
+def numeric_extras(extras: dict[str, list]) -> dict[str, list[float]]:
+    """The extras that are numbers (``acc``, ``format`` ...), as floats of the rows that gave a finite
+    one; text extras such as a parsed ``pred`` are left out."""
+    numeric: dict[str, list[float]] = {}
+    for name, values in extras.items():
+        numbers = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+        if numbers:
+            numeric[name] = numbers
+    return numeric

@@ -1,4 +1,4 @@
-"""What every rollout engine offers the trainer (DESIGN §7).
+"""What every rollout engine offers the trainer.
 
 A rollout engine holds its own copy of the policy, receives the actor's weights with
 ``update_weights`` and samples ``n`` responses per prompt with ``generate``. ``sleep`` /

@@ -1,4 +1,4 @@
-"""One generation phase of a rollout engine colocated with the DeepSpeed engines (DESIGN §7).
+"""One generation phase of a rollout engine colocated with the DeepSpeed engines.
 
 The devices are shared: while the rollout engine generates, the trainer's engines hold as little
 device memory as they can, and while they train, the rollout engine sleeps. The order, on every

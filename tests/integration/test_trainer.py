@@ -65,6 +65,32 @@ def changed_fraction(before, after):
     return sum(not torch.equal(before[k], after[k]) for k in before) / len(before)
 
 
+def verl_step_metrics(name: str) -> list[str]:
+    """The names verl 0.9 logs for a training step of this recipe (metric_utils.compute_data_metrics,
+    compute_timing_metrics, compute_throughout_metrics, the actor's and critic's update metrics)."""
+    stats = lambda key: [f"{key}/{s}" for s in ("mean", "max", "min")]  # noqa: E731
+    names = [
+        *stats("critic/score"), *stats("critic/rewards"), *stats("critic/advantages"), *stats("critic/returns"),
+        *stats("response_length"), "response_length/clip_ratio", *stats("prompt_length"), "prompt_length/clip_ratio",
+        "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy",
+        "actor/grad_norm", "actor/lr", "actor/loss",
+        "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/adv", "timing_s/update_actor",
+        "timing_s/step", "timing_per_token_ms/gen", "timing_per_token_ms/adv", "timing_per_token_ms/update_actor",
+        "perf/total_num_tokens", "perf/time_per_step", "perf/throughput", "training/global_step", "training/epoch",
+        "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max", "training/rollout_probs_diff_std",
+    ]
+    if name == "ppo":
+        names += [*stats("critic/values"), "critic/vf_explained_var", "critic/vf_loss", "critic/vf_clipfrac",
+                  "critic/vpred_mean", "critic/grad_norm", "critic/lr", "timing_s/values", "timing_s/update_critic",
+                  "timing_per_token_ms/values", "timing_per_token_ms/update_critic"]
+    if name == "grpo":
+        names += ["actor/kl_loss", "actor/kl_coef", "timing_s/ref", "timing_per_token_ms/ref"]
+    if name == "otb":  # compute_variance_proxy_metrics, with sum_pi_squared
+        names += [f"variance_proxy/{k}" for k in ("proxy1_signal_strength", "proxy2_total_power", "proxy3_pure_noise",
+                                                   "expected_a_squared", "expected_w")]
+    return names
+
+
 @pytest.mark.parametrize("name", ALGORITHM_CONFIGS)
 def test_config_trains_two_steps(
     name, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
@@ -81,12 +107,15 @@ def test_config_trains_two_steps(
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
         assert not bad, (step, bad)
     step_metrics = logged[1][1]
-    for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean", "timing_s/gen",
-                "timing_s/update_actor", "timing_s/old_log_prob", "perf/throughput", "rollout/logprob_diff_mean"):
-        assert key in step_metrics, key
+    missing = set(verl_step_metrics(name)) - set(step_metrics)
+    assert not missing, sorted(missing)
     assert step_metrics["actor/grad_norm"] > 0
-    assert step_metrics["rollout/logprob_diff_mean"] < 1e-4  # the rollout copy holds the actor's weights
-    assert "val/arithmetic/reward/mean" in logged[2][1]
+    assert step_metrics["training/rollout_probs_diff_mean"] < 1e-4  # the rollout copy holds the actor's weights
+    assert step_metrics["actor/entropy"] > 0 and "actor/entropy_loss" not in step_metrics  # entropy_coeff 0
+    assert step_metrics["training/global_step"] == 1 and logged[2][1]["training/global_step"] == 2
+    assert step_metrics["reward/digits/mean"] == pytest.approx(4 * step_metrics["critic/score/mean"])  # an extra
+    for step in (0, 2):  # before training and at the last step
+        assert {"val-core/arithmetic/reward/mean@1", "val-aux/arithmetic/digits/mean@1"} <= set(logged[step][1])
     # Every parameter tensor of the actor moved (Adam moves any parameter with a non-zero gradient).
     assert changed_fraction(actor_before, actor_after) == 1.0
     if name == "ppo":
@@ -156,3 +185,21 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos(
     assert "the tokenizer has no pad token; padding with EOS" in capsys.readouterr().out
     assert trainer.tokenizer.pad_token_id == trainer.tokenizer.eos_token_id
     assert [step for step, _ in logged] == [0, 1] and changed_fraction(actor_before, actor_after) == 1.0
+
+
+def test_val_only_validates_and_stops(tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path):
+    """verl's trainer.val_only: one validation (sampled, 2 responses per prompt: the bootstrapped
+    best/worst metrics appear), no training step, no model written; data.val_max_samples keeps 3 prompts."""
+    trainer, logged, (actor_before, actor_after), _ = run_config(
+        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path, "trainer.val_only=true",
+        "trainer.val_before_train=false", "data.val_max_samples=3", "actor_rollout_ref.rollout.val_kwargs.n=2",
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+    )
+    assert len(trainer.val_prompts) == 3
+    [(step, val)] = logged
+    assert step == 0 and trainer.global_step == 0 and trainer.model_dir is None
+    assert {"val-core/arithmetic/reward/mean@2", "val-core/arithmetic/reward/best@2/mean",
+            "val-aux/arithmetic/reward/worst@2/mean", "val-aux/arithmetic/digits/mean@2"} <= set(val)
+    assert val["val-core/arithmetic/reward/best@2/mean"] >= val["val-core/arithmetic/reward/mean@2"]
+    assert changed_fraction(actor_before, actor_after) == 0.0
+    assert not (tmp_path / "huggingface").exists()

@@ -13,6 +13,7 @@ import yaml
 from omegaconf.errors import ReadonlyConfigError
 
 from dsrl import config as C
+from dsrl.config import loading, schema
 from tests.conftest import QUICKSTART, recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -186,8 +187,12 @@ def test_unknown_yaml_key_suggests_the_closest(tmp_path):
             "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=0",
             "actor_rollout_ref.actor.deepspeed_config",
         ),
-        ("actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.deepspeed_config"),
-        ("critic.strategy=fsdp", "critic.deepspeed_config"),
+        ("critic.zero_stage=3", "critic.deepspeed_config: zero2 (stage 2) | zero3 (stage 3) | zero3_offload"),
+        ("actor_rollout_ref.ref.offload=true", "actor_rollout_ref.ref.deepspeed_config"),
+        ("actor_rollout_ref.rollout.response_length=512", "set data.max_response_length"),
+        ("actor_rollout_ref.rollout.prompt_length=512", "set data.max_prompt_length"),
+        ("actor_rollout_ref.actor.optim.total_training_steps=10", "trainer.total_training_steps"),
+        ("critic.optim.zero_indexed_step=false", "remove it"),
         ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "use_dynamic_bsz=true"),
         ("trainer.n_gpus_per_node=8", "deepspeed --num_gpus N"),
         ("trainer.nnodes=2", "--hostfile FILE"),
@@ -680,7 +685,12 @@ def test_adaptive_kl_controller_needs_a_horizon(files):
         "algorithm.lam=-0.1",
         "algorithm.kl_ctrl.kl_coef=-1",
         "actor_rollout_ref.actor.clip_ratio_high=0",
-        "actor_rollout_ref.actor.optim.lr_warmup_steps=-1",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=1.5",
+        "actor_rollout_ref.actor.optim.lr_scheduler_type=linear",
+        "actor_rollout_ref.actor.optim.warmup_style=wsd",
+        "actor_rollout_ref.actor.optim.min_lr_ratio=2",
+        "actor_rollout_ref.actor.optim.num_cycles=0",
+        "actor_rollout_ref.actor.optim.clip_grad=-1",
         "actor_rollout_ref.rollout.top_k=0",
         "actor_rollout_ref.rollout.val_kwargs.n=0",
         "actor_rollout_ref.rollout.val_kwargs.temperature=-1",
@@ -695,8 +705,8 @@ def test_numbers_out_of_range(files, override):
 
 
 def test_critic_numbers_are_checked_for_gae(files):
-    found = problems("ppo", files + critic_path(files) + ["critic.optim.lr=0", "critic.cliprange_value=0"])
-    assert [v.split("=")[0] for v in found] == ["critic.optim.lr", "critic.cliprange_value"]
+    found = problems("ppo", files + critic_path(files) + ["critic.optim.lr=0", "critic.optim.clip_grad=-1", "critic.cliprange_value=0"])
+    assert [v.split("=")[0] for v in found] == ["critic.optim.lr", "critic.optim.clip_grad", "critic.cliprange_value"]
 
 
 def test_tensor_parallel_rollout(files):
@@ -822,7 +832,33 @@ def test_resume_harmless_keys_name_real_keys():
 
 def test_logger_entries(files):
     [v] = problems("grpo", files + ["trainer.logger=[console,wandb]"])
-    assert v.startswith("trainer.logger=[console,wandb]: entries must be among console, mlflow")
+    assert v.startswith("trainer.logger=[console,wandb]: dsrl logs to console and mlflow only")
+    assert "mlflow ui" in v
+
+
+@pytest.mark.parametrize("role", ["actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"])
+def test_strategy_is_deepspeed(files, role):
+    assert problems("grpo", files + [f"{role}.strategy=deepspeed"]) == []
+    [v] = problems("grpo", files + [f"{role}.strategy=fsdp2"])
+    assert v.startswith(f"{role}.strategy=fsdp2: dsrl trains with DeepSpeed ZeRO only") and f"{role}.deepspeed_config" in v
+
+
+def test_verl_override_prefixes_and_free_form_chat_template_arguments(files):
+    cfg, _ = C.load_and_validate(
+        recipe("grpo"),
+        files + ["+data.apply_chat_template_kwargs.enable_thinking=false", "++trainer.balance_batch=false",
+                 "+actor_rollout_ref.actor.optim.clip_grad=0.5", "data.return_raw_chat=false"],
+        1,
+    )
+    assert dict(cfg.data.apply_chat_template_kwargs) == {"enable_thinking": False}
+    assert cfg.trainer.balance_batch is False and cfg.actor_rollout_ref.actor.optim.clip_grad == 0.5
+
+
+def test_run_length_and_validation_only_keys(files):
+    [v] = problems("grpo", files + ["trainer.val_only=true", "data.val_files=null"])
+    assert v.startswith("trainer.val_only=true: validation-only needs validation prompts")
+    [v] = problems("grpo", files + ["data.val_max_samples=0"])
+    assert v.startswith("data.val_max_samples=0: must be >= 1, or -1 for all rows")
 
 
 def test_validated_config_is_read_only(files):
@@ -938,24 +974,24 @@ def test_the_default_engine_is_vllm_where_a_gpu_and_vllm_are(tmp_path, monkeypat
     gpus = tmp_path / "gpus"
     gpus.mkdir()
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(C.importlib.util, "find_spec", lambda name: object() if name == "vllm" else None)
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: object() if name == "vllm" else None)
     assert C.default_rollout_name(gpus) == "hf"  # the driver lists no device
     (gpus / "0000:18:00.0").mkdir()
     assert C.default_rollout_name(gpus) == "vllm"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert C.default_rollout_name(gpus) == "hf"  # none visible to this process
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    monkeypatch.setattr(C.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
     assert C.default_rollout_name(gpus) == "hf"  # no vllm package
 
 
 def test_an_unset_engine_is_resolved_with_a_note_and_validated_as_that_engine(files, monkeypatch):
     unset = ["actor_rollout_ref.rollout.name=null"]
-    monkeypatch.setattr(C, "default_rollout_name", lambda: "vllm")
+    monkeypatch.setattr(loading, "default_rollout_name", lambda: "vllm")
     cfg, notes = C.load_and_validate(recipe("grpo"), files + unset + ["actor_rollout_ref.rollout.enable_sleep_mode=true"], 1)
     assert cfg.actor_rollout_ref.rollout.name == "vllm"
     assert notes == ["actor_rollout_ref.rollout.name set to vllm: a CUDA device and the vllm package are present"]
-    monkeypatch.setattr(C, "default_rollout_name", lambda: "hf")
+    monkeypatch.setattr(loading, "default_rollout_name", lambda: "hf")
     [v] = problems("grpo", files + unset + ["actor_rollout_ref.rollout.enable_sleep_mode=true"])
     assert "the hf rollout has none" in v
 
@@ -977,7 +1013,7 @@ def test_the_critic_geometry_follows_the_actor_unless_set(files):
         "ppo_mini_batch_size": 4, "ppo_epochs": 2, "shuffle": False, "loss_agg_mode": "seq-mean-token-mean",
         "use_dynamic_bsz": True,
     }
-    overrides = [f"actor_rollout_ref.actor.{key}={C._show(value)}" for key, value in actor.items()]
+    overrides = [f"actor_rollout_ref.actor.{key}={schema._show(value)}" for key, value in actor.items()]
     cfg, _ = C.load_and_validate(recipe("ppo"), files + overrides, 1)
     assert {key: cfg.critic[key] for key in actor} == actor  # as verl: a script that sets the actor's sets both
     cfg, _ = C.load_and_validate(recipe("ppo"), files + overrides + ["critic.ppo_mini_batch_size=8"], 1)

@@ -185,3 +185,24 @@ def test_collate_prompts_gives_the_batch_prompt_fields(tmp_path, tokenizer):
         records[0].prompt_ids + records[1].prompt_ids
     )
     assert fields["ground_truths"] == ["0", "1"] and fields["extra_infos"][1] == {"split": "train", "index": 1}
+
+
+def test_max_samples_reads_the_first_rows_across_files(tmp_path, tokenizer):
+    first = write(tmp_path / "a.parquet", [row(f"{i}+1=", str(i + 1), index=i) for i in range(3)])
+    second = write(tmp_path / "b.parquet", [row("9+9=", "18", index=0)])
+    records, stats = load([first, second], tokenizer, max_samples=2)
+    assert [r.ground_truth for r in records] == ["1", "2"] and stats["rows"] == 2
+    records, _ = load([first, second], tokenizer, max_samples=4)
+    assert [r.ground_truth for r in records] == ["1", "2", "3", "18"]
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    tokenizer = make_tiny_model.build_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m.content }}{% endfor %}{% if enable_thinking is defined and not enable_thinking %}"
+        "0{% endif %}"
+    )
+    path = write(tmp_path / "a.parquet", [row("1+2=")])
+    plain = load(path, tokenizer)[0][0].prompt_ids
+    no_think = load(path, tokenizer, chat_template_kwargs={"enable_thinking": False})[0][0].prompt_ids
+    assert tokenizer.decode(plain) == "1+2=" and tokenizer.decode(no_think) == "1+2=0"

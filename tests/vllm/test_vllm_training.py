@@ -70,10 +70,10 @@ def check_run(report):
                     "rollout_corr/is_ratio_mean", "rollout_corr/masked_fraction", "actor/pg_loss"):
             assert key in metrics, key
         # Each step pushes the weights of the previous step's update: vLLM scores like the actor.
-        assert metrics["rollout/logprob_diff_max"] < FP32_ATOL, metrics["rollout/logprob_diff_max"]
+        assert metrics["training/rollout_probs_diff_max"] < FP32_ATOL, metrics["training/rollout_probs_diff_max"]
         assert abs(metrics["rollout_corr/is_ratio_mean"] - 1) < FP32_ATOL
         assert metrics["actor/grad_norm"] > 0
-    assert "val/arithmetic/reward/mean" in report["logged"][3]["metrics"]
+    assert "val-core/arithmetic/reward/mean@1" in report["logged"][3]["metrics"]
 
 
 def test_three_steps_in_one_process(overrides, tmp_path, free_port):

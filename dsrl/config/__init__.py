@@ -1,0 +1,89 @@
+"""The run configuration: one typed tree with verl's key names, DeepSpeed in place of FSDP.
+
+A run is one or more YAML files merged onto the defaults of the tree, left to right (a recipe, then e.g. the CPU
+overlay configs/cpu.yaml), then dotted overrides from the command line
+(``data.train_batch_size=16``, lists as ``[a,b]``, ``null``), with OmegaConf's dotlist semantics.
+``load_and_validate`` reports every problem at once -- unknown keys (with "did you mean"), verl's
+FSDP-only keys (with the DeepSpeed key to use instead), wrong types, and the rules in ``validate`` --
+each as one line: dotted key, value, rule, fix. The config it returns is resolved and read-only.
+
+This package must not import torch: it runs before anything heavy so a bad config fails in a second.
+
+- ``schema``: the typed tree (one dataclass per section; every key's default and documentation), the name
+  tuples the rules check against, ``SCHEMA`` (every dotted key) and the one line a problem is reported as.
+- ``verl_keys``: keys the tree does not know: verl's FSDP/Megatron-only keys with the dsrl key to use
+  instead, "did you mean" for the rest.
+- ``loading``: the YAML layers and overrides merged onto the defaults, interpolation checks, ``resolve``
+  (values that follow from others), the files a config names, ``to_dict``/``to_yaml``.
+- ``rules``: ``validate`` with its groups of rules, and ``load_and_validate``.
+"""
+
+from __future__ import annotations
+
+from dsrl.config.loading import (
+    ConfigError,
+    ConfigFiles,
+    config_file_path,
+    default_rollout_name,
+    deepspeed_config_path,
+    load_config,
+    resolve,
+    rollout_name,
+    to_dict,
+    to_yaml,
+)
+from dsrl.config.rules import load_and_validate, validate
+from dsrl.config.schema import (
+    ADV_ESTIMATORS,
+    DS_CONFIG_DIR,
+    GROUP_ESTIMATORS,
+    KL_CTRL_TYPES,
+    KL_KINDS,
+    LOSS_AGG_MODES,
+    MODEL_DTYPES,
+    POLICY_LOSS_MODES,
+    RECIPE_DIR,
+    RESUME_HARMLESS_KEYS,
+    ROLLOUT_CORRECTION_LEVELS,
+    ROLLOUT_NAMES,
+    SCHEMA,
+    SUM_PI_SQUARED_ESTIMATORS,
+    TRUNCATION_MODES,
+    Config,
+    KeyInfo,
+)
+
+__all__ = [
+    # schema
+    "ADV_ESTIMATORS",
+    "DS_CONFIG_DIR",
+    "GROUP_ESTIMATORS",
+    "KL_CTRL_TYPES",
+    "KL_KINDS",
+    "LOSS_AGG_MODES",
+    "MODEL_DTYPES",
+    "POLICY_LOSS_MODES",
+    "RECIPE_DIR",
+    "RESUME_HARMLESS_KEYS",
+    "ROLLOUT_CORRECTION_LEVELS",
+    "ROLLOUT_NAMES",
+    "SCHEMA",
+    "SUM_PI_SQUARED_ESTIMATORS",
+    "TRUNCATION_MODES",
+    "Config",
+    "KeyInfo",
+    # loading
+    "ConfigError",
+    "ConfigFiles",
+    "config_file_path",
+    "default_rollout_name",
+    "deepspeed_config_path",
+    "load_config",
+    "resolve",
+    "rollout_name",
+    "to_dict",
+    "to_yaml",
+    # rules
+    "load_and_validate",
+    "validate",
+]

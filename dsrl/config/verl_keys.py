@@ -1,0 +1,78 @@
+"""Keys the typed tree does not know: verl's FSDP/Megatron-only keys with the rule and the dsrl key to use
+instead, and "did you mean" for the rest."""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from typing import Any, Optional
+
+from dsrl.config.schema import _LEAF_KEYS, _violation
+
+
+def _ds_config_key(key: str) -> str:
+    """The deepspeed_config key of the role (actor, ref, critic) a verl FSDP key belongs to."""
+    if key.startswith("critic"):
+        return "critic.deepspeed_config"
+    if key.startswith("actor_rollout_ref.ref"):
+        return "actor_rollout_ref.ref.deepspeed_config"
+    return "actor_rollout_ref.actor.deepspeed_config"
+
+
+def _verl_only_key(key: str) -> Optional[tuple[str, str]]:
+    """(rule, fix) for a verl key that dsrl replaces or does not need; None for other keys."""
+    ds = _ds_config_key(key)
+    offloaded = "zero3_offload_inference" if ds.startswith("actor_rollout_ref.ref") else "zero3_offload"
+    if fnmatch.fnmatchcase(key, "*fsdp_config.*offload*"):
+        return (
+            "verl FSDP key; dsrl shards with DeepSpeed ZeRO",
+            f"set {ds}: {offloaded} to offload to CPU (zero3 keeps everything on the device)",
+        )
+    if ".fsdp_config" in key or ".megatron" in key:
+        return (
+            "verl FSDP/Megatron key; dsrl always trains with DeepSpeed ZeRO",
+            f"remove it and choose the ZeRO setup with {ds}: zero3_offload | zero3 | zero2 or a path to a DeepSpeed JSON",
+        )
+    if key.endswith((".zero_stage", ".offload")):
+        return (
+            "verl DeepSpeed-engine key; dsrl picks the whole ZeRO setup by name",
+            f"set {ds}: zero2 (stage 2) | zero3 (stage 3) | {offloaded} (stage 3, offloaded to CPU), or a DeepSpeed JSON path",
+        )
+    if key.endswith((".rollout.response_length", ".rollout.prompt_length")):
+        which = key.rpartition(".")[2].replace("_length", "")
+        return ("verl fills it from data.*", f"set data.max_{which}_length")
+    if key.endswith(".optim.total_training_steps"):
+        return ("verl fills it in from the trainer", "set trainer.total_training_steps (the lr schedule spans it)")
+    if key.endswith(".optim.zero_indexed_step"):
+        return ("dsrl's schedules count from step 0, verl's default (zero_indexed_step=true)", "remove it")
+    if key.endswith("ulysses_sequence_parallel_size"):
+        return (
+            "dsrl has no sequence parallelism (verl's Ulysses runs with FSDP only)",
+            "remove it; bound memory with use_dynamic_bsz=true and ppo_max_token_len_per_gpu",
+        )
+    if key in ("trainer.n_gpus_per_node", "trainer.nnodes"):
+        return (
+            "the deepspeed launcher decides the devices and nodes",
+            "remove it; run deepspeed --num_gpus N [--hostfile FILE] scripts/train.py ...",
+        )
+    if key.endswith((".ppo_micro_batch_size", ".log_prob_micro_batch_size")):
+        return ("verl's deprecated global micro-batch size", f"set {key}_per_gpu (sequences per forward on one rank)")
+    if key == "actor_rollout_ref.model.use_fused_kernels":
+        return ("in dsrl this key lives under the actor", "set actor_rollout_ref.actor.use_fused_kernels")
+    if key == "actor_rollout_ref.actor.compute_sum_pi_squared":
+        return (
+            "older verl name",
+            "set actor_rollout_ref.actor.calculate_sum_pi_squared (optimal_token_baseline turns it on itself)",
+        )
+    if key == "actor_rollout_ref.model.use_remove_padding":
+        return ("dsrl always runs padded batches", "remove it")
+    return None
+
+
+def _unknown_key(key: str, value: Any) -> str:
+    verl_only = _verl_only_key(key)
+    if verl_only is not None:
+        return _violation(key, value, *verl_only)
+    close = difflib.get_close_matches(key, _LEAF_KEYS, n=1, cutoff=0.6)
+    fix = f"did you mean {close[0]}?" if close else "remove it (no dsrl key is close; the keys are in dsrl/config/schema.py)"
+    return _violation(key, value, "unknown key", fix)
