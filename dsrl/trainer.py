@@ -504,9 +504,7 @@ class Trainer:
         preds = extras.get("pred")
         if preds is not None and any(p is None or not isinstance(p, Hashable) for p in preds):
             preds = None
-        return validation_metrics(
-            [row[1] for row in rows], [row[0] for row in rows], variables, preds, seed=self.cfg.trainer.seed
-        )
+        return validation_metrics([row[1] for row in rows], [row[0] for row in rows], variables, preds)  # verl's seed
 
     # ---- the step ----------------------------------------------------------------------------
 

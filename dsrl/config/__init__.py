@@ -2,7 +2,8 @@
 
 A run is one or more YAML files merged onto the defaults of the tree, left to right (a recipe, then e.g. the CPU
 overlay configs/cpu.yaml), then dotted overrides from the command line
-(``data.train_batch_size=16``, lists as ``[a,b]``, ``null``), with OmegaConf's dotlist semantics.
+(``data.train_batch_size=16``, lists as ``[a,b]``, ``null``; verl's Hydra prefixes ``+key=`` and
+``++key=`` are accepted), with OmegaConf's dotlist semantics.
 ``load_and_validate`` reports every problem at once -- unknown keys (with "did you mean"), verl's
 FSDP-only keys (with the DeepSpeed key to use instead), wrong types, and the rules in ``validate`` --
 each as one line: dotted key, value, rule, fix. The config it returns is resolved and read-only.
