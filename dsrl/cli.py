@@ -18,6 +18,8 @@ import os
 import sys
 
 from dsrl.config import ConfigError, load_and_validate, to_yaml
+from dsrl.console import logger, setup_logging
+from dsrl.tracking import redact_text
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
@@ -57,6 +59,8 @@ def split_files_and_overrides(items: list[str]) -> tuple[list[str], list[str]]:
 
 def main(argv: list[str]) -> int:
     args, files, overrides = parse_args(argv)
+    rank = os.environ.get("RANK", "0")  # set by the deepspeed launcher
+    setup_logging(int(rank) if rank.isdigit() else 0)
     world_size = os.environ.get("WORLD_SIZE", "1")  # set by the deepspeed launcher; a single process otherwise
     if not world_size.isdigit() or int(world_size) < 1:
         print(
@@ -73,7 +77,7 @@ def main(argv: list[str]) -> int:
             print(f"  {violation}", file=sys.stderr)
         return 2
     if os.environ.get("RANK", "0") == "0":  # the resolved config, once per run
-        print("".join(f"# note: {note}\n" for note in notes) + to_yaml(cfg), end="", flush=True)
+        print(redact_text("".join(f"# note: {note}\n" for note in notes) + to_yaml(cfg)), end="", flush=True)
     if args.validate_only:
         return 0
     from dsrl.trainer import CheckpointError, TrainingInterrupted, TrainingStopped, train
@@ -90,8 +94,7 @@ def main(argv: list[str]) -> int:
             print(f"dsrl: {err}", file=sys.stderr)
         return 1
     except TrainingInterrupted as err:
-        if first_rank:
-            print(f"[dsrl] {err}; exit code {err.exit_code}", flush=True)
+        logger.info(f"{err}; exit code {err.exit_code}")
         return err.exit_code
     return 0
 

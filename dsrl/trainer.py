@@ -13,9 +13,11 @@ for SIGTERM, 130 for SIGINT). A second signal exits at once with that code.
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from transformers import set_seed
 
 from dsrl.algorithms import (
@@ -34,6 +37,7 @@ from dsrl.algorithms import (
     compute_advantages,
     rollout_correction,
 )
+from dsrl.balance import balance_across_ranks
 from dsrl.checkpoint import (
     HF_DIR,
     CheckpointError,
@@ -47,8 +51,8 @@ from dsrl.checkpoint import (
     state_config,
     step_dir,
 )
-from dsrl.config import Config, to_dict
-from dsrl.balance import balance_across_ranks
+from dsrl.config import LOGGED_SAMPLES, Config, to_dict, to_yaml
+from dsrl.console import final_summary, logger, setup_logging, startup_summary
 from dsrl.data.batch import Batch
 from dsrl.data.datasets import PromptSampler, collate_prompts, load_prompts
 from dsrl.distributed import all_gather_rows, all_reduce, global_mean
@@ -112,10 +116,10 @@ class StopSignals:
         if self.signum:
             os._exit(128 + signum)
         self.signum = signum
-        print(
-            f"[dsrl] rank {self.rank}: {signal.Signals(signum).name} received: finishing this step, then saving "
+        logger.warning(
+            f"rank {self.rank}: {signal.Signals(signum).name} received: finishing this step, then saving "
             "a checkpoint (send it again to exit at once)",
-            flush=True,
+            extra={"all_ranks": True},
         )
 
     def __enter__(self) -> "StopSignals":
@@ -132,11 +136,62 @@ class StopSignals:
         return int(all_reduce(torch.tensor(float(self.signum)), "max"))
 
 
+def generation_row(texts: tuple[str, str], data_source: str, score: float, extras: dict) -> dict:
+    """One row of a generations table: prompt, response, score, data source, then the reward's extras."""
+    prompt, response = texts
+    return {"prompt": prompt, "response": response, "score": score, "data_source": data_source, **extras}
+
+
 def validation_score(metrics: dict[str, float]) -> float:
     """One number for a validation: the ``val-core/<data_source>/<var>/mean@N`` values averaged over
     the data sources (the core variable is ``acc`` when the reward gives it, else the reward)."""
     values = [v for k, v in metrics.items() if k.startswith("val-core/") and k.rpartition("/")[2].startswith("mean@")]
     return sum(values) / len(values) if values else math.nan
+
+
+def rollout_engine_name(cfg: Config) -> str:
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name == "vllm":
+        return f"vllm (tensor parallel {rollout.tensor_model_parallel_size}, sleep level {rollout.sleep_level})"
+    return "hf (transformers generate)"
+
+
+def engine_facts(role, dtype: str) -> dict:
+    """ZeRO stage, offload, dtype, parameter count and activation checkpointing of a DeepSpeed role."""
+    zero = role.ds_config.get("zero_optimization", {})
+    offloaded = lambda section: zero.get(section, {}).get("device", "none") not in ("none", None)  # noqa: E731
+    module = role.engine.module
+    facts = {
+        "zero_stage": zero.get("stage", 0),
+        "offload_params": offloaded("offload_param"),
+        "offload_optimizer": offloaded("offload_optimizer"),
+        "dtype": dtype,
+        "params": sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters()),  # full size under ZeRO-3
+    }
+    if hasattr(role, "lr_scheduler"):  # a trained role
+        backbone = getattr(module, "backbone", module)
+        facts["gradient_checkpointing"] = bool(getattr(backbone, "is_gradient_checkpointing", False))
+    return facts
+
+
+def run_tags(cfg: Config, world_size: int) -> dict[str, str]:
+    """MLflow tags that tell runs apart: dsrl's version and git commit, algorithm, model, world size."""
+    try:
+        version = importlib.metadata.version("dsrl")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    tags = {
+        "dsrl.version": version,
+        "dsrl.algorithm": cfg.algorithm.adv_estimator,
+        "dsrl.model": cfg.actor_rollout_ref.model.path,
+        "dsrl.world_size": str(world_size),
+    }
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / ".git").exists():  # a checkout, not an installed wheel
+        commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True)
+        if commit.returncode == 0:
+            tags["dsrl.git_commit"] = commit.stdout.strip()
+    return tags
 
 
 class Trainer:
@@ -149,6 +204,7 @@ class Trainer:
         init_distributed()
         self.cfg = cfg
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        setup_logging(self.rank)
         set_seed(cfg.trainer.seed + self.rank)  # python, numpy, torch and the accelerator
         self.checkpoint_root = Path(cfg.trainer.default_local_dir)
         # Before any model loads: a checkpoint that cannot be resumed from fails in seconds.
@@ -161,10 +217,12 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
         if self.tokenizer.pad_token_id is None:  # e.g. Llama 3: pad with EOS, as verl and the rollouts do
             self.tokenizer.pad_token = self.tokenizer.eos_token
-            if self.rank == 0:
-                print(f"[dsrl] {model_cfg.path}: the tokenizer has no pad token; padding with EOS ({self.tokenizer.eos_token})", flush=True)
-        self.train_prompts = self._load_prompts(cfg.data.train_files, cfg.data.train_max_samples)
-        self.val_prompts = self._load_prompts(cfg.data.val_files, cfg.data.val_max_samples) if cfg.data.val_files else None
+            logger.info(f"{model_cfg.path}: the tokenizer has no pad token; padding with EOS ({self.tokenizer.eos_token})")
+        self.train_prompts, train_stats = self._load_prompts(cfg.data.train_files, cfg.data.train_max_samples)
+        self.val_prompts, val_stats = (
+            self._load_prompts(cfg.data.val_files, cfg.data.val_max_samples) if cfg.data.val_files else (None, None)
+        )
+        self.prompt_stats = {"train": train_stats, "val": val_stats}
         self.sampler = PromptSampler(self.train_prompts, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
         # As verl: the lr schedule spans total_training_steps when set, and the run stops at it or
         # at the end of total_epochs, whichever comes first.
@@ -197,6 +255,7 @@ class Trainer:
         self.global_step = 0
         if self.resume_from is not None:
             self._restore(resume_state)
+        self.initial_step = self.global_step  # where this run started (a resumed run's checkpoint)
         self.tracker = Tracker(
             cfg.trainer.logger,
             project_name=cfg.trainer.project_name,
@@ -204,9 +263,73 @@ class Trainer:
             total_steps=self.total_steps,
             rank=self.rank,
             run_id=resume_state["mlflow_run_id"] if resume_state else None,
+            tags=run_tags(cfg, self.world_size),
+            initial_step=self.global_step,
         )
-        if self.resume_from is None:
+        if self.resume_from is None:  # a resumed run has them (MLflow refuses to change a param)
             self.tracker.log_params(flatten(to_dict(cfg)))
+        self.tracker.log_text(to_yaml(cfg), "config/resolved.yaml")
+        for name, role in (("actor", self.actor), ("reference", self.ref), ("critic", self.critic)):
+            if role is not None:
+                self.tracker.log_dict(role.ds_config, f"config/deepspeed_{name}.json")
+        self.last_checkpoint = self.resume_from
+        self.model_dir = None
+        if self.rank == 0:
+            logger.info(startup_summary(self.startup_facts()))
+
+    def startup_facts(self) -> dict:
+        """What ``dsrl.console.startup_summary`` shows about this run."""
+        cfg, actor = self.cfg, self.cfg.actor_rollout_ref.actor
+        n = cfg.actor_rollout_ref.rollout.n
+        rows_per_rank = cfg.data.train_batch_size * n // self.world_size
+        roles = {"actor": self.actor, "reference": self.ref, "critic": self.critic}
+        steps = {name: -(-rows_per_rank // role.rows_per_mini_batch) * epochs
+                 for name, role, epochs in (("actor", self.actor, actor.ppo_epochs),
+                                            ("critic", self.critic, cfg.critic.ppo_epochs)) if role is not None}
+        algo = cfg.algorithm
+        device = get_accelerator().device_name()
+        if torch.cuda.is_available():
+            device += f" ({torch.cuda.get_device_name()})"
+        return {
+            "world_size": self.world_size,
+            "device": device,
+            "roles": {name: None if role is None else engine_facts(role, cfg.actor_rollout_ref.model.dtype)
+                      for name, role in roles.items()},
+            "rollout": rollout_engine_name(cfg),
+            "estimator": algo.adv_estimator,
+            "policy_loss": actor.policy_loss.loss_mode,
+            "loss_agg_mode": actor.loss_agg_mode,
+            "kl_loss": {"type": actor.kl_loss_type, "coef": actor.kl_loss_coef} if actor.use_kl_loss else None,
+            "kl_in_reward": {"penalty": algo.kl_penalty, "coef": algo.kl_ctrl.kl_coef, "ctrl": algo.kl_ctrl.type}
+            if algo.use_kl_in_reward else None,
+            "prompts_per_step": cfg.data.train_batch_size,
+            "n": n,
+            "optimizer_steps": {"actor": steps["actor"], "critic": steps.get("critic")},
+            "micro_batch_size": actor.ppo_micro_batch_size_per_gpu,
+            "max_token_len": actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+            "prompts": self.prompt_stats,
+            "total_steps": self.total_steps,
+            "start_step": self.global_step,
+            "resume_from": str(self.resume_from) if self.resume_from else None,
+            "checkpoint_dir": str(self.checkpoint_root),
+            "save_freq": cfg.trainer.save_freq,
+            "mlflow": self.tracker.mlflow_facts(),
+        }
+
+    def final_facts(self, *, status: str, wall_time_s: float) -> dict:
+        """What ``dsrl.console.final_summary`` shows about this run."""
+        return {
+            **self.tracker.console_facts(),
+            "total_steps": self.total_steps,
+            "initial_step": self.initial_step,
+            "wall_time_s": wall_time_s,
+            "status": status,
+            "model_dir": str(self.model_dir) if self.model_dir else None,
+            "checkpoint_dir": str(self.checkpoint_root),
+            "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            "mlflow": self.tracker.mlflow_facts(),
+            "cwd": os.getcwd(),
+        }
 
     # ---- checkpoints --------------------------------------------------------------------------
 
@@ -222,7 +345,7 @@ class Trainer:
                 elif trainer.resume_mode == "auto":
                     path, skipped = newest_complete(self.checkpoint_root)
                     for line in skipped:
-                        print(f"[dsrl] resume: {line}", flush=True)
+                        logger.info(f"resume: {line}")
                 if path is not None:
                     decision[:2] = path, read_state(path)
                     self._check_resumable(path, decision[1])
@@ -266,9 +389,8 @@ class Trainer:
             role.lr_scheduler.load_state_dict(state["lr_schedulers"][name])
             for group, lr in zip(role.lr_scheduler.optimizer.param_groups, role.lr_scheduler.get_last_lr()):
                 group["lr"] = lr  # the lr of the next step, whatever the optimizer state held
-        if self.rank == 0:
-            seconds = time.perf_counter() - start
-            print(f"[dsrl] resumed from {self.resume_from} (step {self.global_step}; loaded in {seconds:.2f} s)", flush=True)
+        seconds = time.perf_counter() - start
+        logger.info(f"resumed from {self.resume_from} (step {self.global_step}; loaded in {seconds:.2f} s)")
 
     def save(self) -> Path:
         """``default_local_dir/global_step_<global_step>``, complete or not at all. Collective."""
@@ -319,9 +441,9 @@ class Trainer:
 
     # ---- phases -------------------------------------------------------------------------------
 
-    def _load_prompts(self, files, max_samples: int):
+    def _load_prompts(self, files, max_samples: int) -> tuple[list, dict[str, int]]:
         data = self.cfg.data
-        records, _ = load_prompts(
+        return load_prompts(
             files,
             self.tokenizer,
             prompt_key=data.prompt_key,
@@ -331,7 +453,6 @@ class Trainer:
             max_samples=max_samples,
             chat_template_kwargs=dict(data.apply_chat_template_kwargs),
         )
-        return records
 
     def _prompt_batch(self, records, first_group_id: int) -> Batch:
         """Left-padded prompts of this rank; group ids are global row numbers, unique across ranks."""
@@ -378,7 +499,7 @@ class Trainer:
         """Token-level scores [B, T] (each response's score at its last response token) and the reward
         metrics over all ranks (a collective): the failure counts, and ``reward/<name>/mean`` for each
         numeric extra a reward function returned (over the rows that returned it)."""
-        token_level_scores, extras, counts = self._score_rank_local(batch)
+        token_level_scores, _, extras, counts = self._score_rank_local(batch)
         names: list[list[str]] = [[] for _ in range(self.world_size)]
         dist.all_gather_object(names, sorted(numeric_extras(extras)))
         extra_names = sorted({name for part in names for name in part})
@@ -392,9 +513,10 @@ class Trainer:
             metrics[f"reward/{name}/mean"] = total / size
         return token_level_scores, metrics
 
-    def _score_rank_local(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list], dict[str, float]]:
-        """``score`` of this rank's rows alone (no collective): token-level scores, the reward
-        functions' extras (a list of B values per name, None where a row gave none) and the counts."""
+    def _score_rank_local(self, batch: Batch) -> tuple[torch.Tensor, list[str], dict[str, list], dict[str, float]]:
+        """``score`` of this rank's rows alone (no collective): token-level scores, the decoded
+        responses, the reward functions' extras (a list of B values per name, None where a row gave
+        none) and the counts."""
         responses = self.tokenizer.batch_decode(
             [ids[mask.bool()] for ids, mask in zip(batch.response_ids, batch.response_mask)], skip_special_tokens=True
         )
@@ -402,7 +524,24 @@ class Trainer:
         token_level_scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)
         last = batch.response_mask.sum(-1).long() - 1
         token_level_scores[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=torch.float32)
-        return token_level_scores, extras, counts
+        return token_level_scores, responses, extras, counts
+
+    def _prompt_text(self, batch: Batch, row: int) -> str:
+        return self.tokenizer.decode(batch.prompt_ids[row][batch.prompt_mask[row].bool()], skip_special_tokens=True)
+
+    def log_samples(self, batch: Batch) -> None:
+        """The first ``LOGGED_SAMPLES`` rollouts of rank 0's rows as an MLflow table (rank 0 only)."""
+        if self.rank != 0:
+            return
+        sample = batch.select(torch.arange(min(LOGGED_SAMPLES, len(batch))))
+        responses = self.tokenizer.batch_decode(
+            [ids[mask.bool()] for ids, mask in zip(sample.response_ids, sample.response_mask)], skip_special_tokens=True
+        )
+        table = [
+            generation_row((self._prompt_text(sample, i), responses[i]), source, score, {})
+            for i, (source, score) in enumerate(zip(sample.data_sources, sample.token_level_scores.sum(-1).tolist()))
+        ]
+        self.tracker.log_table(table, f"generations/train_step_{self.global_step + 1}.json")
 
     def entropy(self, batch: Batch) -> float:
         """verl's ``actor/entropy``: the old-log-prob pass's entropy, aggregated as the loss is, over
@@ -484,17 +623,21 @@ class Trainer:
                 records = shard[start : start + chunk]
                 prompts = self._prompt_batch(records or self.val_prompts[:1], first_group_id=start)
                 batches.append((self.generate(prompts, sampling), len(records) * sampling.n))
-        rows = []  # (prompt's row in the validation files, data source, score, extras), one per response
+        # (prompt's row in the validation files, data source, score, extras, texts), one per response;
+        # the texts (prompt, response) only for the trainer.log_val_generations first rows.
+        rows = []
+        logged = self.cfg.trainer.log_val_generations
         for batch, real_rows in batches:
             if not real_rows:
                 continue
             batch = batch.select(torch.arange(real_rows))
-            scores, extras, _ = self._score_rank_local(batch)
+            scores, responses, extras, _ = self._score_rank_local(batch)
             for i, (source, shard_row, score) in enumerate(
                 zip(batch.data_sources, batch.group_ids.tolist(), scores.sum(-1).tolist())
             ):
-                row_extras = {name: values[i] for name, values in extras.items()}
-                rows.append((self.rank + self.world_size * shard_row, source, score, row_extras))
+                index = self.rank + self.world_size * shard_row
+                texts = (self._prompt_text(batch, i), responses[i]) if index < logged else None
+                rows.append((index, source, score, {name: values[i] for name, values in extras.items()}, texts))
         gathered: list[list] = [[] for _ in range(self.world_size)]
         dist.all_gather_object(gathered, rows)
         rows = sorted((row for part in gathered for row in part), key=lambda row: row[0])  # dataset order
@@ -504,6 +647,9 @@ class Trainer:
         preds = extras.get("pred")
         if preds is not None and any(p is None or not isinstance(p, Hashable) for p in preds):
             preds = None
+        if logged:
+            table = [generation_row(texts, source, score, row_extras) for _, source, score, row_extras, texts in rows[:logged]]
+            self.tracker.log_table(table, f"generations/val_step_{self.global_step}.json")
         return validation_metrics([row[1] for row in rows], [row[0] for row in rows], variables, preds)  # verl's seed
 
     # ---- the step ----------------------------------------------------------------------------
@@ -588,21 +734,36 @@ class Trainer:
         metrics.update(memory_metrics())
         metrics["training/global_step"] = self.global_step + 1
         metrics["training/epoch"] = self.sampler.epoch
+        freq = cfg.trainer.log_samples_freq
+        if freq > 0 and (self.global_step + 1) % freq == 0:
+            self.log_samples(batch)
         return metrics
 
     def fit(self) -> dict[str, float]:
         """Train up to ``total_steps`` steps; returns ``validation_score`` ``before`` and ``after``
         training (when validated), and sets ``model_dir`` to the exported model (None with
-        ``trainer.val_only``). Raises ``TrainingInterrupted`` after a signal."""
+        ``trainer.val_only``). Raises ``TrainingInterrupted`` after a signal.
+
+        The tracking run ends FINISHED, KILLED (a signal) or FAILED (an exception)."""
+        try:
+            results = self._fit()
+        except TrainingInterrupted:
+            self.tracker.finish("KILLED")
+            raise
+        except BaseException:
+            self.tracker.finish("FAILED")
+            raise
+        self.tracker.finish("FINISHED")
+        return results
+
+    def _fit(self) -> dict[str, float]:
         cfg = self.cfg
         results: dict[str, float] = {}
-        self.model_dir = None
         if self.val_prompts is not None and (cfg.trainer.val_before_train or cfg.trainer.val_only):
             val = self.validate()
             results["before"] = validation_score(val)
             self.tracker.log_metrics(val, step=self.global_step)
             if cfg.trainer.val_only:
-                self.tracker.finish()
                 return results
         per_rank = cfg.data.train_batch_size // self.world_size
         val = {}
@@ -621,29 +782,33 @@ class Trainer:
                 if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or last) or signum:
                     start = time.perf_counter()
                     path = self.save()
+                    self.last_checkpoint = path
                     if self.rank == 0:
                         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
                         seconds = time.perf_counter() - start
-                        print(f"[dsrl] checkpoint saved to {path} ({size:.1f} MiB in {seconds:.2f} s)", flush=True)
+                        logger.info(f"checkpoint saved to {path} ({size:.1f} MiB in {seconds:.2f} s)")
                 if signum:
-                    self.tracker.finish()
                     raise TrainingInterrupted(signum, step, path)
         if val:
             results["after"] = validation_score(val)
         self.model_dir = self.export_final_model()
-        self.tracker.finish()
+        self.tracker.log_model_dir(self.model_dir, upload=cfg.trainer.log_model)
         return results
 
 
 def train(cfg: Config) -> dict[str, float]:
-    """Build every role and run the loop; prints validation accuracy before and after and where the
-    model went on rank 0."""
+    """Build every role and run the loop; rank 0 logs the start-up summary, then the final one
+    (validation scores, where the model, checkpoints and MLflow run are) however the run ends."""
+    start = time.perf_counter()
     trainer = Trainer(cfg)
-    results = trainer.fit()
-    if trainer.rank == 0:
-        if results:
-            before, after = results.get("before", math.nan), results.get("after", math.nan)
-            print(f"[dsrl] validation score (val-core mean@N): before {before:.3f}  after {after:.3f}", flush=True)
-        if trainer.model_dir is not None:
-            print(f"[dsrl] model saved to {trainer.model_dir} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)
+    status = "failed"
+    try:
+        results = trainer.fit()
+        status = "finished"
+    except TrainingInterrupted as err:
+        status = f"stopped by {signal.Signals(err.signum).name}"
+        raise
+    finally:
+        if trainer.rank == 0:
+            logger.info(final_summary(trainer.final_facts(status=status, wall_time_s=time.perf_counter() - start)))
     return results

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU, under 8 minutes, one table: ZeRO-3 actor update tokens/s and MFU, weight push, sleep and
-# wake seconds, memory freed by the rollout's sleep, generation tokens/s, rollout-vs-actor log-prob
+# wake seconds, memory freed by the rollout's sleep, generation tokens/s, rollout-vs-actor probability
 # difference, peak and least free device memory; Qwen2.5-0.5B's shape with random weights, vLLM
 # rollout when it imports, else transformers (the header says which). Details: scripts/gpu_check.py.
 #

@@ -36,6 +36,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def mlflow_store(tmp_path_factory) -> str:
+    """Runs log to MLflow by default: every test (and the runs it starts) writes to one sqlite store of
+    the session, not to ./mlflow.db of the checkout. A test that needs its own store sets the variable."""
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    return uri
+
+
 @pytest.fixture(scope="session")
 def free_port():
     """``free_port()``: a TCP port on localhost nobody listens on (distinct rendezvous per run)."""

@@ -566,6 +566,13 @@ def _trainer_rules(cfg: Config, need: Need) -> None:
     need(data.prompt_key, "data.prompt_key", "must name a column", "set it to prompt")
     for key in ("train_max_samples", "val_max_samples"):
         need(data[key] == -1 or data[key] >= 1, f"data.{key}", "must be >= 1, or -1 for all rows", "set it to -1")
+    need(trainer.log_val_generations >= 0, "trainer.log_val_generations", "must be >= 0", "set it to 0 (none) or e.g. 16")
+    need(
+        trainer.log_samples_freq == -1 or trainer.log_samples_freq >= 1,
+        "trainer.log_samples_freq",
+        "must be >= 1, or -1 for never",
+        "set it to e.g. 10, or -1",
+    )
     need(
         not trainer.val_only or data.val_files is not None,
         "trainer.val_only",

@@ -58,6 +58,7 @@ ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 SLEEP_LEVELS = (1, 2)
 LOGGERS = ("console", "mlflow")
 RESUME_MODES = ("auto", "disable", "resume_path")
+LOGGED_SAMPLES = 16  # training rollouts per trainer.log_samples_freq table
 # What a checkpoint holds (verl's checkpoint.save_contents); a ZeRO checkpoint keeps the weights inside the
 # optimizer partitions, so model, optimizer and extra (trainer state) are always saved together.
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
@@ -66,7 +67,8 @@ REQUIRED_CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
 # often it validates and saves, where it logs. Every other key shapes the run and must match the checkpoint
 # unless trainer.resume_allow_config_change is set.
 RESUME_HARMLESS_KEYS = (
-    r"trainer\.(total_epochs|total_training_steps|save_freq|test_freq|val_before_train|logger)",
+    r"trainer\.(total_epochs|total_training_steps|save_freq|test_freq|val_before_train|val_only|logger)",
+    r"trainer\.(log_val_generations|log_samples_freq|log_model)",
     r"trainer\.(project_name|experiment_name|default_local_dir|max_consecutive_skips)",
     r"trainer\.(resume_mode|resume_from_path|resume_allow_config_change|max_actor_ckpt_to_keep|max_critic_ckpt_to_keep)",
     r"data\.(val_files|val_batch_size)",
@@ -426,7 +428,10 @@ class CustomRewardFunctionConfig:
 class TrainerConfig:
     project_name: str = _f("dsrl", "MLflow experiment name")
     experiment_name: str = _f("default", "MLflow run name")
-    logger: list[str] = _f(lambda: ["console"], "where metrics go: any of console, mlflow")
+    logger: list[str] = _f(
+        lambda: ["console", "mlflow"],
+        "where metrics go: console and/or mlflow (MLFLOW_TRACKING_URI, default sqlite:///mlflow.db here; MLFLOW_RUN_ID attaches)",
+    )
     total_epochs: int = _f(30, "passes over the training prompts; the run stops here or at total_training_steps, whichever comes first (verl)")
     total_training_steps: Optional[int] = _f(
         None, "stop after this many steps (or at the end of total_epochs if sooner); also the length of the lr schedule; null = total_epochs worth"
@@ -464,6 +469,13 @@ class TrainerConfig:
     )
     seed: int = _f(1, "seed of sampling and initialisation on every rank")
     val_only: bool = _f(False, "validate once (the start or the resumed checkpoint) and exit without training")
+    log_val_generations: int = _f(
+        0, "at each validation, log this many generations (prompt, response, score, data source, reward extras) as an MLflow table"
+    )
+    log_samples_freq: int = _f(
+        -1, f"every this many steps, log {LOGGED_SAMPLES} of the step's rollouts (rank 0's first) as an MLflow table; -1 = never"
+    )
+    log_model: bool = _f(False, "also upload the final model directory to the MLflow run (its location is always recorded)")
 
 
 @dataclass

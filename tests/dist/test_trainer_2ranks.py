@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import os
 import subprocess
 import sys
@@ -77,9 +78,14 @@ def test_ranks_log_the_same_metrics(setup, tmp_path):
 def test_train_script_runs_under_the_launcher(setup):
     overrides, env, launcher = setup
     stdout = run([*launcher(), str(REPO / "scripts" / "train.py"), *QUICKSTART, *overrides], env)
-    assert "[dsrl] step 2/2" in stdout
-    assert "validation score (val-core mean@N): before" in stdout
-    assert "[dsrl] model saved to " in stdout
+    # the launcher pipes stdout: plain lines, not a progress bar; rank 0 alone logs them
+    assert re.search(r"^\[dsrl r0 \d\d:\d\d:\d\d\] step 2/2 score=", stdout, re.M)
+    assert "[dsrl r1 " not in stdout
+    assert re.search(r"^\[dsrl r0 [\d:]+\] start-up summary\n  world: +2 rank\(s\), cpu", stdout, re.M)
+    summary = stdout[stdout.index("final summary"):]
+    assert re.search(r"status: +finished", summary) and re.search(r"steps: +2/2", summary)
+    assert re.search(r"validation score: +best [\d.]+ \(step \d\), last [\d.]+ \(step 2\)", summary)
+    assert re.search(r"model: +\S+/huggingface", summary)
 
 
 GROUND_TRUTH_REWARD = """

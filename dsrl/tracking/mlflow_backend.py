@@ -1,0 +1,341 @@
+"""One MLflow run, written from a background thread so that logging never blocks a training step.
+
+* Tracking URI: ``MLFLOW_TRACKING_URI``, else ``sqlite:///<cwd>/mlflow.db``. Experiment = project name,
+  run name = experiment name. An existing run is continued when given a ``run_id`` (from a
+  checkpoint) or, failing that, ``MLFLOW_RUN_ID``.
+* Calls go through :class:`mlflow.MlflowClient` (no fluent global state), one worker thread and a
+  bounded queue; queued metrics are merged into ``log_batch`` calls within MLflow's limits. A failed
+  call is tried once more after a short pause (only once while the previous call failed too), then
+  given up and reported to the owner (``report(kind, error, dropped_metric_values)``).
+* MLflow's system metrics monitor (CPU, memory, disk, network; GPU when pynvml is importable) runs
+  unless ``MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING`` is set false; ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL``
+  sets its period.
+
+``mlflow`` is imported only when a backend is created (rank 0 with the ``mlflow`` logger).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+from dsrl.tracking.redaction import redact, redact_text
+
+DEFAULT_DB = "mlflow.db"
+QUEUE_SIZE = 1000  # pending calls (one per log_* call); beyond that a call is dropped, not waited for
+ATTEMPTS = 2
+BACKOFF_S = 0.5
+DRAIN_TIMEOUT_S = 30.0  # finish() waits this long for queued calls ...
+UPLOAD_TIMEOUT_S = 600.0  # ... or this long while a model directory upload is queued or running
+TRUNCATED = "...[truncated by dsrl]"
+STATUSES = ("FINISHED", "FAILED", "KILLED")
+# MLflow's HTTP client retries 7 times with exponential backoff and waits 120 s per request by
+# default: minutes per call against a dead server. Set lower unless the user set them.
+HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+
+Report = Callable[[str, BaseException, int], None]
+
+
+def default_tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath(DEFAULT_DB)}"
+
+
+def _truncate(value: str, limit: int) -> str:
+    return value if len(value) <= limit else value[: limit - len(TRUNCATED)] + TRUNCATED
+
+
+def _plain(value: Any) -> Any:
+    """JSON/YAML-safe copy: dicts, lists and scalars kept, anything else (paths, numpy) as str or float."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if hasattr(value, "item"):  # numpy / torch scalars
+        try:
+            return value.item()
+        except (TypeError, ValueError):
+            pass
+    return str(value)
+
+
+class MLflowBackend:
+    def __init__(self, project_name: str, experiment_name: str, run_id: str | None = None,
+                 tags: dict[str, str] | None = None, *, report: Report):
+        for name, value in HTTP_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        from mlflow.entities import Metric, Param, RunTag
+        from mlflow.tracking import MlflowClient
+        from mlflow.utils import validation
+
+        self._Metric, self._Param, self._RunTag = Metric, Param, RunTag
+        self._limits = validation
+        self.report = report
+        self.tracking_uri = default_tracking_uri()
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self._existing_params: dict[str, str] = {}
+        project_name, experiment_name = redact_text(project_name), redact_text(experiment_name)
+        tags = {str(k): _truncate(str(v), validation.MAX_TAG_VAL_LENGTH) for k, v in redact(tags or {}).items()}
+        attach = run_id or os.environ.get("MLFLOW_RUN_ID") or None
+        run = self._attach(attach, tags) if attach else None
+        self.attached = run is not None
+        if run is None:
+            run = self._create(project_name, experiment_name, tags)
+        self.run_id: str = run.info.run_id
+        self.experiment_id: str = run.info.experiment_id
+
+        self._queue: queue.Queue = queue.Queue(QUEUE_SIZE)
+        self._cond = threading.Condition()
+        self._pending = 0  # calls queued or being sent
+        self._uploads = 0  # model directory uploads among them
+        self._failing = False
+        self._closed = False
+        self._abandoned = False
+        self._worker = threading.Thread(target=self._work, name="dsrl-mlflow", daemon=True)
+        self._worker.start()
+        self._monitor = None
+        self._start_system_metrics()
+
+    # ---- run --------------------------------------------------------------------------------
+
+    def _attach(self, run_id: str, tags: dict[str, str]):
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(run_id)
+            if run.info.lifecycle_stage == "deleted":
+                raise MlflowException(f"run {run_id} is deleted", error_code="RESOURCE_DOES_NOT_EXIST")
+        except MlflowException as error:
+            if error.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                raise  # the store is unreachable: no MLflow
+            self.report("attach", MlflowException(f"cannot continue run {run_id} ({error.message}); "
+                                                  "starting a new run"), 0)
+            return None
+        self.client.update_run(run_id, status="RUNNING")
+        if tags:
+            self.client.log_batch(run_id, tags=[self._RunTag(k, v) for k, v in tags.items()])
+        self._existing_params = dict(run.data.params)
+        return run
+
+    def _create(self, project_name: str, experiment_name: str, tags: dict[str, str]):
+        from mlflow.exceptions import MlflowException
+
+        experiment = self.client.get_experiment_by_name(project_name)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        else:
+            try:
+                experiment_id = self.client.create_experiment(project_name)
+            except MlflowException:  # created meanwhile by another process
+                experiment = self.client.get_experiment_by_name(project_name)
+                if experiment is None:
+                    raise
+                experiment_id = experiment.experiment_id
+        tags = {"mlflow.runName": experiment_name, **tags}
+        try:
+            from mlflow.tracking.context.registry import resolve_tags
+
+            tags = resolve_tags(tags)  # mlflow.user, mlflow.source.name/type, mlflow.source.git.commit
+        except Exception:
+            pass
+        return self.client.create_run(experiment_id, tags=tags, run_name=experiment_name)
+
+    def _start_system_metrics(self) -> None:
+        from mlflow.environment_variables import MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING as enabled
+
+        if enabled.defined and not enabled.get():
+            return
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._monitor = SystemMetricsMonitor(self.run_id, resume_logging=self.attached,
+                                                 tracking_uri=self.tracking_uri)
+            self._monitor.start()
+        except Exception as error:  # psutil missing, ...
+            self._monitor = None
+            self.report("system_metrics", error, 0)
+
+    # ---- queue ------------------------------------------------------------------------------
+
+    def _submit(self, kind: str, payload: Any, n_metrics: int = 0, upload: bool = False) -> None:
+        if self._closed:
+            self.report(kind, RuntimeError("called after finish()"), n_metrics)
+            return
+        with self._cond:
+            self._pending += 1
+            self._uploads += upload
+        try:
+            self._queue.put_nowait((kind, payload, n_metrics, upload))
+        except queue.Full:
+            self._done(1, upload)
+            self.report("queue", RuntimeError(f"{QUEUE_SIZE} calls queued: the MLflow store does not keep up"),
+                        n_metrics)
+
+    def _done(self, count: int, uploads: int = 0) -> None:
+        with self._cond:
+            self._pending -= count
+            self._uploads -= uploads
+            self._cond.notify_all()
+
+    def _work(self) -> None:
+        carried = None
+        while True:
+            item = carried if carried is not None else self._queue.get()
+            carried = None
+            if item is None:
+                return
+            kind, payload, n_metrics, upload = item
+            if self._abandoned:
+                self._done(1, upload)
+                continue
+            if kind != "log_metrics":
+                self._send(kind, payload, n_metrics)
+                self._done(1, upload)
+                continue
+            metrics, merged = list(payload), 1
+            while len(metrics) < self._limits.MAX_METRICS_PER_BATCH:
+                try:
+                    following = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if following is None or following[0] != "log_metrics":
+                    carried = following
+                    break
+                metrics += following[1]
+                merged += 1
+            size = self._limits.MAX_METRICS_PER_BATCH
+            for start in range(0, len(metrics), size):
+                chunk = metrics[start:start + size]
+                self._send(kind, lambda: self.client.log_batch(self.run_id, metrics=chunk), len(chunk))
+            self._done(merged)
+
+    def _send(self, kind: str, call: Callable[[], Any], n_metrics: int) -> None:
+        attempts = 1 if self._failing else ATTEMPTS
+        for attempt in range(attempts):
+            try:
+                call()
+                self._failing = False
+                return
+            except Exception as exc:
+                error = exc
+            if attempt + 1 < attempts:
+                time.sleep(BACKOFF_S)
+        self._failing = True
+        self.report(kind, error, n_metrics)
+
+    # ---- logging (called on the training thread; never blocks on MLflow) ---------------------
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        values = {}
+        for key, value in redact(params).items():
+            key = self._sanitize(str(key))[: self._limits.MAX_ENTITY_KEY_LENGTH]
+            values[key] = _truncate(str(value), self._limits.MAX_PARAM_VAL_LENGTH)
+        changed = sorted(k for k, v in values.items() if self._existing_params.get(k, v) != v)
+        if changed:  # MLflow refuses to change a param; not a failure
+            warnings.warn(f"tracking: {len(changed)} params differ from those of the continued MLflow run, which "
+                          "keeps its values: " + ", ".join(changed[:5]) + (", ..." if len(changed) > 5 else ""))
+        new = [self._Param(k, v) for k, v in values.items() if k not in self._existing_params]
+        size = self._limits.MAX_PARAMS_TAGS_PER_BATCH
+        for start in range(0, len(new), size):
+            chunk = new[start:start + size]
+            self._submit("log_params", lambda chunk=chunk: self.client.log_batch(self.run_id, params=chunk))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        batch = []
+        for key, value in metrics.items():
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(value):
+                batch.append(self._Metric(self._sanitize(key), value, now, int(step)))
+        if batch:
+            self._submit("log_metrics", batch, len(batch))
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        text = redact_text(text)
+        self._submit("log_text", lambda: self.client.log_text(self.run_id, text, artifact_file))
+
+    def log_dict(self, obj: dict, artifact_file: str) -> None:
+        obj = _plain(redact(obj))
+        self._submit("log_dict", lambda: self.client.log_dict(self.run_id, obj, artifact_file))
+
+    def log_table(self, rows: list[dict], artifact_file: str) -> None:
+        rows = [_plain(redact(row)) for row in rows]
+        columns: dict[str, list] = {}
+        for row in rows:
+            for key in row:
+                columns.setdefault(key, [])
+        for row in rows:
+            for key, values in columns.items():
+                values.append(row.get(key))
+        self._submit("log_table", lambda: self.client.log_table(self.run_id, columns, artifact_file))
+
+    def log_model_dir(self, path, *, upload: bool) -> None:
+        local = os.path.abspath(os.fspath(path))
+        self._submit("log_model_dir", lambda: self.client.set_tag(self.run_id, "dsrl.model_dir", local))
+        if upload:
+            if not Path(local).is_dir():
+                self.report("log_model_dir", FileNotFoundError(f"no model directory {local}"), 0)
+                return
+            self._submit("upload_model", lambda: self.client.log_artifacts(self.run_id, local, "model"), upload=True)
+
+    @staticmethod
+    def _sanitize(name: str) -> str:
+        from dsrl.tracking import sanitize_metric_name
+
+        return sanitize_metric_name(name)
+
+    # ---- end ---------------------------------------------------------------------------------
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Drain the queue (bounded wait), stop system metrics, end the run with ``status``."""
+        if self._closed:
+            return
+        self._closed = True
+        start = time.monotonic()
+        with self._cond:
+            while self._pending:
+                limit = UPLOAD_TIMEOUT_S if self._uploads else DRAIN_TIMEOUT_S
+                left = start + limit - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            left_over = self._pending
+        if left_over:
+            self._abandoned = True
+            lost = 0
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    lost += item[2]
+                    self._done(1, item[3])
+            self.report("finish", TimeoutError(
+                f"{left_over} tracking calls not sent within {time.monotonic() - start:.0f} s"), lost)
+        try:
+            self._queue.put_nowait(None)  # stops the worker
+        except queue.Full:
+            pass
+        if self._monitor is not None:
+            try:
+                self._monitor.finish()
+            except Exception as error:
+                self.report("system_metrics", error, 0)
+        self.client.set_terminated(self.run_id, status=status)
+        if not left_over:
+            self._worker.join(timeout=5)

@@ -1,0 +1,99 @@
+"""Secret redaction for everything tracking writes or the CLI prints.
+
+Two rules, both case-insensitive and blind to ``_``/``-``:
+
+* a key whose last dotted component looks like a secret (ends in token, secret, password, passwd,
+  api key, credential(s) or auth, or contains secret, password, passwd, credential or api key)
+  gets the value ``***`` — except tokenizer special tokens (``pad_token``, ``eos_token``, …);
+* any value equal to or containing the value of an environment variable whose *name* looks like a
+  secret (same rule; values shorter than 8 characters are ignored) becomes ``***``.
+
+Passwords in URLs (``https://user:pw@host``) are masked too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+MASK = "***"
+MIN_SECRET_LENGTH = 8  # shorter environment values ("1", "true") are too common to redact
+_ENDINGS = ("token", "secret", "secrets", "password", "passwd", "apikey", "credential", "credentials", "auth")
+_ANYWHERE = ("secret", "password", "passwd", "credential", "apikey")
+_SPECIAL_TOKENS = {"pad", "eos", "bos", "unk", "sep", "cls", "mask", "stop", "start", "end", "begin", "special",
+                   "image", "video", "audio", "vision"}
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
+_BARE_MASK = re.compile(r"(?P<head>^[ \t]*(?:- |[\w.\-]+:[ \t]+))\*\*\*[ \t]*$", re.MULTILINE)
+_URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][\w+.\-]*://[^/\s:@]+:)[^@\s/]+@")
+# key: value / key=value / "key": "value" on one line (YAML, dotted overrides, JSON)
+_KEY_VALUE = re.compile(
+    r"""(?P<q>["']?)(?P<key>[A-Za-z_][\w.\-]*)(?P=q)(?P<sep>[ \t]*[:=][ \t]*)"""
+    r"""(?P<val>"[^"\n]*"|'[^'\n]*'|[^\s,;}\]#]+)"""
+)
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a config key (its last dotted component) or an environment variable names a secret."""
+    words = [w.lower() for w in _WORD.findall(str(name).rsplit(".", 1)[-1])]
+    if not words:
+        return False
+    if words[-1] == "token" and len(words) > 1 and words[-2] in _SPECIAL_TOKENS:
+        return False
+    joined = "".join(words)
+    return joined.endswith(_ENDINGS) or any(part in joined for part in _ANYWHERE)
+
+
+def secret_values() -> list[str]:
+    """Values of the secret-looking environment variables, longest first."""
+    found = {v for k, v in os.environ.items() if len(v) >= MIN_SECRET_LENGTH and is_secret_name(k)}
+    return sorted(found, key=len, reverse=True)
+
+
+def _mask_value(value: Any, secrets: list[str]) -> Any:
+    if isinstance(value, dict):
+        return _redact_mapping(value, secrets)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_mask_value(item, secrets) for item in value)
+    if isinstance(value, str):
+        if any(secret in value for secret in secrets):
+            return MASK
+        return _URL_PASSWORD.sub(rf"\g<head>{MASK}@", value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and str(value) in secrets:
+        return MASK
+    return value
+
+
+def _redact_mapping(tree: dict, secrets: list[str]) -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(key, str):
+            for secret in secrets:
+                key = key.replace(secret, MASK)
+        if is_secret_name(key) and not isinstance(value, dict):
+            out[key] = MASK
+        else:
+            out[key] = _mask_value(value, secrets)
+    return out
+
+
+def redact(tree: dict) -> dict:
+    """A copy of a nested or flattened dict with secrets replaced by ``***`` (same shape)."""
+    return _redact_mapping(tree, secret_values())
+
+
+def redact_text(text: str) -> str:
+    """``text`` with environment secrets, values of secret-looking keys and URL passwords masked."""
+    for secret in secret_values():
+        text = text.replace(secret, MASK)
+
+    def mask_pair(match: re.Match) -> str:
+        if not is_secret_name(match["key"]):
+            return match[0]
+        value = match["val"]
+        quote = value[0] if value[0] in "'\"" else ("'" if ":" in match["sep"] else "")
+        return f"{match['q']}{match['key']}{match['q']}{match['sep']}{quote}{MASK}{quote}"
+
+    text = _KEY_VALUE.sub(mask_pair, text)
+    text = _BARE_MASK.sub(rf"\g<head>'{MASK}'", text)  # `key: ***` would be a YAML alias
+    return _URL_PASSWORD.sub(rf"\g<head>{MASK}@", text)
