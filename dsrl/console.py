@@ -24,8 +24,9 @@ Labels: ``score`` = critic/score/mean (mean sequence reward), ``resp_len`` = res
 (tokens), ``kl`` = actor/kl_loss, else actor/reward_kl_penalty, ``step_s`` = timing_s/step
 (seconds), ``tok/s`` = perf/throughput (prompt + response tokens per second per rank, verl's
 definition), ``eta`` = the mean wall time per step of this run so far (validation and checkpoints
-included) times the steps left. Failure counts follow only when non-zero: ``reward_errors``,
-``reward_timeouts`` (reward/errors, reward/timeouts), ``tracking_failures``, ``tracking_dropped``
+included) times the steps left. Failure counts follow only when non-zero: ``reward_exceptions``,
+``reward_timeouts``, ``reward_invalid``, ``reward_crashes`` (reward/fail_exception, reward/fail_timeout,
+reward/fail_invalid, reward/fail_crash), ``tracking_failures``, ``tracking_dropped``
 (tracking/failures, tracking/dropped). Metrics logged at a step not after the last one shown (the
 validation before training, at step 0 or at the resumed step) print as a validation line only.
 
@@ -156,8 +157,10 @@ STEP_FIELDS = (
 )
 # (label, metric key): counts shown only when non-zero
 FAILURE_FIELDS = (
-    ("reward_errors", "reward/errors"),
-    ("reward_timeouts", "reward/timeouts"),
+    ("reward_exceptions", "reward/fail_exception"),
+    ("reward_timeouts", "reward/fail_timeout"),
+    ("reward_invalid", "reward/fail_invalid"),
+    ("reward_crashes", "reward/fail_crash"),
     ("tracking_failures", "tracking/failures"),
     ("tracking_dropped", "tracking/dropped"),
 )

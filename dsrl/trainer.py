@@ -245,7 +245,7 @@ class Trainer:
                 trust_remote_code=model_cfg.trust_remote_code,
                 micro_batch_size=cfg.actor_rollout_ref.rollout.micro_batch_size,
             )
-        self.scorer = RewardScorer(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        self.scorer = RewardScorer.from_config(cfg)
 
         if algo.kl_ctrl.type == "adaptive":
             self.kl_ctrl = AdaptiveKLController(algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
@@ -744,7 +744,8 @@ class Trainer:
         training (when validated), and sets ``model_dir`` to the exported model (None with
         ``trainer.val_only``). Raises ``TrainingInterrupted`` after a signal.
 
-        The tracking run ends FINISHED, KILLED (a signal) or FAILED (an exception)."""
+        The tracking run ends FINISHED, KILLED (a signal) or FAILED (an exception); the reward
+        workers stop however it ends."""
         try:
             results = self._fit()
         except TrainingInterrupted:
@@ -753,6 +754,8 @@ class Trainer:
         except BaseException:
             self.tracker.finish("FAILED")
             raise
+        finally:
+            self.scorer.close()
         self.tracker.finish("FINISHED")
         return results
 

@@ -3,6 +3,8 @@ which loads, validates, resolves and freezes a run's config."""
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import re
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -86,6 +88,7 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     _vllm_rules(cfg, need)
     _rollout_correction_rules(cfg, need)
     _file_rules(cfg, need)
+    _reward_rules(cfg, need)
     _trainer_rules(cfg, need)
     return violations
 
@@ -553,6 +556,63 @@ def _file_rules(cfg: Config, need: Need) -> None:
             f"no DeepSpeed config at {path}",
             f"use a name in ds_configs/ ({known}) or a path to a DeepSpeed JSON file",
         )
+
+
+def _reward_rules(cfg: Config, need: Need) -> None:
+    """reward.* (the worker pool of dsrl.rewards.RewardScorer) and custom_reward_function.batch."""
+    reward, custom = cfg.reward, cfg.custom_reward_function
+    need(
+        reward.num_workers is None or reward.num_workers >= 1,
+        "reward.num_workers",
+        "must be >= 1, or null for the CPU count (at most 16)",
+        "set it to null or e.g. 8",
+    )
+    need(reward.timeout_s > 0, "reward.timeout_s", "must be > 0 seconds", "set it to e.g. 10")
+    need(
+        math.isfinite(reward.fallback_score),
+        "reward.fallback_score",
+        "must be a finite number (what a failed reward call scores)",
+        "set it to 0.0",
+    )
+    need(
+        reward.batch_chunk_size is None or reward.batch_chunk_size >= 1,
+        "reward.batch_chunk_size",
+        "must be >= 1, or null for the batch split evenly over the workers",
+        "set it to null",
+    )
+    need(
+        reward.batch_chunk_size is None or custom.batch,
+        "reward.batch_chunk_size",
+        "is read only with custom_reward_function.batch=true (a function of lists)",
+        "set custom_reward_function.batch=true, or reward.batch_chunk_size=null",
+    )
+    need(
+        not custom.batch or custom.path is not None,
+        "custom_reward_function.batch",
+        "needs custom_reward_function.path (the built-in scorers take one row at a time)",
+        "set custom_reward_function.path to a file defining a batch function, or batch=false",
+    )
+    sources = list(reward.math_verify_sources)
+    if not sources:
+        return
+    need(
+        all(isinstance(s, str) and s for s in sources),
+        "reward.math_verify_sources",
+        "entries must be data_source names",
+        "set it to e.g. [lighteval/MATH,HuggingFaceH4/MATH-500]",
+    )
+    need(
+        custom.path is None,
+        "reward.math_verify_sources",
+        "has no effect while custom_reward_function.path is set (that function scores every data source)",
+        "call dsrl.rewards.mathverify.compute_score(solution_str, ground_truth) from your function, or set it to []",
+    )
+    need(
+        importlib.util.find_spec("math_verify") is not None,
+        "reward.math_verify_sources",
+        "needs the math-verify package, which is not installed",
+        "pip install 'dsrl[math]' (or pip install math-verify), or set it to []",
+    )
 
 
 def _trainer_rules(cfg: Config, need: Need) -> None:

@@ -69,6 +69,7 @@ REQUIRED_CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
 RESUME_HARMLESS_KEYS = (
     r"trainer\.(total_epochs|total_training_steps|save_freq|test_freq|val_before_train|val_only|logger)",
     r"trainer\.(log_val_generations|log_samples_freq|log_model)",
+    r"reward\.(num_workers|batch_chunk_size)",
     r"trainer\.(project_name|experiment_name|default_local_dir|max_consecutive_skips)",
     r"trainer\.(resume_mode|resume_from_path|resume_allow_config_change|max_actor_ckpt_to_keep|max_critic_ckpt_to_keep)",
     r"data\.(val_files|val_batch_size)",
@@ -422,6 +423,29 @@ class CustomRewardFunctionConfig:
     name: str = _f(
         "compute_score", "function in that file: (data_source, solution_str, ground_truth, extra_info) -> float | dict"
     )
+    batch: bool = _f(
+        False,
+        "the function takes lists, as verl's batch reward manager calls it: (data_sources, solution_strs, ground_truths, extra_infos) -> list of float | dict; each call gets one chunk of the batch",
+    )
+
+
+@dataclass
+class RewardConfig:
+    num_workers: Optional[int] = _f(
+        None, "reward worker processes per rank; null = the CPUs this process may run on, shared by the node's ranks, at most 16"
+    )
+    timeout_s: float = _f(
+        10.0, "time limit of one reward call (one row, or one chunk of a batch function); a call past it is killed and scores fallback_score"
+    )
+    fallback_score: float = _f(
+        0.0, "the score of a row whose call failed (exception, timeout, no finite number, crashed worker), counted as reward/fail_*"
+    )
+    batch_chunk_size: Optional[int] = _f(
+        None, "custom_reward_function.batch: rows per call; null = the batch split evenly over the workers"
+    )
+    math_verify_sources: list[str] = _f(
+        list, "data sources the built-in scorer checks with Math-Verify (pip install 'dsrl[math]') instead of its rule, e.g. [lighteval/MATH]"
+    )
 
 
 @dataclass
@@ -487,6 +511,7 @@ class Config:
     critic: CriticConfig = _f(CriticConfig, "value model (gae only)")
     algorithm: AlgorithmConfig = _f(AlgorithmConfig, "advantage estimator and in-reward KL")
     custom_reward_function: CustomRewardFunctionConfig = _f(CustomRewardFunctionConfig, "user reward function")
+    reward: RewardConfig = _f(RewardConfig, "reward worker processes, time limit and Math-Verify data sources")
     trainer: TrainerConfig = _f(TrainerConfig, "loop length, evaluation, checkpoints, logging")
 
 

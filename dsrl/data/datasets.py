@@ -14,6 +14,7 @@ How the trainer uses it (B = data.train_batch_size prompts, W ranks)::
                                   filter_overlong_prompts=cfg.data.filter_overlong_prompts,
                                   truncation=cfg.data.truncation)
     sampler = PromptSampler(records, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    # records: a PromptStore (flat int32 tokens + offsets; records built per row asked for)
     rows = sampler.next_batch()[rank * (B // W):(rank + 1) * (B // W)]   # same global batch on every rank
     prompts = collate_prompts(rows, tokenizer.pad_token_id)   # prompt_ids, prompt_mask [B/W, P] + row lists
     # repeat each row rollout.n times, generate, then Batch(**prompts_repeated, response_ids=..., ...)
@@ -25,20 +26,27 @@ dropped and counted when ``data.filter_overlong_prompts`` is on, else handled pe
 ``data.truncation`` (``error`` raises, ``left`` keeps the last tokens, ``right`` the first).
 
 Files are read with pyarrow directly (no datasets cache), so every rank can read them at once.
+The prompts are held in a ``PromptStore``: all token ids in one int32 buffer with int64 offsets,
+data sources as codes into a short list, ground truths and extra infos as Arrow arrays -- about
+4 bytes per token, where tuples of Python ints took ~36 (7 GB per rank for 1M prompts of 200 tokens).
 """
 
 import logging
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right")
+READ_BATCH_ROWS = 4096  # rows read, checked and tokenized at a time: bounds the transient Python objects
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,167 @@ class PromptRecord:
     data_source: str
     ground_truth: Any
     extra_info: dict
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """The rows of a ``PromptStore``, shared by its slices. ``F`` files contributed rows."""
+
+    token_ids: np.ndarray  # int32 [T]: every prompt's tokens, back to back
+    offsets: np.ndarray  # int64 [N + 1]: prompt i is token_ids[offsets[i]:offsets[i + 1]]
+    source_codes: np.ndarray  # uint8/uint16/int32 [N]: index into sources
+    sources: tuple[str, ...]  # the distinct data sources, in order of first appearance
+    file_starts: np.ndarray  # int64 [F + 1]: rows file_starts[f]:file_starts[f + 1] come from file f
+    ground_truths: tuple[pa.Array, ...]  # per file, one per kept row (Arrow: no Python object per row)
+    extra_infos: tuple[pa.Array | None, ...]  # per file, or None where the file has no extra_info
+
+
+def _codes_dtype(categories: int) -> np.dtype:
+    return np.dtype(np.uint8 if categories <= 1 << 8 else np.uint16 if categories <= 1 << 16 else np.int32)
+
+
+class PromptStore:
+    """Tokenized prompts in flat arrays; ``PromptRecord``s are built only for the rows asked for.
+
+    Memory: 4 bytes per token (one int32 buffer) + 8 bytes per prompt (int64 offsets) + 1-2 bytes
+    per prompt (data-source code) + the kept ground truths and extra infos as Arrow arrays, where
+    a Python ``tuple`` of ints cost ~36 bytes per token and a ``dict`` per row several hundred bytes.
+    ``nbytes`` adds it up.
+
+    Acts as a read-only sequence of ``PromptRecord``: ``len``, ``store[i]`` (a record),
+    ``store[a:b:c]`` (a ``PromptStore`` sharing the arrays, as ``records[rank::world]``),
+    iteration, and ``take(indices)`` (a list of records, one Arrow ``take`` per file).
+    """
+
+    def __init__(self, columns: _Columns, rows: range | None = None):
+        self._columns = columns
+        self._rows = range(len(columns.offsets) - 1) if rows is None else rows
+
+    @classmethod
+    def from_arrays(
+        cls,
+        token_ids: np.ndarray,
+        lengths: np.ndarray,
+        data_sources: Sequence[str],
+        ground_truths: Sequence[Any] | pa.Array | pa.ChunkedArray,
+        extra_infos: Sequence[dict | None] | pa.Array | pa.ChunkedArray | None = None,
+    ) -> "PromptStore":
+        """A store of ``len(lengths)`` prompts whose tokens are ``token_ids`` cut at ``lengths`` (one file)."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        if offsets[-1] != len(token_ids):
+            raise ValueError(f"lengths add up to {offsets[-1]} tokens, token_ids has {len(token_ids)}")
+        sources, codes = _encode_sources(data_sources, {})
+        truths = _as_arrow(ground_truths)
+        infos = None if extra_infos is None else _as_arrow(extra_infos)
+        if not len(truths) == len(codes) == len(lengths) == (len(infos) if infos is not None else len(lengths)):
+            raise ValueError("from_arrays: lengths, data_sources, ground_truths and extra_infos differ in length")
+        return cls(
+            _Columns(
+                token_ids=np.ascontiguousarray(token_ids, dtype=np.int32),
+                offsets=offsets,
+                source_codes=codes.astype(_codes_dtype(len(sources))),
+                sources=tuple(sources),
+                file_starts=np.array([0, len(lengths)], dtype=np.int64),
+                ground_truths=(truths,),
+                extra_infos=(infos,),
+            )
+        )
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the arrays (shared with every slice of the same store)."""
+        c = self._columns
+        arrays = sum(a.nbytes for a in c.ground_truths + c.extra_infos if a is not None)
+        return (
+            c.token_ids.nbytes
+            + c.offsets.nbytes
+            + c.source_codes.nbytes
+            + c.file_starts.nbytes
+            + sum(len(s.encode()) for s in c.sources)
+            + arrays
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the whole underlying store (not only this slice's rows)."""
+        return len(self._columns.token_ids)
+
+    def __getitem__(self, key: int | slice) -> "PromptRecord | PromptStore":
+        if isinstance(key, slice):
+            return PromptStore(self._columns, self._rows[key])
+        if isinstance(key, (int, np.integer)):
+            return self.take([key])[0]
+        raise TypeError(f"PromptStore indices must be int or slice, not {type(key).__name__}")
+
+    def __iter__(self) -> Iterator[PromptRecord]:
+        block = 1024
+        for start in range(0, len(self), block):
+            yield from self.take(range(start, min(start + block, len(self))))
+
+    def __repr__(self) -> str:
+        return f"PromptStore({len(self)} prompts, {self.nbytes / 2**20:.1f} MiB)"
+
+    def take(self, indices: Iterable[int] | np.ndarray) -> list[PromptRecord]:
+        """The records at ``indices`` (positions in this store; negative ones count from the end)."""
+        n = len(self)
+        positions = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices), dtype=np.int64)
+        if positions.size and (positions.min() < -n or positions.max() >= n):
+            raise IndexError(f"PromptStore index out of range (size {n})")
+        positions = np.where(positions < 0, positions + n, positions)
+        rows = self._rows.start + self._rows.step * positions  # rows of the underlying columns
+        c = self._columns
+        starts, ends = c.offsets[rows].tolist(), c.offsets[rows + 1].tolist()
+        prompt_ids = [tuple(c.token_ids[s:e].tolist()) for s, e in zip(starts, ends, strict=True)]
+        sources = [c.sources[code] for code in c.source_codes[rows].tolist()]
+        truths: list[Any] = [None] * len(rows)
+        infos: list[dict] = [{}] * len(rows)
+        files = np.searchsorted(c.file_starts, rows, side="right") - 1
+        for file in np.unique(files).tolist():
+            where = np.flatnonzero(files == file)
+            local = pa.array(rows[where] - c.file_starts[file])
+            file_truths = c.ground_truths[file].take(local).to_pylist()
+            file_infos = c.extra_infos[file]
+            file_infos = file_infos.take(local).to_pylist() if file_infos is not None else [None] * len(where)
+            for i, truth, info in zip(where.tolist(), file_truths, file_infos, strict=True):
+                truths[i], infos[i] = truth, info or {}
+        return [PromptRecord(*fields) for fields in zip(prompt_ids, sources, truths, infos, strict=True)]
+
+
+def _as_arrow(values: Sequence[Any] | pa.Array | pa.ChunkedArray) -> pa.Array:
+    if isinstance(values, pa.ChunkedArray):
+        return values.combine_chunks()
+    return values if isinstance(values, pa.Array) else pa.array(list(values))
+
+
+def _encode_sources(data_sources: Iterable[str], codes_of: dict[str, int]) -> tuple[list[str], np.ndarray]:
+    """Codes of ``data_sources`` in ``codes_of`` (extended with new sources): ``(sources, codes)``."""
+    codes = np.fromiter((codes_of.setdefault(s, len(codes_of)) for s in data_sources), dtype=np.int32)
+    return list(codes_of), codes
+
+
+class _Int32Buffer:
+    """A growing int32 array. ``ndarray.resize`` reallocates in place (``mremap`` for large blocks on
+    Linux), so growing does not hold the old and the new copy at once, as concatenating chunks would."""
+
+    def __init__(self):
+        self._array, self._size = np.empty(1 << 16, dtype=np.int32), 0
+
+    def extend(self, values: list[int]) -> None:
+        end = self._size + len(values)
+        if end > len(self._array):
+            self._array.resize(max(end, len(self._array) + len(self._array) // 4), refcheck=False)
+        self._array[self._size : end] = values
+        self._size = end
+
+    def finish(self) -> np.ndarray:
+        self._array.resize(self._size, refcheck=False)
+        array, self._array = self._array, np.empty(0, dtype=np.int32)
+        return array
 
 
 def _row_error(file: str, row: int, rule: str, fix: str) -> ValueError:
@@ -76,54 +245,55 @@ def _messages(value: Any, file: str, row: int, prompt_key: str) -> list[dict]:
     return value
 
 
-def _read_rows(file: str, prompt_key: str) -> list[tuple[list[dict], str, Any, dict]]:
-    """``(messages, data_source, ground_truth, extra_info)`` of every row of one parquet file."""
+def _check_row(file: str, row: int, prompt_key: str, data_source, prompt, reward_model, extra_info) -> list[dict]:
+    """The messages of a valid row; a ValueError naming the file, the row, the rule and the fix otherwise."""
+    if not isinstance(data_source, str) or not data_source:
+        raise _row_error(
+            file, row, f"data_source is {data_source!r}, not a non-empty string", "set data_source (it chooses the reward)"
+        )
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+        raise _row_error(
+            file,
+            row,
+            f"reward_model is {reward_model!r:.80}, without reward_model.ground_truth",
+            "give every row a reward_model.ground_truth",
+        )
+    if extra_info is not None and not isinstance(extra_info, dict):
+        raise _row_error(
+            file,
+            row,
+            f"extra_info is {type(extra_info).__name__}, not a dict or null",
+            "store extra_info as a struct (dict) or leave it null",
+        )
+    return _messages(prompt, file, row, prompt_key)
+
+
+def _open(file: str, prompt_key: str) -> tuple[pq.ParquetFile, list[str]]:
+    """The parquet file and the columns to read; errors for a missing file or missing columns."""
     path = Path(file).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {file!r} does not exist (create it with scripts/prepare_data.py)")
-    table = pq.read_table(path)
-    missing = [c for c in ("data_source", prompt_key, "reward_model") if c not in table.column_names]
+    parquet = pq.ParquetFile(path)
+    names = parquet.schema_arrow.names
+    missing = [c for c in ("data_source", prompt_key, "reward_model") if c not in names]
     if missing:
         raise ValueError(
-            f"{file}: no column {missing} (columns: {table.column_names}). verl's schema needs data_source, "
+            f"{file}: no column {missing} (columns: {names}). verl's schema needs data_source, "
             f"{prompt_key}, reward_model. Fix: write the file with scripts/prepare_data.py, or set data.prompt_key."
         )
-    extra_infos = table.column("extra_info").to_pylist() if "extra_info" in table.column_names else [None] * len(table)
-    rows = []
-    for row, (data_source, prompt, reward_model, extra_info) in enumerate(
-        zip(
-            table.column("data_source").to_pylist(),
-            table.column(prompt_key).to_pylist(),
-            table.column("reward_model").to_pylist(),
-            extra_infos,
-            strict=True,
-        )
-    ):
-        if not isinstance(data_source, str) or not data_source:
-            raise _row_error(
-                file,
-                row,
-                f"data_source is {data_source!r}, not a non-empty string",
-                "set data_source (it chooses the reward)",
-            )
-        if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
-            raise _row_error(
-                file,
-                row,
-                f"reward_model is {reward_model!r:.80}, without reward_model.ground_truth",
-                "give every row a reward_model.ground_truth",
-            )
-        if extra_info is not None and not isinstance(extra_info, dict):
-            raise _row_error(
-                file,
-                row,
-                f"extra_info is {type(extra_info).__name__}, not a dict or null",
-                "store extra_info as a struct (dict) or leave it null",
-            )
-        rows.append(
-            (_messages(prompt, file, row, prompt_key), data_source, reward_model["ground_truth"], extra_info or {})
-        )
-    return rows
+    return parquet, ["data_source", prompt_key, "reward_model"] + (["extra_info"] if "extra_info" in names else [])
+
+
+def _no_chat_template_error() -> ValueError:
+    return ValueError(
+        "the tokenizer of actor_rollout_ref.model.path has no chat template, and prompts are chat messages "
+        "(verl's schema) that only a chat template turns into the text the model sees; dsrl does not guess "
+        "a format, as a made-up one would silently change the experiment. dsrl has no key for a custom "
+        "template (verl's actor_rollout_ref.model.custom_chat_template is refused). Fix: set "
+        "actor_rollout_ref.model.path to an instruct/chat model, or to a copy of the model directory with the "
+        "template in a chat_template.jinja file next to tokenizer_config.json (transformers loads it as the "
+        "tokenizer's chat_template)"
+    )
 
 
 def load_prompts(
@@ -136,54 +306,95 @@ def load_prompts(
     truncation: str,
     max_samples: int = -1,
     chat_template_kwargs: dict | None = None,
-) -> tuple[list[PromptRecord], dict[str, int]]:
+) -> tuple[PromptStore, dict[str, int]]:
     """Read parquet prompt files (in order) and tokenize them with the tokenizer's chat template.
 
     Each prompt is ``apply_chat_template(messages, add_generation_prompt=True, **chat_template_kwargs)``
     tokenized without extra special tokens (the template writes them). Only the first
-    ``max_samples`` rows of the files are read (-1: all). Returns ``(records, stats)`` with
-    ``stats = {"rows": read, "kept": len(records), "filtered_overlong": dropped, "truncated": cut}``;
-    dropped prompts are also logged as a warning.
+    ``max_samples`` rows of the files are read (-1: all). Returns ``(records, stats)``: a
+    ``PromptStore`` and ``stats = {"rows": read, "kept": len(records), "filtered_overlong": dropped,
+    "truncated": cut}``; dropped prompts are also logged as a warning. Files are streamed in
+    batches of ``READ_BATCH_ROWS`` rows, so only the store grows with the dataset.
     """
     if truncation not in TRUNCATION_MODES:
         raise ValueError(f"data.truncation={truncation!r}: must be one of {list(TRUNCATION_MODES)}")
     if max_prompt_length < 1:
         raise ValueError(f"data.max_prompt_length={max_prompt_length}: must be >= 1")
-    if tokenizer.chat_template is None:
-        raise ValueError(
-            "the tokenizer of actor_rollout_ref.model.path has no chat template; prompts are chat messages. "
-            "Fix: use an instruct/chat model or a tokenizer directory with chat_template.jinja"
-        )
-    records, stats = [], {"rows": 0, "kept": 0, "filtered_overlong": 0, "truncated": 0}
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise _no_chat_template_error()
+    template_kwargs = chat_template_kwargs or {}
+    stats = {"rows": 0, "kept": 0, "filtered_overlong": 0, "truncated": 0}
+    tokens, lengths, codes, codes_of = _Int32Buffer(), [], [], {}
+    file_starts, ground_truths, extra_infos = [0], [], []
     for file in [files] if isinstance(files, str) else list(files):
         if stats["rows"] == max_samples:
             break
-        rows = _read_rows(file, prompt_key)
-        if max_samples > 0:
-            rows = rows[: max_samples - stats["rows"]]
-        texts = [
-            tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {}))
-            for m, *_ in rows
-        ]
-        token_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        stats["rows"] += len(rows)
-        for row, (ids, (_, data_source, ground_truth, extra_info)) in enumerate(zip(token_ids, rows, strict=True)):
-            if len(ids) > max_prompt_length:
-                if filter_overlong_prompts:
-                    stats["filtered_overlong"] += 1
-                    continue
-                if truncation == "error":
-                    raise _row_error(
-                        file,
-                        row,
-                        f"the prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length} "
-                        "(data.truncation=error)",
-                        "raise data.max_prompt_length, set data.filter_overlong_prompts=true, "
-                        "or set data.truncation=left",
-                    )
-                ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
-                stats["truncated"] += 1
-            records.append(PromptRecord(tuple(ids), data_source, ground_truth, extra_info))
+        parquet, columns = _open(file, prompt_key)
+        limit = max_samples - stats["rows"] if max_samples > 0 else None
+        file_truths, file_infos, file_kept, row0 = [], [], 0, 0
+        for batch in parquet.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns):
+            if limit is not None:
+                if row0 >= limit:
+                    break
+                batch = batch.slice(0, limit - row0)
+            if not len(batch):
+                continue
+            values = [batch.column(c).to_pylist() for c in columns]  # transient, one batch at a time
+            if len(values) == 3:
+                values.append([None] * len(batch))  # no extra_info column
+            conversations = [
+                _check_row(file, row0 + j, prompt_key, *row) for j, row in enumerate(zip(*values, strict=True))
+            ]
+            texts = tokenizer.apply_chat_template(
+                conversations, add_generation_prompt=True, tokenize=False, **template_kwargs
+            )
+            kept, kept_lengths = [], []
+            for j, ids in enumerate(tokenizer(texts, add_special_tokens=False)["input_ids"]):
+                if len(ids) > max_prompt_length:
+                    if filter_overlong_prompts:
+                        stats["filtered_overlong"] += 1
+                        continue
+                    if truncation == "error":
+                        raise _row_error(
+                            file,
+                            row0 + j,
+                            f"the prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length} "
+                            "(data.truncation=error)",
+                            "raise data.max_prompt_length, set data.filter_overlong_prompts=true, "
+                            "or set data.truncation=left",
+                        )
+                    ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
+                    stats["truncated"] += 1
+                tokens.extend(ids)
+                kept_lengths.append(len(ids))
+                kept.append(j)
+            lengths.append(np.array(kept_lengths, dtype=np.int64))
+            codes.append(_encode_sources((values[0][j] for j in kept), codes_of)[1])
+            taken = pa.array(kept, type=pa.int64())
+            file_truths.append(pc.struct_field(batch.column("reward_model"), "ground_truth").take(taken))
+            if "extra_info" in columns and not pa.types.is_null(batch.column("extra_info").type):
+                file_infos.append(batch.column("extra_info").take(taken))
+            file_kept += len(kept)
+            row0 += len(batch)
+        stats["rows"] += row0
+        if file_kept:  # one contiguous Arrow array per file (files may differ in types)
+            file_starts.append(file_starts[-1] + file_kept)
+            ground_truths.append(pa.chunked_array(file_truths).combine_chunks())
+            extra_infos.append(pa.chunked_array(file_infos).combine_chunks() if file_infos else None)
+    lengths = np.concatenate(lengths or [np.zeros(0, np.int64)])
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    records = PromptStore(
+        _Columns(
+            token_ids=tokens.finish(),
+            offsets=offsets,
+            source_codes=np.concatenate(codes or [np.zeros(0, np.int32)]).astype(_codes_dtype(len(codes_of))),
+            sources=tuple(codes_of),
+            file_starts=np.array(file_starts, dtype=np.int64),
+            ground_truths=tuple(ground_truths),
+            extra_infos=tuple(extra_infos),
+        )
+    )
     stats["kept"] = len(records)
     if stats["filtered_overlong"]:
         logger.warning(
@@ -192,7 +403,7 @@ def load_prompts(
             stats["rows"],
             max_prompt_length,
         )
-    if not records:
+    if not len(records):
         raise ValueError(
             f"no prompts left in {files} ({stats['rows']} rows, {stats['filtered_overlong']} longer than "
             f"data.max_prompt_length={max_prompt_length}). Fix: raise data.max_prompt_length or check the files"
@@ -207,10 +418,11 @@ class PromptSampler:
     off) in ``len(records) // batch_size`` full batches; the remainder is left out of that epoch,
     as in verl's ``drop_last``. ``index`` counts the batches already taken in ``epoch``; after the
     last batch of an epoch the next call starts epoch ``e + 1``. Every rank builds the same sampler
-    and takes the same global batch, then its own slice.
+    and takes the same global batch, then its own slice. ``records`` is a ``PromptStore`` (only
+    the batch's records are built) or any sequence.
     """
 
-    def __init__(self, records: list[PromptRecord], batch_size: int, *, shuffle: bool, seed: int):
+    def __init__(self, records: PromptStore | Sequence[PromptRecord], batch_size: int, *, shuffle: bool, seed: int):
         if not 0 < batch_size <= len(records):
             raise ValueError(
                 f"data.train_batch_size={batch_size}: must be between 1 and the {len(records)} prompts of the "
@@ -242,7 +454,11 @@ class PromptSampler:
         if self.index == self.batches_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
         start = self.index * self.batch_size
-        batch = [self.records[i] for i in self._epoch_order()[start : start + self.batch_size]]
+        indices = self._epoch_order()[start : start + self.batch_size]
+        if isinstance(self.records, PromptStore):
+            batch = self.records.take(indices)
+        else:
+            batch = [self.records[i] for i in indices]
         self.index += 1
         return batch
 
@@ -279,8 +495,11 @@ def left_pad(
     return ids, mask.long()
 
 
-def collate_prompts(records: list[PromptRecord], pad_token_id: int) -> dict[str, Any]:
-    """The prompt fields of a ``Batch``: ``prompt_ids``/``prompt_mask`` ``[B, P]`` (left-padded) and per-row lists."""
+def collate_prompts(records: Iterable[PromptRecord], pad_token_id: int) -> dict[str, Any]:
+    """The prompt fields of a ``Batch``: ``prompt_ids``/``prompt_mask`` ``[B, P]`` (left-padded) and per-row lists.
+
+    ``records``: a list of records or a ``PromptStore`` slice."""
+    records = list(records)
     prompt_ids, prompt_mask = left_pad([r.prompt_ids for r in records], pad_token_id)
     return {
         "prompt_ids": prompt_ids,

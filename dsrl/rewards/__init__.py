@@ -6,19 +6,24 @@ Public API (verl's signature, so a verl ``custom_reward_function`` works unchang
   dispatcher (``arithmetic``; ``openai/gsm8k``; ``lighteval/MATH``,
   ``DigitalLearningGmbH/MATH-lighteval``, ``HuggingFaceH4/MATH-500``).
 - ``load_custom_reward_function(path, name)``: a user's function with the same signature.
-- ``RewardScorer(custom_path, custom_name, timeout_s).score_batch(...)``: what the trainer calls;
-  every call runs in a worker process under a time limit, and exceptions and timeouts score 0 and
-  are counted.
+- ``make_compute_score(math_verify_sources)``: the dispatcher with some data sources scored by
+  Math-Verify (``dsrl.rewards.mathverify``, the optional extra ``dsrl[math]``) instead.
+- ``RewardScorer.from_config(cfg).score_batch(...)``: what the trainer calls; the calls run in a
+  pool of worker processes (pebble), each under ``reward.timeout_s``; a call that raises, times out,
+  returns no finite number or kills its worker scores ``reward.fallback_score`` and is counted
+  (``reward/fail_exception``, ``reward/fail_timeout``, ``reward/fail_invalid``, ``reward/fail_crash``).
+  With ``custom_reward_function.batch: true`` the function takes lists (verl's batch reward manager).
 
-This package imports no torch, so the worker process starts in a fraction of a second.
+This package imports no torch, so a worker process starts in a fraction of a second.
 """
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Iterable
 
 from dsrl.rewards import arithmetic, gsm8k
 from dsrl.rewards import math as math_answer
 from dsrl.rewards.custom import load_custom_reward_function
-from dsrl.rewards.scorer import RewardScorer, numeric_extras
+from dsrl.rewards.scorer import FAILURE_COUNTS, RewardScorer, default_num_workers, numeric_extras
 
 _RULES: dict[str, Callable[[str, str], float]] = {
     "arithmetic": arithmetic.compute_score,
@@ -44,4 +49,31 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     return float(rule(solution_str, ground_truth))
 
 
-__all__ = ["RewardScorer", "compute_score", "load_custom_reward_function", "numeric_extras"]
+def make_compute_score(math_verify_sources: Iterable[str] = ()) -> Callable:
+    """``compute_score``, except that the data sources in ``math_verify_sources`` (any names, built-in
+    or not) are scored by Math-Verify. ValueError naming the fix when math-verify is not installed."""
+    sources = frozenset(math_verify_sources)
+    if not sources:
+        return compute_score
+    try:
+        mathverify = importlib.import_module("dsrl.rewards.mathverify")
+    except ImportError as exc:
+        raise ValueError(f"reward.math_verify_sources={sorted(sources)}: {exc}") from None
+
+    def compute_score_with_math_verify(data_source, solution_str, ground_truth, extra_info=None) -> float:
+        if data_source in sources:
+            return mathverify.compute_score(solution_str, ground_truth)
+        return compute_score(data_source, solution_str, ground_truth, extra_info)
+
+    return compute_score_with_math_verify
+
+
+__all__ = [
+    "FAILURE_COUNTS",
+    "RewardScorer",
+    "compute_score",
+    "default_num_workers",
+    "load_custom_reward_function",
+    "make_compute_score",
+    "numeric_extras",
+]

@@ -1,101 +1,228 @@
-"""Batch reward scoring in a worker process, with a time limit per call.
+"""Batch reward scoring in a pool of worker processes (pebble), with a time limit per call.
 
-Why a process: a reward function (a user's, or a checker on a pathological response) can hang or
-hold the GIL in C code; a thread cannot be stopped and ``signal.alarm`` works only in the main
-thread and not inside C calls. A child process can always be killed, works the same under the
-``deepspeed`` launcher as in a plain script, and keeps a crashing function (even a segfault) from
-taking the trainer down. The child is started with ``python -m dsrl.rewards.worker`` (not
-``multiprocessing`` spawn, which would re-import the training script and torch).
+Why processes: a reward function (a user's, or a checker on a pathological response) can hang or hold
+the GIL in C code; a thread cannot be stopped, and ``signal.alarm`` works only in the main thread and
+not inside C calls. A worker process can always be killed, and a crashing function (even a segfault)
+does not take the trainer down. pebble's ``ProcessPool`` kills and replaces only the worker whose task
+ran past its timeout (or died), so the rest of the batch goes on in the other workers. The clock of a
+task starts when a worker takes it, so K hanging calls on W workers cost about ceil(K / W) limits (plus
+the start-up of the replacements), not K. A per-row function gets one task per row (the isolation
+above); the parent's share of a task (pebble's scheduling and three messages) bounds cheap rules at a
+few thousand rows per second (scripts/bench_rewards.py). A batch function gets one task per chunk.
 
-Protocol: the parent sends the batch once; the worker replies once per call, in order. The parent
-waits at most ``timeout_s`` for each reply; on a timeout it kills the worker, scores that call 0,
-starts a new worker and resends the rest of the batch.
+Start method: ``spawn`` (no ``fork`` of a process holding CUDA, DeepSpeed and NCCL state), but without
+the part of ``spawn`` that re-runs the parent's ``__main__`` script in every child as ``__mp_main__``
+(for ``scripts/train.py`` that would import torch and the trainer in each worker): the pool's own
+multiprocessing context drops the main-module entries from the preparation data of the processes it
+starts, and only those (a thread-local flag around ``multiprocessing.spawn.get_preparation_data``). A
+worker imports dsrl.rewards, pebble and the user's reward file (once, in the pool initializer): about
+0.3 s of start-up, paid at construction and again only for a worker that replaces a killed one.
+
+Life of the workers: ``close()`` (also via the context manager, garbage collection and ``atexit``)
+stops the pool. A SIGKILLed trainer runs no atexit handler: pebble's idle workers then exit on the end
+of file of their task pipe, but a worker inside a hanging call would live on (checked: it is reparented
+to init); so every worker also sets ``PR_SET_PDEATHSIG`` (SIGKILL) on Linux, a ``getppid`` watchdog
+thread elsewhere (``dsrl.rewards.worker.die_with_parent``). The kernel sends that signal when the
+*thread* that started the worker ends: the pool's first workers are started by the thread that builds
+the scorer (build it on the trainer's main thread), replacements by pebble's pool thread. Workers take
+SIGTERM's default action (pebble's Python handler could not run inside a C call holding the GIL), so
+a timed-out call is ended at once.
 """
+
+from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.spawn
 import os
-import subprocess
-import sys
-from multiprocessing import Pipe
-from multiprocessing.connection import Connection
-from pathlib import Path
+import signal
+import threading
+import time
+import weakref
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from concurrent.futures.process import BrokenProcessPool
+
+import pebble
+
+from dsrl.rewards import worker
 
 logger = logging.getLogger(__name__)
 
-# Python start-up plus loading the user's file; a worker that is not ready by then is broken.
-_STARTUP_TIMEOUT_S = 60.0
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+# Failure kinds, in the order the counts are returned (every rank returns the same keys in the same order).
+FAILURE_KINDS = ("exception", "timeout", "invalid", "crash")
+FAILURE_COUNTS = tuple(f"reward/fail_{kind}" for kind in FAILURE_KINDS)
+MAX_DEFAULT_WORKERS = 16
+# Python start-up plus loading the user's file; a pool whose first worker is not ready by then is broken.
+_STARTUP_TIMEOUT_S = 120.0
+
+
+def default_num_workers() -> int:
+    """The CPUs this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``), shared by
+    the ranks of this node (``LOCAL_SIZE`` from the deepspeed launcher, ``LOCAL_WORLD_SIZE`` from
+    torchrun), at most 16: every rank has its own pool, so 8 ranks do not start 8 x 16 workers."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1")
+    return max(1, min(MAX_DEFAULT_WORKERS, cpus // max(local_ranks, 1)))
+
+
+# ---------------------------------------------------------------- spawn without re-running __main__
+
+_launching = threading.local()
+
+
+def _preparation_data(name: str) -> dict:
+    data = _stdlib_preparation_data(name)
+    if getattr(_launching, "reward_worker", False):
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+    return data
+
+
+_stdlib_preparation_data = getattr(
+    multiprocessing.spawn.get_preparation_data, "__wrapped__", multiprocessing.spawn.get_preparation_data
+)
+_preparation_data.__wrapped__ = _stdlib_preparation_data
+
+
+def _install_preparation_hook() -> None:
+    """Route ``spawn.get_preparation_data`` through ``_preparation_data``: unchanged for every process
+    but those :class:`_WorkerProcess` starts on this thread at this moment."""
+    if multiprocessing.spawn.get_preparation_data is not _preparation_data:
+        multiprocessing.spawn.get_preparation_data = _preparation_data
+
+
+class _WorkerProcess(multiprocessing.context.SpawnProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        _launching.reward_worker = True
+        try:
+            return multiprocessing.context.SpawnProcess._Popen(process_obj)
+        finally:
+            _launching.reward_worker = False
+
+
+class _WorkerContext(multiprocessing.context.SpawnContext):
+    """The ``spawn`` context, its processes started without the parent's ``__main__``."""
+
+    Process = _WorkerProcess
+
+
+# ---------------------------------------------------------------- the scorer
 
 
 class RewardScorer:
-    """Scores batches of responses with the built-in dispatcher or a user function, one worker process.
+    """Scores batches of responses with the built-in dispatcher or a user function, in a process pool.
 
     Args:
-        custom_path: ``custom_reward_function.path``; None uses ``dsrl.rewards.compute_score``.
+        custom_path: ``custom_reward_function.path``; None uses the built-in dispatcher
+            (``dsrl.rewards.compute_score``, with ``math_verify_sources`` scored by Math-Verify).
         custom_name: ``custom_reward_function.name``, the function to load from ``custom_path``.
-        timeout_s: time limit of one call in seconds; a call that exceeds it scores 0.
+        batch: ``custom_reward_function.batch``: the function takes lists (``data_sources,
+            solution_strs, ground_truths, extra_infos``) and returns a list, as verl's batch reward
+            manager calls it; each call gets one chunk of the batch.
+        num_workers: worker processes; None = :func:`default_num_workers`.
+        timeout_s: time limit of one call (one row, or one chunk of a batch function) in seconds.
+        fallback_score: the score of a row whose call failed.
+        batch_chunk_size: rows per call of a batch function; None = the batch split evenly over the workers.
+        math_verify_sources: data sources the built-in dispatcher scores with Math-Verify.
 
-    Raises ValueError at construction when the custom file or function is missing or its import
-    fails, so a broken reward shows up before training starts. Use as a context manager or call
-    :meth:`close`; the worker also exits by itself when this process dies.
+    Raises ValueError at construction when the custom file or function is missing, its import fails,
+    its signature does not fit ``batch``, or math-verify is needed and not installed, so a broken reward
+    shows up before training starts. Use as a context manager or call :meth:`close` (done at exit
+    otherwise); the workers also die with this process (see the module doc).
     """
 
-    def __init__(self, custom_path: str | None = None, custom_name: str = "compute_score", timeout_s: float = 10.0):
+    def __init__(
+        self,
+        custom_path: str | None = None,
+        custom_name: str = "compute_score",
+        *,
+        batch: bool = False,
+        num_workers: int | None = None,
+        timeout_s: float = 10.0,
+        fallback_score: float = 0.0,
+        batch_chunk_size: int | None = None,
+        math_verify_sources: tuple[str, ...] | list[str] = (),
+    ):
         if not timeout_s > 0:
             raise ValueError(f"reward timeout_s={timeout_s}: must be > 0 seconds")
+        if num_workers is not None and num_workers < 1:
+            raise ValueError(f"reward num_workers={num_workers}: must be >= 1, or None for the CPU count")
+        if not math.isfinite(fallback_score):
+            raise ValueError(f"reward fallback_score={fallback_score}: must be finite")
+        if batch_chunk_size is not None and batch_chunk_size < 1:
+            raise ValueError(f"reward batch_chunk_size={batch_chunk_size}: must be >= 1, or None")
+        if batch and custom_path is None:
+            raise ValueError("custom_reward_function.batch=true needs custom_reward_function.path (a batch function)")
         self.timeout_s = float(timeout_s)
-        self._args = [custom_path, custom_name] if custom_path is not None else []
-        self._proc: subprocess.Popen | None = None
-        self._conn: Connection | None = None
-        self._start_worker()
+        self.fallback_score = float(fallback_score)
+        self.num_workers = num_workers or default_num_workers()
+        self.batch = bool(batch)
+        self.batch_chunk_size = batch_chunk_size
+        self._initargs = (custom_path, custom_name, self.batch, tuple(math_verify_sources), os.getpid())
+        self._pool: pebble.ProcessPool | None = None
+        self._finalizer: weakref.finalize | None = None
+        self.startup_s = self._start_pool()
+        logger.info("reward: %d worker processes ready in %.2f s", self.num_workers, self.startup_s)
 
-    def _start_worker(self) -> None:
-        parent_end, child_end = Pipe()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "dsrl.rewards.worker", str(child_end.fileno()), *self._args],
-            pass_fds=(child_end.fileno(),),
-            env=env,
+    @classmethod
+    def from_config(cls, cfg) -> "RewardScorer":
+        """The scorer of a run: ``custom_reward_function.*`` and ``reward.*`` of the config."""
+        fn, reward = cfg.custom_reward_function, cfg.reward
+        return cls(
+            fn.path,
+            fn.name,
+            batch=fn.batch,
+            num_workers=reward.num_workers,
+            timeout_s=reward.timeout_s,
+            fallback_score=reward.fallback_score,
+            batch_chunk_size=reward.batch_chunk_size,
+            math_verify_sources=tuple(reward.math_verify_sources),
         )
-        child_end.close()
-        self._conn = parent_end
-        if not parent_end.poll(_STARTUP_TIMEOUT_S):
-            self._stop_worker()
-            raise RuntimeError(f"the reward worker did not start within {_STARTUP_TIMEOUT_S:.0f} s")
-        try:
-            status, message = parent_end.recv()
-        except EOFError:
-            code = self._stop_worker()
-            raise RuntimeError(
-                f"the reward worker exited during start-up (exit code {code}); see its stderr above"
-            ) from None
-        if status != "ready":
-            self._stop_worker()
-            raise ValueError(message)
 
-    def _stop_worker(self) -> int | None:
-        """Kill and reap the worker; returns its exit code."""
-        if self._proc is None:
-            return None
-        self._conn.close()
-        self._proc.kill()
-        code = self._proc.wait()
-        self._proc, self._conn = None, None
-        return code
+    def _start_pool(self) -> float:
+        """Start the workers and wait until every one has loaded the reward function; seconds it took."""
+        _install_preparation_hook()
+        start = time.perf_counter()
+        context = _WorkerContext()
+        # Lives as long as the pool: replacement workers unpickle it from the initializer's arguments too.
+        self._ready = context.Barrier(self.num_workers)
+        pool = pebble.ProcessPool(
+            max_workers=self.num_workers,
+            initializer=worker.initialize,
+            initargs=(*self._initargs, self._ready),
+            context=context,
+        )
+        self._pool = pool
+        self._finalizer = weakref.finalize(self, _stop_pool, pool)
+        probes = [pool.schedule(worker.probe, (_STARTUP_TIMEOUT_S,)) for _ in range(self.num_workers)]
+        try:
+            answers = [probe.result(timeout=_STARTUP_TIMEOUT_S + 10) for probe in probes]
+        except FutureTimeoutError:
+            self.close()
+            raise RuntimeError(
+                f"the reward workers did not start within {_STARTUP_TIMEOUT_S:.0f} s "
+                "(does importing custom_reward_function.path hang?)"
+            ) from None
+        except Exception as exc:
+            self.close()
+            raise RuntimeError(f"the reward workers failed to start: {type(exc).__name__}: {exc}") from exc
+        errors = [error for error, _ in answers if error is not None]
+        if errors:
+            self.close()
+            raise ValueError(errors[0])
+        return time.perf_counter() - start
 
     def close(self) -> None:
-        """Stop the worker (closing the pipe makes it exit; kill it if it is stuck)."""
-        if self._proc is None:
-            return
-        self._conn.close()
-        try:
-            self._proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        self._proc, self._conn = None, None
+        """Stop the workers (idempotent)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._pool, self._finalizer = None, None
 
     def __enter__(self) -> "RewardScorer":
         return self
@@ -103,16 +230,25 @@ class RewardScorer:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def worker_pids(self) -> list[int]:
+        """The pids of the live workers (for tests and diagnostics)."""
+        manager = getattr(self._pool, "_pool_manager", None)  # pebble's bookkeeping (5.x)
+        workers = getattr(getattr(manager, "worker_manager", None), "workers", {})
+        return [pid for pid in tuple(workers) if pid is not None]
+
     def score_batch(
         self, data_sources: list[str], responses: list[str], ground_truths: list, extra_infos: list[dict | None]
     ) -> tuple[list[float], dict[str, list], dict[str, int]]:
-        """Score B responses (decoded text, one per row).
+        """Score B responses (decoded text, one per row), in order.
 
-        Returns ``(scores, extras, counts)``: ``scores`` B floats (0.0 where a call raised, timed out,
-        or returned something that is not a finite number or a dict with ``"score"``); ``extras``
-        maps each non-``score`` key of dict results to a list of B values (None where a row did not
-        give it); ``counts`` = ``{"reward/errors": n, "reward/timeouts": n}``. Errors and timeouts
-        are also logged as a warning with the first message.
+        Returns ``(scores, extras, counts)``: ``scores`` B floats (``fallback_score`` where the call
+        failed); ``extras`` maps each non-``score`` key of dict results to a list of B values (None where
+        a row did not give it); ``counts`` = ``{"reward/fail_exception": n, "reward/fail_timeout": n,
+        "reward/fail_invalid": n, "reward/fail_crash": n}`` (rows, always these keys in this order):
+        a call that raised; ran past ``timeout_s``; returned None, a non-number, a non-finite number, a
+        dict without ``score`` or unpicklable extras (a batch function: or the wrong number of results);
+        killed its worker (segfault, ``os._exit``, out of memory). Each kind is also logged once as a
+        warning with its first message.
         """
         n = len(responses)
         if not len(data_sources) == len(ground_truths) == len(extra_infos) == n:
@@ -120,67 +256,82 @@ class RewardScorer:
                 f"score_batch: got {len(data_sources)} data_sources, {n} responses, {len(ground_truths)} "
                 f"ground_truths, {len(extra_infos)} extra_infos; all must have one entry per response"
             )
-        calls = list(zip(data_sources, responses, ground_truths, extra_infos, strict=True))
-        replies = self._run(calls)
+        if self._pool is None:
+            raise RuntimeError("score_batch after close()")
+        if not self._pool.active:
+            logger.warning("reward: the worker pool broke down; starting a new one")
+            self._finalizer()
+            self._start_pool()
+        rows = list(zip(data_sources, responses, ground_truths, extra_infos, strict=True))
+        outcomes = self._run(rows)
 
-        scores, row_extras, errors = [0.0] * n, [{}] * n, []
-        timeouts = 0
-        for i, (status, value) in enumerate(replies):
-            if status == "timeout":
-                timeouts += 1
-            elif status == "error":
-                errors.append(value)
+        scores, row_extras = [self.fallback_score] * n, [{}] * n
+        failures: dict[str, list[str]] = {kind: [] for kind in FAILURE_KINDS}
+        for i, outcome in enumerate(outcomes):
+            if outcome[0] == "ok":
+                _, scores[i], row_extras[i] = outcome
             else:
-                try:
-                    scores[i], row_extras[i] = _as_score(value)
-                except ValueError as exc:
-                    errors.append(str(exc))
+                failures[outcome[0]].append(outcome[1])
         keys = sorted({k for extra in row_extras for k in extra})
         extras = {k: [extra.get(k) for extra in row_extras] for k in keys}
-        if errors:
-            logger.warning("reward: %d of %d calls failed and scored 0; first: %s", len(errors), n, errors[0])
-        if timeouts:
-            logger.warning("reward: %d of %d calls exceeded %.3g s and scored 0", timeouts, n, self.timeout_s)
-        return scores, extras, {"reward/errors": len(errors), "reward/timeouts": timeouts}
+        for kind, messages in failures.items():
+            if messages:
+                logger.warning(
+                    "reward: %d of %d rows failed (%s) and scored %g; first: %s",
+                    len(messages), n, kind, self.fallback_score, messages[0],
+                )
+        return scores, extras, {name: len(failures[kind]) for name, kind in zip(FAILURE_COUNTS, FAILURE_KINDS)}
 
-    def _run(self, calls: list[tuple]) -> list[tuple[str, object]]:
-        """One ``(status, value)`` per call: ``("ok", result)``, ``("error", message)`` or ``("timeout", None)``."""
-        replies: list[tuple[str, object]] = []
-        while len(replies) < len(calls):
-            if self._proc is None:
-                self._start_worker()
-            self._conn.send(calls[len(replies) :])
-            while len(replies) < len(calls):
-                if not self._conn.poll(self.timeout_s):
-                    replies.append(("timeout", None))
-                    self._stop_worker()
-                    break
-                try:
-                    replies.append(self._conn.recv())
-                except EOFError:
-                    code = self._stop_worker()
-                    replies.append(("error", f"the reward worker died (exit code {code}) while scoring this row"))
-                    break
-        return replies
+    def _run(self, rows: list[tuple]) -> list[tuple]:
+        """One outcome per row (see ``dsrl.rewards.worker``), ``("timeout" | "crash", message)`` added."""
+        if self.batch:
+            size = self.batch_chunk_size or max(1, -(-len(rows) // self.num_workers))
+            task, spans = worker.score_chunk, [(i, min(i + size, len(rows))) for i in range(0, len(rows), size)]
+        else:
+            task, spans = worker.score_rows, [(i, i + 1) for i in range(len(rows))]
+        futures = []
+        for start, stop in spans:
+            try:
+                futures.append(self._pool.schedule(task, (rows[start:stop],), timeout=self.timeout_s))
+            except RuntimeError as exc:  # the pool broke down while scheduling
+                futures.append(exc)
+        outcomes: list[tuple] = []
+        for (start, stop), future in zip(spans, futures):
+            outcomes += self._outcomes(future, stop - start)
+        return outcomes
+
+    def _outcomes(self, future, size: int) -> list[tuple]:
+        if isinstance(future, Exception):
+            return [("crash", f"the reward worker pool broke down: {future}")] * size
+        try:
+            outcomes = future.result()
+        except FutureTimeoutError:
+            return [("timeout", f"the call ran past reward.timeout_s={self.timeout_s:g} s and was killed")] * size
+        except pebble.ProcessExpired as exc:
+            return [("crash", f"the reward worker died ({_exit_reason(exc.exitcode)}) in this call")] * size
+        except (BrokenProcessPool, RuntimeError) as exc:
+            return [("crash", f"the reward worker pool broke down: {type(exc).__name__}: {exc}")] * size
+        except Exception as exc:  # noqa: BLE001 -- e.g. arguments pebble could not pickle
+            return [("exception", f"{type(exc).__name__}: {exc}")] * size
+        return outcomes
 
 
-def _as_score(result) -> tuple[float, dict]:
-    """``(score, extras)`` from a reward function's return value; ValueError if it is not usable."""
-    extras = {}
-    if isinstance(result, dict):
-        if "score" not in result:
-            raise ValueError(f"reward function returned a dict without 'score' (keys: {list(result)})")
-        extras = {k: v for k, v in result.items() if k != "score"}
-        result = result["score"]
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _stop_pool(pool: pebble.ProcessPool) -> None:
+    """Stop a pool's workers now (SIGTERM, SIGKILL after pebble's grace period) and its threads."""
+    pool.stop()
     try:
-        score = float(result)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"reward function returned {type(result).__name__}; it must return a float or a dict with 'score'"
-        ) from None
-    if not math.isfinite(score):
-        raise ValueError(f"reward function returned {score}; scores must be finite")
-    return score, extras
+        pool.join(timeout=30)
+    except Exception as exc:  # noqa: BLE001 -- stopping must not raise at exit
+        logger.warning("reward: stopping the worker pool: %s: %s", type(exc).__name__, exc)
 
 
 def numeric_extras(extras: dict[str, list]) -> dict[str, list[float]]:

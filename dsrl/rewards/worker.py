@@ -1,58 +1,210 @@
-"""The reward worker process of :class:`dsrl.rewards.RewardScorer`.
+"""What runs inside a reward worker process of :class:`dsrl.rewards.RewardScorer` (a pebble pool worker).
 
-``python -m dsrl.rewards.worker FD [PATH NAME]``: FD is this end of the pipe; PATH/NAME name a
-custom reward function (else the built-in ``dsrl.rewards.compute_score``). Sends ``("ready", None)``
-or ``("failed", message)`` once, then for each received list of
-``(data_source, solution_str, ground_truth, extra_info)`` calls sends one ``("ok", result)`` or
-``("error", message)`` per call, in order. Exits when the parent closes the pipe.
+The pool starts each worker with the ``spawn`` method and without re-running the training script (see
+``dsrl.rewards.scorer``), so a worker imports only this package, pebble and the user's reward file: no
+torch. :func:`initialize` runs once per worker (and once per replacement of a killed one): it ties the
+worker's life to the trainer's and loads the reward function once. A loading error is kept, not
+raised (pebble would restart a worker whose initializer fails, forever); :func:`probe` reports it so
+the scorer fails at construction.
+
+Tasks return one *outcome* per row and never raise for a reward function's fault:
+``("ok", score, extras)``, ``("exception", message)`` or ``("invalid", message)``. Timeouts and
+crashed workers are seen by the parent (pebble's ``TimeoutError`` / ``ProcessExpired``).
 """
 
+from __future__ import annotations
+
+import ctypes
+import inspect
+import math
+import os
+import pickle
 import signal
 import sys
+import threading
+import time
 import traceback
-from multiprocessing.connection import Connection
+from collections.abc import Callable
 
-from dsrl.rewards import compute_score, load_custom_reward_function
+Outcome = tuple  # ("ok", score, extras) | ("exception", message) | ("invalid", message)
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_WATCHDOG_PERIOD_S = 1.0
+
+_fn: Callable | None = None
+_batch = False
+_load_error: str | None = None
+_ready = None  # the multiprocessing.Barrier every worker of a new pool meets in probe()
 
 
-def main(argv: list[str]) -> int:
-    # Ctrl-C belongs to the trainer; the worker ends when the trainer closes the pipe.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn = Connection(int(argv[0]))
-    try:
-        fn = load_custom_reward_function(argv[1], argv[2]) if len(argv) > 1 else compute_score
-    except ValueError as exc:
-        conn.send(("failed", str(exc)))
-        return 1
-    except Exception:
-        conn.send(("failed", f"custom_reward_function.path={argv[1]!r}: importing it raised\n{traceback.format_exc()}"))
-        return 1
-    conn.send(("ready", None))
-    while True:
+def die_with_parent(parent_pid: int) -> str:
+    """Make this process end when ``parent_pid`` (the trainer) dies, even by SIGKILL.
+
+    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, which the kernel delivers even while the worker runs C
+    code holding the GIL. Elsewhere: a daemon thread that exits when ``os.getppid()`` changes. Returns
+    which one ("pdeathsig" or "watchdog"). Exits at once if the parent is already gone.
+    """
+    how = "watchdog"
+    if sys.platform.startswith("linux"):
         try:
-            calls = conn.recv()
-        except EOFError:
-            return 0
-        for data_source, solution_str, ground_truth, extra_info in calls:
-            try:
-                reply = (
-                    "ok",
-                    fn(
-                        data_source=data_source,
-                        solution_str=solution_str,
-                        ground_truth=ground_truth,
-                        extra_info=extra_info,
-                    ),
-                )
-            except Exception as exc:
-                reply = ("error", f"{type(exc).__name__}: {exc}")
-            try:
-                conn.send(reply)
-            except OSError:
-                return 0  # the trainer is gone
-            except Exception as exc:  # the result could not be pickled
-                conn.send(("error", f"the reward function returned an unpicklable {type(reply[1]).__name__}: {exc}"))
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+                how = "pdeathsig"
+        except (OSError, AttributeError):
+            pass
+    if how == "watchdog":
+
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(_WATCHDOG_PERIOD_S)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="dsrl-reward-watchdog", daemon=True).start()
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+    return how
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def initialize(
+    custom_path: str | None,
+    custom_name: str,
+    batch: bool,
+    math_verify_sources: tuple[str, ...],
+    parent_pid: int,
+    ready=None,
+) -> None:
+    """pebble's initializer: tie this worker to the trainer, then load the reward function once."""
+    global _fn, _batch, _load_error, _ready
+    die_with_parent(parent_pid)
+    # pebble stops a worker (a timeout, the pool's end) with SIGTERM, then SIGKILL 3 s later. Its SIGTERM
+    # handler is Python code, which cannot run while the reward function is inside a C call holding the
+    # GIL, so every such kill would cost the 3 s and hold up pebble's manager thread meanwhile. The
+    # default action ends the process at once; a worker has nothing to clean up.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _batch, _ready = batch, ready
+    try:
+        _fn = load_reward_function(custom_path, custom_name, batch, math_verify_sources)
+    except ValueError as exc:
+        _load_error = str(exc)
+    except BaseException:  # noqa: BLE001 -- anything the user's module does on import, SystemExit included
+        _load_error = f"custom_reward_function.path={custom_path!r}: importing it raised\n{traceback.format_exc()}"
+
+
+def load_reward_function(
+    custom_path: str | None, custom_name: str, batch: bool, math_verify_sources: tuple[str, ...]
+) -> Callable:
+    """The function the worker calls: the built-in dispatcher, or the user's function (its signature
+    checked against ``batch``). ValueError with the fix when it cannot be used."""
+    from dsrl.rewards import load_custom_reward_function, make_compute_score
+
+    if custom_path is None:
+        return make_compute_score(math_verify_sources)
+    fn = load_custom_reward_function(custom_path, custom_name)
+    _check_signature(fn, custom_name, batch)
+    return fn
+
+
+def _check_signature(fn: Callable, name: str, batch: bool) -> None:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return  # a builtin or C function: nothing to check
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    per_row = "def {}(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"
+    per_batch = "def {}(data_sources, solution_strs, ground_truths, extra_infos) -> list[float | dict]"
+    if batch and "solution_strs" not in params:
+        raise ValueError(
+            f"custom_reward_function.batch=true calls {name}(data_sources=, solution_strs=, ground_truths=, "
+            f"extra_infos=) with lists (verl's batch reward manager), but {name} takes {list(params)}. "
+            f"Fix: define {per_batch.format(name)}, or set custom_reward_function.batch=false."
+        )
+    if not batch and "solution_str" not in params:
+        hint = " (it looks like a batch function)" if "solution_strs" in params else ""
+        raise ValueError(
+            f"custom_reward_function.name={name!r} takes {list(params)}{hint}, but each row is scored with "
+            f"{name}(data_source=, solution_str=, ground_truth=, extra_info=). Fix: define "
+            f"{per_row.format(name)}, or set custom_reward_function.batch=true for a function of lists."
+        )
+
+
+def probe(timeout_s: float) -> tuple[str | None, int]:
+    """``(the loading error or None, this worker's pid)``: the scorer's start-up check. Waits until every
+    worker of the pool holds a probe (the barrier), so each worker answers exactly one and the scorer
+    is built when all its workers are up."""
+    if _ready is not None:
+        _ready.wait(timeout_s)
+    return _load_error, os.getpid()
+
+
+def score_rows(rows: list[tuple]) -> list[Outcome]:
+    """One outcome per ``(data_source, solution_str, ground_truth, extra_info)`` row, calling the
+    per-row function with keyword arguments (verl's signature)."""
+    if _load_error is not None:
+        return [("exception", _load_error)] * len(rows)
+    outcomes = []
+    for data_source, solution_str, ground_truth, extra_info in rows:
+        try:
+            result = _fn(
+                data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info
+            )
+        except Exception as exc:  # noqa: BLE001 -- a reward function's failure is a counted outcome
+            outcomes.append(("exception", f"{type(exc).__name__}: {exc}"))
+            continue
+        outcomes.append(as_outcome(result))
+    return outcomes
+
+
+def score_chunk(rows: list[tuple]) -> list[Outcome]:
+    """One outcome per row from ONE call of a batch function (verl's ``BatchRewardManager``:
+    ``fn(data_sources=, solution_strs=, ground_truths=, extra_infos=)`` with lists, returning a list of
+    floats or dicts). A call that raises or returns the wrong number of results fails every row."""
+    if _load_error is not None:
+        return [("exception", _load_error)] * len(rows)
+    data_sources, solution_strs, ground_truths, extra_infos = (list(column) for column in zip(*rows))
+    try:
+        results = _fn(
+            data_sources=data_sources, solution_strs=solution_strs, ground_truths=ground_truths, extra_infos=extra_infos
+        )
+    except Exception as exc:  # noqa: BLE001
+        return [("exception", f"{type(exc).__name__}: {exc}")] * len(rows)
+    if isinstance(results, (str, bytes, dict)) or not hasattr(results, "__len__") or len(results) != len(rows):
+        got = f"{len(results)} results" if hasattr(results, "__len__") else type(results).__name__
+        return [("invalid", f"batch reward function returned {got} for {len(rows)} rows; it must return a list, one per row")] * len(rows)
+    return [as_outcome(result) for result in results]
+
+
+def as_score(result) -> tuple[float, dict]:
+    """``(score, extras)`` from a reward function's return value; ValueError if it is not usable: not
+    a number (None, a string ...) or a dict with a numeric ``"score"``, or not finite."""
+    extras = {}
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ValueError(f"reward function returned a dict without 'score' (keys: {list(result)})")
+        extras = {k: v for k, v in result.items() if k != "score"}
+        result = result["score"]
+    if result is None or isinstance(result, (str, bytes)):
+        raise ValueError(
+            f"reward function returned {type(result).__name__}; it must return a number or a dict with 'score'"
+        )
+    try:
+        score = float(result)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"reward function returned {type(result).__name__}; it must return a number or a dict with 'score'"
+        ) from None
+    if not math.isfinite(score):
+        raise ValueError(f"reward function returned {score}; scores must be finite")
+    return score, extras
+
+
+def as_outcome(result) -> Outcome:
+    try:
+        score, extras = as_score(result)
+        if extras:
+            pickle.dumps(extras)  # what cannot travel back to the trainer is an invalid result, not a crash
+    except ValueError as exc:
+        return ("invalid", str(exc))
+    except Exception as exc:  # noqa: BLE001 -- pickling errors come in many types
+        return ("invalid", f"reward function returned extras that cannot be pickled: {type(exc).__name__}: {exc}")
+    return ("ok", score, extras)

@@ -902,6 +902,22 @@ def test_validate_only_prints_the_resolved_config_and_exits_0(files):
     assert printed["trainer"]["default_local_dir"] == "checkpoints/dsrl/otb"
 
 
+def test_the_printed_config_hides_secrets(files):
+    """A key that names a secret, and a value equal to a secret environment variable's, print as ***."""
+    result = subprocess.run(
+        [sys.executable, TRAIN, "configs/grpo.yaml", "configs/cpu.yaml", *files,
+         "+data.apply_chat_template_kwargs.api_key=sk-planted-0123456789", "trainer.experiment_name=hf_abcdefgh12345",
+         "--validate-only"],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+        env={**os.environ, "WORLD_SIZE": "1", "MY_SERVICE_TOKEN": "hf_abcdefgh12345"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "sk-planted-0123456789" not in result.stdout and "hf_abcdefgh12345" not in result.stdout
+    printed = yaml.safe_load(result.stdout)
+    assert printed["data"]["apply_chat_template_kwargs"]["api_key"] == "***"
+    assert printed["trainer"]["experiment_name"] == "***"
+
+
 def test_invalid_config_exits_2_with_every_problem_and_no_traceback(files):
     result = run_train(
         [

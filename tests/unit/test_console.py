@@ -164,8 +164,8 @@ STEP = {
     "timing_s/step": 1.5,
     "perf/throughput": 812.4,
     "perf/total_num_tokens": 1000,
-    "reward/errors": 0.0,
-    "reward/timeouts": 0.0,
+    "reward/fail_exception": 0.0,
+    "reward/fail_timeout": 0.0,
     "tracking/failures": 0.0,
     "actor/pg_loss": 0.7,
 }
@@ -181,7 +181,7 @@ def test_step_lines_off_a_terminal():
     progress.log_metrics(STEP, step=1)
     clock.now = 106.0
     failing = {k: v for k, v in STEP.items() if k != "actor/kl_loss"}
-    progress.log_metrics({**failing, "actor/reward_kl_penalty": 0.5, "reward/errors": 3.0, "tracking/failures": 1.0, "tracking/dropped": 2.0}, step=2)
+    progress.log_metrics({**failing, "actor/reward_kl_penalty": 0.5, "reward/fail_exception": 3.0, "tracking/failures": 1.0, "tracking/dropped": 2.0}, step=2)
     clock.now = 130.0
     progress.log_metrics({**STEP, **VAL, "val-core/arith/acc/mean@1": 0.5}, step=10)
     progress.finish()
@@ -194,7 +194,7 @@ def test_step_lines_off_a_terminal():
         PREFIX.format(rank=0) + r"step  1/10 score=0\.25 resp_len=3\.4 kl=0\.0012 step_s=1\.50 tok/s=812 eta 0:00:18", out[1]
     )  # mean 2 s per step x 9 steps left
     assert out[2].endswith(
-        "] step  2/10 score=0.25 resp_len=3.4 kl=0.5 step_s=1.50 tok/s=812 reward_errors=3 tracking_failures=1 "
+        "] step  2/10 score=0.25 resp_len=3.4 kl=0.5 step_s=1.50 tok/s=812 reward_exceptions=3 tracking_failures=1 "
         "tracking_dropped=2 eta 0:00:24"
     )
     assert out[3].endswith("] step 10/10 score=0.25 resp_len=3.4 kl=0.0012 step_s=1.50 tok/s=812 eta 0:00:00")
@@ -228,7 +228,7 @@ def test_a_bar_on_a_terminal_with_log_lines_above_it():
     progress = ProgressConsole(10, initial_step=2, stream=stream)
     assert progress.bar is not None and "2/10" in stream.getvalue()  # resumed: starts at its step
     progress.log_metrics(VAL, step=2)
-    progress.log_metrics({**STEP, "reward/timeouts": 2.0}, step=3)
+    progress.log_metrics({**STEP, "reward/fail_timeout": 2.0}, step=3)
     logger.info("checkpoint saved to x")
     progress.finish()
     out = stream.getvalue()

@@ -1,15 +1,18 @@
-"""Prompt parquet files: reading, chat template, length policy, errors, sampler, left padding."""
+"""Prompt parquet files: reading, chat template, length policy, errors, the flat store, sampler, left padding."""
 
 import importlib.util
 import logging
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from transformers import AutoTokenizer
 
-from dsrl.data.datasets import PromptSampler, collate_prompts, left_pad, load_prompts
+from dsrl.data import datasets
+from dsrl.data.datasets import PromptRecord, PromptSampler, PromptStore, collate_prompts, left_pad, load_prompts
 
 _spec = importlib.util.spec_from_file_location(
     "make_tiny_model", Path(__file__).parents[2] / "scripts" / "make_tiny_model.py"
@@ -128,8 +131,21 @@ def test_missing_file_and_missing_chat_template(tmp_path, tokenizer):
         load(str(tmp_path / "none.parquet"), tokenizer)
     plain = make_tiny_model.build_tokenizer()
     plain.chat_template = None
-    with pytest.raises(ValueError, match="no chat template"):
+    with pytest.raises(ValueError, match="no chat template") as info:
         load(write(tmp_path / "p.parquet", [row()]), plain)
+    message = str(info.value)  # what to set, and why there is no key for a template
+    assert "actor_rollout_ref.model.path" in message and "chat_template.jinja" in message
+    assert "custom_chat_template is refused" in message
+
+
+def test_the_fix_named_for_a_missing_chat_template_works(tmp_path, tokenizer):
+    plain = make_tiny_model.build_tokenizer()
+    plain.chat_template = None
+    plain.save_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "chat_template.jinja").write_text(make_tiny_model.CHAT_TEMPLATE)
+    fixed = AutoTokenizer.from_pretrained(tmp_path / "model")
+    path = write(tmp_path / "p.parquet", [row()])
+    assert load(path, fixed)[0][0] == load(path, tokenizer)[0][0]
 
 
 def records_of(n, tokenizer, tmp_path):
@@ -206,3 +222,132 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     plain = load(path, tokenizer)[0][0].prompt_ids
     no_think = load(path, tokenizer, chat_template_kwargs={"enable_thinking": False})[0][0].prompt_ids
     assert tokenizer.decode(plain) == "1+2=" and tokenizer.decode(no_think) == "1+2=0"
+
+
+# ---- the flat store --------------------------------------------------------------------------
+
+
+def reference_load(files, tokenizer, *, max_prompt_length, filter_overlong_prompts, truncation, max_samples=-1):
+    """The records as the tuple-based loader (before PromptStore) built them: whole files, one row at a time."""
+    records, read = [], 0
+    for file in files:
+        if read == max_samples:
+            break
+        rows = pq.read_table(file).to_pylist()
+        rows = rows[: max_samples - read] if max_samples > 0 else rows
+        read += len(rows)
+        for r in rows:
+            text = tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) > max_prompt_length:
+                if filter_overlong_prompts:
+                    continue
+                ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
+            truth, info = r["reward_model"]["ground_truth"], r.get("extra_info")
+            records.append(PromptRecord(tuple(ids), r["data_source"], truth, info or {}))
+    return records
+
+
+@pytest.fixture
+def varied_files(tmp_path):
+    """Files that differ in ground-truth type, extra_info shape and data sources; some prompts too long."""
+    strings = [row("x" * (i * 7 % 40), str(i), source=f"s{i % 3}", index=i) for i in range(11)]
+    lists = [row(f"{i}?", [str(i), "or", str(-i)], source="lists") | {"extra_info": None} for i in range(5)]
+    for i, r in enumerate(lists):
+        r["extra_info"] = None if i % 2 else {"split": "test", "index": i, "tags": ["a", str(i)]}
+    numbers = [row(f"{i}*2=", "0") | {"reward_model": {"ground_truth": i * 2}} for i in range(4)]
+    for r in numbers:
+        del r["extra_info"]
+    nulls = [row("9-1=", "8", source="s1") | {"extra_info": None}]
+    names = ["strings", "lists", "numbers", "nulls"]
+    return [write(tmp_path / f"{n}.parquet", rows) for n, rows in zip(names, [strings, lists, numbers, nulls])]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(max_prompt_length=64, filter_overlong_prompts=True, truncation="error"),
+        dict(max_prompt_length=40, filter_overlong_prompts=True, truncation="error"),
+        dict(max_prompt_length=40, filter_overlong_prompts=False, truncation="left"),
+        dict(max_prompt_length=40, filter_overlong_prompts=False, truncation="right", max_samples=14),
+    ],
+)
+def test_store_gives_the_records_of_the_tuple_loader(varied_files, tokenizer, monkeypatch, options):
+    monkeypatch.setattr(datasets, "READ_BATCH_ROWS", 3)  # batches that cut files and filtered rows
+    expected = reference_load(varied_files, tokenizer, **options)
+    store, stats = load_prompts(varied_files, tokenizer, **options)
+    assert isinstance(store, PromptStore) and stats["kept"] == len(store) == len(expected)
+    assert list(store) == expected  # ids, data source, ground truth, extra info, order
+    assert [store[i] for i in range(len(store))] == expected
+    order = np.random.default_rng(0).permutation(len(store))
+    assert store.take(order) == [expected[i] for i in order]
+    assert {type(r.prompt_ids) for r in store} == {tuple}
+    assert store.num_tokens == sum(len(r.prompt_ids) for r in expected)
+
+
+def test_store_slicing_as_the_trainer_uses_it(varied_files, tokenizer):
+    store, _ = load(varied_files, tokenizer)
+    records = list(store)
+    world, chunk = 3, 2
+    for rank in range(world):
+        shard = store[rank::world]
+        assert isinstance(shard, PromptStore) and len(shard) == len(records[rank::world])
+        for start in range(0, len(shard) + chunk, chunk):
+            part = shard[start : start + chunk]
+            assert list(part) == records[rank::world][start : start + chunk]
+            assert bool(part) == bool(records[rank::world][start : start + chunk])
+    assert list(store[:1]) == records[:1] and list(store[::-2]) == records[::-2]
+    assert list(store[2:9][1::3]) == records[2:9][1::3] and list(store[5:2]) == []
+    assert store[-1] == records[-1] and store[3:][-2] == records[3:][-2]
+    with pytest.raises(IndexError):
+        store[len(store)]
+    with pytest.raises(TypeError):
+        store["0"]
+    assert collate_prompts(store[1:4], 0)["ground_truths"] == [r.ground_truth for r in records[1:4]]
+    assert torch.equal(collate_prompts(store[1:4], 0)["prompt_ids"], collate_prompts(records[1:4], 0)["prompt_ids"])
+
+
+# Batches of the tuple-based PromptSampler (before PromptStore) for records 0..n-1: the store must
+# not change the permutation, or a resumed run would train on other prompts.
+OLD_SAMPLER_BATCHES = {
+    (10, 3, True, 7): [[8, 0, 7], [1, 3, 6], [2, 4, 5], [9, 0, 8], [6, 7, 1], [3, 4, 2], [1, 5, 3]],
+    (23, 5, True, 0): [
+        [18, 4, 20, 10, 11], [2, 21, 6, 19, 3], [22, 8, 0, 12, 16], [13, 7, 5, 17, 14], [15, 19, 18, 16, 14],
+        [1, 22, 3, 4, 0],
+    ],
+    (7, 2, False, 0): [[0, 1], [2, 3], [4, 5], [0, 1]],
+}
+
+
+@pytest.mark.parametrize("n, batch_size, shuffle, seed", list(OLD_SAMPLER_BATCHES))
+def test_sampler_batches_match_the_previous_implementation(tmp_path, tokenizer, n, batch_size, shuffle, seed):
+    expected = OLD_SAMPLER_BATCHES[n, batch_size, shuffle, seed]
+    store = records_of(n, tokenizer, tmp_path)
+    sampler = PromptSampler(store, batch_size, shuffle=shuffle, seed=seed)
+    assert [[int(r.ground_truth) for r in sampler.next_batch()] for _ in expected] == expected
+    plain = PromptSampler(list(range(n)), batch_size, shuffle=shuffle, seed=seed)  # any sequence still works
+    assert [plain.next_batch() for _ in expected] == expected
+    resumed = PromptSampler(store, batch_size, shuffle=shuffle, seed=seed)
+    resumed.load_state_dict({"epoch": 0, "index": 2})
+    assert [int(r.ground_truth) for r in resumed.next_batch()] == expected[2]
+
+
+def test_store_costs_at_most_5_bytes_per_token(tmp_path, tokenizer):
+    n, length = 50_000, 200
+    rng = np.random.default_rng(0)
+    store = PromptStore.from_arrays(
+        rng.integers(0, 150_000, n * length, dtype=np.int32),
+        np.full(n, length),
+        [f"source{i % 4}" for i in range(n)],
+        [str(i) for i in range(n)],
+        [{"split": "train", "index": i} for i in range(n)],
+    )
+    assert store.num_tokens == n * length and store.nbytes / store.num_tokens <= 5
+    last = store[n - 1]
+    assert (last.data_source, last.ground_truth, last.extra_info) == ("source3", str(n - 1), {"split": "train", "index": n - 1})
+    assert np.array_equal(last.prompt_ids, store._columns.token_ids[-length:])
+    # The real loader on ~200-token prompts: the same budget, ground truths and extra infos included.
+    content = "x" * (200 - 19)  # the template adds 19 tokens
+    path = write(tmp_path / "long.parquet", [row(content, str(i), index=i) for i in range(500)])
+    loaded, _ = load(path, tokenizer, max_prompt_length=256)
+    assert loaded.num_tokens == 500 * 200 and loaded.nbytes / loaded.num_tokens <= 5
