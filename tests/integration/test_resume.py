@@ -86,7 +86,9 @@ def test_second_signal_exits_at_once(signum):
 
     code = (
         "import os, signal, time\n"
+        "from dsrl.console import setup_logging\n"
         "from dsrl.trainer import StopSignals\n"
+        "setup_logging(rank=0)\n"
         "with StopSignals(rank=0) as s:\n"
         f"    os.kill(os.getpid(), {int(signum)})\n"
         f"    assert s.signum == {int(signum)}\n"
