@@ -44,6 +44,9 @@ if ! ready; then
     "$PY" -m pip install "torch==$TORCH_VERSION" "deepspeed>=0.19" "omegaconf>=2.3" pyarrow accelerate pytest
     ready || { echo "[vllm tier] $VENV is incomplete after installing" >&2; exit 1; }
 fi
+# dsrl's own small dependencies that the vLLM stack does not bring (dsrl itself installs --no-deps,
+# so that nothing re-resolves the pinned torch).
+"$PY" -m pip install --quiet "pebble>=5.1"
 "$PY" -m pip install --quiet --no-deps -e .
 
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1
