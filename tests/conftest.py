@@ -28,6 +28,8 @@ def recipe(name: str) -> list[str]:
 
 
 QUICKSTART = [*recipe("grpo"), str(REPO / "configs" / "quickstart.yaml")]  # what scripts/quickstart.sh runs
+# Metrics measured by each rank's own clock or process: they differ between ranks and between runs.
+RANK_LOCAL = ("timing_s/", "timing_per_token_ms/", "perf/")
 
 
 def _free_port() -> int:

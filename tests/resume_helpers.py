@@ -18,11 +18,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import recipe
+from tests.conftest import RANK_LOCAL, recipe
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "train_worker.py"
-RANK_LOCAL = ("timing_s/", "timing_per_token_ms/", "perf/")  # wall-clock metrics differ between any two runs
 STEPS = 8
 
 

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import QUICKSTART
+from tests.conftest import QUICKSTART, RANK_LOCAL
 
 pytestmark = pytest.mark.dist
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).parents[1] / "train_worker.py"
-RANK_LOCAL = ("timing_s/", "timing_per_token_ms/", "perf/")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import QUICKSTART
+from tests.conftest import QUICKSTART, RANK_LOCAL
 from tests.rollout_helpers import vllm_logprob_gap
 
 pytest.importorskip("vllm")
@@ -21,7 +21,6 @@ pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).parents[1] / "train_worker.py"
-RANK_LOCAL = ("timing_s/", "perf/")
 # fp32 vLLM against the fp32 ZeRO-3 actor after every push (the tied output head included).
 FP32_ATOL = 1e-4
 
