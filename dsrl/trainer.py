@@ -500,10 +500,10 @@ class Trainer:
         metrics over all ranks (a collective): the failure counts, and ``reward/<name>/mean`` for each
         numeric extra a reward function returned (over the rows that returned it)."""
         token_level_scores, _, extras, counts = self._score_rank_local(batch)
-        names: list[list[str]] = [[] for _ in range(self.world_size)]
-        dist.all_gather_object(names, sorted(numeric_extras(extras)))
-        extra_names = sorted({name for part in names for name in part})
         local = numeric_extras(extras)
+        names: list[list[str]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(names, sorted(local))
+        extra_names = sorted({name for part in names for name in part})
         sums = [sum(local.get(name, [])) for name in extra_names]
         sizes = [len(local.get(name, [])) for name in extra_names]
         totals = all_reduce(torch.tensor([float(v) for v in [*counts.values(), *sums, *sizes]], dtype=torch.float64)).tolist()
@@ -517,14 +517,17 @@ class Trainer:
         """``score`` of this rank's rows alone (no collective): token-level scores, the decoded
         responses, the reward functions' extras (a list of B values per name, None where a row gave
         none) and the counts."""
-        responses = self.tokenizer.batch_decode(
-            [ids[mask.bool()] for ids, mask in zip(batch.response_ids, batch.response_mask)], skip_special_tokens=True
-        )
+        responses = self._response_texts(batch)
         scores, extras, counts = self.scorer.score_batch(batch.data_sources, responses, batch.ground_truths, batch.extra_infos)
         token_level_scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)
         last = batch.response_mask.sum(-1).long() - 1
         token_level_scores[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=torch.float32)
         return token_level_scores, responses, extras, counts
+
+    def _response_texts(self, batch: Batch) -> list[str]:
+        return self.tokenizer.batch_decode(
+            [ids[mask.bool()] for ids, mask in zip(batch.response_ids, batch.response_mask)], skip_special_tokens=True
+        )
 
     def _prompt_text(self, batch: Batch, row: int) -> str:
         return self.tokenizer.decode(batch.prompt_ids[row][batch.prompt_mask[row].bool()], skip_special_tokens=True)
@@ -534,9 +537,7 @@ class Trainer:
         if self.rank != 0:
             return
         sample = batch.select(torch.arange(min(LOGGED_SAMPLES, len(batch))))
-        responses = self.tokenizer.batch_decode(
-            [ids[mask.bool()] for ids, mask in zip(sample.response_ids, sample.response_mask)], skip_special_tokens=True
-        )
+        responses = self._response_texts(sample)
         table = [
             generation_row((self._prompt_text(sample, i), responses[i]), source, score, {})
             for i, (source, score) in enumerate(zip(sample.data_sources, sample.token_level_scores.sum(-1).tolist()))
