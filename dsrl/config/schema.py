@@ -134,9 +134,6 @@ class DataConfig:
     apply_chat_template_kwargs: dict = _f(
         dict, "extra arguments of the tokenizer's apply_chat_template, e.g. {enable_thinking: false} for Qwen3"
     )
-    return_raw_chat: bool = _f(
-        True, "verl: give the rollout the raw chat; dsrl applies the chat template when loading, the same prompt either way"
-    )
 
 
 @dataclass

@@ -41,6 +41,11 @@ def _verl_only_key(key: str) -> Optional[tuple[str, str]]:
     if key.endswith((".rollout.response_length", ".rollout.prompt_length")):
         which = key.rpartition(".")[2].replace("_length", "")
         return ("verl fills it from data.*", f"set data.max_{which}_length")
+    if key == "data.return_raw_chat":
+        return (
+            "dsrl applies the chat template when loading and hands the rollout token ids; no raw chat reaches it",
+            "remove it (the prompt the model sees is the same)",
+        )
     if key.endswith(".optim.total_training_steps"):
         return ("verl fills it in from the trainer", "set trainer.total_training_steps (the lr schedule spans it)")
     if key.endswith(".optim.zero_indexed_step"):

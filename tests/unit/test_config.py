@@ -193,6 +193,7 @@ def test_unknown_yaml_key_suggests_the_closest(tmp_path):
         ("actor_rollout_ref.rollout.prompt_length=512", "set data.max_prompt_length"),
         ("actor_rollout_ref.actor.optim.total_training_steps=10", "trainer.total_training_steps"),
         ("critic.optim.zero_indexed_step=false", "remove it"),
+        ("data.return_raw_chat=true", "remove it (the prompt the model sees is the same)"),
         ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "use_dynamic_bsz=true"),
         ("trainer.n_gpus_per_node=8", "deepspeed --num_gpus N"),
         ("trainer.nnodes=2", "--hostfile FILE"),
@@ -847,7 +848,7 @@ def test_verl_override_prefixes_and_free_form_chat_template_arguments(files):
     cfg, _ = C.load_and_validate(
         recipe("grpo"),
         files + ["+data.apply_chat_template_kwargs.enable_thinking=false", "++trainer.balance_batch=false",
-                 "+actor_rollout_ref.actor.optim.clip_grad=0.5", "data.return_raw_chat=false"],
+                 "+actor_rollout_ref.actor.optim.clip_grad=0.5"],
         1,
     )
     assert dict(cfg.data.apply_chat_template_kwargs) == {"enable_thinking": False}
