@@ -27,8 +27,9 @@ definition), ``eta`` = the mean wall time per step of this run so far (validatio
 included) times the steps left. Failure counts follow only when non-zero: ``reward_exceptions``,
 ``reward_timeouts``, ``reward_invalid``, ``reward_crashes`` (reward/fail_exception, reward/fail_timeout,
 reward/fail_invalid, reward/fail_crash), ``tracking_failures``, ``tracking_dropped``
-(tracking/failures, tracking/dropped). Metrics logged at a step not after the last one shown (the
-validation before training, at step 0 or at the resumed step) print as a validation line only.
+(tracking/failures, tracking/dropped); on a validation line, the reward failures of the validation
+(val-aux/reward/fail_*). Metrics logged at a step not after the last one shown (the validation before
+training, at step 0 or at the resumed step) print as a validation line only.
 
 Summaries (``startup_summary``, ``final_summary``): ``key: value`` blocks under a title, to log with
 ``logger.info``; the keys of their ``facts`` are in their docstrings. Secrets are the caller's to
@@ -182,11 +183,17 @@ def _fields(metrics: dict[str, float]) -> str:
         key = next((k for k in keys if k in metrics), None)
         if key is not None:
             shown.append(f"{label}={fmt.format(metrics[key])}")
+    return " ".join(shown + _failures(metrics))
+
+
+def _failures(metrics: dict[str, float], prefix: str = "") -> list[str]:
+    """``label=count`` of the FAILURE_FIELDS whose ``prefix + key`` is non-zero."""
+    shown = []
     for label, key in FAILURE_FIELDS:
-        value = metrics.get(key, 0)
+        value = metrics.get(prefix + key, 0)
         if value and not (isinstance(value, float) and math.isnan(value)):
             shown.append(f"{label}={value:.0f}")
-    return " ".join(shown)
+    return shown
 
 
 class ProgressConsole:
@@ -258,7 +265,8 @@ class ProgressConsole:
         if step > self.last_step:
             self._log_step(metrics, step)
         if keys:
-            self._write(f"validation at step {step}: " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys))
+            shown = [f"{k}={metrics[k]:.4g}" for k in keys] + _failures(metrics, prefix="val-aux/")
+            self._write(f"validation at step {step}: " + " ".join(shown))
         if step <= self.initial_step and self.last_step == self.initial_step:  # before the first step
             self._start = self._clock()
             if self.bar is not None:

@@ -3,7 +3,8 @@
 Each step is a sequence of phase calls, each timed as ``timing_s/<phase>``: gen (with
 update_weights) -> balance (rows across ranks) -> reward -> old_log_prob -> ref -> values -> adv ->
 update_critic -> update_actor, then validation every ``trainer.test_freq`` steps and a checkpoint every
-``trainer.save_freq`` steps (``dsrl.checkpoint``). Tensor math lives in ``dsrl.algorithms`` and the
+``trainer.save_freq`` steps (``dsrl.checkpoint``). An exactly on-policy step that needs the actor's
+log-probs only for metrics folds the old_log_prob pass into update_actor (``Trainer.folds_old_log_prob``). Tensor math lives in ``dsrl.algorithms`` and the
 engines; this file only orders the calls.
 
 Stopping. SIGTERM or SIGINT lets every rank finish the current step; a checkpoint is saved and
@@ -35,6 +36,7 @@ from dsrl.algorithms import (
     FixedKLController,
     apply_kl_penalty,
     compute_advantages,
+    reads_policy,
     rollout_correction,
 )
 from dsrl.balance import balance_across_ranks
@@ -51,11 +53,11 @@ from dsrl.checkpoint import (
     state_config,
     step_dir,
 )
-from dsrl.config import LOGGED_SAMPLES, Config, to_dict, to_yaml
+from dsrl.config import LOGGED_SAMPLES, Config, ConfigError, import_user_modules, to_dict, to_yaml
 from dsrl.console import final_summary, logger, setup_logging, startup_summary
 from dsrl.data.batch import Batch
-from dsrl.data.datasets import PromptSampler, collate_prompts, load_prompts
-from dsrl.distributed import all_gather_rows, all_reduce, global_mean
+from dsrl.data.datasets import PromptSampler, collate_prompts, load_prompts, load_tokenizer
+from dsrl.distributed import all_gather_rows, all_reduce, global_mean, in_phase
 from dsrl.engines import ActorEngine, CriticEngine, ReferenceEngine, init_distributed
 from dsrl.engines.training import global_counts
 from dsrl.metrics import (
@@ -67,7 +69,7 @@ from dsrl.metrics import (
     validation_metrics,
     variance_proxy_metrics,
 )
-from dsrl.rewards import RewardScorer, numeric_extras
+from dsrl.rewards import FAILURE_COUNTS, RewardScorer, numeric_extras, rule_sources
 from dsrl.rollout import HFRollout, SamplingParams, iter_full_parameters
 from dsrl.rollout.colocation import colocated_generation
 from dsrl.tracking import Tracker, flatten
@@ -82,7 +84,8 @@ class PhaseTimer:
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
-        yield
+        with in_phase(phase):  # named by a collective that times out in it
+            yield
         self.seconds[f"timing_s/{phase}"] = self.seconds.get(f"timing_s/{phase}", 0.0) + time.perf_counter() - start
 
 
@@ -201,7 +204,7 @@ class Trainer:
             from dsrl.rollout.vllm import VLLMRollout, prepare_environment  # needs the vllm package to build one
 
             prepare_environment()
-        init_distributed()
+        init_distributed(cfg.actor_rollout_ref.nccl_timeout)
         self.cfg = cfg
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         setup_logging(self.rank)
@@ -212,18 +215,28 @@ class Trainer:
         model_cfg, actor_cfg = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor
         algo = cfg.algorithm
 
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
-        if self.tokenizer.pad_token_id is None:  # e.g. Llama 3: pad with EOS, as verl and the rollouts do
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-            logger.info(f"{model_cfg.path}: the tokenizer has no pad token; padding with EOS ({self.tokenizer.eos_token})")
-        self.train_prompts, train_stats = self._load_prompts(cfg.data.train_files, cfg.data.train_max_samples)
-        self.val_prompts, val_stats = (
-            self._load_prompts(cfg.data.val_files, cfg.data.val_max_samples) if cfg.data.val_files else (None, None)
-        )
+        # The user's modules (their estimators and losses registered on this rank), tokenizer and prompts before any
+        # model. A problem with them is a config error (one line, printed once by rank 0, exit 2); every rank learns
+        # of any rank's, so all stop together wherever the file was bad.
+        problem = None
+        try:
+            failed_imports = import_user_modules(algo.import_modules)
+            if failed_imports:
+                raise ConfigError(failed_imports)
+            self.tokenizer = load_tokenizer(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
+            self.train_prompts, train_stats = self._load_prompts(cfg.data.train_files, cfg.data.train_max_samples)
+            self.val_prompts, val_stats = (
+                self._load_prompts(cfg.data.val_files, cfg.data.val_max_samples) if cfg.data.val_files else (None, None)
+            )
+            self.sampler = PromptSampler(self.train_prompts, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+            self._check_reward_rules()
+        except (ValueError, OSError) as err:
+            problem = err.violations if isinstance(err, ConfigError) else [" ".join(str(err).split())]
+        problems: list = [None] * self.world_size
+        dist.all_gather_object(problems, problem)
+        if any(problems):
+            raise ConfigError(next(p for p in problems if p))
         self.prompt_stats = {"train": train_stats, "val": val_stats}
-        self.sampler = PromptSampler(self.train_prompts, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
         # As verl: the lr schedule spans total_training_steps when set, and the run stops at it or
         # at the end of total_epochs, whichever comes first.
         epoch_steps = cfg.trainer.total_epochs * self.sampler.batches_per_epoch
@@ -245,7 +258,9 @@ class Trainer:
                 trust_remote_code=model_cfg.trust_remote_code,
                 micro_batch_size=cfg.actor_rollout_ref.rollout.micro_batch_size,
             )
-        self.scorer = RewardScorer.from_config(cfg)
+        # The run's folder holds the workers' prints and tracebacks: a chatty reward function floods no console.
+        self.scorer = RewardScorer.from_config(cfg, log_file=self.checkpoint_root / f"reward_workers_rank{self.rank}.log")
+        self.failed_reward_steps, self.first_reward_failure = 0, None  # reward.max_failed_steps
 
         if algo.kl_ctrl.type == "adaptive":
             self.kl_ctrl = AdaptiveKLController(algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
@@ -439,7 +454,51 @@ class Trainer:
                     "advantage that is not finite, or lower the learning rate; resume from the last checkpoint"
                 )
 
+    def _check_rewards(self, metrics: dict[str, float], step: int) -> None:
+        """``reward.max_failed_steps``: stop when every reward call failed in that many steps in a row,
+        quoting the first failure of the first of them. The counts are all-reduced: every rank decides alike."""
+        cfg = self.cfg
+        rows = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n  # every step's responses (drop_last)
+        failed = {name: int(metrics[name]) for name in FAILURE_COUNTS if metrics[name]}
+        if sum(failed.values()) < rows:
+            self.failed_reward_steps, self.first_reward_failure = 0, None
+            return
+        self.failed_reward_steps += 1
+        self.first_reward_failure = self.first_reward_failure or self.scorer.first_failure
+        limit = cfg.reward.max_failed_steps
+        if limit and self.failed_reward_steps >= limit:
+            fn = cfg.custom_reward_function
+            where = f"custom_reward_function.path={fn.path}, name={fn.name}" if fn.path else "the built-in rules"
+            fix = f"Fix the reward function ({where})"
+            if "reward/fail_timeout" in failed:
+                fix += f", or raise reward.timeout_s={cfg.reward.timeout_s:g} if it is only slow"
+            counts = " ".join(f"{name}={count}" for name, count in failed.items())
+            raise TrainingStopped(
+                f"step {step}: every reward call failed in {self.failed_reward_steps} steps in a row (this step's "
+                f"{rows} rows: {counts}; reward.max_failed_steps={limit}). First failure: {self.first_reward_failure}. "
+                f"{fix}, then run again (trainer.resume_mode=auto resumes from the last checkpoint); "
+                "reward.max_failed_steps=0 trains on through such steps"
+            )
+
     # ---- phases -------------------------------------------------------------------------------
+
+    def _check_reward_rules(self) -> None:
+        """Without a custom reward function every data source needs a built-in rule (or Math-Verify): one
+        without would score 0 on every row for the whole run."""
+        if self.cfg.custom_reward_function.path:
+            return
+        scored = set(rule_sources()) | set(self.cfg.reward.math_verify_sources)
+        unmatched = []
+        for key, prompts in (("data.train_files", self.train_prompts), ("data.val_files", self.val_prompts)):
+            for source, rows in (prompts.source_counts() if prompts is not None else {}).items():
+                if source not in scored:
+                    unmatched.append(f"{source!r} ({rows} rows of {key})")
+        if unmatched:
+            raise ValueError(
+                f"data sources without a reward rule: {', '.join(unmatched)}; built-in rules: {rule_sources()}. "
+                "Fix: set custom_reward_function.path to a file defining compute_score(data_source, solution_str, "
+                "ground_truth, extra_info=None), list them in reward.math_verify_sources, or rename data_source"
+            )
 
     def _load_prompts(self, files, max_samples: int) -> tuple[list, dict[str, int]]:
         data = self.cfg.data
@@ -544,13 +603,35 @@ class Trainer:
         ]
         self.tracker.log_table(table, f"generations/train_step_{self.global_step + 1}.json")
 
-    def entropy(self, batch: Batch) -> float:
-        """verl's ``actor/entropy``: the old-log-prob pass's entropy, aggregated as the loss is, over
-        the whole step's batch (a collective)."""
+    def policy_metrics(self, batch: Batch) -> dict[str, float]:
+        """What the actor's log-probs before the update tell (collectives): verl's ``actor/entropy`` (the
+        entropy aggregated as the loss is, over the whole step's batch), the rollout-vs-actor probability
+        gaps and the rollout-correction ratios."""
         num_tokens, num_seqs = global_counts(batch.response_mask)
         mode = self.cfg.actor_rollout_ref.actor.loss_agg_mode
         local = agg_loss(batch.entropy, batch.response_mask.float(), mode, num_tokens=num_tokens, num_seqs=num_seqs)
-        return float(all_reduce(local))
+        return {
+            "actor/entropy": float(all_reduce(local)),
+            **rollout_logprob_metrics(batch),
+            **rollout_correction_metrics(batch, self.rollout_correction(batch)),
+        }
+
+    def folds_old_log_prob(self, batch: Batch) -> bool:
+        """Whether this step's old-log-prob pass folds into the actor's update: the update is exactly
+        on-policy (its loss takes the ratio against the detached current log-probs, so it never reads
+        ``old_log_probs``) and nothing before it reads them either (no KL in the reward, no rollout
+        correction applied, no ``sum_pi_squared``, an estimator registered as not reading the policy).
+        The update's forward passes then record the log-probs and entropy for the metrics: the same
+        parameters, one forward instead of two."""
+        algo, actor_cfg = self.cfg.algorithm, self.cfg.actor_rollout_ref.actor
+        return (
+            self.actor.on_policy(len(batch))
+            and self.global_step + 1 >= self.cfg.trainer.critic_warmup  # the actor trains this step
+            and not algo.use_kl_in_reward
+            and not (algo.rollout_correction.rollout_is or algo.rollout_correction.rollout_rs)
+            and not actor_cfg.calculate_sum_pi_squared
+            and not reads_policy(algo.adv_estimator)
+        )
 
     def rewards_with_kl(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """In-reward KL: ``token_level_rewards = scores - beta * KL(old || ref)``, then the controller update."""
@@ -613,7 +694,8 @@ class Trainer:
         Every rank makes the same calls whatever its share (a generate call is a collective within a
         tensor-parallel group): shards are ``val_prompts[rank::world]``, at most ``ceil(N / world)`` prompts,
         cut into the same number of chunks on every rank; a rank whose share ends early generates for a
-        filler prompt that it does not score. The only collective after generation is one gather."""
+        filler prompt that it does not score. The only collective after generation is one gather. The
+        reward failures of all ranks are counted as ``val-aux/reward/fail_<kind>``."""
         shard = self.val_prompts[self.rank :: self.world_size]
         most = math.ceil(len(self.val_prompts) / self.world_size)
         chunk = self.cfg.data.val_batch_size or most
@@ -627,21 +709,24 @@ class Trainer:
         # (prompt's row in the validation files, data source, score, extras, texts), one per response;
         # the texts (prompt, response) only for the trainer.log_val_generations first rows.
         rows = []
+        failures = dict.fromkeys(FAILURE_COUNTS, 0)
         logged = self.cfg.trainer.log_val_generations
         for batch, real_rows in batches:
             if not real_rows:
                 continue
             batch = batch.select(torch.arange(real_rows))
-            scores, responses, extras, _ = self._score_rank_local(batch)
+            scores, responses, extras, counts = self._score_rank_local(batch)
+            for name, count in counts.items():
+                failures[name] += count
             for i, (source, shard_row, score) in enumerate(
                 zip(batch.data_sources, batch.group_ids.tolist(), scores.sum(-1).tolist())
             ):
                 index = self.rank + self.world_size * shard_row
                 texts = (self._prompt_text(batch, i), responses[i]) if index < logged else None
                 rows.append((index, source, score, {name: values[i] for name, values in extras.items()}, texts))
-        gathered: list[list] = [[] for _ in range(self.world_size)]
-        dist.all_gather_object(gathered, rows)
-        rows = sorted((row for part in gathered for row in part), key=lambda row: row[0])  # dataset order
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (rows, failures))
+        rows = sorted((row for part, _ in gathered for row in part), key=lambda row: row[0])  # dataset order
         extras = {name: [row[3].get(name) for row in rows] for name in sorted({n for row in rows for n in row[3]})}
         variables = {"reward": [row[2] for row in rows]}
         variables.update({name: v for name, v in numeric_extras(extras).items() if len(v) == len(rows) and name != "reward"})
@@ -651,7 +736,9 @@ class Trainer:
         if logged:
             table = [generation_row(texts, source, score, row_extras) for _, source, score, row_extras, texts in rows[:logged]]
             self.tracker.log_table(table, f"generations/val_step_{self.global_step}.json")
-        return validation_metrics([row[1] for row in rows], [row[0] for row in rows], variables, preds)  # verl's seed
+        metrics = validation_metrics([row[1] for row in rows], [row[0] for row in rows], variables, preds)  # verl's seed
+        metrics.update({f"val-aux/{name}": float(sum(part[name] for _, part in gathered)) for name in FAILURE_COUNTS})
+        return metrics
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -662,7 +749,7 @@ class Trainer:
         metrics: dict[str, float] = {}
         with timer("step"):
             # timing_s/update_weights, /wake, /gen, /sleep (and sleep-mode memory on GPUs)
-            with self.colocated(metrics):
+            with in_phase("gen"), self.colocated(metrics):
                 batch = self.generate(prompts, self._sampling(validation=False))
                 if algo.adv_estimator == "remax":
                     greedy = self.generate(prompts, self._sampling(validation=False).replace(n=1, do_sample=False))
@@ -678,17 +765,18 @@ class Trainer:
                 scores, counts = self.score(batch)
                 batch = batch.replace(token_level_scores=scores)
                 metrics.update(counts)
-            with timer("old_log_prob"):
-                batch = batch.replace(
-                    **self.actor.compute_log_probs(
-                        batch,
-                        temperature=rollout_cfg.temperature,
-                        with_entropy=True,
-                        with_sum_pi_squared=actor_cfg.calculate_sum_pi_squared,
+            fold = self.folds_old_log_prob(batch)
+            if not fold:
+                with timer("old_log_prob"):
+                    batch = batch.replace(
+                        **self.actor.compute_log_probs(
+                            batch,
+                            temperature=rollout_cfg.temperature,
+                            with_entropy=True,
+                            with_sum_pi_squared=actor_cfg.calculate_sum_pi_squared,
+                        )
                     )
-                )
-                metrics["actor/entropy"] = self.entropy(batch)
-                metrics.update(rollout_logprob_metrics(batch))
+                    metrics.update(self.policy_metrics(batch))
             if self.ref is not None:
                 with timer("ref"):
                     batch = batch.replace(
@@ -698,10 +786,8 @@ class Trainer:
                 with timer("values"):
                     batch = batch.replace(values=self.critic.compute_values(batch))
             with timer("adv"):
-                correction = self.rollout_correction(batch)
-                metrics.update(rollout_correction_metrics(batch, correction))
-                if algo.rollout_correction.rollout_is or algo.rollout_correction.rollout_rs:
-                    batch = batch.replace(rollout_is_weights=correction.weights)
+                if algo.rollout_correction.rollout_is or algo.rollout_correction.rollout_rs:  # never folded
+                    batch = batch.replace(rollout_is_weights=self.rollout_correction(batch).weights)
                 if algo.use_kl_in_reward:
                     rewards, kl_metrics = self.rewards_with_kl(batch)
                     metrics.update(kl_metrics)
@@ -715,7 +801,11 @@ class Trainer:
                     metrics.update(self.critic.update(batch))
             if self.global_step + 1 >= cfg.trainer.critic_warmup:  # verl: the actor trains from step critic_warmup
                 with timer("update_actor"):
-                    metrics.update(self.actor.update(batch, temperature=rollout_cfg.temperature))
+                    recorded = {} if fold else None
+                    metrics.update(self.actor.update(batch, temperature=rollout_cfg.temperature, recorded=recorded))
+                if fold:
+                    batch = batch.replace(**recorded)
+                    metrics.update(self.policy_metrics(batch))
         metrics.update(
             batch_metrics(batch, max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length)
         )
@@ -764,7 +854,8 @@ class Trainer:
         cfg = self.cfg
         results: dict[str, float] = {}
         if self.val_prompts is not None and (cfg.trainer.val_before_train or cfg.trainer.val_only):
-            val = self.validate()
+            with in_phase("validate"):
+                val = self.validate()
             results["before"] = validation_score(val)
             self.tracker.log_metrics(val, step=self.global_step)
             if cfg.trainer.val_only:
@@ -778,14 +869,18 @@ class Trainer:
                 self.global_step += 1
                 step, last = self.global_step, self.global_step == self.total_steps
                 self._check_skips(step)
+                self._check_rewards(metrics, step)
                 if self.val_prompts is not None and cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
-                    val = self.validate()
+                    with in_phase("validate"):
+                        val = self.validate()
                     metrics.update(val)
                 self.tracker.log_metrics(metrics, step=step)
-                signum = signals.received()
+                with in_phase("stop-signal check"):
+                    signum = signals.received()
                 if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or last) or signum:
                     start = time.perf_counter()
-                    path = self.save()
+                    with in_phase("save"):
+                        path = self.save()
                     self.last_checkpoint = path
                     if self.rank == 0:
                         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
@@ -795,7 +890,8 @@ class Trainer:
                     raise TrainingInterrupted(signum, step, path)
         if val:
             results["after"] = validation_score(val)
-        self.model_dir = self.export_final_model()
+        with in_phase("export"):
+            self.model_dir = self.export_final_model()
         self.tracker.log_model_dir(self.model_dir, upload=cfg.trainer.log_model)
         return results
 

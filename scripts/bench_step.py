@@ -2,6 +2,8 @@
 
     OMP_NUM_THREADS=1 python scripts/bench_step.py                  # the quickstart's configs, 10 steps
     OMP_NUM_THREADS=1 python scripts/bench_step.py --steps 5 actor_rollout_ref.rollout.n=4
+    OMP_NUM_THREADS=1 deepspeed --num_gpus 2 scripts/bench_step.py  # two CPU ranks (rank 0 prints)
+    OMP_NUM_THREADS=1 python scripts/bench_step.py --profile 25     # and where the time goes
 
 The first step is reported apart (it includes one-off warm-up) and left out of the means.
 Extra arguments are dotted config overrides.
@@ -10,7 +12,9 @@ Extra arguments are dotted config overrides.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import sys
 
@@ -28,6 +32,8 @@ def main() -> int:
         help="config files, merged left to right (default: the quickstart's)",
     )
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="also print rank 0's N costliest functions (cProfile, internal time) over the steps")
+    parser.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # the deepspeed launcher's
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     overrides = [*args.overrides, f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false",
@@ -43,9 +49,15 @@ def main() -> int:
     trainer = Trainer(cfg)
     steps: list[dict[str, float]] = []
     trainer.tracker.log_metrics = lambda metrics, step: steps.append(metrics)
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler:
+        profiler.enable()
     trainer.fit()
     if trainer.rank != 0:
         return 0
+    if profiler:
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     timed = steps[1:] or steps
     step_s = statistics.mean(m["timing_s/step"] for m in timed)
     print(f"\n{len(timed)} steps after the first ({steps[0]['timing_s/step']:.2f} s); world size {trainer.world_size}")

@@ -1,6 +1,6 @@
 """Build a tiny Qwen3 chat model with a character tokenizer, warm-started on the arithmetic task.
 
-    OMP_NUM_THREADS=1 python scripts/make_tiny_model.py --out outputs/tiny-qwen3
+    python scripts/make_tiny_model.py                  # writes outputs/tiny_model, where configs/cpu.yaml looks
 
 Offline and deterministic (same ``--seed`` and ``--sft-steps`` give byte-identical files). Writes a
 ``transformers`` model directory that every dsrl tier loads like a hub checkpoint:
@@ -165,7 +165,9 @@ def greedy_accuracy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, 
 
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="output directory (model + tokenizer)")
+    parser.add_argument(
+        "--out", default="outputs/tiny_model", help="output directory (model + tokenizer); default: where configs/cpu.yaml looks"
+    )
     parser.add_argument("--sft-steps", type=int, default=1000, help="most supervised warm-start steps (0: untrained)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and training-batch seed")
     args = parser.parse_args(argv)

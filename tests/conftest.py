@@ -38,6 +38,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def write_model_stub(path: Path) -> Path:
+    """A directory that passes validation's model checks without being a model (validation reads names and
+    headers only): config.json with a model_type, a one-tensor model.safetensors, a tokenizer.json."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 100}))
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+def write_parquet_stub(path: Path) -> Path:
+    """A parquet file that passes validation (which reads its magic bytes only); not a prompt file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"stub": [0]}), path)
+    return path
+
+
+def config_problems(files: list[str], overrides: list[str], world_size: int = 1) -> list[str]:
+    """The violations ``load_and_validate`` reports for ``files`` + ``overrides``; [] when the config is valid."""
+    from dsrl.config import ConfigError, load_and_validate
+
+    try:
+        load_and_validate(files, overrides, world_size)
+    except ConfigError as err:
+        return err.violations
+    return []
+
+
+def run_train_without_torch(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """``scripts/train.py args`` in a fresh Python (cwd the checkout, ``env`` added) that fails with an
+    AssertionError if torch, deepspeed or transformers got imported: what validation and --show-keys promise."""
+    code = (
+        "import runpy, sys; main = runpy.run_path(sys.argv[1])['main']; rc = main(sys.argv[2:]);"
+        "heavy = [m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules];"
+        "assert not heavy, heavy; sys.exit(rc)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, str(REPO / "scripts" / "train.py"), *args],
+        capture_output=True, text=True, cwd=REPO, timeout=60, env={**os.environ, **env},
+    )
+
+
 @pytest.fixture(scope="session", autouse=True)
 def mlflow_store(tmp_path_factory) -> str:
     """Runs log to MLflow by default: every test (and the runs it starts) writes to one sqlite store of
@@ -151,3 +196,14 @@ def arithmetic_data(tmp_path_factory) -> Path:
     )
     (out / "digits_reward.py").write_text(DIGITS_REWARD)
     return out
+
+
+@pytest.fixture
+def gsm8k_checkout(tmp_path, monkeypatch):
+    """A checkout where ``python scripts/prepare_data.py --task gsm8k`` has run (its default paths), as cwd."""
+    data = tmp_path / "outputs" / "data" / "gsm8k"
+    data.mkdir(parents=True)
+    for split in ("train", "test"):
+        write_parquet_stub(data / f"{split}.parquet")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

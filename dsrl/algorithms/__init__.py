@@ -8,6 +8,7 @@ from dsrl.algorithms.estimators import (
     EstimatorInputs,
     compute_advantages,
     estimator_names,
+    reads_policy,
     register_estimator,
 )
 from dsrl.algorithms.kl import (
@@ -55,6 +56,7 @@ __all__ = [
     "masked_whiten",
     "policy_loss",
     "policy_loss_names",
+    "reads_policy",
     "register_estimator",
     "register_policy_loss",
     "rollout_correction",

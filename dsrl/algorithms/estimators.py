@@ -71,23 +71,33 @@ class EstimatorInputs:
 
 
 _ESTIMATORS: dict[str, EstimatorFn] = {}
+_POLICY_FREE: set[str] = set()  # estimators that read neither old_log_probs nor sum_pi_squared
 
 
-def register_estimator(name: str) -> Callable[[EstimatorFn], EstimatorFn]:
+def register_estimator(name: str, *, reads_policy: bool = True) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator registering an advantage estimator under `name`.
 
     The function is called as `fn(inputs, *, gamma, lam, norm_adv_by_std, handle_zero_tail)` and
     returns `(advantages [B, T], returns [B, T])`; it may ignore the keywords it has no use for.
-    Registering a taken name raises `ValueError`.
+    `reads_policy=False` declares that it never reads `inputs.old_log_probs` or `inputs.sum_pi_squared`:
+    the trainer may then fold the old-log-prob pass of an exactly on-policy step into the update and
+    pass them as None. Registering a taken name raises `ValueError`.
     """
 
     def decorator(fn: EstimatorFn) -> EstimatorFn:
         if name in _ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered; register under another name")
         _ESTIMATORS[name] = fn
+        if not reads_policy:
+            _POLICY_FREE.add(name)
         return fn
 
     return decorator
+
+
+def reads_policy(name: str) -> bool:
+    """Whether estimator `name` may read `old_log_probs` or `sum_pi_squared` (see `register_estimator`)."""
+    return name not in _POLICY_FREE
 
 
 def estimator_names() -> list[str]:
@@ -187,7 +197,7 @@ def _time_major(x: Tensor, dtype: torch.dtype) -> Tensor:
 # critic-based and token-level estimators
 
 
-@register_estimator("gae")
+@register_estimator("gae", reads_policy=False)
 def gae(inputs: EstimatorInputs, *, gamma: float, lam: float, **_: object) -> tuple[Tensor, Tensor]:
     """Generalised Advantage Estimation (Schulman et al. 2015, https://arxiv.org/abs/1506.02438).
 
@@ -230,7 +240,7 @@ def gae(inputs: EstimatorInputs, *, gamma: float, lam: float, **_: object) -> tu
     return advantages, returns
 
 
-@register_estimator("reinforce_plus_plus")
+@register_estimator("reinforce_plus_plus", reads_policy=False)
 def reinforce_plus_plus(inputs: EstimatorInputs, *, gamma: float, **_: object) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025, https://arxiv.org/abs/2501.03262): whitened discounted return.
 
@@ -261,7 +271,7 @@ def reinforce_plus_plus(inputs: EstimatorInputs, *, gamma: float, **_: object) -
     return advantages, returns
 
 
-@register_estimator("remax")
+@register_estimator("remax", reads_policy=False)
 def remax(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
     """ReMax (Li et al. 2023, https://arxiv.org/abs/2310.10505): the greedy response's score as baseline.
 
@@ -281,7 +291,7 @@ def remax(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
 # outcome estimators with a group baseline
 
 
-@register_estimator("grpo")
+@register_estimator("grpo", reads_policy=False)
 def grpo(inputs: EstimatorInputs, *, norm_adv_by_std: bool, **_: object) -> tuple[Tensor, Tensor]:
     """GRPO (Shao et al. 2024, https://arxiv.org/abs/2402.03300) and Dr.GRPO (Liu et al. 2025,
     https://arxiv.org/abs/2503.20783) outcome advantages.
@@ -302,10 +312,10 @@ def grpo(inputs: EstimatorInputs, *, norm_adv_by_std: bool, **_: object) -> tupl
     return advantages, advantages
 
 
-register_estimator("grpo_vectorized")(grpo)
+register_estimator("grpo_vectorized", reads_policy=False)(grpo)
 
 
-@register_estimator("rloo")
+@register_estimator("rloo", reads_policy=False)
 def rloo(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
     """RLOO, leave-one-out baseline (Ahmadian et al. 2024, https://arxiv.org/abs/2402.14740).
 
@@ -325,10 +335,10 @@ def rloo(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
     return advantages, advantages
 
 
-register_estimator("rloo_vectorized")(rloo)
+register_estimator("rloo_vectorized", reads_policy=False)(rloo)
 
 
-@register_estimator("opo")
+@register_estimator("opo", reads_policy=False)
 def opo(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
     """OPO, length-weighted group baseline (Hao et al. 2025, https://arxiv.org/abs/2505.23585).
 
@@ -348,7 +358,7 @@ def opo(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
     return advantages, advantages
 
 
-@register_estimator("reinforce_plus_plus_baseline")
+@register_estimator("reinforce_plus_plus_baseline", reads_policy=False)
 def reinforce_plus_plus_baseline(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
     """REINFORCE++ with a group-mean baseline (Hu 2025, https://arxiv.org/abs/2501.03262).
 
@@ -367,7 +377,7 @@ def reinforce_plus_plus_baseline(inputs: EstimatorInputs, **_: object) -> tuple[
     return advantages, advantages
 
 
-@register_estimator("gpg")
+@register_estimator("gpg", reads_policy=False)
 def gpg(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
     """GPG, group policy gradient (Chu et al. 2025, https://arxiv.org/abs/2504.02546).
 
@@ -382,7 +392,7 @@ def gpg(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
     return advantages, advantages
 
 
-@register_estimator("grpo_passk")
+@register_estimator("grpo_passk", reads_policy=False)
 def grpo_passk(inputs: EstimatorInputs, *, norm_adv_by_std: bool, **_: object) -> tuple[Tensor, Tensor]:
     """Pass@k advantage (Chen et al. 2025, https://arxiv.org/abs/2503.19595).
 

@@ -17,10 +17,18 @@ This package must not import torch: it runs before anything heavy so a bad confi
 - ``loading``: the YAML layers and overrides merged onto the defaults, interpolation checks, ``resolve``
   (values that follow from others), the files a config names, ``to_dict``/``to_yaml``.
 - ``rules``: ``validate`` with its groups of rules, and ``load_and_validate``.
+- ``files``: the checks of the files a config names that read only headers (parquet data, local model
+  directories), and ``parquet_paths`` (a directory of data stands for its ``*.parquet`` files).
+- ``deepspeed_json``: a role's DeepSpeed JSON checked and its "auto" keys filled from the run config, for
+  validation and for the engines alike.
+- ``user_code``: ``algorithm.import_modules``, the user's modules that register estimators and losses.
+- ``reference``: ``describe_keys``, every key with its type, default and help (``dsrl-train --show-keys``).
 """
 
 from __future__ import annotations
 
+from dsrl.config.deepspeed_json import DeepSpeedJsonError, fill_ds_json
+from dsrl.config.files import parquet_paths
 from dsrl.config.loading import (
     ConfigError,
     ConfigFiles,
@@ -33,6 +41,7 @@ from dsrl.config.loading import (
     to_dict,
     to_yaml,
 )
+from dsrl.config.reference import describe_keys
 from dsrl.config.rules import load_and_validate, validate
 from dsrl.config.schema import (
     ADV_ESTIMATORS,
@@ -54,6 +63,7 @@ from dsrl.config.schema import (
     Config,
     KeyInfo,
 )
+from dsrl.config.user_code import import_user_modules
 
 __all__ = [
     # schema
@@ -86,7 +96,14 @@ __all__ = [
     "rollout_name",
     "to_dict",
     "to_yaml",
+    # files
+    "parquet_paths",
     # rules
     "load_and_validate",
     "validate",
+    # deepspeed_json, user_code, reference
+    "DeepSpeedJsonError",
+    "fill_ds_json",
+    "import_user_modules",
+    "describe_keys",
 ]

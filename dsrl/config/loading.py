@@ -28,7 +28,8 @@ from dsrl.config.verl_keys import _unknown_key
 
 
 class ConfigError(ValueError):
-    """Every problem found in a configuration; ``violations`` holds one line per problem."""
+    """Every problem found in a configuration or in the files it names (data, model); ``violations`` holds one
+    line per problem."""
 
     def __init__(self, violations: list[str]):
         self.violations = violations
@@ -97,6 +98,14 @@ def _read_layer(name: str, violations: list[str]) -> Optional[DictConfig]:
             f"config file {name}: cannot be read ({err.strerror}); fix: pass an existing YAML file or a shipped recipe ({recipes})"
         )
         return None
+    except yaml.MarkedYAMLError as err:  # where the parser gave up, and what it was reading then
+        at = lambda mark: f"line {mark.line + 1}, column {mark.column + 1}"  # noqa: E731
+        where = f" at {at(err.problem_mark)}" if err.problem_mark else ""
+        context = f" ({err.context} at {at(err.context_mark)})" if err.context and err.context_mark else ""
+        violations.append(
+            f"config file {name}: not valid YAML{where}: {err.problem}{context}; fix: correct the YAML syntax there"
+        )
+        return None
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         violations.append(f"config file {name}: not valid YAML ({_show(err)}); fix: correct the YAML syntax")
         return None
@@ -107,11 +116,16 @@ def _read_layer(name: str, violations: list[str]) -> Optional[DictConfig]:
 
 
 def _load(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, list[str]]:
-    """The typed tree with the YAML files (left to right) and the overrides applied, and the problems met on the way."""
+    """The typed tree with the YAML files (left to right) and the overrides applied, and the problems met on the way.
+
+    A file that cannot be read stops there: ConfigError with the files' problems and the overrides' syntax errors
+    only, since without the file the defaults it would have replaced (required keys, the default estimator's
+    critic) would be reported as if the user had set them."""
     cfg = OmegaConf.structured(Config)
     violations: list[str] = []
     names = [] if files is None else [files] if isinstance(files, (str, Path)) else list(files)
     layers = [layer for name in names if (layer := _read_layer(str(name), violations)) is not None]
+    unreadable = len(layers) < len(names)
     for item in overrides:
         item = item.lstrip("+")  # verl's Hydra "+key=value" (add) and "++key=value" (force): every dsrl key exists
         key, eq, value = item.partition("=")
@@ -126,6 +140,8 @@ def _load(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, list[st
             violations.append(
                 f"{key}={value}: not a valid value ({_show(err)}); fix: lists as [a,b], quote strings with special characters"
             )
+    if unreadable:
+        raise ConfigError(violations)
     for layer in layers:
         _merge(cfg, OmegaConf.to_container(layer, resolve=False), "", violations)
     for key in _LEAF_KEYS:  # an interpolation like ${trainer.project_name} must resolve to a value of the key's type

@@ -11,12 +11,14 @@ from typing import Any, Callable, Optional
 
 from omegaconf import MISSING, ListConfig, OmegaConf
 
-from dsrl.config.loading import ConfigError, ConfigFiles, _load, deepspeed_config_path, resolve, rollout_name
+from dsrl.config.deepspeed_json import DeepSpeedJsonError, clip_grad, fill_ds_json
+from dsrl.config.files import model_dir_problems, parquet_paths, parquet_problem
+from dsrl.config.loading import ConfigError, ConfigFiles, _load, resolve, rollout_name
+from dsrl.config.user_code import import_user_modules, registered_names
 from dsrl.config.schema import (
     ADV_ESTIMATORS,
     CHECKPOINT_CONTENTS,
     CRITIC_ESTIMATORS,
-    DS_CONFIG_DIR,
     GROUP_ESTIMATORS,
     KL_CTRL_TYPES,
     KL_KINDS,
@@ -36,6 +38,7 @@ from dsrl.config.schema import (
     TRUNCATION_MODES,
     _LEAF_KEYS,
     Config,
+    _show,
     _violation,
 )
 
@@ -66,31 +69,46 @@ def _is_missing(cfg: Config, key: str) -> bool:
 def validate(cfg: Config, world_size: int) -> list[str]:
     """Every violation of the rules below, one line each (dotted key, value, rule, fix); [] when valid.
 
-    Checks the batch geometry against ``world_size``, estimator requirements, loss and KL settings,
-    names against the known ones, and that the files the run needs exist. Runs on the config as
-    loaded, before ``resolve`` fills in derived values; reads nothing heavy.
+    Checks that numbers are finite, the batch geometry against ``world_size``, estimator requirements,
+    loss and KL settings, names against the known ones, and that the files the run needs exist and look
+    complete (``dsrl.config.files``: headers only). Runs on the config as loaded, before ``resolve``
+    fills in derived values; reads nothing heavy.
     """
     violations: list[str] = []
+    nonfinite = [key for key in _LEAF_KEYS if not _is_missing(cfg, key) and _nonfinite(OmegaConf.select(cfg, key))]
 
     def need(ok: Any, key: str, rule: str, fix: str, value: Any = _VALUE_AT_KEY) -> None:
-        """Record a violation at ``key`` unless ``ok``; it shows the value at ``key`` unless given one."""
-        if not ok:
+        """Record a violation at ``key`` unless ``ok``; it shows the value at ``key`` unless given one. A key
+        holding inf or nan has its one violation already (nan fails every comparison)."""
+        if not ok and key not in nonfinite:
             if value is _VALUE_AT_KEY:
                 value = MISSING if _is_missing(cfg, key) else OmegaConf.select(cfg, key)
             violations.append(_violation(key, value, rule, fix))
 
     for key in _LEAF_KEYS:
         need(not _is_missing(cfg, key), key, "required", f"set {key} ({SCHEMA[key].help})")
+    for key in nonfinite:
+        rule = "must be finite (inf and nan are not numbers a run can use)"
+        fix = f"set it to a finite number (the default is {_show(SCHEMA[key].default)})"
+        violations.append(_violation(key, OmegaConf.select(cfg, key), rule, fix))
     _batch_rules(cfg, world_size, need)
+    violations += import_user_modules(cfg.algorithm.import_modules)  # before the name checks: they register names
     _estimator_rules(cfg, need)
     _loss_rules(cfg, need)
     _rollout_rules(cfg, world_size, need)
     _vllm_rules(cfg, need)
     _rollout_correction_rules(cfg, need)
     _file_rules(cfg, need)
+    _deepspeed_rules(cfg, world_size, need)
     _reward_rules(cfg, need)
     _trainer_rules(cfg, need)
     return violations
+
+
+def _nonfinite(value: Any) -> bool:
+    """Whether ``value`` is, or is a list holding, an inf or a nan."""
+    values = list(value) if isinstance(value, ListConfig) else [value]
+    return any(isinstance(v, float) and not math.isfinite(v) for v in values)
 
 
 def _critic_used(cfg: Config) -> bool:
@@ -153,6 +171,13 @@ def _mini_batch_rules(cfg: Config, role: str, world_size: int, need: Need) -> No
 
 def _batch_rules(cfg: Config, world_size: int, need: Need) -> None:
     data, rollout = cfg.data, cfg.actor_rollout_ref.rollout
+    model = cfg.actor_rollout_ref.model
+    need(
+        not (model.shared_prompt_forward and model.enable_gradient_checkpointing),
+        "actor_rollout_ref.model.shared_prompt_forward",
+        "needs the prompts' KV cache under autograd, which gradient checkpointing turns off",
+        "set actor_rollout_ref.model.enable_gradient_checkpointing=false or shared_prompt_forward=false",
+    )
     need(data.train_batch_size > 0, "data.train_batch_size", "must be > 0 (prompts per step)", "set it to e.g. 8")
     if data.train_batch_size > 0:
         need(
@@ -193,11 +218,13 @@ def _batch_rules(cfg: Config, world_size: int, need: Need) -> None:
 def _estimator_rules(cfg: Config, need: Need) -> None:
     algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
     estimator = algo.adv_estimator
+    known = registered_names("algorithm.adv_estimator", ADV_ESTIMATORS)
     need(
-        estimator in ADV_ESTIMATORS,
+        estimator in known,
         "algorithm.adv_estimator",
         "unknown estimator",
-        f"use one of {', '.join(ADV_ESTIMATORS)}",
+        "register it with dsrl.algorithms.register_estimator in a module listed in algorithm.import_modules, or use "
+        f"one of {', '.join(known)}",
     )
     if estimator in GROUP_ESTIMATORS:
         need(
@@ -213,7 +240,7 @@ def _estimator_rules(cfg: Config, need: Need) -> None:
             f"{estimator} learns a value function and needs a critic model",
             "set critic.model.path (usually the same as actor_rollout_ref.model.path)",
         )
-    elif estimator in ADV_ESTIMATORS:
+    elif estimator in known:  # the trainer builds a critic for gae only, so a user's estimator has none
         need(
             cfg.critic.model.path is None,
             "critic.model.path",
@@ -316,11 +343,13 @@ def _loss_rules(cfg: Config, need: Need) -> None:
         "must be > 1: dual clip bounds the loss of negative advantages at clip_ratio_c times the advantage",
         "set it to 3.0",
     )
+    losses = registered_names(f"{prefix}.policy_loss.loss_mode", POLICY_LOSS_MODES)
     need(
-        actor.policy_loss.loss_mode in POLICY_LOSS_MODES,
+        actor.policy_loss.loss_mode in losses,
         f"{prefix}.policy_loss.loss_mode",
         "unknown policy loss",
-        f"use one of {', '.join(POLICY_LOSS_MODES)}",
+        "register it with dsrl.algorithms.register_policy_loss in a module listed in algorithm.import_modules, or use "
+        f"one of {', '.join(losses)}",
     )
     for key in (f"{prefix}.loss_agg_mode", "critic.loss_agg_mode"):
         need(
@@ -518,13 +547,29 @@ def _file_rules(cfg: Config, need: Need) -> None:
             continue
         for p in paths:
             task = next((task for task in PREPARED_TASKS if task in Path(p).parts), "arithmetic")
+            # The command as printed writes this folder: its default, outputs/data/<task>, or --out.
+            folder = Path(p).parent if Path(p).suffix == ".parquet" else Path(p)
+            out = "" if folder == Path("outputs", "data", task) else f" --out {folder}"
+            prepare = f"python scripts/prepare_data.py --task {task}{out}"
+            if not Path(p).expanduser().exists():
+                need(False, key, "file does not exist", f"point it at existing parquet files, e.g. written by {prepare}", value=p)
+                continue
             need(
-                Path(p).expanduser().exists(),
+                parquet_paths(p),
                 key,
-                "file does not exist",
-                f"point it at existing parquet files, e.g. written by python scripts/prepare_data.py --task {task}",
+                "the directory holds no *.parquet files (a directory stands for the *.parquet files directly in it)",
+                f"point it at a directory of parquet files or at the files, e.g. written by {prepare}",
                 value=p,
             )
+            for file in parquet_paths(p):
+                problem = parquet_problem(Path(file).expanduser())
+                need(
+                    problem is None,
+                    key,
+                    problem,
+                    f"write it (again) as parquet, e.g. pandas.read_json(path, lines=True).to_parquet(out), or with {prepare}",
+                    value=file,
+                )
     reward_path = cfg.custom_reward_function.path
     need(
         reward_path is None or Path(reward_path).expanduser().is_file(),
@@ -536,26 +581,62 @@ def _file_rules(cfg: Config, need: Need) -> None:
         ["critic.model.path"] if _critic_used(cfg) and cfg.critic.model.path else []
     )
     for key in model_keys:
-        if not _is_missing(cfg, key):
-            problem = _model_path_problem(OmegaConf.select(cfg, key))
-            need(
-                problem is None,
-                key,
-                problem,
-                "point it at a model directory or a hub id owner/name, e.g. create one with python scripts/make_tiny_model.py",
-            )
-    ds_keys = ["actor_rollout_ref.actor.deepspeed_config"]
-    ds_keys += ["actor_rollout_ref.ref.deepspeed_config"] if _ref_used(cfg) else []
-    ds_keys += ["critic.deepspeed_config"] if _critic_used(cfg) else []
-    for key in ds_keys:
-        path = deepspeed_config_path(OmegaConf.select(cfg, key))
-        known = ", ".join(sorted(p.stem for p in DS_CONFIG_DIR.glob("*.json")))
+        if _is_missing(cfg, key):
+            continue
+        path = OmegaConf.select(cfg, key)
+        problem = _model_path_problem(path)
+        out = "" if Path(path) == Path("outputs", "tiny_model") else f" --out {path}"  # the script's default, or --out
         need(
-            path.is_file(),
+            problem is None,
             key,
-            f"no DeepSpeed config at {path}",
-            f"use a name in ds_configs/ ({known}) or a path to a DeepSpeed JSON file",
+            problem,
+            f"point it at a model directory or a hub id owner/name, e.g. create one with python scripts/make_tiny_model.py{out}",
         )
+        if problem is None and Path(path).expanduser().is_dir():  # a hub id is checked when it downloads
+            # The run's tokenizer is the actor's (the critic shares it).
+            for rule, fix in model_dir_problems(Path(path).expanduser(), tokenizer=key == "actor_rollout_ref.model.path"):
+                need(False, key, rule, fix)
+
+
+def _ds_geometry(section: Any, n: int, world_size: int) -> tuple[Optional[int], Optional[int]]:
+    """(DeepSpeed micro-batch size, accumulation steps) of a trained role, as ``engines.training.mini_batch_geometry``
+    derives them; (None, None) where the batch rules refuse the mini-batch already."""
+    rows, micro = section.ppo_mini_batch_size * n, section.ppo_micro_batch_size_per_gpu
+    if rows <= 0 or micro <= 0 or rows % world_size:
+        return None, None
+    per_rank = rows // world_size
+    if section.use_dynamic_bsz:
+        return 1, per_rank
+    return (micro, per_rank // micro) if per_rank % micro == 0 else (None, None)
+
+
+def _deepspeed_rules(cfg: Config, world_size: int, need: Need) -> None:
+    """The DeepSpeed JSON of each role the run builds, checked and filled as its engine will do it
+    (``deepspeed_json.fill_ds_json``), so a bad one fails before torch loads."""
+    roles = ["actor_rollout_ref.actor"] + (["critic"] if _critic_used(cfg) else [])
+    roles += ["actor_rollout_ref.ref"] if _ref_used(cfg) else []
+    for role in roles:
+        section, key = OmegaConf.select(cfg, role), f"{role}.deepspeed_config"
+        trains = role != "actor_rollout_ref.ref"
+        if trains:
+            micro, accumulation = _ds_geometry(section, cfg.actor_rollout_ref.rollout.n, world_size)
+        else:  # the reference: one forward per micro-batch, no accumulation
+            micro, accumulation = section.log_prob_micro_batch_size_per_gpu, 1
+        try:
+            fill_ds_json(
+                section.deepspeed_config,
+                key=key,
+                prefix=role,
+                world_size=world_size,
+                micro_batch_size_per_gpu=micro if micro and micro > 0 else None,
+                gradient_accumulation_steps=accumulation,
+                dtype=cfg.actor_rollout_ref.model.dtype,
+                optim=section.optim if trains else None,
+                grad_clip=clip_grad(section) if trains else None,
+            )
+        except DeepSpeedJsonError as err:
+            for rule, fix in err.problems:
+                need(False, key, rule, fix)
 
 
 def _reward_rules(cfg: Config, need: Need) -> None:
@@ -569,10 +650,10 @@ def _reward_rules(cfg: Config, need: Need) -> None:
     )
     need(reward.timeout_s > 0, "reward.timeout_s", "must be > 0 seconds", "set it to e.g. 10")
     need(
-        math.isfinite(reward.fallback_score),
-        "reward.fallback_score",
-        "must be a finite number (what a failed reward call scores)",
-        "set it to 0.0",
+        reward.max_failed_steps >= 0,
+        "reward.max_failed_steps",
+        "must be >= 0 (steps in a row whose every reward call failed; 0 = never stop for that)",
+        "set it to 3",
     )
     need(
         reward.batch_chunk_size is None or reward.batch_chunk_size >= 1,
@@ -709,6 +790,12 @@ def _trainer_rules(cfg: Config, need: Need) -> None:
         "trainer.max_consecutive_skips",
         "must be >= 1",
         "set it to 5",
+    )
+    need(
+        cfg.actor_rollout_ref.nccl_timeout > 0,
+        "actor_rollout_ref.nccl_timeout",
+        "must be > 0 seconds (how long a collective waits for every rank)",
+        "set it to 600",
     )
     contents = list(cfg.actor_rollout_ref.actor.checkpoint.save_contents)
     key = "actor_rollout_ref.actor.checkpoint.save_contents"

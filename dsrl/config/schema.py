@@ -69,12 +69,13 @@ REQUIRED_CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
 RESUME_HARMLESS_KEYS = (
     r"trainer\.(total_epochs|total_training_steps|save_freq|test_freq|val_before_train|val_only|logger)",
     r"trainer\.(log_val_generations|log_samples_freq|log_model)",
-    r"reward\.(num_workers|batch_chunk_size)",
+    r"reward\.(num_workers|batch_chunk_size|max_failed_steps)",
     r"trainer\.(project_name|experiment_name|default_local_dir|max_consecutive_skips)",
     r"trainer\.(resume_mode|resume_from_path|resume_allow_config_change|max_actor_ckpt_to_keep|max_critic_ckpt_to_keep)",
     r"data\.(val_files|val_batch_size)",
     r"actor_rollout_ref\.rollout\.val_kwargs\..*",
     r"actor_rollout_ref\.actor\.checkpoint\..*",
+    r"actor_rollout_ref\.nccl_timeout",
 )
 LR_SCHEDULES = ("constant", "cosine")
 MODEL_DTYPES = ("bfloat16", "float32")
@@ -146,6 +147,12 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = _f(
         True, "recompute activations in backward: much less memory for long sequences, ~30% slower (verl's default)"
     )
+    shared_prompt_forward: bool = _f(
+        False,
+        "actor and reference forwards run each distinct prompt of a micro-batch once and its responses on its KV cache "
+        "(n responses per prompt: (n-1)/n fewer prompt tokens; same values up to float rounding); needs "
+        "enable_gradient_checkpointing=false, and under ZeRO-3 gathers each layer twice per micro-batch",
+    )
 
 
 @dataclass
@@ -170,7 +177,7 @@ class OptimConfig:
 class PolicyLossConfig:
     loss_mode: str = _f(
         "vanilla",
-        "policy loss: vanilla (PPO clip with dual clip) | gspo (sequence ratio) | cispo (clipped IS weight) | gpg",
+        "policy loss: vanilla (PPO clip with dual clip) | gspo (sequence ratio) | cispo (clipped IS weight) | gpg, or a name registered by algorithm.import_modules",
     )
 
 
@@ -314,6 +321,11 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = _f(ActorConfig, "the trained policy: batch geometry, loss, optimizer")
     ref: RefConfig = _f(RefConfig, "the frozen reference policy (used when a KL term is on)")
     rollout: RolloutConfig = _f(RolloutConfig, "response generation")
+    nccl_timeout: int = _f(
+        600,
+        "seconds a collective waits for every rank (verl's key; gloo on CPU too): a rank stuck longer stops the run "
+        "with an error naming the phase; raise it when one rank may work alone longer (e.g. a slow model download)",
+    )
 
 
 @dataclass
@@ -390,7 +402,7 @@ class RolloutCorrectionConfig:
 class AlgorithmConfig:
     adv_estimator: str = _f(
         "gae",
-        "advantage estimator: gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | opo | optimal_token_baseline | tir_optimal_token_baseline | gpg | grpo_passk",
+        "advantage estimator: gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | opo | optimal_token_baseline | tir_optimal_token_baseline | gpg | grpo_passk, or a name registered by algorithm.import_modules",
     )
     gamma: float = _f(1.0, "discount; 1.0 for LLM episodes (one reward at the end)")
     lam: float = _f(
@@ -409,6 +421,12 @@ class AlgorithmConfig:
     )
     rollout_correction: RolloutCorrectionConfig = _f(
         RolloutCorrectionConfig, "correction of the mismatch between the rollout engine's and the actor's log-probs"
+    )
+    import_modules: list[str] = _f(
+        list,
+        "your own code, imported before validation and by the trainer on every rank: .py paths or module names, "
+        "e.g. [my_estimators.py]; their dsrl.algorithms.register_estimator / register_policy_loss calls add "
+        "adv_estimator / policy_loss.loss_mode names",
     )
 
 
@@ -442,6 +460,9 @@ class RewardConfig:
     )
     math_verify_sources: list[str] = _f(
         list, "data sources the built-in scorer checks with Math-Verify (pip install 'dsrl[math]') instead of its rule, e.g. [lighteval/MATH]"
+    )
+    max_failed_steps: int = _f(
+        3, "stop the run when every reward call of this many training steps in a row failed (the message quotes the first failure); 0 = never"
     )
 
 

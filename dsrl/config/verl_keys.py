@@ -7,7 +7,7 @@ import difflib
 import fnmatch
 from typing import Any, Optional
 
-from dsrl.config.schema import _LEAF_KEYS, _violation
+from dsrl.config.schema import _LEAF_KEYS, SCHEMA, _violation
 
 
 def _ds_config_key(key: str) -> str:
@@ -79,5 +79,10 @@ def _unknown_key(key: str, value: Any) -> str:
     if verl_only is not None:
         return _violation(key, value, *verl_only)
     close = difflib.get_close_matches(key, _LEAF_KEYS, n=1, cutoff=0.6)
-    fix = f"did you mean {close[0]}?" if close else "remove it (no dsrl key is close; the keys are in dsrl/config/schema.py)"
-    return _violation(key, value, "unknown key", fix)
+    if close:
+        return _violation(key, value, "unknown key", f"did you mean {close[0]}?")
+    section = key.rpartition(".")[0]
+    while section and section not in SCHEMA:  # the deepest section the key would sit in
+        section = section.rpartition(".")[0]
+    listing = f"python scripts/train.py --show-keys {section}".rstrip()
+    return _violation(key, value, "unknown key", f"remove it (no dsrl key is close; {listing} lists the keys)")

@@ -3,7 +3,8 @@
 Row schema (one row per prompt; other columns such as ``ability`` are ignored):
 
     data_source   str                        chooses the reward function
-    prompt        list of {role, content}    chat messages (column name = data.prompt_key)
+    prompt        list of {role, content}    chat messages (column name = data.prompt_key); roles system, user,
+                                             assistant or tool, content not empty
     reward_model  {ground_truth, style?}     ground_truth is passed to the reward function
     extra_info    dict | null                passed to the reward function as is
 
@@ -21,9 +22,10 @@ How the trainer uses it (B = data.train_batch_size prompts, W ranks)::
     state = sampler.state_dict()  ->  checkpoint  ->  sampler.load_state_dict(state)
 
 Malformed rows are errors, not skips: a ValueError names the file, the row, the rule and the fix,
-because a silently shrinking dataset changes the experiment. Over-long prompts follow verl:
-dropped and counted when ``data.filter_overlong_prompts`` is on, else handled per
-``data.truncation`` (``error`` raises, ``left`` keeps the last tokens, ``right`` the first).
+because a silently shrinking dataset changes the experiment; so is a prompt of 0 tokens (a tokenizer
+without its vocabulary). Over-long prompts follow verl: dropped and counted when
+``data.filter_overlong_prompts`` is on, else handled per ``data.truncation`` (``error`` raises, ``left``
+keeps the last tokens, ``right`` the first), counted and reported as a warning.
 
 Files are read with pyarrow directly (no datasets cache), so every rank can read them at once.
 The prompts are held in a ``PromptStore``: all token ids in one int32 buffer with int64 offsets,
@@ -43,9 +45,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from dsrl.config import parquet_paths
+
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 READ_BATCH_ROWS = 4096  # rows read, checked and tokenized at a time: bounds the transient Python objects
 
 
@@ -127,6 +132,12 @@ class PromptStore:
 
     def __len__(self) -> int:
         return len(self._rows)
+
+    def source_counts(self) -> dict[str, int]:
+        """Rows per data source, in order of first appearance."""
+        c = self._columns
+        counts = np.bincount(c.source_codes[self._rows], minlength=len(c.sources))
+        return {source: int(n) for source, n in zip(c.sources, counts) if n}
 
     @property
     def nbytes(self) -> int:
@@ -242,6 +253,21 @@ def _messages(value: Any, file: str, row: int, prompt_key: str) -> list[dict]:
             raise _row_error(
                 file, row, f"{prompt_key!r} holds a message {message!r:.80} without str 'role' and 'content'", fix
             )
+        if message["role"] not in CHAT_ROLES:
+            raise _row_error(
+                file,
+                row,
+                f"{prompt_key!r} holds a message with role {message['role']!r}, not one of {', '.join(CHAT_ROLES)} "
+                "(the roles chat templates know)",
+                "map the roles when preparing the data (e.g. ShareGPT's human -> user, gpt -> assistant)",
+            )
+        if not message["content"].strip() and not message.get("tool_calls"):
+            raise _row_error(
+                file,
+                row,
+                f"{prompt_key!r} holds a {message['role']} message with empty content",
+                "drop the message or give it its text when preparing the data",
+            )
     return value
 
 
@@ -273,7 +299,13 @@ def _open(file: str, prompt_key: str) -> tuple[pq.ParquetFile, list[str]]:
     path = Path(file).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {file!r} does not exist (create it with scripts/prepare_data.py)")
-    parquet = pq.ParquetFile(path)
+    try:
+        parquet = pq.ParquetFile(path)
+    except pa.ArrowInvalid as err:
+        raise ValueError(
+            f"{file}: not a parquet file ({err}). Fix: convert it (e.g. pandas.read_json(path, lines=True)"
+            ".to_parquet(out)) or write it with scripts/prepare_data.py"
+        ) from err
     names = parquet.schema_arrow.names
     missing = [c for c in ("data_source", prompt_key, "reward_model") if c not in names]
     if missing:
@@ -296,6 +328,40 @@ def _no_chat_template_error() -> ValueError:
     )
 
 
+def load_tokenizer(path: str, *, trust_remote_code: bool):
+    """The tokenizer of the model at ``path`` (a directory or a hub id), padding with EOS where it has no pad token
+    (e.g. Llama 3), as verl and the rollouts do.
+
+    A ValueError naming the key and the fix when the tokenizer or the model's config cannot be loaded, or when
+    the tokenizer holds more tokens than the model's vocabulary (``vocab_size``): ids past it would index beyond
+    the embedding, a device-side assert deep in the first forward pass.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    key = f"actor_rollout_ref.model.path={path}"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as err:  # transformers and tokenizers raise many types for files they cannot read
+        reason = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+        raise ValueError(
+            f"{key}: the tokenizer or config.json cannot be loaded ({reason}). Fix: point it at a complete model "
+            "directory or hub id (the files save_pretrained writes)"
+        ) from err
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None)
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"{key}: the tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size={vocab_size} "
+            f"(config.json), so token ids from {vocab_size} on index past the embedding. Fix: use the tokenizer "
+            "saved with this model, or resize the model's embedding to the tokenizer "
+            "(model.resize_token_embeddings(len(tokenizer))) and save both"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+        logger.info(f"{path}: the tokenizer has no pad token; padding with EOS ({tokenizer.eos_token})")
+    return tokenizer
+
+
 def load_prompts(
     files: str | list[str],
     tokenizer,
@@ -307,7 +373,8 @@ def load_prompts(
     max_samples: int = -1,
     chat_template_kwargs: dict | None = None,
 ) -> tuple[PromptStore, dict[str, int]]:
-    """Read parquet prompt files (in order) and tokenize them with the tokenizer's chat template.
+    """Read parquet prompt files (in order; a directory stands for its ``*.parquet`` files, sorted) and tokenize
+    them with the tokenizer's chat template.
 
     Each prompt is ``apply_chat_template(messages, add_generation_prompt=True, **chat_template_kwargs)``
     tokenized without extra special tokens (the template writes them). Only the first
@@ -326,7 +393,7 @@ def load_prompts(
     stats = {"rows": 0, "kept": 0, "filtered_overlong": 0, "truncated": 0}
     tokens, lengths, codes, codes_of = _Int32Buffer(), [], [], {}
     file_starts, ground_truths, extra_infos = [0], [], []
-    for file in [files] if isinstance(files, str) else list(files):
+    for file in parquet_paths(files):
         if stats["rows"] == max_samples:
             break
         parquet, columns = _open(file, prompt_key)
@@ -350,6 +417,14 @@ def load_prompts(
             )
             kept, kept_lengths = [], []
             for j, ids in enumerate(tokenizer(texts, add_special_tokens=False)["input_ids"]):
+                if not ids:  # a chat template alone gives tokens: 0 means a tokenizer without its vocabulary
+                    raise _row_error(
+                        file,
+                        row0 + j,
+                        "the prompt is 0 tokens after the chat template, so the tokenizer of "
+                        "actor_rollout_ref.model.path turns text into nothing",
+                        "give the model directory its tokenizer files (tokenizer.json or the vocabulary files)",
+                    )
                 if len(ids) > max_prompt_length:
                     if filter_overlong_prompts:
                         stats["filtered_overlong"] += 1
@@ -402,6 +477,22 @@ def load_prompts(
             stats["filtered_overlong"],
             stats["rows"],
             max_prompt_length,
+        )
+    if stats["truncated"]:
+        kept = "last" if truncation == "left" else "first"
+        # The end of a prompt is the generation prompt the template appends (e.g. "<|im_start|>assistant\n").
+        why = "" if truncation == "left" else (
+            ": cutting the end drops the generation prompt the chat template appends, so the model continues the "
+            "prompt instead of answering; data.truncation=left keeps it"
+        )
+        logger.warning(
+            "cut %d of %d prompts to their %s data.max_prompt_length=%d tokens (data.truncation=%s)%s",
+            stats["truncated"],
+            stats["rows"],
+            kept,
+            max_prompt_length,
+            truncation,
+            why,
         )
     if not len(records):
         raise ValueError(

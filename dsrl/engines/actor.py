@@ -19,20 +19,13 @@ from transformers import AutoModelForCausalLM
 from dsrl.algorithms import agg_loss, kl_penalty, policy_loss
 from dsrl.data.batch import Batch
 from dsrl.distributed import accelerator_device
-from dsrl.engines.deepspeed_setup import (
-    DTYPES,
-    build_ds_config,
-    init_distributed,
-    load_pretrained,
-    clip_grad,
-    lr_scheduler,
-)
+from dsrl.config.deepspeed_json import clip_grad
+from dsrl.engines.deepspeed_setup import DTYPES, build_ds_config, init_distributed, load_pretrained, lr_scheduler
 from dsrl.engines.forward import (
     compute_response_stats,
     micro_batch_indices,
-    model_inputs,
     pad_response,
-    response_logits,
+    policy_logits,
     response_stats,
 )
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
@@ -114,6 +107,7 @@ class ActorEngine:
             budget_key=f"{self.prefix}.ppo_max_token_len_per_gpu",
             with_entropy=with_entropy,
             with_sum_pi_squared=with_sum_pi_squared,
+            share_prompts=self.cfg.actor_rollout_ref.model.shared_prompt_forward,
         )
 
     def _split(self, mini: Batch) -> list[torch.Tensor]:
@@ -124,15 +118,30 @@ class ActorEngine:
             key=f"{self.prefix}.ppo_max_token_len_per_gpu",
         )
 
-    def update(self, batch: Batch, *, temperature: float) -> dict[str, float]:
-        """PPO epochs over ``batch`` (needs ``old_log_probs``, ``advantages``; ``ref_log_probs`` with
-        ``use_kl_loss``; ``rollout_is_weights`` optional). Returns verl's ``actor/*`` metrics, averaged
-        over optimizer steps, identical on every rank. Collective."""
+    def on_policy(self, rows: int) -> bool:
+        """Whether an update over this rank's ``rows`` rows is exactly on-policy: one mini-batch, one epoch."""
+        return -(-rows // self.rows_per_mini_batch) == 1 and self.cfg.actor_rollout_ref.actor.ppo_epochs == 1
+
+    def update(
+        self, batch: Batch, *, temperature: float, recorded: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, float]:
+        """PPO epochs over ``batch`` (needs ``advantages``; ``old_log_probs`` unless on-policy; ``ref_log_probs``
+        with ``use_kl_loss``; ``rollout_is_weights`` optional). Returns verl's ``actor/*`` metrics, averaged
+        over optimizer steps, identical on every rank. Collective.
+
+        ``recorded`` (an on-policy update only): filled with ``old_log_probs`` and ``entropy`` ``[B, T]``
+        float32 as the update's forward passes computed them. The parameters do not change before the
+        only optimizer step, so they are what a separate old-log-prob pass gives (up to the rounding of
+        another micro-batch split), and the trainer skips that pass.
+        """
         actor = self.cfg.actor_rollout_ref.actor
         if actor.use_kl_loss and batch.ref_log_probs is None:
             raise ValueError(f"{self.prefix}.use_kl_loss=True but the batch has no ref_log_probs; run the reference first")
-        num_mini_batches = -(-len(batch) // self.rows_per_mini_batch)
-        on_policy = num_mini_batches == 1 and actor.ppo_epochs == 1
+        on_policy = self.on_policy(len(batch))
+        if recorded is not None:
+            if not on_policy:
+                raise ValueError("ActorEngine.update: recorded log-probs need an on-policy update (one mini-batch, one epoch)")
+            recorded.update({name: torch.zeros(batch.response_ids.shape) for name in ("old_log_probs", "entropy")})
         self.engine.train()
         metrics = run_ppo_updates(
             self.engine,
@@ -142,32 +151,56 @@ class ActorEngine:
             shuffle=actor.shuffle,
             seed=self.cfg.trainer.seed,
             split=self._split,
-            loss_fn=lambda micro, num_tokens, num_seqs: self._loss(
-                micro, num_tokens=num_tokens, num_seqs=num_seqs, temperature=temperature, on_policy=on_policy
+            loss_fn=lambda micro, rows, num_tokens, num_seqs: self._loss(
+                micro,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+                temperature=temperature,
+                on_policy=on_policy,
+                record=None if recorded is None else (recorded, rows),
             ),
             skips=self.skips,
             lr_scheduler=self.lr_scheduler,
         )
         if actor.use_kl_loss:
             metrics["actor/kl_coef"] = actor.kl_loss_coef
+        if recorded is not None:
+            mask = batch.response_mask.float().cpu()
+            recorded.update({name: (value * mask).to(batch.response_ids.device) for name, value in recorded.items()})
         return metrics
 
     def _loss(
-        self, micro: Batch, *, num_tokens: float, num_seqs: float, temperature: float, on_policy: bool
+        self,
+        micro: Batch,
+        *,
+        num_tokens: float,
+        num_seqs: float,
+        temperature: float,
+        on_policy: bool,
+        record: tuple[dict[str, torch.Tensor], torch.Tensor] | None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         actor = self.cfg.actor_rollout_ref.actor
         dev = accelerator_device()
         micro = micro.to(dev)
         T = micro.response_ids.shape[1]
-        inputs, width = model_inputs(micro, dev)
-        logits = response_logits(self.engine, inputs, width)
+        logits, width = policy_logits(
+            self.engine, micro, dev, share_prompts=self.cfg.actor_rollout_ref.model.shared_prompt_forward
+        )
         # verl: the update's entropy only when it is in the loss or asked for; actor/entropy comes from
-        # the old-log-prob pass.
-        with_entropy = actor.entropy_coeff != 0 or actor.calculate_entropy
+        # the old-log-prob pass, or from here when this pass stands in for it (``record``).
+        entropy_loss_on = actor.entropy_coeff != 0 or actor.calculate_entropy
         stats = response_stats(
-            logits, micro.response_ids[:, :width], temperature=temperature, with_entropy=with_entropy, entropy_grad=True
+            logits,
+            micro.response_ids[:, :width],
+            temperature=temperature,
+            with_entropy=entropy_loss_on or record is not None,
+            entropy_grad=entropy_loss_on,
         )
         log_probs = pad_response(stats["log_probs"], T)
+        if record is not None:
+            recorded, rows = record
+            recorded["old_log_probs"][rows] = log_probs.detach().float().cpu()
+            recorded["entropy"][rows] = pad_response(stats["entropy"].detach().float().cpu(), T)
         mask = micro.response_mask.float()
         normalisers = {"num_tokens": num_tokens, "num_seqs": num_seqs}
         clip_low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
@@ -190,7 +223,7 @@ class ActorEngine:
         contributions = {name: value * share for name, value in pg_metrics.items()}
         contributions["actor/pg_loss"] = pg_loss
         loss = pg_loss
-        if with_entropy:
+        if entropy_loss_on:
             entropy_loss = agg_loss(pad_response(stats["entropy"], T), mask, actor.loss_agg_mode, **normalisers)
             loss = loss - actor.entropy_coeff * entropy_loss
             contributions["actor/entropy_loss"] = entropy_loss

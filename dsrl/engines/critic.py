@@ -18,14 +18,8 @@ from transformers import AutoModel
 from dsrl.algorithms import masked_mean, value_loss
 from dsrl.data.batch import Batch
 from dsrl.distributed import accelerator_device
-from dsrl.engines.deepspeed_setup import (
-    DTYPES,
-    build_ds_config,
-    init_distributed,
-    load_pretrained,
-    clip_grad,
-    lr_scheduler,
-)
+from dsrl.config.deepspeed_json import clip_grad
+from dsrl.engines.deepspeed_setup import DTYPES, build_ds_config, init_distributed, load_pretrained, lr_scheduler
 from dsrl.engines.forward import micro_batch_indices, model_inputs, pad_response
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 
@@ -143,7 +137,7 @@ class CriticEngine:
             shuffle=critic.shuffle,
             seed=self.cfg.trainer.seed,
             split=self._split,
-            loss_fn=self._loss,
+            loss_fn=lambda micro, rows, num_tokens, num_seqs: self._loss(micro, num_tokens, num_seqs),
             skips=self.skips,
             lr_scheduler=self.lr_scheduler,
         )

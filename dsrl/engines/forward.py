@@ -140,6 +140,44 @@ def response_logits(module: torch.nn.Module, inputs: dict[str, torch.Tensor], wi
     return out.logits[:, :-1]
 
 
+def policy_logits(
+    module: torch.nn.Module, micro: Batch, device: torch.device, *, share_prompts: bool
+) -> tuple[torch.Tensor, int]:
+    """Logits ``[b, width, V]`` predicting ``micro``'s response tokens, and ``width`` (``model_inputs``).
+
+    ``share_prompts``: rows with the same prompt (a group's responses) run it once. One forward over
+    the distinct prompts returns their KV cache and last logit; the cache is indexed out to every row
+    (autograd carries each row's gradient back to its prompt) and a second forward runs the response
+    columns on top. The same function of the parameters with fewer rows through the prompt: GRPO with
+    ``n`` responses runs ``(n - 1) / n`` fewer prompt tokens; values differ from the single forward
+    only by float rounding (other batch shapes, gradients summed over a group in another order).
+    Needs a cache under autograd, so not with gradient checkpointing (the config refuses the pair).
+    Two forwards even when every prompt differs: under ZeRO-3 each forward gathers the layers
+    collectively, so every rank must run as many as the others.
+    """
+    inputs, width = model_inputs(micro, device)
+    if share_prompts:
+        P = inputs["input_ids"].shape[1] - width
+        prompts = torch.cat([inputs["input_ids"][:, :P], inputs["attention_mask"][:, :P]], dim=1)
+        _, inverse = torch.unique(prompts, dim=0, return_inverse=True)
+        distinct = int(inverse.max()) + 1
+        rows = torch.arange(len(inverse), device=inverse.device)
+        first = torch.full((distinct,), len(inverse), device=inverse.device).scatter_reduce_(0, inverse, rows, "amin")
+        head = module(**{k: v[first, :P] for k, v in inputs.items()}, use_cache=True, logits_to_keep=1)
+        cache = head.cache
+        cache.batch_select_indices(inverse)
+        tail = module(
+            input_ids=inputs["input_ids"][:, P:],
+            attention_mask=inputs["attention_mask"],
+            position_ids=inputs["position_ids"][:, P:],
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=width,
+        )
+        return torch.cat([head.logits[inverse], tail.logits[:, :-1]], dim=1), width
+    return response_logits(module, inputs, width), width
+
+
 def _chunk_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
     return logprobs_from_logits(logits.float() / temperature, labels)
 
@@ -208,10 +246,12 @@ def compute_response_stats(
     budget_key: str,
     with_entropy: bool = False,
     with_sum_pi_squared: bool = False,
+    share_prompts: bool = False,
 ) -> dict[str, torch.Tensor]:
     """No-grad forward of ``batch`` in micro-batches (``micro_batch_indices``), outputs put back in
     row order: ``[B, T]`` float32 ``old_log_probs`` (+ ``entropy``, ``sum_pi_squared``), 0 on
-    response padding, on the batch's device. Collective (ZeRO-3 forwards, micro-batch count)."""
+    response padding, on the batch's device. ``share_prompts``: see ``policy_logits``. Collective
+    (ZeRO-3 forwards, micro-batch count)."""
     B, T = batch.response_ids.shape
     names = {"log_probs": "old_log_probs", "entropy": "entropy", "sum_pi_squared": "sum_pi_squared"}
     mask = batch.response_mask.float().cpu()
@@ -221,8 +261,7 @@ def compute_response_stats(
             batch, micro_batch_size=micro_batch_size, max_token_len=max_token_len, key=budget_key
         ):
             micro = batch.select(idx)
-            inputs, width = model_inputs(micro, accelerator_device())
-            logits = response_logits(module, inputs, width)
+            logits, width = policy_logits(module, micro, accelerator_device(), share_prompts=share_prompts)
             stats = response_stats(
                 logits,
                 micro.response_ids[:, :width].to(logits.device),

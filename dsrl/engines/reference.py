@@ -59,5 +59,6 @@ class ReferenceEngine:
             micro_batch_size=self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
             max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
             budget_key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+            share_prompts=self.cfg.actor_rollout_ref.model.shared_prompt_forward,
         )
         return stats["old_log_probs"]

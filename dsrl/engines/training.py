@@ -31,9 +31,10 @@ import torch.distributed as dist
 from dsrl.data.batch import Batch
 from dsrl.distributed import all_reduce
 
-# loss_fn(micro, num_tokens, num_seqs) -> (loss, metric contributions); the contributions of all
-# micro-batches and ranks add up to the mini-batch's metric values.
-LossFn = Callable[[Batch, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# loss_fn(micro, rows, num_tokens, num_seqs) -> (loss, metric contributions); ``rows`` are the micro-batch's
+# row numbers in the batch given to ``run_ppo_updates``; the contributions of all micro-batches and ranks add
+# up to the mini-batch's metric values.
+LossFn = Callable[[Batch, torch.Tensor, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 SplitFn = Callable[[Batch], list[torch.Tensor]]
 
 
@@ -148,7 +149,7 @@ def run_ppo_updates(
             sums: dict[str, torch.Tensor] = {}
             for j, idx in enumerate(micro_rows):
                 engine.set_gradient_accumulation_boundary(j == len(micro_rows) - 1)
-                loss, contributions = loss_fn(mini.select(idx), num_tokens, num_seqs)
+                loss, contributions = loss_fn(mini.select(idx), rows[idx], num_tokens, num_seqs)
                 engine.backward(loss * world, scale_wrt_gas=False)
                 for name, value in {**contributions, loss_name: loss}.items():
                     sums[name] = sums.get(name, 0.0) + value.detach().double()  # stays on device: no sync

@@ -11,7 +11,9 @@ Public API (verl's signature, so a verl ``custom_reward_function`` works unchang
 - ``RewardScorer.from_config(cfg).score_batch(...)``: what the trainer calls; the calls run in a
   pool of worker processes (pebble), each under ``reward.timeout_s``; a call that raises, times out,
   returns no finite number or kills its worker scores ``reward.fallback_score`` and is counted
-  (``reward/fail_exception``, ``reward/fail_timeout``, ``reward/fail_invalid``, ``reward/fail_crash``).
+  (``reward/fail_exception``, ``reward/fail_timeout``, ``reward/fail_invalid``, ``reward/fail_crash``);
+  a batch that hangs on every call is cut short; ``first_failure`` quotes what went wrong first; the
+  workers' output goes to the scorer's log file.
   With ``custom_reward_function.batch: true`` the function takes lists (verl's batch reward manager).
 
 This package imports no torch, so a worker process starts in a fraction of a second.
@@ -34,6 +36,11 @@ _RULES: dict[str, Callable[[str, str], float]] = {
 }
 
 
+def rule_sources() -> list[str]:
+    """The data sources with a built-in rule."""
+    return sorted(_RULES)
+
+
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
     """Score one response with the rule registered for ``data_source`` (1.0 correct, 0.0 otherwise).
 
@@ -42,7 +49,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     rule = _RULES.get(data_source)
     if rule is None:
         raise ValueError(
-            f"data_source={data_source!r} has no built-in reward (known: {sorted(_RULES)}). "
+            f"data_source={data_source!r} has no built-in reward (known: {rule_sources()}). "
             "Fix: write the rows with one of these data_source values, or set custom_reward_function.path "
             "to a file defining compute_score(data_source, solution_str, ground_truth, extra_info=None)."
         )
@@ -76,4 +83,5 @@ __all__ = [
     "load_custom_reward_function",
     "make_compute_score",
     "numeric_extras",
+    "rule_sources",
 ]

@@ -10,6 +10,16 @@ the start-up of the replacements), not K. A per-row function gets one task per r
 above); the parent's share of a task (pebble's scheduling and three messages) bounds cheap rules at a
 few thousand rows per second (scripts/bench_rewards.py). A batch function gets one task per chunk.
 
+A function that hangs on every input would still cost ceil(K / W) limits per batch (256 rows on 2
+workers with the 10 s default: 21 minutes a step), so a batch whose first ``max(W, 8)`` calls all ran
+past the limit, with not one score back, is cut short: the calls not finished are cancelled and count
+as timeouts. Tasks go to the workers in a shuffled order, so those first calls come from different
+prompts rather than from one prompt's responses (a ground truth that makes a checker hang). A batch
+still running after 30 s logs how far it got, and again every 30 s.
+
+Output: with ``log_file`` the workers' stdout and stderr (file descriptors 1 and 2: prints, warnings,
+tracebacks, C libraries) are appended to that file, not the trainer's console.
+
 Start method: ``spawn`` (no ``fork`` of a process holding CUDA, DeepSpeed and NCCL state), but without
 the part of ``spawn`` that re-runs the parent's ``__main__`` script in every child as ``__mp_main__``
 (for ``scripts/train.py`` that would import torch and the trainer in each worker): the pool's own
@@ -24,7 +34,8 @@ of file of their task pipe, but a worker inside a hanging call would live on (ch
 to init); so every worker also sets ``PR_SET_PDEATHSIG`` (SIGKILL) on Linux, a ``getppid`` watchdog
 thread elsewhere (``dsrl.rewards.worker.die_with_parent``). The kernel sends that signal when the
 *thread* that started the worker ends: the pool's first workers are started by the thread that builds
-the scorer (build it on the trainer's main thread), replacements by pebble's pool thread. Workers take
+the scorer (build it on the trainer's main thread; a pool replaced after a hang or a breakdown, by the
+thread that calls ``score_batch``), replacements by pebble's pool thread. Workers take
 SIGTERM's default action (pebble's Python handler could not run inside a C call holding the GIL), so
 a timed-out call is ended at once.
 """
@@ -37,6 +48,8 @@ import multiprocessing
 import multiprocessing.context
 import multiprocessing.spawn
 import os
+import queue
+import random
 import signal
 import threading
 import time
@@ -56,6 +69,10 @@ FAILURE_COUNTS = tuple(f"reward/fail_{kind}" for kind in FAILURE_KINDS)
 MAX_DEFAULT_WORKERS = 16
 # Python start-up plus loading the user's file; a pool whose first worker is not ready by then is broken.
 _STARTUP_TIMEOUT_S = 120.0
+# Calls in a row that ran past the limit, none scoring, that cut a batch short (at least one per worker):
+# with the tasks shuffled, a batch in which half the rows hang is cut short with probability 1/256.
+_HANG_EVIDENCE_CALLS = 8
+_SLOW_BATCH_REPORT_S = 30.0  # a batch running this long says how far it got, and again every as long
 
 
 def default_num_workers() -> int:
@@ -130,6 +147,8 @@ class RewardScorer:
         fallback_score: the score of a row whose call failed.
         batch_chunk_size: rows per call of a batch function; None = the batch split evenly over the workers.
         math_verify_sources: data sources the built-in dispatcher scores with Math-Verify.
+        log_file: where the workers' stdout and stderr go (appended; its folder is created); None = the
+            trainer's own stdout and stderr.
 
     Raises ValueError at construction when the custom file or function is missing, its import fails,
     its signature does not fit ``batch``, or math-verify is needed and not installed, so a broken reward
@@ -148,6 +167,7 @@ class RewardScorer:
         fallback_score: float = 0.0,
         batch_chunk_size: int | None = None,
         math_verify_sources: tuple[str, ...] | list[str] = (),
+        log_file: str | os.PathLike | None = None,
     ):
         if not timeout_s > 0:
             raise ValueError(f"reward timeout_s={timeout_s}: must be > 0 seconds")
@@ -164,15 +184,25 @@ class RewardScorer:
         self.num_workers = num_workers or default_num_workers()
         self.batch = bool(batch)
         self.batch_chunk_size = batch_chunk_size
-        self._initargs = (custom_path, custom_name, self.batch, tuple(math_verify_sources), os.getpid())
+        self.log_file = None if log_file is None else os.path.abspath(log_file)
+        if self.log_file is not None:  # here, so that an unwritable place fails in the trainer, not in each worker
+            os.makedirs(os.path.dirname(self.log_file), exist_ok=True)
+            open(self.log_file, "a").close()
+        # The message of the first failure (in time) of the last score_batch; None when every row scored.
+        self.first_failure: str | None = None
+        self._initargs = (
+            custom_path, custom_name, self.batch, tuple(math_verify_sources), os.getpid(), self.log_file
+        )
         self._pool: pebble.ProcessPool | None = None
         self._finalizer: weakref.finalize | None = None
         self.startup_s = self._start_pool()
-        logger.info("reward: %d worker processes ready in %.2f s", self.num_workers, self.startup_s)
+        output = f"; their output goes to {self.log_file}" if self.log_file else ""
+        logger.info("reward: %d worker processes ready in %.2f s%s", self.num_workers, self.startup_s, output)
 
     @classmethod
-    def from_config(cls, cfg) -> "RewardScorer":
-        """The scorer of a run: ``custom_reward_function.*`` and ``reward.*`` of the config."""
+    def from_config(cls, cfg, log_file: str | os.PathLike | None = None) -> "RewardScorer":
+        """The scorer of a run: ``custom_reward_function.*`` and ``reward.*`` of the config; the
+        workers' output goes to ``log_file``."""
         fn, reward = cfg.custom_reward_function, cfg.reward
         return cls(
             fn.path,
@@ -183,6 +213,7 @@ class RewardScorer:
             fallback_score=reward.fallback_score,
             batch_chunk_size=reward.batch_chunk_size,
             math_verify_sources=tuple(reward.math_verify_sources),
+            log_file=log_file,
         )
 
     def _start_pool(self) -> float:
@@ -248,7 +279,7 @@ class RewardScorer:
         a call that raised; ran past ``timeout_s``; returned None, a non-number, a non-finite number, a
         dict without ``score`` or unpicklable extras (a batch function: or the wrong number of results);
         killed its worker (segfault, ``os._exit``, out of memory). Each kind is also logged once as a
-        warning with its first message.
+        warning with its first message; ``first_failure`` holds the message of the first call to fail.
         """
         n = len(responses)
         if not len(data_sources) == len(ground_truths) == len(extra_infos) == n:
@@ -263,7 +294,7 @@ class RewardScorer:
             self._finalizer()
             self._start_pool()
         rows = list(zip(data_sources, responses, ground_truths, extra_infos, strict=True))
-        outcomes = self._run(rows)
+        outcomes, self.first_failure = self._run(rows)
 
         scores, row_extras = [self.fallback_score] * n, [{}] * n
         failures: dict[str, list[str]] = {kind: [] for kind in FAILURE_KINDS}
@@ -282,23 +313,65 @@ class RewardScorer:
                 )
         return scores, extras, {name: len(failures[kind]) for name, kind in zip(FAILURE_COUNTS, FAILURE_KINDS)}
 
-    def _run(self, rows: list[tuple]) -> list[tuple]:
-        """One outcome per row (see ``dsrl.rewards.worker``), ``("timeout" | "crash", message)`` added."""
+    def _run(self, rows: list[tuple]) -> tuple[list[tuple], str | None]:
+        """One outcome per row (see ``dsrl.rewards.worker``), ``("timeout" | "crash", message)`` added, and
+        the message of the first call to fail (in time: a call that ran, not one cancelled). Cuts short a
+        batch that hangs and reports a slow one (the module doc)."""
         if self.batch:
             size = self.batch_chunk_size or max(1, -(-len(rows) // self.num_workers))
             task, spans = worker.score_chunk, [(i, min(i + size, len(rows))) for i in range(0, len(rows), size)]
         else:
             task, spans = worker.score_rows, [(i, i + 1) for i in range(len(rows))]
-        futures = []
-        for start, stop in spans:
+        results: dict[int, list[tuple]] = {}  # span -> its rows' outcomes
+        pending = {}  # future -> span
+        finished: queue.SimpleQueue = queue.SimpleQueue()  # futures as pebble's threads complete them
+        for i in random.Random(len(spans)).sample(range(len(spans)), len(spans)):  # seeded: reproducible
+            start, stop = spans[i]
             try:
-                futures.append(self._pool.schedule(task, (rows[start:stop],), timeout=self.timeout_s))
+                future = self._pool.schedule(task, (rows[start:stop],), timeout=self.timeout_s)
             except RuntimeError as exc:  # the pool broke down while scheduling
-                futures.append(exc)
-        outcomes: list[tuple] = []
-        for (start, stop), future in zip(spans, futures):
-            outcomes += self._outcomes(future, stop - start)
-        return outcomes
+                results[i] = self._outcomes(exc, stop - start)
+                continue
+            pending[future] = i
+            future.add_done_callback(finished.put)
+        hang_evidence = max(self.num_workers, _HANG_EVIDENCE_CALLS)
+        scored = timed_out = 0
+        first_failure = next((o[1] for outcomes in results.values() for o in outcomes), None)  # calls refused
+        start = time.monotonic()
+        report_at = start + _SLOW_BATCH_REPORT_S
+        while pending:
+            try:
+                future = finished.get(timeout=max(0.0, report_at - time.monotonic()))
+            except queue.Empty:
+                future = None
+            if future is not None:
+                i = pending.pop(future)
+                results[i] = self._outcomes(future, spans[i][1] - spans[i][0])
+                first_failure = first_failure or next((o[1] for o in results[i] if o[0] != "ok"), None)
+                scored += any(outcome[0] == "ok" for outcome in results[i])
+                timed_out += results[i][0][0] == "timeout"
+            if pending and not scored and timed_out >= hang_evidence:
+                message = (
+                    f"not run: the first {timed_out} calls of this batch all ran past reward.timeout_s="
+                    f"{self.timeout_s:g} s and none returned a score (the reward function seems to hang), "
+                    f"so the other {len(pending)} were cancelled"
+                )
+                logger.warning("reward: %s", message)
+                for i in pending.values():
+                    results[i] = [("timeout", message)] * (spans[i][1] - spans[i][0])
+                # A new pool: pebble would hand each queued call to a worker, then kill that worker.
+                self._finalizer()
+                self._start_pool()
+                break
+            if pending and time.monotonic() >= report_at:
+                logger.info(
+                    "reward: %d calls of this batch still running after %.0f s: %d done (%d timed out), "
+                    "%d pending; reward.timeout_s=%g s per call, %d workers",
+                    len(spans), time.monotonic() - start, len(spans) - len(pending), timed_out, len(pending),
+                    self.timeout_s, self.num_workers,
+                )
+                report_at += _SLOW_BATCH_REPORT_S
+        return [outcome for i in range(len(spans)) for outcome in results[i]], first_failure
 
     def _outcomes(self, future, size: int) -> list[tuple]:
         if isinstance(future, Exception):

@@ -3,13 +3,15 @@
 The pool starts each worker with the ``spawn`` method and without re-running the training script (see
 ``dsrl.rewards.scorer``), so a worker imports only this package, pebble and the user's reward file: no
 torch. :func:`initialize` runs once per worker (and once per replacement of a killed one): it ties the
-worker's life to the trainer's and loads the reward function once. A loading error is kept, not
-raised (pebble would restart a worker whose initializer fails, forever); :func:`probe` reports it so
-the scorer fails at construction.
+worker's life to the trainer's, sends its output to the scorer's log file and loads the reward function
+once. A loading error is kept, not raised (pebble would restart a worker whose initializer fails,
+forever); :func:`probe` reports it so the scorer fails at construction.
 
-Tasks return one *outcome* per row and never raise for a reward function's fault:
+Tasks return one *outcome* per row and never raise for a reward function's fault, not even for
+``sys.exit`` or ``KeyboardInterrupt`` raised inside it (pebble would re-raise those in the trainer):
 ``("ok", score, extras)``, ``("exception", message)`` or ``("invalid", message)``. Timeouts and
-crashed workers are seen by the parent (pebble's ``TimeoutError`` / ``ProcessExpired``).
+crashed workers are seen by the parent (pebble's ``TimeoutError`` / ``ProcessExpired``). pebble's
+workers ignore SIGINT, so a Ctrl-C in the terminal reaches the trainer alone, which decides.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import inspect
 import math
 import os
 import pickle
+import reprlib
 import signal
 import sys
 import threading
@@ -71,11 +74,15 @@ def initialize(
     batch: bool,
     math_verify_sources: tuple[str, ...],
     parent_pid: int,
+    log_file: str | None = None,
     ready=None,
 ) -> None:
-    """pebble's initializer: tie this worker to the trainer, then load the reward function once."""
+    """pebble's initializer: tie this worker to the trainer, send its output to ``log_file`` (None:
+    the trainer's stdout and stderr), then load the reward function once."""
     global _fn, _batch, _load_error, _ready
     die_with_parent(parent_pid)
+    if log_file is not None:
+        redirect_output(log_file)
     # pebble stops a worker (a timeout, the pool's end) with SIGTERM, then SIGKILL 3 s later. Its SIGTERM
     # handler is Python code, which cannot run while the reward function is inside a C call holding the
     # GIL, so every such kill would cost the 3 s and hold up pebble's manager thread meanwhile. The
@@ -88,6 +95,19 @@ def initialize(
         _load_error = str(exc)
     except BaseException:  # noqa: BLE001 -- anything the user's module does on import, SystemExit included
         _load_error = f"custom_reward_function.path={custom_path!r}: importing it raised\n{traceback.format_exc()}"
+
+
+def redirect_output(log_file: str) -> None:
+    """Point file descriptors 1 and 2 at ``log_file`` (appending), so that prints, warnings, tracebacks
+    and C libraries' output all land there. Python writes each line at once, whatever PYTHONUNBUFFERED
+    says (whose piecewise writes would interleave the lines of workers printing together), and at once
+    when it ends (a worker may be killed at any moment)."""
+    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+        os.dup2(fd, stream.fileno())
+        stream.reconfigure(line_buffering=True, write_through=False)
+    os.close(fd)
 
 
 def load_reward_function(
@@ -148,8 +168,8 @@ def score_rows(rows: list[tuple]) -> list[Outcome]:
             result = _fn(
                 data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info
             )
-        except Exception as exc:  # noqa: BLE001 -- a reward function's failure is a counted outcome
-            outcomes.append(("exception", f"{type(exc).__name__}: {exc}"))
+        except BaseException as exc:  # noqa: BLE001 -- a reward function's failure is a counted outcome
+            outcomes.append(("exception", describe(exc)))
             continue
         outcomes.append(as_outcome(result))
     return outcomes
@@ -166,12 +186,30 @@ def score_chunk(rows: list[tuple]) -> list[Outcome]:
         results = _fn(
             data_sources=data_sources, solution_strs=solution_strs, ground_truths=ground_truths, extra_infos=extra_infos
         )
-    except Exception as exc:  # noqa: BLE001
-        return [("exception", f"{type(exc).__name__}: {exc}")] * len(rows)
+    except BaseException as exc:  # noqa: BLE001
+        return [("exception", describe(exc))] * len(rows)
     if isinstance(results, (str, bytes, dict)) or not hasattr(results, "__len__") or len(results) != len(rows):
         got = f"{len(results)} results" if hasattr(results, "__len__") else type(results).__name__
         return [("invalid", f"batch reward function returned {got} for {len(rows)} rows; it must return a list, one per row")] * len(rows)
     return [as_outcome(result) for result in results]
+
+
+def describe(exc: BaseException) -> str:
+    """What a reward function did, for the failure counts and the stop message: ``called sys.exit(3)``,
+    ``raised KeyboardInterrupt``, or ``ZeroDivisionError: division by zero (at my_reward.py:12 in
+    compute_score)``: the innermost line in the reward function's file, else the innermost frame."""
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r})" if exc.code is not None else "called sys.exit()"
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if isinstance(exc, KeyboardInterrupt):
+        return f"raised {text}"
+    frames = traceback.extract_tb(exc.__traceback__)[1:]  # the first frame is the call in this file
+    fn_file = getattr(getattr(_fn, "__code__", None), "co_filename", None)
+    frames = [f for f in frames if f.filename == fn_file] or frames  # the user's line over a library's
+    if frames:
+        frame = frames[-1]
+        text += f" (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"
+    return text
 
 
 def as_score(result) -> tuple[float, dict]:
@@ -183,19 +221,21 @@ def as_score(result) -> tuple[float, dict]:
             raise ValueError(f"reward function returned a dict without 'score' (keys: {list(result)})")
         extras = {k: v for k, v in result.items() if k != "score"}
         result = result["score"]
+    unusable = f"reward function returned {_shown(result)}; it must return a number or a dict with 'score'"
     if result is None or isinstance(result, (str, bytes)):
-        raise ValueError(
-            f"reward function returned {type(result).__name__}; it must return a number or a dict with 'score'"
-        )
+        raise ValueError(unusable)
     try:
         score = float(result)
     except (TypeError, ValueError):
-        raise ValueError(
-            f"reward function returned {type(result).__name__}; it must return a number or a dict with 'score'"
-        ) from None
+        raise ValueError(unusable) from None
     if not math.isfinite(score):
         raise ValueError(f"reward function returned {score}; scores must be finite")
     return score, extras
+
+
+def _shown(value) -> str:
+    """``None``, ``str '1.0'``, ``list [1, 2]``: a returned value as a message quotes it (short)."""
+    return "None" if value is None else f"{type(value).__name__} {reprlib.repr(value)}"
 
 
 def as_outcome(result) -> Outcome:

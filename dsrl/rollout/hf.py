@@ -162,13 +162,30 @@ class HFRollout:
             **warper_off,
         )
         prompt_len = prompt_ids.shape[1]
+        prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
+        shared = {}
+        if sampling.n > 1 and prompt_len > 1:
+            # Each prompt's KV cache is computed once for its n samples (vLLM's prefix cache does the same):
+            # all but the last prompt token, repeated n times; generate runs on from the last token.
+            prefill = self.model(
+                input_ids=prompt_ids[:, :-1],
+                attention_mask=prompt_mask[:, :-1],
+                position_ids=(prompt_mask[:, :-1].cumsum(-1) - 1).clamp(min=0),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            prefill.cache.batch_repeat_interleave(sampling.n)
+            prompt_ids, prompt_mask = prompt_ids.repeat_interleave(sampling.n, 0), prompt_mask.repeat_interleave(sampling.n, 0)
+            shared = {"cache": prefill.cache}
+            config.num_return_sequences = 1
         with seeded(sampling.seed, self.device):
             sequences = self.model.generate(
-                input_ids=prompt_ids.to(self.device),
-                attention_mask=prompt_mask.to(self.device),
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
                 generation_config=config,
                 logits_processor=LogitsProcessorList([*processors, recorder]),
                 synced_gpus=False,
+                **shared,
             )
         tokens = sequences[:, prompt_len:]  # [B*n, L]
         recorder.record(tokens[:, -1])

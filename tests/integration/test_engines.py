@@ -128,6 +128,14 @@ def actors(world_of_one, make_cfg, z3):
             )
         ),
         "dynamic": ActorEngine(make_cfg(*common, "actor_rollout_ref.actor.use_dynamic_bsz=true")),
+        # Each prompt runs once per micro-batch, its responses on its KV cache: the same function.
+        "shared": ActorEngine(
+            make_cfg(
+                *common,
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                "actor_rollout_ref.model.shared_prompt_forward=true",
+            )
+        ),
     }
 
 
@@ -158,12 +166,15 @@ def test_actor_log_probs_equal_a_transformers_forward(actors, tiny_model_dir):
         assert (value[~mask] == 0).all(), name
 
 
-def test_token_budget_log_probs_come_back_in_order(actors):
+def test_token_budget_and_shared_prompt_log_probs_come_back_in_order(actors):
     batch = make_batch()
     by_count = actors["micro1"].compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
     by_budget = actors["dynamic"].compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
+    # Micro-batches of 3 rows: one holds rows of both prompts, each run once.
+    shared = actors["shared"].compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
     for name in by_count:
         torch.testing.assert_close(by_budget[name], by_count[name], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(shared[name], by_count[name], atol=1e-5, rtol=1e-5)
 
 
 def test_chunked_stats_equal_unchunked_with_gradients():
@@ -217,7 +228,7 @@ def test_actor_update_is_micro_batch_invariant(actors):
     assert metrics["micro1"]["actor/pg_clipfrac"] > 0  # the perturbed old log-probs make clipping matter
     assert metrics["micro1"]["actor/lr"] == pytest.approx(0.01)
     assert max((params["micro1"][k] - before[k]).abs().max().item() for k in before) > 1e-3
-    for other in ("micro4", "dynamic"):
+    for other in ("micro4", "dynamic", "shared"):
         assert_same_params(params[other], params["micro1"])
         assert_same_metrics(metrics[other], metrics["micro1"])
 

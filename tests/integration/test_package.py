@@ -13,7 +13,7 @@ import zipfile
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, write_model_stub, write_parquet_stub
 
 
 def test_the_package_list_names_every_package_of_the_source_tree():
@@ -59,8 +59,8 @@ def test_the_wheel_ships_the_recipes_and_the_deepspeed_configs(installed):
 def test_the_installed_command_validates_a_recipe_from_another_directory(installed, command, tmp_path):
     _, venv = installed
     for split in ("train", "test"):
-        (tmp_path / f"{split}.parquet").touch()
-    (tmp_path / "model").mkdir()
+        write_parquet_stub(tmp_path / f"{split}.parquet")
+    write_model_stub(tmp_path / "model")
     files = [
         f"data.train_files={tmp_path / 'train.parquet'}",
         f"data.val_files={tmp_path / 'test.parquet'}",

@@ -95,6 +95,17 @@ def test_a_seed_fixes_the_samples_and_leaves_the_global_rng_alone(rollout):
     assert not torch.equal(first.response_ids, other.response_ids)
 
 
+def test_n_samples_share_their_prompt_prefill_and_draw_what_repeated_prompts_draw(rollout):
+    """With n > 1 each prompt's KV cache is computed once and repeated: the samples and log-probs are
+    those of the prompts repeated n times with n = 1 (the same random draws, float rounding apart)."""
+    prompt_ids, prompt_mask = prompts()  # left-padded to different lengths
+    sampling = SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=3)
+    shared = rollout.generate(prompt_ids, prompt_mask, sampling)
+    repeated = rollout.generate(prompt_ids.repeat_interleave(4, 0), prompt_mask.repeat_interleave(4, 0), sampling.replace(n=1))
+    assert torch.equal(shared.response_ids, repeated.response_ids)
+    torch.testing.assert_close(shared.log_probs, repeated.log_probs, atol=1e-5, rtol=1e-5)
+
+
 def test_generation_in_chunks_is_greedy_identical_and_seeded_per_chunk(tiny_model_dir, rollout):
     """micro_batch_size prompts per generate call bound the KV cache; greedy decoding does not depend on
     the chunks, and a seeded batch in chunks repeats exactly."""

@@ -15,6 +15,9 @@ import torch
 from tests.conftest import recipe
 
 ALGORITHM_CONFIGS = ("ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb")
+# Recipes whose old-log-prob pass is read before the update (OTB's estimator, RLOO's in-reward KL); the
+# others are exactly on-policy under the CPU overlay and fold it into the update.
+SEPARATE_OLD_LOG_PROB = ("rloo", "otb")
 
 
 def trainer_for(name, tiny_model_dir, data, ds_test_config, out, *overrides):
@@ -74,7 +77,7 @@ def verl_step_metrics(name: str) -> list[str]:
         *stats("response_length"), "response_length/clip_ratio", *stats("prompt_length"), "prompt_length/clip_ratio",
         "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy",
         "actor/grad_norm", "actor/lr", "actor/loss",
-        "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/adv", "timing_s/update_actor",
+        "timing_s/gen", "timing_s/reward", "timing_s/adv", "timing_s/update_actor",
         "timing_s/step", "timing_per_token_ms/gen", "timing_per_token_ms/adv", "timing_per_token_ms/update_actor",
         "perf/total_num_tokens", "perf/time_per_step", "perf/throughput", "training/global_step", "training/epoch",
         "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max", "training/rollout_probs_diff_std",
@@ -85,6 +88,8 @@ def verl_step_metrics(name: str) -> list[str]:
                   "timing_per_token_ms/values", "timing_per_token_ms/update_critic"]
     if name == "grpo":
         names += ["actor/kl_loss", "actor/kl_coef", "timing_s/ref", "timing_per_token_ms/ref"]
+    if name in SEPARATE_OLD_LOG_PROB:
+        names += ["timing_s/old_log_prob"]
     if name == "otb":  # compute_variance_proxy_metrics, with sum_pi_squared
         names += [f"variance_proxy/{k}" for k in ("proxy1_signal_strength", "proxy2_total_power", "proxy3_pure_noise",
                                                    "expected_a_squared", "expected_w")]
@@ -125,9 +130,39 @@ def test_config_trains_two_steps(
         assert "actor/kl_loss" in step_metrics and "timing_s/ref" in step_metrics
     if name == "otb":
         assert trainer.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
+    if name not in SEPARATE_OLD_LOG_PROB:
+        assert "timing_s/old_log_prob" not in step_metrics
     # No checkpoint was asked for (save_freq -1), but the trained model is always exported.
     assert trainer.model_dir == tmp_path / "huggingface" and not list(tmp_path.glob("global_step_*"))
     assert (trainer.model_dir / "model.safetensors.index.json").is_file()
+
+
+def test_folding_the_old_log_prob_pass_changes_no_number(
+    tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    """GRPO (with the reference's KL loss) on-policy: the update's forward stands in for the old-log-prob
+    pass. The same two steps with the separate pass give bit-identical parameters and losses, and the
+    pass's metrics (entropy, rollout-vs-actor gaps) to float rounding."""
+    from dsrl.rollout import iter_full_parameters
+
+    runs = {}
+    for fold in (True, False):
+        trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / str(fold),
+                              "trainer.val_before_train=false", "trainer.test_freq=-1")
+        if not fold:
+            trainer.folds_old_log_prob = lambda batch: False
+        logged = []
+        trainer.tracker.log_metrics = lambda metrics, step: logged.append(metrics)
+        trainer.fit()
+        runs[fold] = logged, {name: tensor.clone() for name, tensor in iter_full_parameters(trainer.actor.module)}
+    (folded, folded_params), (separate, separate_params) = runs[True], runs[False]
+    assert all(torch.equal(folded_params[k], separate_params[k]) for k in separate_params)
+    for with_fold, without in zip(folded, separate):
+        assert "timing_s/old_log_prob" not in with_fold and "timing_s/old_log_prob" in without
+        for name in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean"):
+            assert with_fold[name] == without[name], name
+        for name in ("actor/entropy", "training/rollout_probs_diff_mean", "rollout_corr/is_ratio_mean"):
+            assert with_fold[name] == pytest.approx(without[name], rel=1e-5, abs=1e-7), name
 
 
 def test_remax_and_in_reward_kl(tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path):

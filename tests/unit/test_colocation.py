@@ -161,3 +161,17 @@ def test_a_failing_push_still_reloads_the_engines(monkeypatch):
     with pytest.raises(ValueError, match="bad name"), phase:
         pytest.fail("the body must not run")
     assert "generate" not in calls and calls[-2:] == ["sleep", "actor.reload_states"]
+
+
+def test_a_cpu_accelerator_releases_nothing(monkeypatch):
+    """On a CPU the "device" is host memory the rollout does not draw on: no partition-cache release (a
+    gc.collect() per engine) and no allocator call, only the push and the rollout's own calls."""
+    calls = []
+    monkeypatch.setattr(colocation, "get_accelerator", lambda: Accelerator("cpu", calls))
+    metrics = {}
+    with colocation.colocated_generation(
+        Rollout(calls), weights=lambda: iter([("w", None)]), trainer_engines=[engine("actor", calls)], metrics=metrics
+    ):
+        calls.append("generate")
+    assert calls == ["wake_up(['weights'])", "update_weights(['w'])", "wake_up(['kv_cache'])", "generate", "sleep"]
+    assert "timing_s/release_memory" in metrics

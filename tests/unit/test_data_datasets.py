@@ -251,7 +251,7 @@ def reference_load(files, tokenizer, *, max_prompt_length, filter_overlong_promp
 @pytest.fixture
 def varied_files(tmp_path):
     """Files that differ in ground-truth type, extra_info shape and data sources; some prompts too long."""
-    strings = [row("x" * (i * 7 % 40), str(i), source=f"s{i % 3}", index=i) for i in range(11)]
+    strings = [row("x" * (1 + i * 7 % 40), str(i), source=f"s{i % 3}", index=i) for i in range(11)]
     lists = [row(f"{i}?", [str(i), "or", str(-i)], source="lists") | {"extra_info": None} for i in range(5)]
     for i, r in enumerate(lists):
         r["extra_info"] = None if i % 2 else {"split": "test", "index": i, "tags": ["a", str(i)]}

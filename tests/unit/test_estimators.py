@@ -1,11 +1,19 @@
 """Advantage estimators: hand-computed cases, invariants, edge cases and registry errors."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from dsrl.algorithms import EstimatorInputs, compute_advantages, estimator_names, masked_whiten, register_estimator
+from dsrl.algorithms import (
+    EstimatorInputs,
+    compute_advantages,
+    estimator_names,
+    masked_whiten,
+    reads_policy,
+    register_estimator,
+)
 from dsrl.algorithms import estimators as estimators_module
 
 EPS = 1e-6  # GRPO's std epsilon
@@ -423,3 +431,27 @@ def test_a_registered_estimator_is_called_with_the_shared_signature():
         assert "test_constant" in estimator_names()
     finally:
         estimators_module._ESTIMATORS.pop("test_constant")
+
+
+@pytest.mark.parametrize("name", estimator_names())
+def test_an_estimator_declared_policy_free_computes_without_the_policy(name):
+    """``reads_policy`` lets the trainer skip the old-log-prob pass; an estimator that says it does not
+    read the policy must give the same result with ``old_log_probs`` and ``sum_pi_squared`` absent."""
+    if reads_policy(name):
+        assert name in ("optimal_token_baseline", "tir_optimal_token_baseline")
+        return
+    inputs = full_inputs()
+    without = dataclasses.replace(inputs, old_log_probs=None, sum_pi_squared=None)
+    for expected, got in zip(compute_advantages(name, inputs), compute_advantages(name, without)):
+        torch.testing.assert_close(got, expected)
+
+
+def test_a_user_estimator_is_assumed_to_read_the_policy_unless_it_says_not():
+    register_estimator("test_reads")(lambda inputs, **_: (inputs.response_mask,) * 2)
+    register_estimator("test_free", reads_policy=False)(lambda inputs, **_: (inputs.response_mask,) * 2)
+    try:
+        assert reads_policy("test_reads") and not reads_policy("test_free")
+    finally:
+        for name in ("test_reads", "test_free"):
+            estimators_module._ESTIMATORS.pop(name)
+        estimators_module._POLICY_FREE.discard("test_free")

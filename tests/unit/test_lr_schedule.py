@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dsrl.config import load_config
-from dsrl.engines.deepspeed_setup import clip_grad, lr_scheduler
+from dsrl.config.deepspeed_json import clip_grad
+from dsrl.engines.deepspeed_setup import lr_scheduler
 from tests.conftest import QUICKSTART
 
 LR = 0.1

@@ -12,12 +12,12 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from dsrl import config as C
 from dsrl.rewards import FAILURE_COUNTS, RewardScorer, default_num_workers
-from tests.conftest import QUICKSTART
+from tests.conftest import QUICKSTART, write_model_stub, write_parquet_stub
+from tests.process_helpers import children, live, run_script
 
 REPO = Path(__file__).resolve().parents[2]
 FALLBACK = -1.0  # distinct from every score the test function returns
@@ -110,38 +110,6 @@ def score(scorer, responses, truths=None, extras=None):
 
 def counts_of(**nonzero) -> dict[str, int]:
     return {name: nonzero.get(name.removeprefix("reward/fail_"), 0) for name in FAILURE_COUNTS}
-
-
-def live(pids) -> list[int]:
-    """The pids still running (zombies count as gone)."""
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-def children() -> set[int]:
-    """This process's descendants, less multiprocessing's resource tracker (one per process, it ends on
-    its own when this process does; it is not a reward worker)."""
-    pids = set()
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if "resource_tracker" not in " ".join(p.cmdline()):
-                pids.add(p.pid)
-        except psutil.Error:  # ended meanwhile
-            pass
-    return pids
-
-
-def run_script(code: str, tmp_path: Path, **popen) -> subprocess.Popen:
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(code))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path, text=True, **popen)
 
 
 # ---------------------------------------------------------------- order, extras, counts
@@ -456,8 +424,8 @@ def test_a_failing_batch_call_fails_only_its_chunk(batch_file):
 
 @pytest.fixture
 def files(tmp_path):
-    (tmp_path / "train.parquet").touch()
-    (tmp_path / "model").mkdir()
+    write_parquet_stub(tmp_path / "train.parquet")
+    write_model_stub(tmp_path / "model")
     return [
         f"data.train_files={tmp_path / 'train.parquet'}",
         "data.val_files=null",

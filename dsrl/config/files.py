@@ -1,0 +1,138 @@
+"""Checks of the files a config names that cost a few reads, made at validation so that a bad file fails in a
+second, as one line with its fix, instead of as a traceback after seconds of loading (or, for a model directory
+without tokenizer files, as an empty tokenizer that turns every prompt into 0 tokens).
+
+- Data files (``data.train_files``, ``data.val_files``): parquet by their magic bytes; a directory stands for the
+  ``*.parquet`` files in it (``parquet_paths``, which the loader uses too).
+- Local model directories: ``config.json`` with a ``model_type``; the weights ``from_pretrained`` would load
+  (every shard of an index), complete by their headers; the tokenizer's vocabulary files.
+
+Only headers are read: no torch, transformers or pyarrow.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Optional
+
+PARQUET_MAGIC = b"PAR1"  # the first and last 4 bytes of a parquet file
+# What from_pretrained loads, in its order of preference; the first present is checked.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_REFETCH = "download the model again (huggingface-cli download OWNER/NAME --local-dir DIR) or save it with save_pretrained"
+
+
+def parquet_paths(files: str | Sequence[str]) -> list[str]:
+    """The files a ``data.*_files`` value names, in order: each path, a directory standing for the ``*.parquet``
+    files directly in it, sorted by name."""
+    paths = []
+    for file in [files] if isinstance(files, str) else files:
+        path = Path(file).expanduser()
+        paths += [str(p) for p in sorted(path.glob("*.parquet"))] if path.is_dir() else [file]
+    return paths
+
+
+def parquet_problem(path: Path) -> Optional[str]:
+    """Why the file at ``path`` is not a complete parquet file, or None."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(4)
+        f.seek(max(size - 4, 0))
+        tail = f.read(4)
+    if head != PARQUET_MAGIC:
+        return f"not a parquet file ({size} bytes, not starting with {PARQUET_MAGIC.decode()})"
+    if size < 12 or tail != PARQUET_MAGIC:
+        return f"a truncated parquet file ({size} bytes, no {PARQUET_MAGIC.decode()} footer)"
+    return None
+
+
+def _json(path: Path) -> tuple[object, Optional[str]]:
+    """The JSON in ``path`` and None, or None and why it cannot be read."""
+    try:
+        return json.loads(path.read_bytes()), None
+    except OSError as err:
+        return None, f"{path.name} cannot be read ({err.strerror})"
+    except (ValueError, UnicodeDecodeError) as err:  # json.JSONDecodeError is a ValueError
+        return None, f"{path.name} is not valid JSON ({err})"
+
+
+def _weights_problem(path: Path) -> Optional[str]:
+    """Why the weights file ``path`` would not load in full, or None (read from its header)."""
+    size = path.stat().st_size
+    if path.suffix == ".safetensors":
+        # 8 bytes of little-endian header length, the JSON header, then the tensors' bytes.
+        with path.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if size < 8 or 8 + length > size:
+                return f"{path.name} is truncated ({size} bytes, shorter than its header)"
+            try:
+                header = json.loads(f.read(length))
+                end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            except (ValueError, UnicodeDecodeError, TypeError, KeyError, IndexError, AttributeError):
+                return f"{path.name} is not a safetensors file (its header is not a tensor table)"
+        if 8 + length + end > size:
+            return f"{path.name} is truncated ({size} bytes of the {8 + length + end} its header describes)"
+        return None
+    with path.open("rb") as f:
+        zipped = f.read(4) == b"PK\x03\x04"  # torch.save's format since PyTorch 1.6 (older files are bare pickles)
+    if size == 0 or (zipped and not zipfile.is_zipfile(path)):
+        return f"{path.name} is truncated ({size} bytes; its zip directory is missing)"
+    return None
+
+
+def _tokenizer_files(path: Path) -> bool:
+    """Whether ``path`` holds a tokenizer's vocabulary: tokenizer.json, a sentencepiece or tiktoken model, or a
+    BPE/WordPiece vocabulary."""
+    names = {p.name for p in path.iterdir()}
+    return (
+        "tokenizer.json" in names
+        or any(name.endswith((".model", ".tiktoken")) for name in names)
+        or {"vocab.json", "merges.txt"} <= names
+        or "vocab.txt" in names
+    )
+
+
+def model_dir_problems(path: Path, *, tokenizer: bool) -> list[tuple[str, str]]:
+    """(rule, fix) of each problem of the local model directory ``path`` that ``from_pretrained`` would meet;
+    ``tokenizer``: the run loads its tokenizer from here too."""
+    problems = []
+    if not (path / "config.json").is_file():
+        problems.append(("no config.json: not a transformers model directory", f"point it at one, or {_REFETCH}"))
+    else:
+        config, error = _json(path / "config.json")
+        if error is not None:
+            problems.append((error, _REFETCH))
+        elif not isinstance(config, dict) or not config.get("model_type"):
+            problems.append(
+                (
+                    "config.json has no model_type, so transformers cannot tell the architecture",
+                    f'add the model_type to config.json (e.g. "model_type": "qwen2"), or {_REFETCH}',
+                )
+            )
+    weights = next((path / name for name in WEIGHT_FILES if (path / name).is_file()), None)
+    if weights is None:
+        problems.append((f"no weights (none of {', '.join(WEIGHT_FILES)})", _REFETCH))
+    elif weights.name.endswith(".index.json"):
+        index, error = _json(weights)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if error is not None or not isinstance(weight_map, dict):
+            problems.append((error or f"{weights.name} has no weight_map", _REFETCH))
+        else:
+            for shard in sorted(set(weight_map.values())):
+                if not (path / shard).is_file():
+                    problems.append((f"{weights.name} names the shard {shard}, which is missing", _REFETCH))
+                elif problem := _weights_problem(path / shard):
+                    problems.append((problem, _REFETCH))
+    elif problem := _weights_problem(weights):
+        problems.append((problem, _REFETCH))
+    if tokenizer and not _tokenizer_files(path):
+        problems.append(
+            (
+                "no tokenizer files (tokenizer.json, tokenizer.model, vocab.json with merges.txt, vocab.txt or "
+                "*.tiktoken): transformers would build an empty tokenizer that turns every prompt into 0 tokens",
+                "copy the tokenizer files of the model into the directory (tokenizer.save_pretrained(DIR))",
+            )
+        )
+    return problems

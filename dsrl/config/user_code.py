@@ -1,0 +1,83 @@
+"""``algorithm.import_modules``: the user's own Python modules, imported before validation checks the estimator and
+policy-loss names and again by the trainer on every rank, so that what they register with
+``dsrl.algorithms.register_estimator`` / ``register_policy_loss`` is known by name everywhere.
+
+This module imports nothing heavy itself; a user module that registers something imports ``dsrl.algorithms`` (and
+with it torch), and ``registered_names`` then reads that registry. A config without user modules never loads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+import traceback
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Optional
+
+from dsrl.config.schema import _violation
+
+# The registries of dsrl.algorithms by the config key that names their entries: (module, function listing the names).
+REGISTRIES = {
+    "algorithm.adv_estimator": ("dsrl.algorithms.estimators", "estimator_names"),
+    "actor_rollout_ref.actor.policy_loss.loss_mode": ("dsrl.algorithms.losses", "policy_loss_names"),
+}
+
+
+def import_user_modules(entries: Iterable[str]) -> list[str]:
+    """Import each entry of ``algorithm.import_modules`` once per process; one violation line (key, entry, what
+    failed and where, fix) for each that did not import."""
+    fix = "fix that module, or remove it from algorithm.import_modules (a .py path or an importable module name)"
+    problems = ((entry, _import(entry)) for entry in entries)
+    return [_violation("algorithm.import_modules", entry, f"import failed: {problem}", fix) for entry, problem in problems if problem]
+
+
+def _import(entry: str) -> Optional[str]:
+    """Import ``entry`` (a path to a .py file, or an importable module name) once per process; None when it
+    imported, else what went wrong (the exception, and the file and line it was raised at)."""
+    if entry.endswith(".py") or "/" in entry:
+        path = Path(entry).expanduser().resolve()
+        if not path.is_file():
+            return f"no such file {path}"
+        # One module per file, named after its path: a second import in this process (validation, then the
+        # trainer) finds it in sys.modules instead of registering its names twice.
+        name = f"dsrl_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+        if name in sys.modules:
+            return None
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as err:  # noqa: BLE001  (user code: any exception is reported, not raised)
+            del sys.modules[name]
+            return _failure(err)
+        return None
+    try:
+        importlib.import_module(entry)
+    except Exception as err:  # noqa: BLE001
+        return _failure(err)
+    return None
+
+
+def _failure(err: Exception) -> str:
+    """``ExcType: message at file:line``, the line being the innermost frame of the traceback outside the import
+    machinery (the user's code, or a library it called)."""
+    machinery = (str(Path(importlib.__file__).parent), __file__)
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(("<", *machinery))]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    if isinstance(err, SyntaxError):  # raised while compiling: the file and line are the error's own
+        where = f" at {err.filename}:{err.lineno}"
+    message = " ".join(str(err).split())
+    return f"{type(err).__name__}: {message}{where}"
+
+
+def registered_names(key: str, builtin: tuple[str, ...]) -> tuple[str, ...]:
+    """The names ``key`` accepts: dsrl's ``builtin`` ones, then those user modules registered (sorted), read from
+    the registry only if something imported it already."""
+    module_name, function = REGISTRIES[key]
+    module = sys.modules.get(module_name)
+    extra = [] if module is None else [name for name in getattr(module, function)() if name not in builtin]
+    return builtin + tuple(sorted(extra))
