@@ -223,9 +223,10 @@ def actor_deepspeed_config(size: CheckSize, out: Path) -> tuple[str | Path, str]
 def run_config(size: CheckSize, model_dir: Path, rollout_name: str, deepspeed_config: str | Path):
     from dsrl.config import load_and_validate
 
-    # data.train_files is required to exist; nothing reads it here.
+    # data.train_files must look like parquet to validation (its PAR1 framing); nothing reads it here, and the GPU
+    # machine may lack pyarrow, so a placeholder with the framing and no rows stands in.
     placeholder = model_dir / "unused.parquet"
-    placeholder.touch()
+    placeholder.write_bytes(b"PAR1" + bytes(4) + b"PAR1")
     overrides = [
         f"actor_rollout_ref.model.path={model_dir}",
         f"actor_rollout_ref.model.dtype={size.dtype}",

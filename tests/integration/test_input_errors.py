@@ -50,7 +50,8 @@ def test_a_bad_row_and_a_tokenizer_larger_than_the_model_stop_before_any_model_l
     model = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps(config | {"vocab_size": 64}))
-    data = [f"data.train_files={arithmetic_data / 'train.parquet'}", f"actor_rollout_ref.model.path={model}"]
+    data = [f"data.train_files={arithmetic_data / 'train.parquet'}", f"data.val_files={arithmetic_data / 'test.parquet'}",
+            f"actor_rollout_ref.model.path={model}"]
     assert_refused(
         train(data, free_port, tmp_path),
         f"actor_rollout_ref.model.path={model}: the tokenizer has 100 tokens, more than the model's vocab_size=64",
