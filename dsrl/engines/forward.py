@@ -140,6 +140,13 @@ def response_logits(module: torch.nn.Module, inputs: dict[str, torch.Tensor], wi
     return out.logits[:, :-1]
 
 
+def kv_cache(out) -> tuple[str, object]:
+    """(name, value) of a forward output's KV cache: transformers 5.20+ calls it ``cache`` (as output and as
+    argument), earlier versions ``past_key_values``; pass it back as ``**{name: value}``."""
+    name = "cache" if "cache" in out else "past_key_values"
+    return name, out[name]
+
+
 def policy_logits(
     module: torch.nn.Module, micro: Batch, device: torch.device, *, share_prompts: bool
 ) -> tuple[torch.Tensor, int]:
@@ -164,15 +171,15 @@ def policy_logits(
         rows = torch.arange(len(inverse), device=inverse.device)
         first = torch.full((distinct,), len(inverse), device=inverse.device).scatter_reduce_(0, inverse, rows, "amin")
         head = module(**{k: v[first, :P] for k, v in inputs.items()}, use_cache=True, logits_to_keep=1)
-        cache = head.cache
+        name, cache = kv_cache(head)
         cache.batch_select_indices(inverse)
         tail = module(
             input_ids=inputs["input_ids"][:, P:],
             attention_mask=inputs["attention_mask"],
             position_ids=inputs["position_ids"][:, P:],
-            cache=cache,
             use_cache=True,
             logits_to_keep=width,
+            **{name: cache},
         )
         return torch.cat([head.logits[inverse], tail.logits[:, :-1]], dim=1), width
     return response_logits(module, inputs, width), width

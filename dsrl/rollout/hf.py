@@ -38,6 +38,7 @@ from transformers import (
 )
 
 from dsrl.algorithms import logprobs_from_logits
+from dsrl.engines.forward import kv_cache
 from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded, stop_and_pad_ids
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -174,9 +175,10 @@ class HFRollout:
                 use_cache=True,
                 logits_to_keep=1,
             )
-            prefill.cache.batch_repeat_interleave(sampling.n)
+            name, cache = kv_cache(prefill)
+            cache.batch_repeat_interleave(sampling.n)
             prompt_ids, prompt_mask = prompt_ids.repeat_interleave(sampling.n, 0), prompt_mask.repeat_interleave(sampling.n, 0)
-            shared = {"cache": prefill.cache}
+            shared = {name: cache}
             config.num_return_sequences = 1
         with seeded(sampling.seed, self.device):
             sequences = self.model.generate(
