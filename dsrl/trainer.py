@@ -36,6 +36,7 @@ from dsrl.algorithms import (
     FixedKLController,
     apply_kl_penalty,
     compute_advantages,
+    RolloutCorrection,
     reads_policy,
     rollout_correction,
 )
@@ -603,17 +604,17 @@ class Trainer:
         ]
         self.tracker.log_table(table, f"generations/train_step_{self.global_step + 1}.json")
 
-    def policy_metrics(self, batch: Batch) -> dict[str, float]:
+    def policy_metrics(self, batch: Batch, correction: RolloutCorrection) -> dict[str, float]:
         """What the actor's log-probs before the update tell (collectives): verl's ``actor/entropy`` (the
         entropy aggregated as the loss is, over the whole step's batch), the rollout-vs-actor probability
-        gaps and the rollout-correction ratios."""
+        gaps and the rollout-correction ratios (``correction``, computed on ``batch``)."""
         num_tokens, num_seqs = global_counts(batch.response_mask)
         mode = self.cfg.actor_rollout_ref.actor.loss_agg_mode
         local = agg_loss(batch.entropy, batch.response_mask.float(), mode, num_tokens=num_tokens, num_seqs=num_seqs)
         return {
             "actor/entropy": float(all_reduce(local)),
             **rollout_logprob_metrics(batch),
-            **rollout_correction_metrics(batch, self.rollout_correction(batch)),
+            **rollout_correction_metrics(batch, correction),
         }
 
     def folds_old_log_prob(self, batch: Batch) -> bool:
@@ -776,7 +777,8 @@ class Trainer:
                             with_sum_pi_squared=actor_cfg.calculate_sum_pi_squared,
                         )
                     )
-                    metrics.update(self.policy_metrics(batch))
+                    correction = self.rollout_correction(batch)
+                    metrics.update(self.policy_metrics(batch, correction))
             if self.ref is not None:
                 with timer("ref"):
                     batch = batch.replace(
@@ -787,7 +789,7 @@ class Trainer:
                     batch = batch.replace(values=self.critic.compute_values(batch))
             with timer("adv"):
                 if algo.rollout_correction.rollout_is or algo.rollout_correction.rollout_rs:  # never folded
-                    batch = batch.replace(rollout_is_weights=self.rollout_correction(batch).weights)
+                    batch = batch.replace(rollout_is_weights=correction.weights)
                 if algo.use_kl_in_reward:
                     rewards, kl_metrics = self.rewards_with_kl(batch)
                     metrics.update(kl_metrics)
@@ -805,7 +807,7 @@ class Trainer:
                     metrics.update(self.actor.update(batch, temperature=rollout_cfg.temperature, recorded=recorded))
                 if fold:
                     batch = batch.replace(**recorded)
-                    metrics.update(self.policy_metrics(batch))
+                    metrics.update(self.policy_metrics(batch, self.rollout_correction(batch)))
         metrics.update(
             batch_metrics(batch, max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length)
         )

@@ -153,15 +153,6 @@ class HFRollout:
         # The warpers run as processors, in list order with the recorder last; the config asks for
         # none (temperature 1, top-k 0, top-p 1 when sampling), so generate adds none of its own.
         warper_off = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} if sampling.do_sample else {}
-        config = GenerationConfig(
-            max_new_tokens=sampling.max_tokens,
-            do_sample=sampling.do_sample,
-            num_return_sequences=sampling.n,
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            use_cache=True,
-            **warper_off,
-        )
         prompt_len = prompt_ids.shape[1]
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         shared = {}
@@ -179,7 +170,15 @@ class HFRollout:
             cache.batch_repeat_interleave(sampling.n)
             prompt_ids, prompt_mask = prompt_ids.repeat_interleave(sampling.n, 0), prompt_mask.repeat_interleave(sampling.n, 0)
             shared = {name: cache}
-            config.num_return_sequences = 1
+        config = GenerationConfig(
+            max_new_tokens=sampling.max_tokens,
+            do_sample=sampling.do_sample,
+            num_return_sequences=1 if shared else sampling.n,  # shared: the rows are already repeated
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            use_cache=True,
+            **warper_off,
+        )
         with seeded(sampling.seed, self.device):
             sequences = self.model.generate(
                 input_ids=prompt_ids,

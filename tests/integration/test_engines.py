@@ -170,8 +170,15 @@ def test_token_budget_and_shared_prompt_log_probs_come_back_in_order(actors):
     batch = make_batch()
     by_count = actors["micro1"].compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
     by_budget = actors["dynamic"].compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
-    # Micro-batches of 3 rows: one holds rows of both prompts, each run once.
-    shared = actors["shared"].compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
+    # Micro-batches of 3 rows: one holds rows of both prompts, each run once. The key reaches the forward:
+    # two model calls per micro-batch (the distinct prompts, then the responses on their cache).
+    calls = []
+    hook = actors["shared"].module.register_forward_hook(lambda module, args, out: calls.append(len(out.logits)))
+    try:
+        shared = actors["shared"].compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
+    finally:
+        hook.remove()
+    assert calls == [1, 3, 2, 3, 1, 2]  # rows 0-2 (prompt 0), 3-5 (both prompts), 6-7 (prompt 1)
     for name in by_count:
         torch.testing.assert_close(by_budget[name], by_count[name], atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(shared[name], by_count[name], atol=1e-5, rtol=1e-5)

@@ -165,6 +165,25 @@ def test_folding_the_old_log_prob_pass_changes_no_number(
             assert with_fold[name] == pytest.approx(without[name], rel=1e-5, abs=1e-7), name
 
 
+def test_applied_rollout_correction_keeps_the_separate_pass_and_weights_the_loss(
+    tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    """Rollout IS reads the old log-probs before the update: the step is not folded, the weights computed with
+    them reach the batch, and their metrics are logged."""
+    trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
+                          "algorithm.rollout_correction.rollout_is=token", "trainer.val_before_train=false",
+                          "trainer.test_freq=-1", "trainer.total_training_steps=1")
+    seen, update = {}, trainer.actor.update
+    trainer.actor.update = lambda batch, **kw: seen.setdefault("batch", batch) and update(batch, **kw)
+    logged = []
+    trainer.tracker.log_metrics = lambda metrics, step: logged.append(metrics)
+    trainer.fit()
+    [metrics] = logged
+    assert "timing_s/old_log_prob" in metrics and seen["batch"].rollout_is_weights is not None
+    mask = seen["batch"].response_mask.bool()
+    assert seen["batch"].rollout_is_weights[mask].mean().item() == pytest.approx(metrics["rollout_corr/is_weight_mean"], rel=1e-5)
+
+
 def test_remax_and_in_reward_kl(tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path):
     """ReMax's greedy baseline rollout (with sampled validation, n=4) and the adaptive in-reward KL controller,
     on the GRPO config."""
