@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import deepspeed
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -20,7 +19,14 @@ from dsrl.algorithms import agg_loss, kl_penalty, policy_loss
 from dsrl.data.batch import Batch
 from dsrl.distributed import accelerator_device
 from dsrl.config.deepspeed_json import clip_grad
-from dsrl.engines.deepspeed_setup import DTYPES, build_ds_config, init_distributed, load_pretrained, lr_scheduler
+from dsrl.engines.deepspeed_setup import (
+    DTYPES,
+    build_ds_config,
+    init_distributed,
+    initialize_trained,
+    load_pretrained,
+    lr_scheduler,
+)
 from dsrl.engines.forward import (
     compute_response_stats,
     micro_batch_indices,
@@ -70,11 +76,7 @@ class ActorEngine:
         )
         if model_cfg.enable_gradient_checkpointing:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.engine, *_ = deepspeed.initialize(
-            model=module,
-            model_parameters=[p for p in module.parameters() if p.requires_grad],
-            config=self.ds_config,
-        )
+        self.engine = initialize_trained(module, self.ds_config)
         self.lr_scheduler = lr_scheduler(
             self.engine.basic_optimizer, actor.optim, total_training_steps=total_training_steps, prefix=self.prefix
         )

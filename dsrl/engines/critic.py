@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import deepspeed
 import torch
 from torch import nn
 from transformers import AutoModel
@@ -19,7 +18,14 @@ from dsrl.algorithms import masked_mean, value_loss
 from dsrl.data.batch import Batch
 from dsrl.distributed import accelerator_device
 from dsrl.config.deepspeed_json import clip_grad
-from dsrl.engines.deepspeed_setup import DTYPES, build_ds_config, init_distributed, load_pretrained, lr_scheduler
+from dsrl.engines.deepspeed_setup import (
+    DTYPES,
+    build_ds_config,
+    init_distributed,
+    initialize_trained,
+    load_pretrained,
+    lr_scheduler,
+)
 from dsrl.engines.forward import micro_batch_indices, model_inputs, pad_response
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 
@@ -86,11 +92,7 @@ class CriticEngine:
             head.weight.normal_(0.0, getattr(backbone.config, "initializer_range", 0.02), generator=generator)
             head.bias.zero_()
         module = ValueModel(backbone, head.to(DTYPES[dtype]))
-        self.engine, *_ = deepspeed.initialize(
-            model=module,
-            model_parameters=[p for p in module.parameters() if p.requires_grad],
-            config=self.ds_config,
-        )
+        self.engine = initialize_trained(module, self.ds_config)
         self.lr_scheduler = lr_scheduler(
             self.engine.basic_optimizer, critic.optim, total_training_steps=total_training_steps, prefix="critic"
         )

@@ -8,6 +8,9 @@
   value that disagrees with the run config is refused, never silently replaced.
 - ``load_pretrained``: loads a transformers model so that under ZeRO-3 each rank only ever holds
   its partition (``HfDeepSpeedConfig`` makes ``from_pretrained`` build under ``deepspeed.zero.Init``).
+- ``initialize_trained``: ``deepspeed.initialize`` for the actor and the critic, their Adam's bias
+  correction made a function of the step count alone (``bias_correction_from_step``), so that a resumed
+  run takes the same optimizer steps as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import default_pg_timeout
+from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
 # Importing model classes inside `deepspeed.zero.Init` fails with a signature-mismatch TypeError,
 # so the auto classes (and with them the model registry) are imported here, before any Init.
@@ -130,3 +134,50 @@ def lr_scheduler(
     return get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, warmup, total_training_steps, num_cycles=optim.num_cycles, min_lr_rate=optim.min_lr_ratio
     )
+
+
+def initialize_trained(module: torch.nn.Module, ds_config: dict[str, Any]) -> deepspeed.DeepSpeedEngine:
+    """The DeepSpeed engine of a trained role (the actor, the critic): its trainable parameters under
+    ``ds_config``, the optimizer's steps exact across a resume (``bias_correction_from_step``)."""
+    engine, *_ = deepspeed.initialize(
+        model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=ds_config
+    )
+    bias_correction_from_step(engine.basic_optimizer)
+    return engine
+
+
+def bias_correction_from_step(optimizer: torch.optim.Optimizer) -> None:
+    """Make DeepSpeed's C++ Adam take ``beta ** t`` from the step count ``t`` alone, at every step.
+
+    DeepSpeed's CPU Adam (the optimizer of every offloaded setup, GPU nodes included) and the CPU build
+    of FusedAdam keep ``beta ** t`` in a C++ object: multiplied by ``beta`` when the step count rises by
+    one, ``pow(beta, t)`` when it jumps, as at the first step after a resume. In float32 the two differ in
+    the last bit at some ``t`` (``beta2 = 0.999``: t = 3, 6, 12, ...), so a resumed run drifts from the
+    uninterrupted one from there on. Before each ``step()`` the C++ object is made to recompute: given
+    other betas (a fresh object for CPU Adam; one update of a one-element dummy for FusedAdam's, which
+    every FusedAdam of the process shares), which its next step sees as a change of betas, so every
+    step, resumed or not, takes ``pow(beta, t)``. torch's Adam and FusedAdam's CUDA kernel compute it
+    from the step count already.
+    """
+    if isinstance(optimizer, DeepSpeedCPUAdam):
+
+        def recompute() -> None:  # the hyperparameters are placeholders: every update passes its own
+            optimizer.ds_opt_adam.create_adam(optimizer.opt_id, 0.0, 0.0, 0.0, 0.0, 0.0, optimizer.adam_w_mode, False)
+
+    elif isinstance(optimizer, FusedAdam) and get_accelerator().device_name() == "cpu":
+        dummy = [[torch.zeros(1)] for _ in range(4)]  # gradient, parameter, exp_avg, exp_avg_sq
+        no_overflow = torch.zeros(1, dtype=torch.int)
+
+        def recompute() -> None:  # chunk size (unused on CPU), flag, tensors, lr, beta1, beta2, eps, step, mode,
+            # bias correction, weight decay
+            optimizer.multi_tensor_adam(1, no_overflow, dummy, 0.0, 0.0, 0.0, 1.0, 1, optimizer.adam_w_mode, 1, 0.0)
+
+    else:
+        return
+    step = optimizer.step
+
+    def step_from_count(*args, **kwargs):
+        recompute()
+        return step(*args, **kwargs)
+
+    optimizer.step = step_from_count
