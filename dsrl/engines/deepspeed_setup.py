@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -174,10 +175,10 @@ def bias_correction_from_step(optimizer: torch.optim.Optimizer) -> None:
 
     else:
         return
-    step = optimizer.step
+    step = type(optimizer).step
 
-    def step_from_count(*args, **kwargs):
+    def step_from_count(self, *args, **kwargs):
         recompute()
-        return step(*args, **kwargs)
+        return step(self, *args, **kwargs)
 
-    optimizer.step = step_from_count
+    optimizer.step = types.MethodType(step_from_count, optimizer)  # bound: LR schedulers wrap it as a method
