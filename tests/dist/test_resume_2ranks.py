@@ -1,20 +1,22 @@
-"""Exact resume on two CPU ranks under the real ``deepspeed`` launcher: a rank killed with SIGKILL
-(the launcher then stops the other) mid-step or while a checkpoint is written, then the run resumed,
-ends bit-identical to an uninterrupted run: each rank's metrics, partitions, optimizer state and RNG.
+"""Exact resume on two CPU ranks under the real ``deepspeed`` launcher, in every configuration dsrl ships
+(each recipe under the CPU overlay, and the quickstart): a run resumed from the uninterrupted run's
+step-4 checkpoint (tests/integration/test_resume.py resumes at step 2), and in two of them killed with
+SIGKILL on the way (the launcher then stops the other rank) and resumed again, is bit-identical to the
+uninterrupted run at every later step: each rank's metrics, partitions, optimizer state and RNG.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.resume_helpers import Baselines, assert_same_run, resume_chain, resume_overrides
+from tests.resume_helpers import SHIPPED, STEPS, Baselines, assert_same_run, resume_chain, resume_overrides
 
 pytestmark = pytest.mark.dist
 
-CHAINS = {
-    "grpo": [("save_engines@4", 2), ("update@7", 6)],
-    "otb": [("publish@2", 2), ("update@5", 4)],
-    "ppo": [("write_state@4", 2)],
+RESUME_AT = 4
+KILLS = {
+    "rloo": [("update@6", 5)],
+    "reinforce_pp": [("save_engines@5", 4)],
 }
 
 
@@ -22,14 +24,16 @@ CHAINS = {
 def overrides_for(tiny_model_dir, arithmetic_data, ds_test_config):
     ds_config = ds_test_config("zero3_offload")
     return lambda name, ckpt: resume_overrides(
-        name, model=tiny_model_dir, data=arithmetic_data, ds_config=ds_config, ckpt=ckpt, world=2
+        name, model=tiny_model_dir, data=arithmetic_data, ds_config=ds_config, ckpt=ckpt
     )
 
 
-@pytest.mark.parametrize("name", sorted(CHAINS))
+@pytest.mark.parametrize("name", SHIPPED)
 def test_killed_and_resumed_run_is_bit_identical(name, overrides_for, free_port, tmp_path, deepspeed_cpu_ops):
     baselines = Baselines(tmp_path / "baseline", overrides_for, free_port, world=2)
     baseline = baselines.result(name)  # two ranks take both cores: one run at a time
     chain = tmp_path / "chain"
-    resume_chain(name, CHAINS[name], out=chain, overrides=overrides_for(name, chain / "ckpt"), world=2, free_port=free_port)
-    assert assert_same_run(baseline, chain, ranks=(0, 1)) >= 16
+    start = baseline / "ckpt" / f"global_step_{RESUME_AT}"
+    resume_chain(name, start, KILLS.get(name, []), out=chain, overrides=overrides_for(name, chain / "ckpt"), world=2,
+                 free_port=free_port)
+    assert assert_same_run(baseline, chain, first_step=RESUME_AT + 1, ranks=(0, 1)) == STEPS - RESUME_AT + 1

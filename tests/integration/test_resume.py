@@ -1,10 +1,14 @@
-"""Exact resume on one rank: runs killed with SIGKILL (mid-step, and at each phase of writing a
-checkpoint) or stopped by SIGTERM, then resumed, end bit-identical to an uninterrupted run.
+"""Exact resume on one rank, in every configuration dsrl ships (each recipe under the CPU overlay, and
+the quickstart): runs killed with SIGKILL (mid-step, and at each phase of writing a checkpoint) or
+stopped by SIGTERM, then resumed, are bit-identical to an uninterrupted run at every step after the
+resume: metrics, DeepSpeed partitions and optimizer states, RNG, trainer state, the exported model.
 
-Each run is a real process (``tests/train_worker.py``): configs/{grpo,otb,ppo}.yaml shrunk to
-seconds per step, 8 steps, a checkpoint every 2. PPO has a critic and the adaptive in-reward KL
-controller, so the critic's optimizer and the KL coefficient must survive too. Uninterrupted runs
-execute beside the interrupted ones (one thread each, two cores).
+Each run is a real process (``tests/train_worker.py``): the configuration as shipped but for the tiny
+model, the test data and reward, and ``STEPS`` steps with a checkpoint after each (``resume_overrides``).
+Under the CPU overlay every recipe takes one optimizer step per training step, so the resume points
+below are also optimizer-step counts: 2 (DeepSpeed's CPU Adam once took the third step differently in a
+resumed process), and 3 or 4 after a kill. Uninterrupted runs execute beside the resumed ones (one thread
+each, two cores).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import time
 import pytest
 
 from tests.resume_helpers import (
+    SHIPPED,
+    STEPS,
     Baselines,
     assert_same_run,
     finish,
@@ -25,12 +31,16 @@ from tests.resume_helpers import (
     start_worker,
 )
 
-# (kill point, checkpoint the next run resumes from): a kill in the middle of writing a checkpoint
-# falls back to the one before; a kill right after one is published resumes from it.
-CHAINS = {
-    "grpo": [("save_engines@4", 2), ("update@7", 6)],
-    "otb": [("write_state@4", 2), ("update@5", 4)],
-    "ppo": [("publish@2", 2), ("update@4", 2), ("write_state@6", 4)],
+# Each resumed chain starts from the uninterrupted run's step-2 checkpoint; three are killed with SIGKILL on
+# the way, at a phase of writing a checkpoint or in the middle of a step: (kill point, the checkpoint the next
+# run resumes from: a kill while a checkpoint is written falls back to the one before, a kill right after one
+# is published resumes from it). tests/dist/test_resume_2ranks.py resumes the same configurations at step 4.
+RESUME_AT = 2
+KILLS = {
+    "grpo": [("save_engines@4", 3)],
+    "ppo": [("write_state@5", 4)],
+    "otb": [("publish@3", 3)],
+    "quickstart": [("update@5", 4)],
 }
 
 
@@ -38,7 +48,7 @@ CHAINS = {
 def overrides_for(tiny_model_dir, arithmetic_data, ds_test_config):
     ds_config = ds_test_config("zero3_offload")
     return lambda name, ckpt: resume_overrides(
-        name, model=tiny_model_dir, data=arithmetic_data, ds_config=ds_config, ckpt=ckpt, world=1
+        name, model=tiny_model_dir, data=arithmetic_data, ds_config=ds_config, ckpt=ckpt
     )
 
 
@@ -47,13 +57,12 @@ def baselines(tmp_path_factory, overrides_for, free_port, deepspeed_cpu_ops):
     return Baselines(tmp_path_factory.mktemp("baselines"), overrides_for, free_port, world=1)
 
 
-@pytest.mark.parametrize("name", sorted(CHAINS))
+@pytest.mark.parametrize("name", SHIPPED)
 def test_killed_and_resumed_run_is_bit_identical(name, baselines, overrides_for, free_port, tmp_path):
-    baselines.start(name)  # beside the chain
-    resume_chain(
-        name, CHAINS[name], out=tmp_path, overrides=overrides_for(name, tmp_path / "ckpt"), world=1, free_port=free_port
-    )
-    assert assert_same_run(baselines.result(name), tmp_path) >= 8
+    start = baselines.checkpoint(name, RESUME_AT)  # the chain runs beside the rest of the uninterrupted run
+    resume_chain(name, start, KILLS.get(name, []), out=tmp_path, overrides=overrides_for(name, tmp_path / "ckpt"),
+                 world=1, free_port=free_port)
+    assert assert_same_run(baselines.result(name), tmp_path, first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
 
 
 def test_sigterm_saves_exits_143_and_resumes_exactly(baselines, overrides_for, free_port, tmp_path):
@@ -68,13 +77,13 @@ def test_sigterm_saves_exits_143_and_resumes_exactly(baselines, overrides_for, f
     code, output = finish(process)
     assert code == 128 + signal.SIGTERM, output[-3000:]
     stopped = max(e["step"] for e in logged_steps(tmp_path))
-    assert stopped < 8
-    assert f"checkpoint saved to {tmp_path / 'ckpt' / f'global_step_{stopped}'}" in output  # even off save_freq
+    assert stopped < STEPS
+    assert f"checkpoint saved to {tmp_path / 'ckpt' / f'global_step_{stopped}'}" in output
     assert "SIGTERM received: finishing this step" in output
     code, output = run_worker("grpo", overrides, tmp_path, port=free_port())
     assert code == 0, output[-3000:]
     assert f"resumed from {tmp_path / 'ckpt' / f'global_step_{stopped}'}" in output
-    assert_same_run(baselines.result("grpo"), tmp_path)
+    assert assert_same_run(baselines.result("grpo"), tmp_path, first_step=1) == STEPS
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
