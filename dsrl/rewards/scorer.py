@@ -35,9 +35,17 @@ to init); so every worker also sets ``PR_SET_PDEATHSIG`` (SIGKILL) on Linux, a `
 thread elsewhere (``dsrl.rewards.worker.die_with_parent``). The kernel sends that signal when the
 *thread* that started the worker ends: the pool's first workers are started by the thread that builds
 the scorer (build it on the trainer's main thread; a pool replaced after a hang or a breakdown, by the
-thread that calls ``score_batch``), replacements by pebble's pool thread. Workers take
-SIGTERM's default action (pebble's Python handler could not run inside a C call holding the GIL), so
-a timed-out call is ended at once.
+thread that calls ``score_batch``), replacements by pebble's pool thread. A worker is stopped with
+SIGKILL (to its process group, below), not pebble's SIGTERM, whose Python handler could not run inside a
+C call holding the GIL (pebble would wait 3 s, then SIGKILL): a timed-out call is ended at once.
+
+What a reward function starts (``subprocess``, ``os.fork``, a shell pipeline: a code-execution reward)
+goes with its worker: each worker leads a process group of its own (``os.setpgrp`` before the user's
+file is imported), and the group is SIGKILLed whenever the worker is stopped: on a timeout and when the
+pool closes (pebble calls :meth:`_WorkerProcess.terminate`), and when a worker dies in a call (the group
+of ``ProcessExpired.pid``). Not covered: a descendant that starts a session or group of its own
+(``start_new_session=True``, ``setsid``), and the descendants of a worker killed with a SIGKILLed
+trainer (``PR_SET_PDEATHSIG`` ends the worker alone).
 """
 
 from __future__ import annotations
@@ -113,7 +121,27 @@ def _install_preparation_hook() -> None:
         multiprocessing.spawn.get_preparation_data = _preparation_data
 
 
+def _kill_process_group(pid: int) -> bool:
+    """SIGKILL the process group that the worker ``pid`` leads: the worker and every process it started.
+    False when there is no such group (the worker had not called ``setpgrp`` yet, or it and all it
+    started are gone) or only processes this one may not signal (setuid programs) are left."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 class _WorkerProcess(multiprocessing.context.SpawnProcess):
+    """A reward worker: started without the parent's ``__main__``; stopping it kills its process group."""
+
+    def terminate(self) -> None:
+        # pebble stops a worker (a timeout, the pool's end, exit) with terminate(), then SIGKILL to the pid.
+        if not _kill_process_group(self.pid):
+            super().kill()  # not yet a group leader: the worker alone
+
+    kill = terminate
+
     @staticmethod
     def _Popen(process_obj):
         _launching.reward_worker = True
@@ -381,6 +409,7 @@ class RewardScorer:
         except FutureTimeoutError:
             return [("timeout", f"the call ran past reward.timeout_s={self.timeout_s:g} s and was killed")] * size
         except pebble.ProcessExpired as exc:
+            _kill_process_group(exc.pid)  # what the call started, left behind by its worker
             return [("crash", f"the reward worker died ({_exit_reason(exc.exitcode)}) in this call")] * size
         except (BrokenProcessPool, RuntimeError) as exc:
             return [("crash", f"the reward worker pool broke down: {type(exc).__name__}: {exc}")] * size
@@ -399,7 +428,8 @@ def _exit_reason(code: int | None) -> str:
 
 
 def _stop_pool(pool: pebble.ProcessPool) -> None:
-    """Stop a pool's workers now (SIGTERM, SIGKILL after pebble's grace period) and its threads."""
+    """Stop a pool's workers now (each with its process group: :meth:`_WorkerProcess.terminate`) and its
+    threads."""
     pool.stop()
     try:
         pool.join(timeout=30)

@@ -2,9 +2,10 @@
 
 The pool starts each worker with the ``spawn`` method and without re-running the training script (see
 ``dsrl.rewards.scorer``), so a worker imports only this package, pebble and the user's reward file: no
-torch. :func:`initialize` runs once per worker (and once per replacement of a killed one): it ties the
-worker's life to the trainer's, sends its output to the scorer's log file and loads the reward function
-once. A loading error is kept, not raised (pebble would restart a worker whose initializer fails,
+torch. :func:`initialize` runs once per worker (and once per replacement of a killed one): it makes the
+worker the leader of a process group of its own (the scorer kills the group, so what a reward function
+starts goes with its worker), ties the worker's life to the trainer's, sends its output to the scorer's
+log file and loads the reward function once. A loading error is kept, not raised (pebble would restart a worker whose initializer fails,
 forever); :func:`probe` reports it so the scorer fails at construction.
 
 Tasks return one *outcome* per row and never raise for a reward function's fault, not even for
@@ -77,17 +78,15 @@ def initialize(
     log_file: str | None = None,
     ready=None,
 ) -> None:
-    """pebble's initializer: tie this worker to the trainer, send its output to ``log_file`` (None:
-    the trainer's stdout and stderr), then load the reward function once."""
+    """pebble's initializer: a process group of its own, tied to the trainer, output to ``log_file``
+    (None: the trainer's stdout and stderr), then the reward function loaded once."""
     global _fn, _batch, _load_error, _ready
+    # Before the user's file runs, so that every process it or a reward call starts joins the group the
+    # scorer kills with this worker (the group's id is this pid).
+    os.setpgrp()
     die_with_parent(parent_pid)
     if log_file is not None:
         redirect_output(log_file)
-    # pebble stops a worker (a timeout, the pool's end) with SIGTERM, then SIGKILL 3 s later. Its SIGTERM
-    # handler is Python code, which cannot run while the reward function is inside a C call holding the
-    # GIL, so every such kill would cost the 3 s and hold up pebble's manager thread meanwhile. The
-    # default action ends the process at once; a worker has nothing to clean up.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _batch, _ready = batch, ready
     try:
         _fn = load_reward_function(custom_path, custom_name, batch, math_verify_sources)

@@ -190,7 +190,7 @@ def test_a_hanging_batch_is_bounded_by_the_timeout_per_round_of_workers(reward_f
 
 def test_a_call_stuck_in_c_code_is_killed_at_its_limit(scorer):
     # pebble's SIGTERM handler is Python code that cannot run inside such a call (it then waits 3 s per
-    # worker before SIGKILL); the workers take SIGTERM's default action instead.
+    # worker before SIGKILL); the scorer stops a worker with SIGKILL instead.
     start = time.perf_counter()
     scores, _, counts = score(scorer, ["gil", "a", "gil"])
     elapsed = time.perf_counter() - start
