@@ -18,7 +18,10 @@ prompts rather than from one prompt's responses (a ground truth that makes a che
 still running after 30 s logs how far it got, and again every 30 s.
 
 Output: with ``log_file`` the workers' stdout and stderr (file descriptors 1 and 2: prints, warnings,
-tracebacks, C libraries) are appended to that file, not the trainer's console.
+tracebacks, C libraries) are appended to that file, not the trainer's console; past ``log_max_mb`` it is
+rotated to ``<log_file>.1`` (``dsrl.rewards.worker``). Memory: each worker, and every process it starts,
+is bounded by ``memory_limit_mb`` (``RLIMIT_DATA``); a call past it fails and is counted (a
+``MemoryError`` as an exception, a worker that dies of it as a crash), both messages naming the key.
 
 Start method: ``spawn`` (no ``fork`` of a process holding CUDA, DeepSpeed and NCCL state), but without
 the part of ``spawn`` that re-runs the parent's ``__main__`` script in every child as ``__mp_main__``
@@ -177,6 +180,8 @@ class RewardScorer:
         math_verify_sources: data sources the built-in dispatcher scores with Math-Verify.
         log_file: where the workers' stdout and stderr go (appended; its folder is created); None = the
             trainer's own stdout and stderr.
+        log_max_mb: ``log_file`` is rotated to ``<log_file>.1`` past this many MB; 0 = never.
+        memory_limit_mb: the ``RLIMIT_DATA`` of every worker and of each process it starts; 0 = none.
 
     Raises ValueError at construction when the custom file or function is missing, its import fails,
     its signature does not fit ``batch``, or math-verify is needed and not installed, so a broken reward
@@ -196,6 +201,8 @@ class RewardScorer:
         batch_chunk_size: int | None = None,
         math_verify_sources: tuple[str, ...] | list[str] = (),
         log_file: str | os.PathLike | None = None,
+        log_max_mb: int = 64,
+        memory_limit_mb: int = 4096,
     ):
         if not timeout_s > 0:
             raise ValueError(f"reward timeout_s={timeout_s}: must be > 0 seconds")
@@ -205,6 +212,10 @@ class RewardScorer:
             raise ValueError(f"reward fallback_score={fallback_score}: must be finite")
         if batch_chunk_size is not None and batch_chunk_size < 1:
             raise ValueError(f"reward batch_chunk_size={batch_chunk_size}: must be >= 1, or None")
+        if log_max_mb < 0:
+            raise ValueError(f"reward log_max_mb={log_max_mb}: must be >= 0 MB (0 = no limit)")
+        if memory_limit_mb < 0:
+            raise ValueError(f"reward memory_limit_mb={memory_limit_mb}: must be >= 0 MB (0 = no limit)")
         if batch and custom_path is None:
             raise ValueError("custom_reward_function.batch=true needs custom_reward_function.path (a batch function)")
         self.timeout_s = float(timeout_s)
@@ -212,6 +223,7 @@ class RewardScorer:
         self.num_workers = num_workers or default_num_workers()
         self.batch = bool(batch)
         self.batch_chunk_size = batch_chunk_size
+        self.log_max_mb, self.memory_limit_mb = log_max_mb, memory_limit_mb
         self.log_file = None if log_file is None else os.path.abspath(log_file)
         if self.log_file is not None:  # here, so that an unwritable place fails in the trainer, not in each worker
             os.makedirs(os.path.dirname(self.log_file), exist_ok=True)
@@ -219,7 +231,8 @@ class RewardScorer:
         # The message of the first failure (in time) of the last score_batch; None when every row scored.
         self.first_failure: str | None = None
         self._initargs = (
-            custom_path, custom_name, self.batch, tuple(math_verify_sources), os.getpid(), self.log_file
+            custom_path, custom_name, self.batch, tuple(math_verify_sources), os.getpid(), self.log_file,
+            log_max_mb, memory_limit_mb,
         )
         self._pool: pebble.ProcessPool | None = None
         self._finalizer: weakref.finalize | None = None
@@ -242,6 +255,8 @@ class RewardScorer:
             batch_chunk_size=reward.batch_chunk_size,
             math_verify_sources=tuple(reward.math_verify_sources),
             log_file=log_file,
+            log_max_mb=reward.log_max_mb,
+            memory_limit_mb=reward.memory_limit_mb,
         )
 
     def _start_pool(self) -> float:
@@ -410,7 +425,11 @@ class RewardScorer:
             return [("timeout", f"the call ran past reward.timeout_s={self.timeout_s:g} s and was killed")] * size
         except pebble.ProcessExpired as exc:
             _kill_process_group(exc.pid)  # what the call started, left behind by its worker
-            return [("crash", f"the reward worker died ({_exit_reason(exc.exitcode)}) in this call")] * size
+            memory = (
+                f" (if it ran out of memory: reward.memory_limit_mb={self.memory_limit_mb} bounds each worker)"
+                if self.memory_limit_mb else ""
+            )
+            return [("crash", f"the reward worker died ({_exit_reason(exc.exitcode)}) in this call{memory}")] * size
         except (BrokenProcessPool, RuntimeError) as exc:
             return [("crash", f"the reward worker pool broke down: {type(exc).__name__}: {exc}")] * size
         except Exception as exc:  # noqa: BLE001 -- e.g. arguments pebble could not pickle

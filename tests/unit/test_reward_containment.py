@@ -1,10 +1,15 @@
 """What a reward function starts or uses stays bounded (issue 20): the processes it starts go with its worker
-(on a timeout, at close, when the worker dies). Real pebble pools and processes throughout."""
+(on a timeout, at close, when the worker dies), its memory is limited by ``reward.memory_limit_mb``, and the
+workers' log is rotated at ``reward.log_max_mb``. Real pebble pools, processes, rlimits and files throughout."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import resource
 import signal
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -12,9 +17,10 @@ import pytest
 
 from dsrl.rewards import FAILURE_COUNTS, RewardScorer
 from dsrl.rewards.scorer import _WorkerContext
-from tests.process_helpers import live, wait_gone
+from tests.process_helpers import live, run_script, wait_gone
 
 FALLBACK = -1.0
+MB = 2**20
 
 REWARD = textwrap.dedent(
     """
@@ -147,3 +153,145 @@ def test_a_worker_stopped_before_it_leads_a_group_is_killed_alone():
         assert process.exitcode == -signal.SIGKILL
     finally:
         process.kill()  # a no-op once it has ended
+
+
+# ---------------------------------------------------------------- reward.memory_limit_mb
+
+
+@pytest.fixture(scope="module")
+def limited(reward_file):
+    with RewardScorer(reward_file, num_workers=1, timeout_s=30.0, fallback_score=FALLBACK, memory_limit_mb=512) as s:
+        yield s
+
+
+def test_the_limit_holds_in_the_worker_and_in_the_processes_it_starts(limited):
+    scores, extras, counts = score(limited, ["limits"])
+    assert scores == [1.0] and counts == counts_of()
+    assert extras == {"worker": [512 * MB], "child": [512 * MB]}
+
+
+def test_an_allocation_under_the_limit_succeeds(limited):
+    assert score(limited, ["alloc 128"]) == ([1.0], {}, counts_of())
+
+
+def test_a_memory_error_past_the_limit_is_a_counted_exception_naming_the_key(limited, caplog):
+    scores, _, counts = score(limited, ["alloc 64", "alloc 2048", "alloc 64"])
+    assert scores == [1.0, FALLBACK, 1.0] and counts == counts_of(exception=1)
+    assert limited.first_failure.startswith("MemoryError (at containment_reward.py:")
+    assert limited.first_failure.endswith("in compute_score) (reward.memory_limit_mb=512)")
+    assert "(exception) and scored -1; first: MemoryError" in caplog.text
+
+
+def test_a_worker_killed_by_the_limit_is_a_counted_crash_naming_the_key(limited, reward_file):
+    scores, _, counts = score(limited, ["c-alloc 1024"])
+    assert scores == [FALLBACK] and counts == counts_of(crash=1)
+    assert limited.first_failure == (
+        "the reward worker died (signal SIGSEGV) in this call "
+        "(if it ran out of memory: reward.memory_limit_mb=512 bounds each worker)"
+    )
+    assert score(limited, ["alloc 64"]) == ([1.0], {}, counts_of())  # the replacement works, limited too
+    # Without the limit the same call allocates, so the crash above was the limit's.
+    with RewardScorer(reward_file, num_workers=1, timeout_s=30.0, memory_limit_mb=0) as unlimited:
+        assert score(unlimited, ["c-alloc 1024"]) == ([1.0], {}, counts_of())
+        [unbounded] = score(unlimited, ["limits"])[1]["worker"]
+        assert unbounded == resource.getrlimit(resource.RLIMIT_DATA)[0]  # as the trainer's, untouched
+
+
+def test_a_reward_file_that_cannot_load_under_the_limit_fails_at_construction_naming_the_key(tmp_path):
+    path = tmp_path / "big_on_import.py"
+    path.write_text("TABLE = bytearray(2**30)  # a 1 GB table built on import\n" + REWARD)
+    with pytest.raises(ValueError, match=r"(?s)importing it raised.*MemoryError.*reward.memory_limit_mb=256: raise it"):
+        RewardScorer(str(path), num_workers=1, memory_limit_mb=256)
+
+
+# ---------------------------------------------------------------- reward.log_max_mb
+
+
+def test_the_workers_log_is_rotated_and_stays_bounded_while_every_row_scores(reward_file, tmp_path):
+    # 4 calls of 4 MB, two at a time, each printing for 4 s: 16 MB written in about 8 s under a 1 MB bound.
+    # Checked only when a task ends, the log would hold the 8 MB of the first two calls: the workers' once a
+    # second checks keep it near the bound (plus what the two write in that second).
+    log = tmp_path / "reward_workers_rank0.log"
+    rotated = Path(f"{log}.1")
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            sizes = 0
+            for path in (rotated, log):  # the older part first: a rotation in between cannot count a part twice
+                try:
+                    sizes += path.stat().st_size
+                except FileNotFoundError:
+                    pass
+            peak[0] = max(peak[0], sizes)
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    with RewardScorer(reward_file, num_workers=2, timeout_s=60.0, log_file=log, log_max_mb=1) as scorer:
+        sampler.start()
+        try:
+            scores, _, counts = score(scorer, [f"chatty 4 row{i}" for i in range(4)])
+        finally:
+            stop.set()
+            sampler.join()
+    assert scores == [1.0] * 4 and counts == counts_of()
+    assert peak[0] <= 7 * MB, f"log and {rotated.name} reached {peak[0] / MB:.1f} MB"
+    # The part rotated last was past the bound when renamed: one worker renamed it, not a second one the
+    # fresh file after it.
+    assert rotated.stat().st_size > MB
+    text = log.read_text() + rotated.read_text()
+    assert "(reward.log_max_mb=1): the earlier output is in" in text
+    assert "done row" in text  # the latest output is kept
+
+
+def test_workers_that_find_the_log_too_large_together_rotate_it_once(tmp_path):
+    # Two workers' once a second checks find the log past its bound while a third (the test) holds its lock
+    # and rotates it. When the lock is theirs, the file they write is no longer at the path: they reopen the
+    # path. Renaming it again would put the third one's fresh file in place of the rotated part.
+    log = tmp_path / "reward_workers_rank0.log"
+    rotated = Path(f"{log}.1")
+    old_part = "old output\n" * (MB // 10 + 1)  # past the 1 MB bound
+    log.write_text(old_part)
+    script = f"""
+        import os, time
+        from dsrl.rewards import worker
+        worker.initialize(None, "compute_score", False, (), os.getppid(), {str(log)!r}, 1, 0, None)
+        first, deadline = os.fstat(1), time.monotonic() + 60
+        while os.path.samestat(os.fstat(1), first) and time.monotonic() < deadline:  # the watcher moves fd 1
+            time.sleep(0.02)
+        print(os.getpid(), "writes to the new log")
+    """
+    with open(log, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        workers = [run_script(script, tmp_path) for _ in range(2)]
+        deadline = time.monotonic() + 60
+        while not {str(w.pid) for w in workers} <= waiting_for_a_lock() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert {str(w.pid) for w in workers} <= waiting_for_a_lock(), "the workers did not find the log too large"
+        os.replace(log, rotated)
+        log.write_text("rotated by the test\n")
+        fcntl.flock(held, fcntl.LOCK_UN)
+    assert [w.wait(timeout=60) for w in workers] == [0, 0]
+    assert rotated.read_text() == old_part
+    assert sorted(log.read_text().splitlines()) == sorted(
+        ["rotated by the test"] + [f"{w.pid} writes to the new log" for w in workers]
+    )
+
+
+def waiting_for_a_lock() -> set[str]:
+    """The pids (text) waiting for a file lock: the lines of /proc/locks marked ``->``."""
+    return {line.split()[5] for line in Path("/proc/locks").read_text().splitlines() if " -> " in line}
+
+
+def test_without_a_bound_the_log_is_not_rotated(reward_file, tmp_path):
+    log = tmp_path / "reward_workers_rank0.log"
+    with RewardScorer(reward_file, num_workers=1, timeout_s=60.0, log_file=log, log_max_mb=0) as scorer:
+        assert score(scorer, ["chatty 2 row0"])[0] == [1.0]
+    assert log.stat().st_size > 2_000_000 and not Path(f"{log}.1").exists()  # 20 prints of 100 KB
+
+
+def test_negative_bounds_are_refused_before_any_worker_starts():
+    with pytest.raises(ValueError, match=r"log_max_mb=-1: must be >= 0"):
+        RewardScorer(log_max_mb=-1)
+    with pytest.raises(ValueError, match=r"memory_limit_mb=-1: must be >= 0"):
+        RewardScorer(memory_limit_mb=-1)
