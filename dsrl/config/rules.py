@@ -656,6 +656,14 @@ def _reward_rules(cfg: Config, need: Need) -> None:
         "set it to 3",
     )
     need(
+        reward.memory_limit_mb == 0 or reward.memory_limit_mb >= 256,
+        "reward.memory_limit_mb",
+        "must be 0 (no limit) or >= 256 MB (a Python worker holds about 25 MB before it loads the reward file, "
+        "and the libraries a reward imports need more)",
+        "set it to 4096, or 0 for no limit",
+    )
+    need(reward.log_max_mb >= 0, "reward.log_max_mb", "must be >= 0 MB (0 = no limit)", "set it to 64")
+    need(
         reward.batch_chunk_size is None or reward.batch_chunk_size >= 1,
         "reward.batch_chunk_size",
         "must be >= 1, or null for the batch split evenly over the workers",

@@ -69,7 +69,7 @@ REQUIRED_CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
 RESUME_HARMLESS_KEYS = (
     r"trainer\.(total_epochs|total_training_steps|save_freq|test_freq|val_before_train|val_only|logger)",
     r"trainer\.(log_val_generations|log_samples_freq|log_model)",
-    r"reward\.(num_workers|batch_chunk_size|max_failed_steps)",
+    r"reward\.(num_workers|batch_chunk_size|max_failed_steps|memory_limit_mb|log_max_mb)",
     r"trainer\.(project_name|experiment_name|default_local_dir|max_consecutive_skips)",
     r"trainer\.(resume_mode|resume_from_path|resume_allow_config_change|max_actor_ckpt_to_keep|max_critic_ckpt_to_keep)",
     r"data\.(val_files|val_batch_size)",
@@ -463,6 +463,14 @@ class RewardConfig:
     )
     max_failed_steps: int = _f(
         3, "stop the run when every reward call of this many training steps in a row failed (the message quotes the first failure); 0 = never"
+    )
+    memory_limit_mb: int = _f(
+        4096,
+        "memory bound of each reward worker in MB, applied with RLIMIT_DATA to every worker process and inherited by each process it starts; a call past it fails and scores fallback_score (a MemoryError counts as reward/fail_exception, a worker killed by it as reward/fail_crash); 0 = no limit",
+    )
+    log_max_mb: int = _f(
+        64,
+        "size in MB past which the workers' log reward_workers_rank<R>.log is rotated (renamed to .1, replacing an older .1; writing goes on in a new file), so about twice this is on disk; 0 = no limit",
     )
 
 

@@ -36,7 +36,9 @@ def import_user_modules(entries: Iterable[str]) -> list[str]:
 
 def _import(entry: str) -> Optional[str]:
     """Import ``entry`` (a path to a .py file, or an importable module name) once per process; None when it
-    imported, else what went wrong (the exception, and the file and line it was raised at)."""
+    imported, else what went wrong (the exception, and the file and line it was raised at). A module that calls
+    ``sys.exit`` while imported fails like any other (it would end the run with nothing trained, exit code 0
+    included); a ``KeyboardInterrupt`` is the user's, and propagates."""
     if entry.endswith(".py") or "/" in entry:
         path = Path(entry).expanduser().resolve()
         if not path.is_file():
@@ -51,25 +53,28 @@ def _import(entry: str) -> Optional[str]:
         sys.modules[name] = module
         try:
             spec.loader.exec_module(module)
-        except Exception as err:  # noqa: BLE001  (user code: any exception is reported, not raised)
+        except (Exception, SystemExit) as err:  # noqa: BLE001  (user code: reported, not raised)
             del sys.modules[name]
             return _failure(err)
         return None
     try:
         importlib.import_module(entry)
-    except Exception as err:  # noqa: BLE001
+    except (Exception, SystemExit) as err:  # noqa: BLE001
         return _failure(err)
     return None
 
 
-def _failure(err: Exception) -> str:
-    """``ExcType: message at file:line``, the line being the innermost frame of the traceback outside the import
-    machinery (the user's code, or a library it called)."""
+def _failure(err: BaseException) -> str:
+    """``ExcType: message at file:line`` (``called sys.exit(0) while being imported at file:line``), the line being
+    the innermost frame of the traceback outside the import machinery (the user's code, or a library it called)."""
     machinery = (str(Path(importlib.__file__).parent), __file__)
     frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(("<", *machinery))]
     where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
     if isinstance(err, SyntaxError):  # raised while compiling: the file and line are the error's own
         where = f" at {err.filename}:{err.lineno}"
+    if isinstance(err, SystemExit):
+        code = "" if err.code is None else repr(err.code)
+        return f"called sys.exit({code}) while being imported{where}"
     message = " ".join(str(err).split())
     return f"{type(err).__name__}: {message}{where}"
 

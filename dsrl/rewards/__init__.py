@@ -13,7 +13,8 @@ Public API (verl's signature, so a verl ``custom_reward_function`` works unchang
   returns no finite number or kills its worker scores ``reward.fallback_score`` and is counted
   (``reward/fail_exception``, ``reward/fail_timeout``, ``reward/fail_invalid``, ``reward/fail_crash``);
   a batch that hangs on every call is cut short; ``first_failure`` quotes what went wrong first; the
-  workers' output goes to the scorer's log file.
+  workers' output goes to the scorer's log file (rotated at ``reward.log_max_mb``); each worker's memory
+  is bounded by ``reward.memory_limit_mb`` and the processes a call starts are killed with its worker.
   With ``custom_reward_function.batch: true`` the function takes lists (verl's batch reward manager).
 
 This package imports no torch, so a worker process starts in a fraction of a second.

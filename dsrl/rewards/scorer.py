@@ -18,7 +18,10 @@ prompts rather than from one prompt's responses (a ground truth that makes a che
 still running after 30 s logs how far it got, and again every 30 s.
 
 Output: with ``log_file`` the workers' stdout and stderr (file descriptors 1 and 2: prints, warnings,
-tracebacks, C libraries) are appended to that file, not the trainer's console.
+tracebacks, C libraries) are appended to that file, not the trainer's console; past ``log_max_mb`` it is
+rotated to ``<log_file>.1`` (``dsrl.rewards.worker``). Memory: each worker, and every process it starts,
+is bounded by ``memory_limit_mb`` (``RLIMIT_DATA``); a call past it fails and is counted (a
+``MemoryError`` as an exception, a worker that dies of it as a crash), both messages naming the key.
 
 Start method: ``spawn`` (no ``fork`` of a process holding CUDA, DeepSpeed and NCCL state), but without
 the part of ``spawn`` that re-runs the parent's ``__main__`` script in every child as ``__mp_main__``
@@ -35,9 +38,17 @@ to init); so every worker also sets ``PR_SET_PDEATHSIG`` (SIGKILL) on Linux, a `
 thread elsewhere (``dsrl.rewards.worker.die_with_parent``). The kernel sends that signal when the
 *thread* that started the worker ends: the pool's first workers are started by the thread that builds
 the scorer (build it on the trainer's main thread; a pool replaced after a hang or a breakdown, by the
-thread that calls ``score_batch``), replacements by pebble's pool thread. Workers take
-SIGTERM's default action (pebble's Python handler could not run inside a C call holding the GIL), so
-a timed-out call is ended at once.
+thread that calls ``score_batch``), replacements by pebble's pool thread. A worker is stopped with
+SIGKILL (to its process group, below), not pebble's SIGTERM, whose Python handler could not run inside a
+C call holding the GIL (pebble would wait 3 s, then SIGKILL): a timed-out call is ended at once.
+
+What a reward function starts (``subprocess``, ``os.fork``, a shell pipeline: a code-execution reward)
+goes with its worker: each worker leads a process group of its own (``os.setpgrp`` before the user's
+file is imported), and the group is SIGKILLed whenever the worker is stopped: on a timeout and when the
+pool closes (pebble calls :meth:`_WorkerProcess.terminate`), and when a worker dies in a call (the group
+of ``ProcessExpired.pid``). Not covered: a descendant that starts a session or group of its own
+(``start_new_session=True``, ``setsid``), and the descendants of a worker killed with a SIGKILLed
+trainer (``PR_SET_PDEATHSIG`` ends the worker alone).
 """
 
 from __future__ import annotations
@@ -113,7 +124,27 @@ def _install_preparation_hook() -> None:
         multiprocessing.spawn.get_preparation_data = _preparation_data
 
 
+def _kill_process_group(pid: int) -> bool:
+    """SIGKILL the process group that the worker ``pid`` leads: the worker and every process it started.
+    False when there is no such group (the worker had not called ``setpgrp`` yet, or it and all it
+    started are gone) or only processes this one may not signal (setuid programs) are left."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 class _WorkerProcess(multiprocessing.context.SpawnProcess):
+    """A reward worker: started without the parent's ``__main__``; stopping it kills its process group."""
+
+    def terminate(self) -> None:
+        # pebble stops a worker (a timeout, the pool's end, exit) with terminate(), then SIGKILL to the pid.
+        if not _kill_process_group(self.pid):
+            super().kill()  # not yet a group leader: the worker alone
+
+    kill = terminate
+
     @staticmethod
     def _Popen(process_obj):
         _launching.reward_worker = True
@@ -149,6 +180,8 @@ class RewardScorer:
         math_verify_sources: data sources the built-in dispatcher scores with Math-Verify.
         log_file: where the workers' stdout and stderr go (appended; its folder is created); None = the
             trainer's own stdout and stderr.
+        log_max_mb: ``log_file`` is rotated to ``<log_file>.1`` past this many MB; 0 = never.
+        memory_limit_mb: the ``RLIMIT_DATA`` of every worker and of each process it starts; 0 = none.
 
     Raises ValueError at construction when the custom file or function is missing, its import fails,
     its signature does not fit ``batch``, or math-verify is needed and not installed, so a broken reward
@@ -168,6 +201,8 @@ class RewardScorer:
         batch_chunk_size: int | None = None,
         math_verify_sources: tuple[str, ...] | list[str] = (),
         log_file: str | os.PathLike | None = None,
+        log_max_mb: int = 64,
+        memory_limit_mb: int = 4096,
     ):
         if not timeout_s > 0:
             raise ValueError(f"reward timeout_s={timeout_s}: must be > 0 seconds")
@@ -177,6 +212,10 @@ class RewardScorer:
             raise ValueError(f"reward fallback_score={fallback_score}: must be finite")
         if batch_chunk_size is not None and batch_chunk_size < 1:
             raise ValueError(f"reward batch_chunk_size={batch_chunk_size}: must be >= 1, or None")
+        if log_max_mb < 0:
+            raise ValueError(f"reward log_max_mb={log_max_mb}: must be >= 0 MB (0 = no limit)")
+        if memory_limit_mb < 0:
+            raise ValueError(f"reward memory_limit_mb={memory_limit_mb}: must be >= 0 MB (0 = no limit)")
         if batch and custom_path is None:
             raise ValueError("custom_reward_function.batch=true needs custom_reward_function.path (a batch function)")
         self.timeout_s = float(timeout_s)
@@ -184,6 +223,7 @@ class RewardScorer:
         self.num_workers = num_workers or default_num_workers()
         self.batch = bool(batch)
         self.batch_chunk_size = batch_chunk_size
+        self.log_max_mb, self.memory_limit_mb = log_max_mb, memory_limit_mb
         self.log_file = None if log_file is None else os.path.abspath(log_file)
         if self.log_file is not None:  # here, so that an unwritable place fails in the trainer, not in each worker
             os.makedirs(os.path.dirname(self.log_file), exist_ok=True)
@@ -191,7 +231,8 @@ class RewardScorer:
         # The message of the first failure (in time) of the last score_batch; None when every row scored.
         self.first_failure: str | None = None
         self._initargs = (
-            custom_path, custom_name, self.batch, tuple(math_verify_sources), os.getpid(), self.log_file
+            custom_path, custom_name, self.batch, tuple(math_verify_sources), os.getpid(), self.log_file,
+            log_max_mb, memory_limit_mb,
         )
         self._pool: pebble.ProcessPool | None = None
         self._finalizer: weakref.finalize | None = None
@@ -214,6 +255,8 @@ class RewardScorer:
             batch_chunk_size=reward.batch_chunk_size,
             math_verify_sources=tuple(reward.math_verify_sources),
             log_file=log_file,
+            log_max_mb=reward.log_max_mb,
+            memory_limit_mb=reward.memory_limit_mb,
         )
 
     def _start_pool(self) -> float:
@@ -381,7 +424,12 @@ class RewardScorer:
         except FutureTimeoutError:
             return [("timeout", f"the call ran past reward.timeout_s={self.timeout_s:g} s and was killed")] * size
         except pebble.ProcessExpired as exc:
-            return [("crash", f"the reward worker died ({_exit_reason(exc.exitcode)}) in this call")] * size
+            _kill_process_group(exc.pid)  # what the call started, left behind by its worker
+            memory = (
+                f" (if it ran out of memory: reward.memory_limit_mb={self.memory_limit_mb} bounds each worker)"
+                if self.memory_limit_mb else ""
+            )
+            return [("crash", f"the reward worker died ({_exit_reason(exc.exitcode)}) in this call{memory}")] * size
         except (BrokenProcessPool, RuntimeError) as exc:
             return [("crash", f"the reward worker pool broke down: {type(exc).__name__}: {exc}")] * size
         except Exception as exc:  # noqa: BLE001 -- e.g. arguments pebble could not pickle
@@ -399,7 +447,8 @@ def _exit_reason(code: int | None) -> str:
 
 
 def _stop_pool(pool: pebble.ProcessPool) -> None:
-    """Stop a pool's workers now (SIGTERM, SIGKILL after pebble's grace period) and its threads."""
+    """Stop a pool's workers now (each with its process group: :meth:`_WorkerProcess.terminate`) and its
+    threads."""
     pool.stop()
     try:
         pool.join(timeout=30)

@@ -2,10 +2,21 @@
 
 The pool starts each worker with the ``spawn`` method and without re-running the training script (see
 ``dsrl.rewards.scorer``), so a worker imports only this package, pebble and the user's reward file: no
-torch. :func:`initialize` runs once per worker (and once per replacement of a killed one): it ties the
-worker's life to the trainer's, sends its output to the scorer's log file and loads the reward function
-once. A loading error is kept, not raised (pebble would restart a worker whose initializer fails,
-forever); :func:`probe` reports it so the scorer fails at construction.
+torch. :func:`initialize` runs once per worker (and once per replacement of a killed one): it makes the
+worker the leader of a process group of its own (the scorer kills the group, so what a reward function
+starts goes with its worker), ties the worker's life to the trainer's, bounds its memory
+(``reward.memory_limit_mb``), sends its output to the scorer's log file (rotated at
+``reward.log_max_mb``) and loads the reward function once. A loading error is kept, not raised (pebble
+would restart a worker whose initializer fails, forever); :func:`probe` reports it so the scorer fails at
+construction.
+
+The log is shared by all the workers of a rank, each appending through its own descriptor. Each checks
+it after every task and once a second from a daemon thread (one long, chatty call cannot fill the disk):
+a worker whose descriptor no longer points at the file at the log's path (another worker rotated it)
+reopens the path; one that still writes that file and finds it past the limit takes an ``flock`` on it,
+checks again (several may notice at once: only the first renames) and renames it to ``<log>.1``,
+replacing the older part, then reopens the path. So about twice the limit is on disk, plus what the
+workers write in the second before they notice.
 
 Tasks return one *outcome* per row and never raise for a reward function's fault, not even for
 ``sys.exit`` or ``KeyboardInterrupt`` raised inside it (pebble would re-raise those in the trainer):
@@ -16,12 +27,16 @@ workers ignore SIGINT, so a Ctrl-C in the terminal reaches the trainer alone, wh
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
+import functools
 import inspect
 import math
 import os
 import pickle
 import reprlib
+import resource
 import signal
 import sys
 import threading
@@ -33,11 +48,17 @@ Outcome = tuple  # ("ok", score, extras) | ("exception", message) | ("invalid", 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WATCHDOG_PERIOD_S = 1.0
+_LOG_CHECK_PERIOD_S = 1.0
+_MB = 2**20
 
 _fn: Callable | None = None
 _batch = False
 _load_error: str | None = None
 _ready = None  # the multiprocessing.Barrier every worker of a new pool meets in probe()
+_memory_limit_mb = 0
+_log_file: str | None = None
+_log_max_mb = 0
+_log_lock = threading.Lock()  # the task's end and the watcher thread both check the log
 
 
 def die_with_parent(parent_pid: int) -> str:
@@ -74,27 +95,49 @@ def initialize(
     batch: bool,
     math_verify_sources: tuple[str, ...],
     parent_pid: int,
-    log_file: str | None = None,
-    ready=None,
+    log_file: str | None,
+    log_max_mb: int,
+    memory_limit_mb: int,
+    ready,
 ) -> None:
-    """pebble's initializer: tie this worker to the trainer, send its output to ``log_file`` (None:
-    the trainer's stdout and stderr), then load the reward function once."""
-    global _fn, _batch, _load_error, _ready
+    """pebble's initializer: a process group of its own, tied to the trainer, memory bounded, output to
+    ``log_file`` (None: the trainer's stdout and stderr) rotated at ``log_max_mb`` (0: never), then the
+    reward function loaded once."""
+    global _fn, _batch, _load_error, _ready, _memory_limit_mb, _log_file, _log_max_mb
+    # Before the user's file runs, so that every process it or a reward call starts joins the group the
+    # scorer kills with this worker (the group's id is this pid).
+    os.setpgrp()
     die_with_parent(parent_pid)
+    limit_memory(memory_limit_mb)
+    _memory_limit_mb = memory_limit_mb
     if log_file is not None:
         redirect_output(log_file)
-    # pebble stops a worker (a timeout, the pool's end) with SIGTERM, then SIGKILL 3 s later. Its SIGTERM
-    # handler is Python code, which cannot run while the reward function is inside a C call holding the
-    # GIL, so every such kill would cost the 3 s and hold up pebble's manager thread meanwhile. The
-    # default action ends the process at once; a worker has nothing to clean up.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if log_max_mb:
+            _log_file, _log_max_mb = log_file, log_max_mb
+            threading.Thread(target=_watch_log, name="dsrl-reward-log", daemon=True).start()
     _batch, _ready = batch, ready
     try:
         _fn = load_reward_function(custom_path, custom_name, batch, math_verify_sources)
     except ValueError as exc:
         _load_error = str(exc)
-    except BaseException:  # noqa: BLE001 -- anything the user's module does on import, SystemExit included
+    except BaseException as exc:  # noqa: BLE001 -- anything the user's module does on import, SystemExit included
         _load_error = f"custom_reward_function.path={custom_path!r}: importing it raised\n{traceback.format_exc()}"
+        if isinstance(exc, MemoryError) and memory_limit_mb:
+            _load_error += f"under reward.memory_limit_mb={memory_limit_mb}: raise it, or set it to 0 for no limit"
+
+
+def limit_memory(limit_mb: int) -> None:
+    """Bound this process's data (heap and private writable mappings: what allocations use) to ``limit_mb``
+    MB with ``RLIMIT_DATA``, soft and hard, so that neither the reward function nor a process it starts
+    (which inherits the limit) can raise it; 0 = leave the limit as it is. A hard limit already lower is
+    kept."""
+    if not limit_mb:
+        return
+    limit = limit_mb * _MB
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
 def redirect_output(log_file: str) -> None:
@@ -102,12 +145,63 @@ def redirect_output(log_file: str) -> None:
     and C libraries' output all land there. Python writes each line at once, whatever PYTHONUNBUFFERED
     says (whose piecewise writes would interleave the lines of workers printing together), and at once
     when it ends (a worker may be killed at any moment)."""
+    _point_output_at(log_file)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=False)
+
+
+def _point_output_at(log_file: str) -> None:
     fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+        stream.flush()  # what is buffered belongs to the file it was written for
         os.dup2(fd, stream.fileno())
-        stream.reconfigure(line_buffering=True, write_through=False)
     os.close(fd)
+
+
+def bound_log() -> None:
+    """Rotate the log once it is past ``reward.log_max_mb``, or follow a rotation another worker made
+    (the module doc); nothing without a bound. A failure is reported in the log, never raised: it must
+    not fail the rows of the task that just ended."""
+    if not _log_max_mb:
+        return
+    with _log_lock:
+        try:
+            if not _writes_to(_log_file):
+                _point_output_at(_log_file)
+                return
+            size = os.fstat(1).st_size
+            if size <= _log_max_mb * _MB:
+                return
+            fcntl.flock(1, fcntl.LOCK_EX)
+            try:
+                rotated = _writes_to(_log_file)  # False: another worker rotated it while this one waited
+                if rotated:
+                    os.replace(_log_file, f"{_log_file}.1")
+            finally:
+                fcntl.flock(1, fcntl.LOCK_UN)
+            _point_output_at(_log_file)
+            if rotated:
+                print(
+                    f"[dsrl reward worker {os.getpid()}] the log reached {size / _MB:.1f} MB "
+                    f"(reward.log_max_mb={_log_max_mb}): the earlier output is in {_log_file}.1"
+                )
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # a full disk may refuse this line too
+                print(f"[dsrl reward worker {os.getpid()}] could not rotate {_log_file}: {exc}", file=sys.stderr)
+
+
+def _writes_to(path: str) -> bool:
+    """Whether file descriptor 1 is the file now at ``path``."""
+    try:
+        return os.path.samestat(os.fstat(1), os.stat(path))
+    except FileNotFoundError:  # another worker is between the rename and the new file
+        return False
+
+
+def _watch_log() -> None:
+    while True:
+        time.sleep(_LOG_CHECK_PERIOD_S)
+        bound_log()
 
 
 def load_reward_function(
@@ -157,6 +251,20 @@ def probe(timeout_s: float) -> tuple[str | None, int]:
     return _load_error, os.getpid()
 
 
+def _then_bound_log(task: Callable) -> Callable:
+    """``task``, then :func:`bound_log` when it ends."""
+
+    @functools.wraps(task)  # pebble pickles the task by its name: the wrapper takes it
+    def run(rows: list[tuple]) -> list[Outcome]:
+        try:
+            return task(rows)
+        finally:
+            bound_log()
+
+    return run
+
+
+@_then_bound_log
 def score_rows(rows: list[tuple]) -> list[Outcome]:
     """One outcome per ``(data_source, solution_str, ground_truth, extra_info)`` row, calling the
     per-row function with keyword arguments (verl's signature)."""
@@ -175,6 +283,7 @@ def score_rows(rows: list[tuple]) -> list[Outcome]:
     return outcomes
 
 
+@_then_bound_log
 def score_chunk(rows: list[tuple]) -> list[Outcome]:
     """One outcome per row from ONE call of a batch function (verl's ``BatchRewardManager``:
     ``fn(data_sources=, solution_strs=, ground_truths=, extra_infos=)`` with lists, returning a list of
@@ -197,7 +306,8 @@ def score_chunk(rows: list[tuple]) -> list[Outcome]:
 def describe(exc: BaseException) -> str:
     """What a reward function did, for the failure counts and the stop message: ``called sys.exit(3)``,
     ``raised KeyboardInterrupt``, or ``ZeroDivisionError: division by zero (at my_reward.py:12 in
-    compute_score)``: the innermost line in the reward function's file, else the innermost frame."""
+    compute_score)``: the innermost line in the reward function's file, else the innermost frame. A
+    ``MemoryError`` under a memory limit names it: ``... (reward.memory_limit_mb=4096)``."""
     if isinstance(exc, SystemExit):
         return f"called sys.exit({exc.code!r})" if exc.code is not None else "called sys.exit()"
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -209,6 +319,8 @@ def describe(exc: BaseException) -> str:
     if frames:
         frame = frames[-1]
         text += f" (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"
+    if isinstance(exc, MemoryError) and _memory_limit_mb:
+        text += f" (reward.memory_limit_mb={_memory_limit_mb})"
     return text
 
 

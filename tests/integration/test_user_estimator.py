@@ -96,6 +96,10 @@ def test_a_module_name_on_the_path_works_as_an_entry(files, tmp_path, fresh_proc
         ("x = 1\nraise RuntimeError('no GPU here')\n", "import failed: RuntimeError: no GPU here at {path}:2"),
         ("def f(:\n", "import failed: SyntaxError: invalid syntax ({name}, line 1) at {path}:1"),
         ("import no_such_package_for_dsrl\n", "import failed: ModuleNotFoundError: No module named 'no_such_package_for_dsrl' at {path}:1"),
+        # Before: SystemExit passed through validation and ended the run with its code, 0 included, nothing trained.
+        ("import sys\nsys.exit(0)\n", "import failed: called sys.exit(0) while being imported at {path}:2"),
+        ("import sys\n\nsys.exit()\n", "import failed: called sys.exit() while being imported at {path}:3"),
+        ("raise SystemExit('no GPU, giving up')\n", "import failed: called sys.exit('no GPU, giving up') while being imported at {path}:1"),
     ],
 )
 def test_a_module_that_fails_to_import_is_a_violation_with_the_file_and_the_exception(files, tmp_path, fresh_process, source, failure):
@@ -106,6 +110,21 @@ def test_a_module_that_fails_to_import_is_a_violation_with_the_file_and_the_exce
         f"algorithm.import_modules={path}: " + failure.format(path=path, name=path.name)
         + "; fix: fix that module, or remove it from algorithm.import_modules (a .py path or an importable module name)"
     ]
+
+
+def test_a_module_name_that_exits_on_import_is_a_violation(files, tmp_path, fresh_process, monkeypatch):
+    (tmp_path / "my_dsrl_plugin_exits.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    [found] = problems(files + ["algorithm.import_modules=[my_dsrl_plugin_exits]"])
+    assert found.startswith("algorithm.import_modules=my_dsrl_plugin_exits: import failed: called sys.exit(3) "
+                            f"while being imported at {tmp_path / 'my_dsrl_plugin_exits.py'}:2; fix: ")
+
+
+def test_a_keyboard_interrupt_while_importing_is_the_users_and_propagates(files, tmp_path, fresh_process):
+    path = tmp_path / "interrupted.py"
+    path.write_text("raise KeyboardInterrupt\n")
+    with pytest.raises(KeyboardInterrupt):
+        problems(files + [f"algorithm.import_modules=[{path}]"])
 
 
 def test_entries_that_do_not_exist(files, tmp_path, fresh_process):

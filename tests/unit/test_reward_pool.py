@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from dsrl import checkpoint as ckpt
 from dsrl import config as C
+from dsrl.config import load_config
 from dsrl.rewards import FAILURE_COUNTS, RewardScorer, default_num_workers
 from tests.conftest import QUICKSTART, write_model_stub, write_parquet_stub
 from tests.process_helpers import children, live, run_script
@@ -190,7 +192,7 @@ def test_a_hanging_batch_is_bounded_by_the_timeout_per_round_of_workers(reward_f
 
 def test_a_call_stuck_in_c_code_is_killed_at_its_limit(scorer):
     # pebble's SIGTERM handler is Python code that cannot run inside such a call (it then waits 3 s per
-    # worker before SIGKILL); the workers take SIGTERM's default action instead.
+    # worker before SIGKILL); the scorer stops a worker with SIGKILL instead.
     start = time.perf_counter()
     scores, _, counts = score(scorer, ["gil", "a", "gil"])
     elapsed = time.perf_counter() - start
@@ -446,9 +448,14 @@ def test_reward_keys_have_defaults_and_help(files):
     assert cfg.reward.num_workers is None and cfg.reward.timeout_s == 10.0 and cfg.reward.fallback_score == 0.0
     assert cfg.reward.batch_chunk_size is None and list(cfg.reward.math_verify_sources) == []
     assert cfg.custom_reward_function.batch is False
+    assert cfg.reward.memory_limit_mb == 4096 and cfg.reward.log_max_mb == 64
     for key in ("reward.num_workers", "reward.timeout_s", "reward.fallback_score", "reward.batch_chunk_size",
-                "reward.math_verify_sources", "custom_reward_function.batch"):
+                "reward.math_verify_sources", "custom_reward_function.batch", "reward.memory_limit_mb",
+                "reward.log_max_mb"):
         assert len(C.SCHEMA[key].help.split()) >= 5, key
+    assert "RLIMIT_DATA" in C.SCHEMA["reward.memory_limit_mb"].help
+    assert "inherited by each process it starts" in C.SCHEMA["reward.memory_limit_mb"].help
+    assert "rotated" in C.SCHEMA["reward.log_max_mb"].help
 
 
 @pytest.mark.parametrize(
@@ -460,11 +467,22 @@ def test_reward_keys_have_defaults_and_help(files):
         ("reward.fallback_score=nan", "reward.fallback_score", "finite"),
         ("custom_reward_function.batch=true", "custom_reward_function.batch", "needs custom_reward_function.path"),
         ("reward.batch_chunk_size=8", "reward.batch_chunk_size", "read only with custom_reward_function.batch=true"),
+        ("reward.memory_limit_mb=255", "reward.memory_limit_mb", "must be 0 (no limit) or >= 256 MB"),
+        ("reward.memory_limit_mb=-1", "reward.memory_limit_mb", "fix: set it to 4096, or 0 for no limit"),
+        ("reward.log_max_mb=-1", "reward.log_max_mb", "must be >= 0 MB (0 = no limit); fix: set it to 64"),
     ],
 )
 def test_reward_key_rules(files, override, key, rule):
     found = problems(files + [override])
     assert len(found) == 1 and found[0].startswith(f"{key}=") and rule in found[0], found
+
+
+def test_the_bounds_are_off_at_0_and_may_change_on_resume(files):
+    assert problems(files + ["reward.memory_limit_mb=0", "reward.log_max_mb=0"]) == []
+    assert problems(files + ["reward.memory_limit_mb=256"]) == []
+    saved = ckpt.state_config(load_config(None, []), world_size=1)
+    now = ckpt.state_config(load_config(None, ["reward.memory_limit_mb=8192", "reward.log_max_mb=0"]), world_size=1)
+    assert ckpt.config_differences(saved, now) == []
 
 
 def test_math_verify_sources_rules(files, tmp_path, monkeypatch):
@@ -482,11 +500,13 @@ def test_from_config_passes_every_key(files, tmp_path, batch_file):
     cfg, _ = C.load_and_validate(
         QUICKSTART,
         files + [f"custom_reward_function.path={batch_file}", "custom_reward_function.batch=true",
-                 "reward.num_workers=2", "reward.timeout_s=3.5", "reward.fallback_score=-2", "reward.batch_chunk_size=5"],
+                 "reward.num_workers=2", "reward.timeout_s=3.5", "reward.fallback_score=-2", "reward.batch_chunk_size=5",
+                 "reward.memory_limit_mb=1024", "reward.log_max_mb=3"],
         1,
     )
     with RewardScorer.from_config(cfg) as scorer:
         assert (scorer.num_workers, scorer.timeout_s, scorer.fallback_score) == (2, 3.5, -2.0)
+        assert (scorer.memory_limit_mb, scorer.log_max_mb) == (1024, 3)
         assert scorer.batch and scorer.batch_chunk_size == 5 and len(scorer.worker_pids()) == 2
         assert scorer.score_batch(["s"] * 2, ["a", "b"], ["a", "a"], [None] * 2)[0] == [1.0, 0.0]
 
