@@ -3,7 +3,7 @@
 Only rank 0 logs; on other ranks the :class:`Tracker` is inert and never imports mlflow. A tracking
 failure never stops training: it is counted (``failures``; lost metric values in ``dropped``),
 warned about once per kind, and shown as ``tracking/failures`` / ``tracking/dropped`` on the next
-step's metrics. Secrets are redacted from everything MLflow receives (:mod:`dsrl.tracking.redaction`).
+step's metrics. Secrets are redacted from everything MLflow receives (:mod:`dsrl.redaction`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import warnings
 from typing import Any
 
 from dsrl.console import ProgressConsole
+from dsrl.redaction import is_secret_name, redact, redact_text
 from dsrl.tracking.mlflow_backend import STATUSES, MLflowBackend, default_tracking_uri
-from dsrl.tracking.redaction import is_secret_name, redact, redact_text
 
 __all__ = ["MLflowBackend", "Tracker", "flatten", "is_secret_name", "redact", "redact_text", "sanitize_metric_name"]
 

@@ -7,6 +7,7 @@
   bounded queue; queued metrics are merged into ``log_batch`` calls within MLflow's limits. A failed
   call is tried once more after a short pause (only once while the previous call failed too), then
   given up and reported to the owner (``report(kind, error, dropped_metric_values)``).
+* Every tag, param and artifact is redacted (:mod:`dsrl.redaction`).
 * MLflow's system metrics monitor (CPU, memory, disk, network; GPU when pynvml is importable) runs
   unless ``MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING`` is set false; ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL``
   sets its period.
@@ -25,7 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from dsrl.tracking.redaction import redact, redact_text
+from dsrl.redaction import redact, redact_text
 
 DEFAULT_DB = "mlflow.db"
 QUEUE_SIZE = 1000  # pending calls (one per log_* call); beyond that a call is dropped, not waited for
@@ -86,7 +87,7 @@ class MLflowBackend:
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self._existing_params: dict[str, str] = {}
         project_name, experiment_name = redact_text(project_name), redact_text(experiment_name)
-        tags = {str(k): _truncate(str(v), validation.MAX_TAG_VAL_LENGTH) for k, v in redact(tags or {}).items()}
+        tags = tags or {}
         attach = run_id or os.environ.get("MLFLOW_RUN_ID") or None
         run = self._attach(attach, tags) if attach else None
         self.attached = run is not None
@@ -124,7 +125,7 @@ class MLflowBackend:
             return None
         self.client.update_run(run_id, status="RUNNING")
         if tags:
-            self.client.log_batch(run_id, tags=[self._RunTag(k, v) for k, v in tags.items()])
+            self.client.log_batch(run_id, tags=[self._RunTag(k, v) for k, v in self._tags(tags).items()])
         self._existing_params = dict(run.data.params)
         return run
 
@@ -149,7 +150,11 @@ class MLflowBackend:
             tags = resolve_tags(tags)  # mlflow.user, mlflow.source.name/type, mlflow.source.git.commit
         except Exception:
             pass
-        return self.client.create_run(experiment_id, tags=tags, run_name=experiment_name)
+        return self.client.create_run(experiment_id, tags=self._tags(tags), run_name=experiment_name)
+
+    def _tags(self, tags: dict[str, Any]) -> dict[str, str]:
+        """``tags`` as MLflow gets them: redacted (a repository URL's password too), values cut to MLflow's limit."""
+        return {str(k): _truncate(str(v), self._limits.MAX_TAG_VAL_LENGTH) for k, v in redact(tags).items()}
 
     def _start_system_metrics(self) -> None:
         from mlflow.environment_variables import MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING as enabled
@@ -285,7 +290,8 @@ class MLflowBackend:
 
     def log_model_dir(self, path, *, upload: bool) -> None:
         local = os.path.abspath(os.fspath(path))
-        self._submit("log_model_dir", lambda: self.client.set_tag(self.run_id, "dsrl.model_dir", local))
+        [(key, value)] = self._tags({"dsrl.model_dir": local}).items()
+        self._submit("log_model_dir", lambda: self.client.set_tag(self.run_id, key, value))
         if upload:
             if not Path(local).is_dir():
                 self.report("log_model_dir", FileNotFoundError(f"no model directory {local}"), 0)

@@ -240,6 +240,19 @@ def test_the_model_dir_is_tagged_and_uploaded(client, tmp_path):
     assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/config.json"]
 
 
+def test_a_secret_in_a_path_reaches_no_tag(client, store_dir, monkeypatch, tmp_path):
+    monkeypatch.setenv("MY_API_TOKEN", ENV_SECRET)  # e.g. trainer.default_local_dir=/runs/${oc.env:MY_API_TOKEN}
+    model = tmp_path / ENV_SECRET / "huggingface"
+    tracker = mlflow_tracker("path-secrets", tags={"dsrl.model": f"/models/{ENV_SECRET}", "dsrl.algorithm": "grpo"})
+    tracker.log_model_dir(model, upload=False)  # a tag set late, at the end of the run
+    tracker.finish()
+    tags = only_run(client, "path-secrets").data.tags
+    assert tags["dsrl.model"] == "***" and tags["dsrl.model_dir"] == "***" and tags["dsrl.algorithm"] == "grpo"
+    assert all(ENV_SECRET not in value for value in tags.values())
+    for blob in (p.read_bytes() for p in store_dir.glob("mlflow.db*")):
+        assert ENV_SECRET.encode() not in blob
+
+
 def test_mlflow_run_id_from_the_environment_and_from_a_checkpoint_continue_the_run(client, monkeypatch):
     first = mlflow_tracker("attach")
     first.log_metrics({"actor/pg_loss": 0.1}, step=1)
