@@ -32,8 +32,10 @@ reward/fail_invalid, reward/fail_crash), ``tracking_failures``, ``tracking_dropp
 training, at step 0 or at the resumed step) print as a validation line only.
 
 Summaries (``startup_summary``, ``final_summary``): ``key: value`` blocks under a title, to log with
-``logger.info``; the keys of their ``facts`` are in their docstrings. Secrets are the caller's to
-redact. Nothing here imports torch or MLflow; tqdm is imported when a bar is drawn.
+``logger.info``; the keys of their ``facts`` are in their docstrings. Every log line, a record's
+traceback included, goes through ``dsrl.redaction.redact_text``: a secret that reached a path (e.g.
+``trainer.default_local_dir``) prints as ``***``. Nothing here imports torch or MLflow; tqdm is
+imported when a bar is drawn.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ import time
 import warnings
 from datetime import timedelta
 from typing import Any, Callable, TextIO
+
+from dsrl.redaction import redact_text
 
 logger = logging.getLogger("dsrl")
 
@@ -86,7 +90,7 @@ class _Formatter(logging.Formatter):
             text += "\n" + self.formatException(record.exc_info)
         if record.stack_info:
             text += "\n" + self.formatStack(record.stack_info)
-        return f"{line_prefix(self.rank, record.created)} {text}"
+        return redact_text(f"{line_prefix(self.rank, record.created)} {text}")
 
 
 class _ConsoleHandler(logging.Handler):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from dsrl.config.files import not_regular
 from dsrl.config.loading import deepspeed_config_path
 from dsrl.config.schema import DS_CONFIG_DIR, MODEL_DTYPES, _violation
 
@@ -34,6 +35,8 @@ def read_ds_json(name_or_path: str, key: str) -> dict[str, Any]:
     """The JSON object ``ds_configs/<name>.json``, or the file itself when ``name_or_path`` ends in ``.json``;
     ``key`` is the config key that named it. Raises DeepSpeedJsonError."""
     path = deepspeed_config_path(name_or_path)
+    if problem := not_regular(path):
+        raise DeepSpeedJsonError(key, name_or_path, [(f"{path} is {problem}", "pass the path of a DeepSpeed JSON file")])
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in DS_CONFIG_DIR.glob("*.json")))
         fix = f"use a name in ds_configs/ ({known}) or a path to a DeepSpeed JSON file"

@@ -6,6 +6,8 @@ without tokenizer files, as an empty tokenizer that turns every prompt into 0 to
   ``*.parquet`` files in it (``parquet_paths``, which the loader uses too).
 - Local model directories: ``config.json`` with a ``model_type``; the weights ``from_pretrained`` would load
   (every shard of an index), complete by their headers; the tokenizer's vocabulary files.
+- ``not_regular``: what every check asks before it opens a file (here, and for the DeepSpeed JSON, the YAML layers,
+  the reward file and the user's modules): reading a FIFO blocks until something writes to it, a device may never end.
 
 Only headers are read: no torch, transformers or pyarrow.
 """
@@ -13,6 +15,7 @@ Only headers are read: no torch, transformers or pyarrow.
 from __future__ import annotations
 
 import json
+import stat
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +25,32 @@ PARQUET_MAGIC = b"PAR1"  # the first and last 4 bytes of a parquet file
 # What from_pretrained loads, in its order of preference; the first present is checked.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 _REFETCH = "download the model again (huggingface-cli download OWNER/NAME --local-dir DIR) or save it with save_pretrained"
+
+
+_KINDS = {
+    stat.S_IFREG: "a regular file",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+def file_kind(path: Path) -> Optional[str]:
+    """What is at ``path``, a symlink followed: "a regular file", "a directory", "a FIFO", ...; None for nothing
+    (or a symlink that points nowhere)."""
+    try:
+        return _KINDS[stat.S_IFMT(path.stat().st_mode)]
+    except OSError:
+        return None
+
+
+def not_regular(path: Path) -> Optional[str]:
+    """``not a regular file (a FIFO)`` when something other than a regular file is at ``path``; None for a regular
+    file or nothing at all (the callers say "missing" in their own words)."""
+    kind = file_kind(path)
+    return None if kind in (None, "a regular file") else f"not a regular file ({kind})"
 
 
 def parquet_paths(files: str | Sequence[str]) -> list[str]:
@@ -36,6 +65,10 @@ def parquet_paths(files: str | Sequence[str]) -> list[str]:
 
 def parquet_problem(path: Path) -> Optional[str]:
     """Why the file at ``path`` is not a complete parquet file, or None."""
+    if problem := not_regular(path):
+        return problem
+    if not path.exists():  # listed in a directory, but a link to nothing
+        return "a symlink that points nowhere"
     size = path.stat().st_size
     with path.open("rb") as f:
         head = f.read(4)
@@ -97,7 +130,10 @@ def _tokenizer_files(path: Path) -> bool:
 def model_dir_problems(path: Path, *, tokenizer: bool) -> list[tuple[str, str]]:
     """(rule, fix) of each problem of the local model directory ``path`` that ``from_pretrained`` would meet;
     ``tokenizer``: the run loads its tokenizer from here too."""
-    problems = []
+    fix = f"put the file itself there, or {_REFETCH}"
+    problems = [(f"{p.name} is {kind}", fix) for p in sorted(path.iterdir()) if not p.is_dir() and (kind := not_regular(p))]
+    if problems:  # the checks below would open them
+        return problems
     if not (path / "config.json").is_file():
         problems.append(("no config.json: not a transformers model directory", f"point it at one, or {_REFETCH}"))
     else:

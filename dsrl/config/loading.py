@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any, Optional, Union, get_args, get_origin
 
 import yaml
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from dsrl.config.files import not_regular
 from dsrl.config.schema import (
     DS_CONFIG_DIR,
+    OLDER_NAMES,
     RECIPE_DIR,
     SCHEMA,
     SUM_PI_SQUARED_ESTIMATORS,
@@ -25,6 +27,7 @@ from dsrl.config.schema import (
     _violation,
 )
 from dsrl.config.verl_keys import _unknown_key
+from dsrl.redaction import secret_environment
 
 
 class ConfigError(ValueError):
@@ -56,23 +59,25 @@ def _type_name(tp: Any) -> str:
     return _TYPE_NAMES[tp][0]
 
 
-def _merge(cfg: DictConfig, user: dict, prefix: str, violations: list[str]) -> None:
-    """Set each of the user's values on the typed tree, one key at a time, so every bad key is reported."""
+def _merge(cfg: DictConfig, user: dict, prefix: str, violations: list[str], given: set[str]) -> None:
+    """Set each of the user's values on the typed tree, one key at a time, so every bad key is reported; ``given``
+    gains the keys set."""
     for name, value in user.items():
         key = f"{prefix}{name}"
         info = SCHEMA.get(key)
         if info is None:
             if isinstance(value, dict) and value:
-                _merge(cfg, value, key + ".", violations)  # report each leaf: fsdp_config.param_offload has its own fix
+                _merge(cfg, value, key + ".", violations, given)  # report each leaf: fsdp_config.param_offload has its own fix
             else:
                 violations.append(_unknown_key(key, value))
         elif dataclasses.is_dataclass(info.type) and isinstance(value, dict):
-            _merge(cfg, value, key + ".", violations)
+            _merge(cfg, value, key + ".", violations, given)
         elif value == MISSING:
             violations.append(_violation(key, value, "??? marks a value still to be given", f"set {key} ({info.help})"))
         else:
             try:
                 OmegaConf.update(cfg, key, value, merge=info.type is dict)  # a free-form dict gains keys
+                given.add(key)
             except OmegaConfBaseException:
                 expected = _type_name(info.type)
                 violations.append(_violation(key, value, f"expected {expected}", f"set {key} to {expected}"))
@@ -91,6 +96,9 @@ def config_file_path(name: str) -> Path:
 def _read_layer(name: str, violations: list[str]) -> Optional[DictConfig]:
     path = config_file_path(name)
     recipes = ", ".join(sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")))
+    if problem := not_regular(path):
+        violations.append(f"config file {name}: {problem}; fix: pass a YAML file or a shipped recipe ({recipes})")
+        return None
     try:
         layer = OmegaConf.load(path)
     except OSError as err:
@@ -142,8 +150,9 @@ def _load(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, list[st
             )
     if unreadable:
         raise ConfigError(violations)
+    given: set[str] = set()
     for layer in layers:
-        _merge(cfg, OmegaConf.to_container(layer, resolve=False), "", violations)
+        _merge(cfg, OmegaConf.to_container(layer, resolve=False), "", violations, given)
     for key in _LEAF_KEYS:  # an interpolation like ${trainer.project_name} must resolve to a value of the key's type
         try:
             OmegaConf.select(cfg, key, throw_on_missing=False)
@@ -154,6 +163,15 @@ def _load(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, list[st
                 _violation(key, raw, f"cannot be resolved ({str(err).splitlines()[0]})", "fix the ${...} reference")
             )
             OmegaConf.update(cfg, key, SCHEMA[key].default, merge=False)
+    for old, new in OLDER_NAMES.items():  # an older name at its default, null, is not set
+        old_value, new_value = OmegaConf.select(cfg, old), OmegaConf.select(cfg, new)
+        if {old, new} <= given and old_value is not None and old_value != new_value:
+            violations.append(_violation(
+                old,
+                old_value,
+                f"is verl's older name of {new}, which the config sets to {_show(new_value)}: two values for one setting",
+                f"set only {new} (to {_show(old_value)} if that is the value you meant)",
+            ))
     return cfg, violations
 
 
@@ -189,6 +207,24 @@ def resolve(cfg: Config) -> list[str]:
         notes.append(
             f"actor_rollout_ref.actor.calculate_sum_pi_squared set to true: {estimator} needs sum_pi_squared (its token weights 1 - 2*pi + sum pi^2)"
         )
+    return notes
+
+
+def secret_notes(cfg: Config) -> list[str]:
+    """A note for each key whose value holds the value of a secret environment variable (``dsrl.redaction``), as
+    ``${oc.env:NAME}`` or typed in: what dsrl shows has *** in its place, but a file or folder it names does not."""
+    secrets = secret_environment()
+    notes = []
+    for key in _LEAF_KEYS:
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+        names = sorted(name for name, secret in secrets.items() if secret in str(value))
+        if names:
+            notes.append(
+                f"{key} holds the value of the secret environment variable {' and '.join(names)}, which the console "
+                "and MLflow show as ***; a file or folder it names holds the value itself on disk"
+            )
     return notes
 
 

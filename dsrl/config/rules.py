@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -12,13 +13,14 @@ from typing import Any, Callable, Optional
 from omegaconf import MISSING, ListConfig, OmegaConf
 
 from dsrl.config.deepspeed_json import DeepSpeedJsonError, clip_grad, fill_ds_json
-from dsrl.config.files import model_dir_problems, parquet_paths, parquet_problem
-from dsrl.config.loading import ConfigError, ConfigFiles, _load, resolve, rollout_name
+from dsrl.config.files import file_kind, model_dir_problems, not_regular, parquet_paths, parquet_problem
+from dsrl.config.loading import ConfigError, ConfigFiles, _load, resolve, rollout_name, secret_notes
 from dsrl.config.user_code import import_user_modules, registered_names
 from dsrl.config.schema import (
     ADV_ESTIMATORS,
     CHECKPOINT_CONTENTS,
     CRITIC_ESTIMATORS,
+    FINAL_MODEL_DIR,
     GROUP_ESTIMATORS,
     KL_CTRL_TYPES,
     KL_KINDS,
@@ -70,8 +72,9 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     """Every violation of the rules below, one line each (dotted key, value, rule, fix); [] when valid.
 
     Checks that numbers are finite, the batch geometry against ``world_size``, estimator requirements,
-    loss and KL settings, names against the known ones, and that the files the run needs exist and look
-    complete (``dsrl.config.files``: headers only). Runs on the config as loaded, before ``resolve``
+    loss and KL settings, names against the known ones, that the files the run needs exist, are regular files
+    and look complete (``dsrl.config.files``: headers only), that no data file is listed twice, and that the run
+    folder can be written. Runs on the config as loaded, before ``resolve``
     fills in derived values; reads nothing heavy.
     """
     violations: list[str] = []
@@ -545,7 +548,9 @@ def _file_rules(cfg: Config, need: Need) -> None:
                 f"set {key}=path.parquet or {key}=[a.parquet,b.parquet]",
             )
             continue
-        for p in paths:
+        first_named: dict[tuple[int, int], tuple[int, str]] = {}  # (device, inode) -> (entry index, file)
+        reported: set[tuple[int, int]] = set()
+        for index, p in enumerate(paths):
             task = next((task for task in PREPARED_TASKS if task in Path(p).parts), "arithmetic")
             # The command as printed writes this folder: its default, outputs/data/<task>, or --out.
             folder = Path(p).parent if Path(p).suffix == ".parquet" else Path(p)
@@ -563,20 +568,37 @@ def _file_rules(cfg: Config, need: Need) -> None:
             )
             for file in parquet_paths(p):
                 problem = parquet_problem(Path(file).expanduser())
-                need(
-                    problem is None,
-                    key,
-                    problem,
-                    f"write it (again) as parquet, e.g. pandas.read_json(path, lines=True).to_parquet(out), or with {prepare}",
-                    value=file,
-                )
+                if problem is not None:
+                    fix = f"write it (again) as parquet, e.g. pandas.read_json(path, lines=True).to_parquet(out), or with {prepare}"
+                    need(False, key, problem, fix, value=file)
+                    continue
+                # One file named twice (the same path, another spelling, a link, or by a directory entry as well)
+                # would feed each of its prompts twice per epoch.
+                info = Path(file).expanduser().stat()
+                first_index, first = first_named.setdefault((info.st_dev, info.st_ino), (index, file))
+                if (first_index, first) != (index, file) and (first_index, index) not in reported:
+                    reported.add((first_index, index))
+                    named = (_named_by(first, paths[first_index]), _named_by(file, p))
+                    twice = f"{named[0]} twice" if named[0] == named[1] else f"one file twice, as {named[0]} and {named[1]}"
+                    need(
+                        False,
+                        key,
+                        f"names {twice}: each of its prompts would be used twice per epoch",
+                        "list each file once (to train on the data more than once, raise trainer.total_epochs)",
+                    )
     reward_path = cfg.custom_reward_function.path
-    need(
-        reward_path is None or Path(reward_path).expanduser().is_file(),
-        "custom_reward_function.path",
-        "file does not exist",
-        "point it at a Python file defining custom_reward_function.name, or set it to null",
-    )
+    if reward_path is not None:
+        path = Path(reward_path).expanduser()
+        problem = not_regular(path)
+        need(
+            path.exists() and problem is None,
+            "custom_reward_function.path",
+            problem or "file does not exist",
+            "point it at a Python file defining custom_reward_function.name, or set it to null",
+        )
+    run_dir = None if cfg.trainer.val_only else _run_dir_problem(Path(cfg.trainer.default_local_dir).expanduser())
+    if run_dir:  # a validation-only run writes nothing there
+        need(False, "trainer.default_local_dir", *run_dir)
     model_keys = ["actor_rollout_ref.model.path"] + (
         ["critic.model.path"] if _critic_used(cfg) and cfg.critic.model.path else []
     )
@@ -596,6 +618,35 @@ def _file_rules(cfg: Config, need: Need) -> None:
             # The run's tokenizer is the actor's (the critic shares it).
             for rule, fix in model_dir_problems(Path(path).expanduser(), tokenizer=key == "actor_rollout_ref.model.path"):
                 need(False, key, rule, fix)
+
+
+def _named_by(file: str, entry: str) -> str:
+    """How a data-file list names ``file``: as itself, or through the directory ``entry``."""
+    return file if file == entry else f"{file} (in the directory {entry})"
+
+
+def _run_dir_problem(folder: Path) -> Optional[tuple[str, str]]:
+    """(rule, fix) when the run could not write its checkpoints and final model into ``folder`` (made when missing):
+    something other than a folder in the way, a folder this user cannot write to, or something other than an
+    earlier export where the final model goes; None when it can."""
+    existing = folder
+    while not os.path.lexists(existing) and existing != existing.parent:  # the nearest part of the path that exists
+        existing = existing.parent
+    kind = file_kind(existing) or "a symlink that points nowhere"
+    if kind != "a directory":
+        where = "it" if existing == folder else f"{existing}, a folder it would be made in,"
+        return (f"{where} is {kind}, not a folder (checkpoints and the final model are written there)",
+                f"point it at a folder (one that is missing is made), or move {existing} away")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "it" if existing == folder else f"{existing}, where it would be made,"
+        return (f"{where} is not writable by this user (checkpoints and the final model are written there)",
+                "point it at a folder you can write to, or change its permissions")
+    final = folder / FINAL_MODEL_DIR
+    kind = "a symlink" if final.is_symlink() else file_kind(final)
+    if kind not in (None, "a directory"):  # a directory there is an earlier run's export, which the new one replaces
+        return (f"{final} is {kind}, where the final model is exported (only an earlier export, a folder, is replaced)",
+                f"move {final} away, or point trainer.default_local_dir at another folder")
+    return None
 
 
 def _ds_geometry(section: Any, n: int, world_size: int) -> tuple[Optional[int], Optional[int]]:
@@ -823,8 +874,8 @@ def _trainer_rules(cfg: Config, need: Need) -> None:
 
 
 def load_and_validate(files: ConfigFiles, overrides: list[str], world_size: int) -> tuple[Config, list[str]]:
-    """Load (as ``load_config``), resolve and validate; returns the read-only config and the notes of what
-    dsrl set itself.
+    """Load (as ``load_config``), resolve and validate; returns the read-only config and the notes: what dsrl set
+    itself, and the keys that hold the value of a secret.
 
     Raises ConfigError listing every problem: unknown or mistyped keys and every rule violated.
     """
@@ -832,6 +883,6 @@ def load_and_validate(files: ConfigFiles, overrides: list[str], world_size: int)
     violations += validate(cfg, world_size)
     if violations:
         raise ConfigError(violations)
-    notes = resolve(cfg)
+    notes = resolve(cfg) + secret_notes(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg, notes

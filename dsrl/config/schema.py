@@ -77,6 +77,15 @@ RESUME_HARMLESS_KEYS = (
     r"actor_rollout_ref\.actor\.checkpoint\..*",
     r"actor_rollout_ref\.nccl_timeout",
 )
+# verl's older names of a setting, each with the key that names it now: set alone, the older name is used (as in
+# verl); set in the layers together with the current key to a different value, it is refused.
+OLDER_NAMES = {
+    f"{role}.{old}": f"{role}.{new}"
+    for role in ("actor_rollout_ref.actor", "critic")
+    for old, new in (("optim.warmup_style", "optim.lr_scheduler_type"), ("grad_clip", "optim.clip_grad"))
+}
+# The final model's folder in trainer.default_local_dir (dsrl.checkpoint.HF_DIR, which imports torch).
+FINAL_MODEL_DIR = "huggingface"
 LR_SCHEDULES = ("constant", "cosine")
 MODEL_DTYPES = ("bfloat16", "float32")
 PREPARED_TASKS = ("gsm8k", "math", "arithmetic")  # scripts/prepare_data.py --task, and the folder it writes
@@ -167,7 +176,9 @@ class OptimConfig:
     lr_scheduler_type: str = _f(
         "constant", "lr after warm-up, stepped once per training step as in verl: constant | cosine (down to min_lr_ratio)"
     )
-    warmup_style: Optional[str] = _f(None, "verl's deprecated name of lr_scheduler_type; when set it wins")
+    warmup_style: Optional[str] = _f(
+        None, "verl's deprecated name of lr_scheduler_type; used when set (setting both to different values is refused)"
+    )
     min_lr_ratio: float = _f(0.0, "cosine: the lr's floor as a fraction of lr")
     num_cycles: float = _f(0.5, "cosine: waves over the run after warm-up; 0.5 = one half-cosine from lr to the floor")
     clip_grad: float = _f(1.0, "clip the global gradient norm to this (verl 0.9's key); 0 turns clipping off")
@@ -240,7 +251,9 @@ class ActorConfig:
     use_fused_kernels: bool = _f(
         False, "verl's fused log-prob kernels; dsrl has none (its chunked forward bounds logit memory), so only false"
     )
-    grad_clip: Optional[float] = _f(None, "older verl name of optim.clip_grad; when set it wins")
+    grad_clip: Optional[float] = _f(
+        None, "older verl name of optim.clip_grad; used when set (setting both to different values is refused)"
+    )
     policy_loss: PolicyLossConfig = _f(PolicyLossConfig, "policy loss variant")
     optim: OptimConfig = _f(OptimConfig, "actor optimizer")
     checkpoint: CheckpointConfig = _f(CheckpointConfig, "what the actor's checkpoints hold")
@@ -366,7 +379,9 @@ class CriticConfig:
     loss_agg_mode: str = _f(
         "${actor_rollout_ref.actor.loss_agg_mode}", "aggregation of the value loss, as actor.loss_agg_mode; default: the actor's"
     )
-    grad_clip: Optional[float] = _f(None, "older verl name of critic.optim.clip_grad; when set it wins")
+    grad_clip: Optional[float] = _f(
+        None, "older verl name of critic.optim.clip_grad; used when set (setting both to different values is refused)"
+    )
 
 
 @dataclass

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional
 
+from dsrl.config.files import not_regular
 from dsrl.config.schema import _violation
 
 # The registries of dsrl.algorithms by the config key that names their entries: (module, function listing the names).
@@ -41,7 +42,9 @@ def _import(entry: str) -> Optional[str]:
     included); a ``KeyboardInterrupt`` is the user's, and propagates."""
     if entry.endswith(".py") or "/" in entry:
         path = Path(entry).expanduser().resolve()
-        if not path.is_file():
+        if problem := not_regular(path):
+            return f"{path} is {problem}"
+        if not path.exists():
             return f"no such file {path}"
         # One module per file, named after its path: a second import in this process (validation, then the
         # trainer) finds it in sys.modules instead of registering its names twice.

@@ -3,31 +3,22 @@
 Only rank 0 logs; on other ranks the :class:`Tracker` is inert and never imports mlflow. A tracking
 failure never stops training: it is counted (``failures``; lost metric values in ``dropped``),
 warned about once per kind, and shown as ``tracking/failures`` / ``tracking/dropped`` on the next
-step's metrics. Secrets are redacted from everything MLflow receives (:mod:`dsrl.tracking.redaction`).
+step's metrics. Secrets are redacted from everything MLflow receives (:mod:`dsrl.redaction`).
 """
 
 from __future__ import annotations
 
 import atexit
-import re
 import sys
 import threading
 import warnings
 from typing import Any
 
 from dsrl.console import ProgressConsole
-from dsrl.tracking.mlflow_backend import STATUSES, MLflowBackend, default_tracking_uri
-from dsrl.tracking.redaction import is_secret_name, redact, redact_text
+from dsrl.redaction import is_secret_name, redact, redact_text
+from dsrl.tracking.mlflow_backend import STATUSES, MLflowBackend, default_tracking_uri, sanitize_metric_name
 
 __all__ = ["MLflowBackend", "Tracker", "flatten", "is_secret_name", "redact", "redact_text", "sanitize_metric_name"]
-
-_MLFLOW_FORBIDDEN = re.compile(r"[^A-Za-z0-9_\-./ ]")
-
-
-def sanitize_metric_name(name: str) -> str:
-    """MLflow accepts only letters, digits, ``_ - . /`` and space: ``val/pass@1`` -> ``val/pass_at_1``."""
-    return _MLFLOW_FORBIDDEN.sub("_", name.replace("@", "_at_"))
-
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""

@@ -7,6 +7,9 @@
   bounded queue; queued metrics are merged into ``log_batch`` calls within MLflow's limits. A failed
   call is tried once more after a short pause (only once while the previous call failed too), then
   given up and reported to the owner (``report(kind, error, dropped_metric_values)``).
+* Metric names map one-to-one onto names MLflow accepts (:class:`MetricNames`): one it refused would
+  fail its whole batch, two that sanitise alike would merge into one curve.
+* Every tag, param and artifact is redacted (:mod:`dsrl.redaction`).
 * MLflow's system metrics monitor (CPU, memory, disk, network; GPU when pynvml is importable) runs
   unless ``MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING`` is set false; ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL``
   sets its period.
@@ -16,16 +19,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import queue
+import re
 import threading
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from dsrl.tracking.redaction import redact, redact_text
+from dsrl.redaction import redact, redact_text
 
 DEFAULT_DB = "mlflow.db"
 QUEUE_SIZE = 1000  # pending calls (one per log_* call); beyond that a call is dropped, not waited for
@@ -44,6 +49,50 @@ HTTP_DEFAULTS = {
 }
 
 Report = Callable[[str, BaseException, int], None]
+
+
+_MLFLOW_FORBIDDEN = re.compile(r"[^A-Za-z0-9_\-./ ]")
+
+
+def sanitize_metric_name(name: str) -> str:
+    """MLflow accepts only letters, digits, ``_ - . /`` and space: ``val/pass@1`` -> ``val/pass_at_1``. It stores a
+    name as a path too and refuses one that reads as another path (``a//b``, ``a/``, ``./a``, ``..a``): empty, ``.``
+    and ``..`` segments become ``_``, and a leading ``..`` gets a ``_`` before it."""
+    name = _MLFLOW_FORBIDDEN.sub("_", name.replace("@", "_at_"))
+    name = "/".join("_" if part in ("", ".", "..") else part for part in name.split("/"))
+    return f"_{name}" if name.startswith("..") else name
+
+
+class MetricNames:
+    """The MLflow name of each metric name, one-to-one and within MLflow's length ``limit``.
+
+    ``sanitize_metric_name``, except where that is longer than ``limit`` or already the MLflow name of another
+    metric (``a@b`` and ``a_at_b``, ``x(1)`` and ``x_1_``): then it is cut to fit a suffix ``-`` and 8 hex digits of
+    the SHA-1 of the metric's own name (all 40 should another name hold that already), and a warning, once per
+    name, says what it became. The first metric to arrive keeps the sanitised name.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._mlflow_name: dict[str, str] = {}
+        self._metric: dict[str, str] = {}  # MLflow name -> the metric name it stands for
+
+    def __call__(self, name: str) -> str:
+        if name in self._mlflow_name:
+            return self._mlflow_name[name]
+        base = mlflow_name = sanitize_metric_name(name)
+        if len(base) > self.limit or base in self._metric:
+            digest = hashlib.sha1(name.encode()).hexdigest()
+            for size in (8, len(digest)):
+                mlflow_name = f"{base[: self.limit - size - 1]}-{digest[:size]}"
+                if mlflow_name not in self._metric:
+                    break
+            why = (f"longer than MLflow's limit of {self.limit} characters" if len(base) > self.limit
+                   else f"{base} is the MLflow name of the metric {self._metric[base]}")
+            warnings.warn(f"tracking: the metric {name} is logged to MLflow as {mlflow_name} ({why})", stacklevel=3)
+        self._mlflow_name[name] = mlflow_name
+        self._metric[mlflow_name] = name
+        return mlflow_name
 
 
 def default_tracking_uri() -> str:
@@ -85,8 +134,9 @@ class MLflowBackend:
         self.tracking_uri = default_tracking_uri()
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self._existing_params: dict[str, str] = {}
+        self._metric_names = MetricNames(validation.MAX_ENTITY_KEY_LENGTH)
         project_name, experiment_name = redact_text(project_name), redact_text(experiment_name)
-        tags = {str(k): _truncate(str(v), validation.MAX_TAG_VAL_LENGTH) for k, v in redact(tags or {}).items()}
+        tags = tags or {}
         attach = run_id or os.environ.get("MLFLOW_RUN_ID") or None
         run = self._attach(attach, tags) if attach else None
         self.attached = run is not None
@@ -124,7 +174,7 @@ class MLflowBackend:
             return None
         self.client.update_run(run_id, status="RUNNING")
         if tags:
-            self.client.log_batch(run_id, tags=[self._RunTag(k, v) for k, v in tags.items()])
+            self.client.log_batch(run_id, tags=[self._RunTag(k, v) for k, v in self._tags(tags).items()])
         self._existing_params = dict(run.data.params)
         return run
 
@@ -149,7 +199,11 @@ class MLflowBackend:
             tags = resolve_tags(tags)  # mlflow.user, mlflow.source.name/type, mlflow.source.git.commit
         except Exception:
             pass
-        return self.client.create_run(experiment_id, tags=tags, run_name=experiment_name)
+        return self.client.create_run(experiment_id, tags=self._tags(tags), run_name=experiment_name)
+
+    def _tags(self, tags: dict[str, Any]) -> dict[str, str]:
+        """``tags`` as MLflow gets them: redacted (a repository URL's password too), values cut to MLflow's limit."""
+        return {str(k): _truncate(str(v), self._limits.MAX_TAG_VAL_LENGTH) for k, v in redact(tags).items()}
 
     def _start_system_metrics(self) -> None:
         from mlflow.environment_variables import MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING as enabled
@@ -239,7 +293,7 @@ class MLflowBackend:
     def log_params(self, params: dict[str, Any]) -> None:
         values = {}
         for key, value in redact(params).items():
-            key = self._sanitize(str(key))[: self._limits.MAX_ENTITY_KEY_LENGTH]
+            key = sanitize_metric_name(str(key))[: self._limits.MAX_ENTITY_KEY_LENGTH]
             values[key] = _truncate(str(value), self._limits.MAX_PARAM_VAL_LENGTH)
         changed = sorted(k for k, v in values.items() if self._existing_params.get(k, v) != v)
         if changed:  # MLflow refuses to change a param; not a failure
@@ -260,7 +314,7 @@ class MLflowBackend:
             except (TypeError, ValueError):
                 continue
             if math.isfinite(value):
-                batch.append(self._Metric(self._sanitize(key), value, now, int(step)))
+                batch.append(self._Metric(self._metric_names(key), value, now, int(step)))
         if batch:
             self._submit("log_metrics", batch, len(batch))
 
@@ -285,18 +339,13 @@ class MLflowBackend:
 
     def log_model_dir(self, path, *, upload: bool) -> None:
         local = os.path.abspath(os.fspath(path))
-        self._submit("log_model_dir", lambda: self.client.set_tag(self.run_id, "dsrl.model_dir", local))
+        [(key, value)] = self._tags({"dsrl.model_dir": local}).items()
+        self._submit("log_model_dir", lambda: self.client.set_tag(self.run_id, key, value))
         if upload:
             if not Path(local).is_dir():
                 self.report("log_model_dir", FileNotFoundError(f"no model directory {local}"), 0)
                 return
             self._submit("upload_model", lambda: self.client.log_artifacts(self.run_id, local, "model"), upload=True)
-
-    @staticmethod
-    def _sanitize(name: str) -> str:
-        from dsrl.tracking import sanitize_metric_name
-
-        return sanitize_metric_name(name)
 
     # ---- end ---------------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ def test_show_keys_prints_type_default_and_help_of_each_key_under_the_prefix():
         "actor_rollout_ref.actor.optim.lr: float = 1e-06  # AdamW learning rate; ~1e-6 for a 0.5B-7B actor, ~1e-5 for a critic"
     )
     assert "actor_rollout_ref.actor.optim.betas: list[float] = [0.9,0.999]  # AdamW (beta1, beta2)" in lines
-    assert "actor_rollout_ref.actor.optim.warmup_style: str | null = null  # verl's deprecated name of lr_scheduler_type; when set it wins" in lines
+    assert "actor_rollout_ref.actor.optim.warmup_style: str | null = null  # verl's deprecated name of lr_scheduler_type; used when set (setting both to different values is refused)" in lines
     assert elapsed < 10, elapsed  # about 0.7 s measured on 2 CPU cores: the schema only, no torch
 
 

@@ -395,3 +395,32 @@ def test_final_summary_of_a_resumed_interrupted_run_without_validation_or_mlflow
     assert shown["steps"] == "6/10 (2 in this run, resumed at step 4)"
     assert shown["validation score"] == "none" and shown["model"] == "not exported"
     assert shown["mlflow"] == "off" and "open the run" not in shown
+
+
+# ---- secrets -------------------------------------------------------------------------------------
+
+
+def test_a_secret_that_reached_a_path_prints_as_stars_on_every_log_line(monkeypatch):
+    secret = "tok-51c2a7e9d04b8f36"
+    monkeypatch.setenv("MY_API_TOKEN", secret)  # e.g. trainer.default_local_dir=/runs/${oc.env:MY_API_TOKEN}
+    run = f"/runs/{secret}"
+    stream = io.StringIO()
+    setup_logging(0, stream=stream)
+    logger.info(startup_summary({**STARTUP, "checkpoint_dir": run}))
+    logger.info("checkpoint saved to %s (1.0 MiB in 0.10 s)", f"{run}/global_step_2")
+    logger.info(final_summary({**FINAL, "checkpoint_dir": run, "model_dir": f"{run}/huggingface",
+                               "last_checkpoint": f"{run}/global_step_2"}))
+    try:
+        raise OSError(f"cannot write {run}/latest")
+    except OSError:
+        logger.exception("save failed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warn_from_dsrl(f"tracking: cannot upload {run}/huggingface")
+    out = stream.getvalue()
+    assert secret not in out
+    assert "/runs/***, every 5 steps and at the end" in out  # the start-up summary
+    assert "] checkpoint saved to /runs/***/global_step_2 (1.0 MiB" in out
+    assert "/runs/*** (last: /runs/***/global_step_2)" in out and "/runs/***/huggingface\n" in out  # the final summary
+    assert "] error: save failed\n" in out and "OSError: cannot write /runs/***/latest" in out  # the traceback too
+    assert "] warning: tracking: cannot upload /runs/***/huggingface" in out

@@ -78,6 +78,7 @@ def test_cosine_without_the_run_length_is_an_error():
 def test_grad_clip_is_verls_older_name_of_clip_grad():
     cfg = load_config(QUICKSTART, ["actor_rollout_ref.actor.optim.clip_grad=0.5"])
     assert clip_grad(cfg.actor_rollout_ref.actor) == 0.5
-    cfg = load_config(QUICKSTART, ["actor_rollout_ref.actor.optim.clip_grad=0.5", "actor_rollout_ref.actor.grad_clip=2.0"])
+    cfg = load_config(QUICKSTART, ["actor_rollout_ref.actor.grad_clip=2.0"])  # over clip_grad's default
     assert clip_grad(cfg.actor_rollout_ref.actor) == 2.0
     assert clip_grad(cfg.critic) == 1.0
+    # both set to different values is refused (tests/unit/test_config_late_errors.py)

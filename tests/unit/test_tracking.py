@@ -3,8 +3,10 @@ secrets redacted; failures counted, never raised."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
 import subprocess
 import sys
 import threading
@@ -238,6 +240,84 @@ def test_the_model_dir_is_tagged_and_uploaded(client, tmp_path):
     run = only_run(client, "model")
     assert run.data.tags["dsrl.model_dir"] == str(model)
     assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/config.json"]
+
+
+def test_a_secret_in_a_path_reaches_no_tag(client, store_dir, monkeypatch, tmp_path):
+    monkeypatch.setenv("MY_API_TOKEN", ENV_SECRET)  # e.g. trainer.default_local_dir=/runs/${oc.env:MY_API_TOKEN}
+    model = tmp_path / ENV_SECRET / "huggingface"
+    tracker = mlflow_tracker("path-secrets", tags={"dsrl.model": f"/models/{ENV_SECRET}", "dsrl.algorithm": "grpo"})
+    tracker.log_model_dir(model, upload=False)  # a tag set late, at the end of the run
+    tracker.finish()
+    tags = only_run(client, "path-secrets").data.tags
+    assert tags["dsrl.model"] == "***" and tags["dsrl.model_dir"] == "***" and tags["dsrl.algorithm"] == "grpo"
+    assert all(ENV_SECRET not in value for value in tags.values())
+    for blob in (p.read_bytes() for p in store_dir.glob("mlflow.db*")):
+        assert ENV_SECRET.encode() not in blob
+
+
+def test_a_metric_name_over_mlflows_limit_loses_no_metric_of_its_batch(client):
+    limit = mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
+    long = "reward/" + "very_long_extra_" * 20 + "/mean"  # e.g. an extra a reward function returns
+    assert len(long) > limit
+    tracker = mlflow_tracker("long-name")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in (1, 2):
+            tracker.log_metrics({"actor/pg_loss": -step, long: step / 4, "critic/score/mean": step / 2}, step=step)
+        tracker.finish()
+    run = only_run(client, "long-name")
+    [cut] = [name for name in run.data.metrics if name.startswith("reward/")]
+    assert len(cut) == limit and cut.startswith(long[: limit - 9]) and re.fullmatch(r"-[0-9a-f]{8}", cut[-9:])
+    assert history(client, run.info.run_id, cut) == [(1, 0.25), (2, 0.5)]
+    assert history(client, run.info.run_id, "actor/pg_loss") == [(1, -1), (2, -2)]
+    assert history(client, run.info.run_id, "critic/score/mean") == [(1, 0.5), (2, 1.0)]
+    said = [str(w.message) for w in caught if "logged to MLflow as" in str(w.message)]
+    assert said == [f"tracking: the metric {long} is logged to MLflow as {cut} (longer than MLflow's limit of {limit} characters)"]
+    assert tracker.failures == 0 and tracker.dropped == 0
+
+
+def test_metric_names_that_sanitise_alike_stay_two_curves(client):
+    tracker = mlflow_tracker("collisions")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in (1, 2):
+            tracker.log_metrics({"val/a@b": step, "val/a_at_b": 10 * step, "x(1)": -step, "x_1_": -10 * step}, step=step)
+        tracker.finish()
+    run = only_run(client, "collisions")
+    [a_at_b, x_1] = sorted(name for name in run.data.metrics if "-" in name)
+    assert set(run.data.metrics) == {"val/a_at_b", "x_1_", a_at_b, x_1}
+    assert re.fullmatch(r"val/a_at_b-[0-9a-f]{8}", a_at_b) and re.fullmatch(r"x_1_-[0-9a-f]{8}", x_1)
+    assert history(client, run.info.run_id, "val/a_at_b") == [(1, 1), (2, 2)]  # the first to arrive keeps the name
+    assert history(client, run.info.run_id, a_at_b) == [(1, 10), (2, 20)]
+    assert history(client, run.info.run_id, "x_1_") == [(1, -1), (2, -2)]
+    assert history(client, run.info.run_id, x_1) == [(1, -10), (2, -20)]
+    said = sorted(str(w.message) for w in caught if "logged to MLflow as" in str(w.message))  # once per name
+    assert said == [f"tracking: the metric val/a_at_b is logged to MLflow as {a_at_b} (val/a_at_b is the MLflow name "
+                    "of the metric val/a@b)",
+                    f"tracking: the metric x_1_ is logged to MLflow as {x_1} (x_1_ is the MLflow name of the metric x(1))"]
+
+
+def test_metric_names_mlflow_would_read_as_other_paths_arrive(client):
+    names = {"reward/a//mean": "reward/a/_/mean", "/lead": "_/lead", "trail/": "trail/_", "./here": "_/here",
+             "..up": "_..up", "a/../b": "a/_/b"}
+    assert {name: sanitize_metric_name(name) for name in names} == names
+    tracker = mlflow_tracker("paths")
+    tracker.log_metrics({name: 1.0 for name in names}, step=1)
+    tracker.finish()
+    assert set(only_run(client, "paths").data.metrics) == set(names.values())
+    assert tracker.failures == 0
+
+
+def test_a_suffixed_name_taken_already_takes_the_whole_digest():
+    from dsrl.tracking.mlflow_backend import MetricNames
+
+    names = MetricNames(limit=250)
+    digest = hashlib.sha1(b"a@b").hexdigest()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert [names("a_at_b"), names(f"a_at_b-{digest[:8]}"), names("a@b")] == [
+            "a_at_b", f"a_at_b-{digest[:8]}", f"a_at_b-{digest}"]
+    assert names("a@b") == f"a_at_b-{digest}"  # the same name every step
 
 
 def test_mlflow_run_id_from_the_environment_and_from_a_checkpoint_continue_the_run(client, monkeypatch):

@@ -1,4 +1,5 @@
-"""Secret redaction for everything tracking writes or the CLI prints.
+"""Secret redaction for everything MLflow receives, every line of the ``dsrl`` logger (``dsrl.console``) and
+what the CLI prints.
 
 Two rules, both case-insensitive and blind to ``_``/``-``:
 
@@ -9,6 +10,10 @@ Two rules, both case-insensitive and blind to ``_``/``-``:
   secret (same rule; values shorter than 8 characters are ignored) becomes ``***``.
 
 Passwords in URLs (``https://user:pw@host``) are masked too.
+
+What is shown is redacted, not what is on disk: a secret interpolated into a path (e.g.
+``trainer.default_local_dir=/runs/${oc.env:MY_API_TOKEN}``) names a real folder that holds the value itself
+(``dsrl.config.loading.secret_notes`` says so when the config is loaded).
 """
 
 from __future__ import annotations
@@ -44,10 +49,14 @@ def is_secret_name(name: str) -> bool:
     return joined.endswith(_ENDINGS) or any(part in joined for part in _ANYWHERE)
 
 
+def secret_environment() -> dict[str, str]:
+    """The environment variables whose name looks like a secret and whose value is long enough to redact."""
+    return {k: v for k, v in os.environ.items() if len(v) >= MIN_SECRET_LENGTH and is_secret_name(k)}
+
+
 def secret_values() -> list[str]:
     """Values of the secret-looking environment variables, longest first."""
-    found = {v for k, v in os.environ.items() if len(v) >= MIN_SECRET_LENGTH and is_secret_name(k)}
-    return sorted(found, key=len, reverse=True)
+    return sorted(set(secret_environment().values()), key=len, reverse=True)
 
 
 def _mask_value(value: Any, secrets: list[str]) -> Any:
