@@ -10,14 +10,20 @@ Layout (verl's names)::
         critic/ds/...            (gae)
         rng/rank_R.pt            RNG states of rank R (python, numpy, torch, accelerator)
         trainer_state.json       written last: step, sampler position, KL coefficient, skip counters,
-                                 MLflow run id, state-relevant config and its hash, file manifest
+                                 MLflow run id, state-relevant config and its hash, the training data's
+                                 identity, the manifest, and a checksum of the state itself
 
-Every rank writes into ``.tmp_global_step_N``; after a barrier rank 0 records the manifest (each
-file's size) in ``trainer_state.json``, syncs it, and renames the directory to ``global_step_N``: a
-checkpoint is visible only once complete. Old checkpoints are renamed to ``.trash_*`` before they
-are deleted, so a crash while pruning never leaves a half-deleted ``global_step_*``. Resuming scans
-``global_step_*`` newest first and takes the first whose manifest checks out, so a crash at any
-point of a save falls back to the previous checkpoint.
+Every rank writes into ``.tmp_global_step_N``; after a barrier the ranks hash the files (each a share
+of them), rank 0 records the manifest (each file's size and SHA-256) in ``trainer_state.json``, syncs
+it, and renames the directory to ``global_step_N``: a checkpoint is visible only once complete. Old
+checkpoints are renamed to ``.trash_*`` before they are deleted, so a crash while pruning never leaves
+a half-deleted ``global_step_*``. A rank that cannot write its part (a full disk) removes the
+temporary directory and stops the run with ``CheckpointWriteError``, saying what failed and the free
+space. Resuming (``dsrl.resume``) takes the newest checkpoint whose state and files check out:
+``state_problem`` (the state parses, is unchanged since it was written and has the expected fields
+and types, and every file of the manifest is there with its size), then ``file_problems`` (every
+file's SHA-256, the ranks hashing a share each); a crash at any point of a save, or a file changed
+since, falls back to the previous checkpoint.
 
 Every function that takes engines is a collective: every rank calls it.
 """
@@ -31,6 +37,7 @@ import random
 import re
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -46,16 +53,21 @@ from dsrl.rollout.weight_sync import iter_full_parameters
 from dsrl.tracking import flatten
 
 STATE_FILE = "trainer_state.json"
+STATE_CHECKSUM = "state_sha256"  # the state's own checksum, over every other field
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 DS_TAG = "ds"  # DeepSpeed's tag: engine files live in <role>/ds/
 HF_DIR = "huggingface"
-FORMAT = 1
+FORMAT = 2  # 2: the manifest holds each file's size and SHA-256 (1: sizes only), the state its own checksum
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 MAX_SHARD_BYTES = 5 * 2**30
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from: the path, what is wrong, and the fix."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a folder that went away): what failed and the free space."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -134,12 +146,32 @@ def _remove(path: Path) -> None:
     shutil.rmtree(trash)
 
 
-def _manifest(directory: Path) -> dict[str, int]:
-    return {
-        str(p.relative_to(directory)): p.stat().st_size
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name != STATE_FILE
-    }
+def _files(directory: Path) -> list[str]:
+    """Every file of a checkpoint directory but the state, relative and sorted."""
+    return [str(p.relative_to(directory)) for p in sorted(directory.rglob("*")) if p.is_file() and p.name != STATE_FILE]
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _hash_shares(directory: Path, names: list[str]) -> dict[str, str]:
+    """SHA-256 of every file in ``names``, each rank hashing every world-th one. Collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {name: sha256_file(directory / name) for name in names[rank::world]}
+    shares: list = [None] * world
+    dist.all_gather_object(shares, mine)
+    return {name: digest for share in shares for name, digest in share.items()}
+
+
+def state_checksum(state: dict[str, Any]) -> str:
+    """SHA-256 of a state's fields but its own checksum, as written (sorted keys)."""
+    fields = {k: v for k, v in state.items() if k != STATE_CHECKSUM}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def save_engines(directory: Path, engines: dict[str, Any]) -> None:
@@ -153,9 +185,12 @@ def save_rng(directory: Path, rank: int) -> None:
     torch.save(rng_state(), directory / "rng" / f"rank_{rank}.pt")
 
 
-def write_state(directory: Path, state: dict[str, Any]) -> None:
-    """``trainer_state.json`` with the manifest of everything else in ``directory``; written last."""
-    state = {**state, "files": _manifest(directory)}
+def write_state(directory: Path, state: dict[str, Any], digests: dict[str, str]) -> None:
+    """``trainer_state.json`` with the manifest of everything else in ``directory`` (each file's size and
+    ``digests[file]``, its SHA-256) and its own checksum; written last."""
+    files = {name: {"bytes": (directory / name).stat().st_size, "sha256": digests[name]} for name in _files(directory)}
+    state = {**state, "files": files}
+    state[STATE_CHECKSUM] = state_checksum(state)
     _write_atomically(directory / STATE_FILE, json.dumps(state, indent=1, sort_keys=True))
 
 
@@ -202,21 +237,48 @@ def save_checkpoint(
              "world_size": dist.get_world_size()}
     final = step_dir(root, step)
     tmp = root / f".tmp_{final.name}"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    save_engines(tmp, engines)
-    save_rng(tmp, rank)
-    if export_hf:
-        export_hf_model(actor_module, tokenizer, tmp / "actor" / HF_DIR)
-    dist.barrier()
-    if rank == 0:
-        write_state(tmp, state)
-        publish(tmp, final)
-        prune(root, keep)
-    dist.barrier()
+    with _stop_when_unwritable(tmp, step):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        save_engines(tmp, engines)
+        save_rng(tmp, rank)
+        if export_hf:
+            export_hf_model(actor_module, tokenizer, tmp / "actor" / HF_DIR)
+        dist.barrier()
+        digests = _hash_shares(tmp, _files(tmp))
+        if rank == 0:
+            write_state(tmp, state, digests)
+            publish(tmp, final)
+            prune(root, keep)
+        dist.barrier()
     return final
+
+
+@contextmanager
+def _stop_when_unwritable(tmp: Path, step: int) -> Iterator[None]:
+    """Turn a failed write of this rank's part of a checkpoint into ``CheckpointWriteError``: the partial
+    directory removed, the error, the free space and the last complete checkpoint named. torch's writer
+    reports a full disk as ``[enforce fail at inline_container.cc] unexpected pos``, without the errno. The
+    other ranks may wait in a collective of the save: the launcher stops them when this one exits."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        if isinstance(err, RuntimeError) and "inline_container" not in str(err):
+            raise  # not a write (a collective that timed out, a bug): reported as what it is
+        shutil.rmtree(tmp, ignore_errors=True)
+        root = tmp.parent
+        free = shutil.disk_usage(root).free / 2**20 if root.is_dir() else float("nan")
+        latest = root / LATEST_FILE
+        last = f"global_step_{latest.read_text().strip()}" if latest.is_file() else "none"
+        raise CheckpointWriteError(
+            f"step {step}: the checkpoint could not be written to {tmp} ({' '.join(str(err).split())}); "
+            f"{free:,.0f} MiB are free on the filesystem of {root} (a full disk or a file-size limit fails "
+            f"like this). The partial checkpoint was removed; the last complete one is {last}. Fix: free "
+            "space or point trainer.default_local_dir at a filesystem with room, then run again "
+            "(trainer.resume_mode=auto resumes from the last complete checkpoint)"
+        ) from err
 
 
 # ---- the Hugging Face model --------------------------------------------------------------------
@@ -291,47 +353,48 @@ def complete_steps(root: Path) -> list[int]:
     return [int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
 
 
-def checkpoint_problem(directory: Path) -> str | None:
-    """Why ``directory`` cannot be resumed from, or None: the state file must parse and every file
-    of its manifest be present with its recorded size."""
+def state_problem(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """``(state, None)`` when ``directory``'s state file parses, is unchanged since it was written (its
+    checksum), is of this format, names this step, and every file of its manifest is there with its
+    size; else ``(None, why not)``. The files' contents are ``file_problems``'."""
     path = directory / STATE_FILE
     try:
         state = json.loads(path.read_text())
     except FileNotFoundError:
-        return f"no {STATE_FILE} (not a dsrl checkpoint, or its save never finished)"
+        return None, f"no {STATE_FILE} (not a dsrl checkpoint, or its save never finished)"
     except (OSError, ValueError) as err:
-        return f"{STATE_FILE} is unreadable ({err})"
-    if not isinstance(state, dict) or state.get("format") != FORMAT or "files" not in state:
-        return f"{STATE_FILE} is not a dsrl checkpoint state of format {FORMAT}"
-    for name, size in state["files"].items():
+        return None, f"{STATE_FILE} is unreadable ({err})"
+    if not isinstance(state, dict) or "format" not in state:
+        return None, f"{STATE_FILE} is not a dsrl checkpoint state"
+    if state["format"] != FORMAT:
+        return None, (f"written by dsrl {state.get('dsrl_version', '?')} in checkpoint format {state['format']!r}, "
+                      f"which this dsrl ({version('dsrl')}, format {FORMAT}) does not read")
+    if state.get(STATE_CHECKSUM) != state_checksum(state):
+        return None, f"{STATE_FILE} was changed after it was written (its checksum does not match)"
+    step = int(_STEP_DIR.match(directory.name).group(1)) if _STEP_DIR.match(directory.name) else None
+    if step is not None and state.get("global_step") != step:
+        return None, f"{STATE_FILE} is for step {state.get('global_step')!r}, not {step}"
+    files = state.get("files")
+    if not isinstance(files, dict):
+        return None, f"{STATE_FILE} has no manifest of the checkpoint's files"
+    for name, entry in files.items():
         file = directory / name
         if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != size:
-            return f"{name} has {file.stat().st_size} bytes, {size} were written"
-    return None
+            return None, f"{name} is missing"
+        if file.stat().st_size != entry["bytes"]:
+            return None, f"{name} has {file.stat().st_size} bytes, {entry['bytes']} were written"
+    return state, None
 
 
-def read_state(directory: Path) -> dict[str, Any]:
-    problem = checkpoint_problem(directory)
-    if problem is not None:
-        raise CheckpointError(
-            f"trainer.resume_from_path={directory}: not a complete dsrl checkpoint: {problem}; "
-            "fix: point it at a global_step_N directory written by dsrl, or set trainer.resume_mode=auto"
-        )
-    return json.loads((directory / STATE_FILE).read_text())
-
-
-def newest_complete(root: Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint under ``root`` that checks out, and one line per newer one skipped."""
-    skipped = []
-    for step in sorted(complete_steps(root), reverse=True):
-        directory = step_dir(root, step)
-        problem = checkpoint_problem(directory)
-        if problem is None:
-            return directory, skipped
-        skipped.append(f"skipping {directory}: {problem}")
-    return None, skipped
+def file_problems(directory: Path, files: dict[str, dict], rank: int, world: int) -> list[str]:
+    """One line for each file of this rank's share (every world-th of the manifest ``files``, sorted) whose
+    SHA-256 is not the one written: changed or damaged since the save."""
+    names = sorted(files)[rank::world]
+    return [
+        f"{name} changed since it was written (its SHA-256 does not match)"
+        for name in names
+        if sha256_file(directory / name) != files[name]["sha256"]
+    ]
 
 
 def load_checkpoint(directory: Path, engines: dict[str, Any], rank: int) -> None:

@@ -10,25 +10,31 @@ Config files (paths, or names of shipped recipes) are merged left to right, then
 overrides. The config is checked before torch or DeepSpeed is imported (the DeepSpeed JSON files it names
 included): a bad one exits with code 2 within a second, listing every problem (dotted key, value, rule, fix); so do the data files and model
 directories it names, as far as their headers tell, and the rest of them when they load (before any model).
-Exit codes: 0 done; 2 a bad config, data file or model directory, or a checkpoint that cannot be resumed
-from; 1 a run that cannot go on (e.g. non-finite updates, a rank stuck past actor_rollout_ref.nccl_timeout);
-143 / 130 stopped by SIGTERM / SIGINT after saving a checkpoint (resume with trainer.resume_mode=auto).
+Under a launcher of several ranks every rank checks, and the ranks meet to report together: rank 0 prints
+every rank's problems, a problem only some ranks have marked with their ranks and hosts (a file missing on
+one node), which takes the seconds of importing torch.
+Exit codes: 0 done; 2 a bad config, data file or model directory, a run folder another run holds, or a
+checkpoint that cannot be resumed from; 1 a run that cannot go on (e.g. non-finite updates, a checkpoint
+that cannot be written, a rank stuck past actor_rollout_ref.nccl_timeout, an unexpected error: its rank,
+host and traceback printed); 128 + the signal number when stopped by a signal (143 SIGTERM, 130 SIGINT,
+129 SIGHUP), after saving a checkpoint when the signal came during training (resume with
+trainer.resume_mode=auto). Signals are handled from the start (``dsrl.signals``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
+import socket
 import sys
-import time
+import traceback
 
 from dsrl.config import SCHEMA, ConfigError, describe_keys, load_and_validate, to_yaml
 from dsrl.console import logger, setup_logging
-from dsrl.tracking import redact_text
-
-# How long ranks other than 0 wait before exiting on a problem rank 0 reports: the launcher stops every
-# rank as soon as one exits, which could cut rank 0 off before it printed.
-REPORT_GRACE_S = 5.0
+from dsrl.redaction import redact_text
+from dsrl.run_folder import RunFolderBusy
+from dsrl.signals import Interrupted, RunSignals, TrainingInterrupted
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
@@ -88,14 +94,50 @@ def split_files_and_overrides(items: list[str]) -> tuple[list[str], list[str]]:
 
 
 def refuse(header: str, problems: list[str]) -> int:
-    """Exit code 2 with the problems (one line each) printed once, by rank 0; every rank found the same."""
+    """Exit code 2 with the problems (one line each) printed once, by rank 0; a run of several ranks has
+    gathered every rank's (``report_across_ranks``)."""
     if os.environ.get("RANK", "0") == "0":
-        print(f"dsrl: {header}:", file=sys.stderr)
+        print(redact_text(f"dsrl: {header}:"), file=sys.stderr)
         for problem in problems:
-            print(f"  {problem}", file=sys.stderr)
-    else:
-        time.sleep(REPORT_GRACE_S)
+            print(redact_text(f"  {problem}"), file=sys.stderr, flush=True)
     return 2
+
+
+def refused_across_ranks(header: str, problems: list[str], timeout_s: int | None) -> bool:
+    """Whether any rank of a launched run found ``problems`` in its configuration: the ranks meet here whether
+    their own check passed or not (``dsrl.distributed.gather_problems``), so what only one rank sees (a file
+    missing on its node) reaches the report rank 0 prints (``refuse``). The ranks leave together once it has
+    printed: the launcher stops every rank when one exits. Collective."""
+    from dsrl.distributed import gather_problems
+    from dsrl.engines import init_distributed
+
+    init_distributed(timeout_s)
+    problems = gather_problems(problems)
+    if problems:
+        leave_together(refuse(f"{header}: {len(problems)} problem(s) in the configuration", problems))
+    return bool(problems)
+
+
+def leave_together(code: int) -> int:
+    """``code``, once every rank got here (a run of several ranks): the launcher stops every rank when one
+    exits, which would cut rank 0 off while it reports. Collective."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return code
+
+
+def where_stopped(err: Interrupted) -> str:
+    """The message of a run a signal stopped, with what is left and how to go on."""
+    if isinstance(err, TrainingInterrupted):
+        return f"{err}; run the same command to resume (trainer.resume_mode=auto)"
+    if err.phase == "export":
+        after = "training finished and its checkpoints are complete, but the final model was not exported"
+    else:
+        after = "nothing of this run needed saving yet"
+    return (f"stopped by {signal.Signals(err.signum).name} during {err.phase}: {after}; run the same command again "
+            "(trainer.resume_mode=auto resumes from the newest checkpoint, if any)")
 
 
 def show_keys(prefix: str) -> int:
@@ -127,41 +169,63 @@ def main(argv: list[str]) -> int:
         )
         return 2
     where = " + ".join(files) or "the defaults"
+    cfg, problems = None, []
     try:
         cfg, notes = load_and_validate(files, overrides, int(world_size))
     except ConfigError as err:
-        # The rules that depend on the world size name it in their own lines.
-        return refuse(f"{where}: {len(err.violations)} problem(s) in the configuration", err.violations)
-    if os.environ.get("RANK", "0") == "0":  # the resolved config, once per run
+        problems = err.violations  # the rules that depend on the world size name it in their own lines
+    launched = not args.validate_only and int(world_size) > 1
+    if problems and not launched:
+        return refuse(f"{where}: {len(problems)} problem(s) in the configuration", problems)
+    if cfg is not None and os.environ.get("RANK", "0") == "0":  # the resolved config, once per run
         checked = f"# validated for world size {world_size} ({source})\n"
         print(redact_text("".join(f"# note: {note}\n" for note in notes) + checked + to_yaml(cfg)), end="", flush=True)
     if args.validate_only:
         return 0
-    from dsrl.trainer import CheckpointError, TrainingInterrupted, TrainingStopped, train
+    signals = RunSignals().install()  # before the trainer's imports: a Ctrl-C there is a stop like any other
+    try:
+        timeout = cfg.actor_rollout_ref.nccl_timeout if cfg is not None else None
+        if launched and refused_across_ranks(where, problems, timeout):
+            return 2
+        return run_training(cfg, signals, where)
+    except Interrupted as err:
+        logger.warning(where_stopped(err), extra={"all_ranks": True})
+        return err.exit_code
+    finally:
+        signals.restore()
+
+
+def run_training(cfg, signals: RunSignals, where: str) -> int:
+    """``dsrl.trainer.train`` and what its end means: the exit code, and the message where it is not 0."""
+    from dsrl.checkpoint import CheckpointError, CheckpointWriteError
+    from dsrl.trainer import TrainingStopped, train
 
     first_rank = os.environ.get("RANK", "0") == "0"
     try:
-        train(cfg)
-    except ConfigError as err:  # found while loading the tokenizer and the prompts
-        return refuse(f"{where}: {len(err.violations)} problem(s) in the files the configuration names", err.violations)
-    except CheckpointError as err:
+        train(cfg, signals)
+    except ConfigError as err:  # found while loading the tokenizer and the prompts, on any rank
+        refuse(f"{where}: {len(err.violations)} problem(s) in the files the configuration names", err.violations)
+        return leave_together(2)
+    except (CheckpointError, RunFolderBusy, TrainingStopped) as err:  # every rank raised it, decided together
         if first_rank:
-            print(f"dsrl: {err}", file=sys.stderr)
-        return 2
-    except TrainingStopped as err:
-        if first_rank:
-            print(f"dsrl: {err}", file=sys.stderr)
+            print(redact_text(f"dsrl: {err}"), file=sys.stderr, flush=True)
+        return leave_together(1 if isinstance(err, TrainingStopped) else 2)
+    except CheckpointWriteError as err:  # this rank's own write failed
+        print(redact_text(f"dsrl: rank {os.environ.get('RANK', '0')} on {socket.gethostname()}: {err}"), file=sys.stderr)
         return 1
     except TrainingInterrupted as err:
         logger.info(f"{err}; exit code {err.exit_code}")
         return err.exit_code
-    except RuntimeError as err:
+    except Exception as err:  # noqa: BLE001 -- reported with the rank and host it happened on
         from dsrl.distributed import collective_timeout_message
 
         message = collective_timeout_message(err)
-        if message is None:
-            raise
-        print(f"dsrl: {message}", file=sys.stderr)  # every rank that waited says so: the stuck one may be rank 0
+        if message is not None:
+            print(redact_text(f"dsrl: {message}"), file=sys.stderr)  # every rank that waited says so
+            return 1
+        rank = os.environ.get("RANK", "0")
+        print(redact_text(f"dsrl: rank {rank} on {socket.gethostname()}: the run failed with an unexpected error:\n"
+                          + traceback.format_exc()), file=sys.stderr, end="")
         return 1
     return 0
 

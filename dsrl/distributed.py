@@ -1,6 +1,7 @@
-"""Cross-rank reductions: every rank calls them (they are collectives) and gets the same answer; and what a
-rank needs to fail loudly rather than wait: the phase it is in, named when a collective times out, and a
-watchdog that stops it when its launcher is gone.
+"""Cross-rank reductions: every rank calls them (they are collectives) and gets the same answer; every rank's
+problems in one report (``gather_problems``); and what a rank needs to fail loudly rather than wait: the phase
+it is in, named when a collective times out, a word when the ranks take long to meet (``rendezvous_watchdog``),
+and a watchdog that stops it when its launcher is gone.
 
 Collectives run on the accelerator device (gloo on CPU, nccl on GPUs, which takes device tensors
 only); results come back on the caller's device.
@@ -12,6 +13,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -22,10 +24,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
+from dsrl.phases import current_phase
+
 logger = logging.getLogger(__name__)
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-_phase = "start-up"  # what this rank is doing, for the message of a collective that times out
 # gloo's timeout ("Timed out waiting 600000ms for recv"), the collectives after it, and NCCL's watchdog (raised
 # only under TORCH_NCCL_BLOCKING_WAIT=1; otherwise the watchdog aborts the process with its own message).
 _TIMEOUT = re.compile(r"Timed out waiting|Application timeout caused pair closure|collective operation timeout")
@@ -82,13 +85,36 @@ def all_gather_rows(tensor: torch.Tensor | None) -> tuple[torch.Tensor | None, s
     return torch.cat(parts).to(tensor.device), slice(rank * n, (rank + 1) * n)
 
 
-@contextmanager
-def in_phase(name: str) -> Iterator[None]:
-    """Within ``with``: this rank is in phase ``name`` (the outer phase again after it)."""
-    global _phase
-    outer, _phase = _phase, name
-    yield
-    _phase = outer  # skipped by an exception: the phase it was raised in stays named for the error message
+def gather_problems(problems: list[str]) -> list[str]:
+    """Every rank's ``problems`` (one line each), the same list on every rank: a line every rank has, once; a line
+    only some have, with which (``... [rank 3 on node-b]``, ``[ranks 8-15 on node-c]``), so that what a rank
+    sees alone (a file missing on its node, a module that fails to import there) reaches rank 0's report.
+    Collective."""
+    world = _world_size()
+    if world == 1:
+        return list(problems)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (socket.gethostname(), list(problems)))
+    seen: dict[str, list[int]] = {}
+    for rank, (_, lines) in enumerate(gathered):
+        for line in lines:
+            seen.setdefault(line, []).append(rank)
+    merged = []
+    for line, ranks in seen.items():
+        if len(ranks) < world:
+            hosts = sorted({gathered[rank][0] for rank in ranks})
+            line += f" [{_rank_span(ranks)} on {', '.join(hosts)}]"
+        merged.append(line)
+    return merged
+
+
+def _rank_span(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 1, 4``, ``ranks 8-15``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
 
 
 def collective_timeout_message(err: BaseException) -> str | None:
@@ -98,12 +124,54 @@ def collective_timeout_message(err: BaseException) -> str | None:
         return None
     rank = dist.get_rank() if dist.is_initialized() else 0
     return (
-        f"rank {rank}: a collective timed out in phase {_phase!r} ({str(err).splitlines()[0]}): another rank did "
+        f"rank {rank}: a collective timed out in phase {current_phase()!r} ({str(err).splitlines()[0]}): another rank did "
         "not join it within actor_rollout_ref.nccl_timeout seconds, so it is stuck (stopped, deadlocked, waiting on "
         "I/O or in another collective) in this phase or an earlier one; its own output shows where. Fix: if a rank "
         "is stuck, stop the run and resume from the last checkpoint; if this phase is only slow on some ranks, "
         "raise actor_rollout_ref.nccl_timeout"
     )
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now (the rendezvous of a run without a launcher)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Launchers and the variables they set: a rank started by none of them got WORLD_SIZE from somewhere else.
+_LAUNCHER_VARIABLES = ("LOCAL_SIZE", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_PROCID")
+RENDEZVOUS_REPORT_S = 30.0
+
+
+@contextmanager
+def rendezvous_watchdog(report_after_s: float = RENDEZVOUS_REPORT_S) -> Iterator[None]:
+    """Within ``with`` (forming the process group): every ``report_after_s`` seconds this rank is still
+    waiting for the others, say so, with where it waits and, when no launcher started this process,
+    that ``WORLD_SIZE`` may be stale in the environment."""
+    done = threading.Event()
+    world, address = os.environ.get("WORLD_SIZE", "1"), f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+
+    def watch() -> None:
+        waited = 0.0
+        while not done.wait(report_after_s):
+            waited += report_after_s
+            hint = ""
+            if not any(name in os.environ for name in _LAUNCHER_VARIABLES):
+                hint = (f"; no launcher seems to have started this process, so WORLD_SIZE={world} may be left over "
+                        "in the environment: unset WORLD_SIZE RANK LOCAL_RANK MASTER_ADDR MASTER_PORT for one "
+                        "process, or start the ranks with deepspeed --num_gpus N")
+            logger.warning(
+                f"rank {os.environ.get('RANK', '0')}: waited {waited:.0f} s for the {world} ranks of WORLD_SIZE to "
+                f"meet at {address}{hint}",
+                extra={"all_ranks": True},
+            )
+
+    threading.Thread(target=watch, name="dsrl-rendezvous-watchdog", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _parent_pid(pid: int) -> int | None:

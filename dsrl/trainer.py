@@ -7,18 +7,20 @@ update_critic -> update_actor, then validation every ``trainer.test_freq`` steps
 log-probs only for metrics folds the old_log_prob pass into update_actor (``Trainer.folds_old_log_prob``). Tensor math lives in ``dsrl.algorithms`` and the
 engines; this file only orders the calls.
 
-Stopping. SIGTERM or SIGINT lets every rank finish the current step; a checkpoint is saved and
-``fit`` raises ``TrainingInterrupted`` (scripts/train.py exits with 128 + the signal number: 143
-for SIGTERM, 130 for SIGINT). A second signal exits at once with that code.
+Around the loop: the run folder's lock (``dsrl.run_folder``), the checkpoint to resume and its checks
+(``dsrl.resume``), the facts the console's summaries show (``dsrl.run_facts``).
+
+Stopping (``dsrl.signals``). SIGTERM, SIGINT or SIGHUP during the loop lets every rank finish the current
+step; a checkpoint is saved and ``fit`` raises ``TrainingInterrupted``. Anywhere else (start-up, the
+validation before training, ``val_only``, the export) the signal raises ``Interrupted`` at once. Either way
+the MLflow run ends KILLED and scripts/train.py exits with 128 + the signal number (143 SIGTERM, 130
+SIGINT, 129 SIGHUP); a second signal during the loop exits at once with that code.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
-import os
 import signal
-import subprocess
 import time
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
@@ -26,9 +28,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from transformers import set_seed
 
+from dsrl import run_folder
 from dsrl.algorithms import (
     AdaptiveKLController,
     EstimatorInputs,
@@ -41,24 +43,12 @@ from dsrl.algorithms import (
     rollout_correction,
 )
 from dsrl.balance import balance_across_ranks
-from dsrl.checkpoint import (
-    HF_DIR,
-    CheckpointError,
-    config_differences,
-    config_hash,
-    export_hf_model,
-    load_checkpoint,
-    newest_complete,
-    read_state,
-    save_checkpoint,
-    state_config,
-    step_dir,
-)
+from dsrl.checkpoint import HF_DIR, CheckpointError, export_hf_model, save_checkpoint, state_config, step_dir
 from dsrl.config import LOGGED_SAMPLES, Config, ConfigError, import_user_modules, to_dict, to_yaml
 from dsrl.console import final_summary, logger, setup_logging, startup_summary
 from dsrl.data.batch import Batch
 from dsrl.data.datasets import PromptSampler, collate_prompts, load_prompts, load_tokenizer
-from dsrl.distributed import all_gather_rows, all_reduce, global_mean, in_phase
+from dsrl.distributed import all_gather_rows, all_reduce, gather_problems, global_mean
 from dsrl.engines import ActorEngine, CriticEngine, ReferenceEngine, init_distributed
 from dsrl.engines.training import global_counts
 from dsrl.metrics import (
@@ -70,9 +60,13 @@ from dsrl.metrics import (
     validation_metrics,
     variance_proxy_metrics,
 )
-from dsrl.rewards import FAILURE_COUNTS, RewardScorer, numeric_extras, rule_sources
+from dsrl.phases import in_phase
+from dsrl.resume import checkpoint_to_resume, check_settings, check_train_data, data_identity, restore, trainer_state
+from dsrl.rewards import FAILURE_COUNTS, FailureStreak, RewardScorer, check_reward_rules, numeric_extras
 from dsrl.rollout import HFRollout, SamplingParams, iter_full_parameters
 from dsrl.rollout.colocation import colocated_generation
+from dsrl.run_facts import final_facts, run_tags, startup_facts
+from dsrl.signals import Interrupted, RunSignals, TrainingInterrupted
 from dsrl.tracking import Tracker, flatten
 
 
@@ -90,54 +84,8 @@ class PhaseTimer:
         self.seconds[f"timing_s/{phase}"] = self.seconds.get(f"timing_s/{phase}", 0.0) + time.perf_counter() - start
 
 
-class TrainingInterrupted(Exception):
-    """SIGTERM/SIGINT stopped the run after a step; a checkpoint was saved at ``checkpoint``."""
-
-    def __init__(self, signum: int, step: int, checkpoint: Path):
-        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to {checkpoint}")
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
-
-
 class TrainingStopped(RuntimeError):
     """The run cannot go on (e.g. too many optimizer steps in a row with non-finite values)."""
-
-
-class StopSignals:
-    """Within ``with``: the first SIGTERM/SIGINT is recorded for the loop; a second one exits at once."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, rank: int):
-        self.rank = rank
-        self.signum = 0
-        self._previous: dict[int, object] = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum:
-            os._exit(128 + signum)
-        self.signum = signum
-        logger.warning(
-            f"rank {self.rank}: {signal.Signals(signum).name} received: finishing this step, then saving "
-            "a checkpoint (send it again to exit at once)",
-            extra={"all_ranks": True},
-        )
-
-    def __enter__(self) -> "StopSignals":
-        for signum in self.SIGNALS:
-            self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def received(self) -> int:
-        """The signal any rank received (0 if none); the same answer on every rank. Collective."""
-        return int(all_reduce(torch.tensor(float(self.signum)), "max"))
 
 
 def generation_row(texts: tuple[str, str], data_source: str, score: float, extras: dict) -> dict:
@@ -153,90 +101,88 @@ def validation_score(metrics: dict[str, float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def rollout_engine_name(cfg: Config) -> str:
-    rollout = cfg.actor_rollout_ref.rollout
-    if rollout.name == "vllm":
-        return f"vllm (tensor parallel {rollout.tensor_model_parallel_size}, sleep level {rollout.sleep_level})"
-    return "hf (transformers generate)"
-
-
-def engine_facts(role, dtype: str) -> dict:
-    """ZeRO stage, offload, dtype, parameter count and activation checkpointing of a DeepSpeed role."""
-    zero = role.ds_config.get("zero_optimization", {})
-    offloaded = lambda section: zero.get(section, {}).get("device", "none") not in ("none", None)  # noqa: E731
-    module = role.engine.module
-    facts = {
-        "zero_stage": zero.get("stage", 0),
-        "offload_params": offloaded("offload_param"),
-        "offload_optimizer": offloaded("offload_optimizer"),
-        "dtype": dtype,
-        "params": sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters()),  # full size under ZeRO-3
-    }
-    if hasattr(role, "lr_scheduler"):  # a trained role
-        backbone = getattr(module, "backbone", module)
-        facts["gradient_checkpointing"] = bool(getattr(backbone, "is_gradient_checkpointing", False))
-    return facts
-
-
-def run_tags(cfg: Config, world_size: int) -> dict[str, str]:
-    """MLflow tags that tell runs apart: dsrl's version and git commit, algorithm, model, world size."""
-    try:
-        version = importlib.metadata.version("dsrl")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    tags = {
-        "dsrl.version": version,
-        "dsrl.algorithm": cfg.algorithm.adv_estimator,
-        "dsrl.model": cfg.actor_rollout_ref.model.path,
-        "dsrl.world_size": str(world_size),
-    }
-    checkout = Path(__file__).resolve().parents[1]
-    if (checkout / ".git").exists():  # a checkout, not an installed wheel
-        commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True)
-        if commit.returncode == 0:
-            tags["dsrl.git_commit"] = commit.stdout.strip()
-    return tags
-
-
 class Trainer:
     def __init__(self, cfg: Config):
-        uses_vllm = cfg.actor_rollout_ref.rollout.name == "vllm"
-        if uses_vllm:
-            from dsrl.rollout.vllm import VLLMRollout, prepare_environment  # needs the vllm package to build one
-
-            prepare_environment()
+        """Every role built and the checkpoint to resume restored. Before any model loads: the run folder is
+        taken, the checkpoint checked, and the user's modules, tokenizer, prompts and reward function loaded;
+        a problem with any of them on any rank is reported by rank 0 for all (``gather_problems``)."""
         init_distributed(cfg.actor_rollout_ref.nccl_timeout)
         self.cfg = cfg
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         setup_logging(self.rank)
         set_seed(cfg.trainer.seed + self.rank)  # python, numpy, torch and the accelerator
         self.checkpoint_root = Path(cfg.trainer.default_local_dir)
-        # Before any model loads: a checkpoint that cannot be resumed from fails in seconds.
-        self.resume_from, resume_state = self._checkpoint_to_resume()
-        model_cfg, actor_cfg = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor
-        algo = cfg.algorithm
-
-        # The user's modules (their estimators and losses registered on this rank), tokenizer and prompts before any
-        # model. A problem with them is a config error (one line, printed once by rank 0, exit 2); every rank learns
-        # of any rank's, so all stop together wherever the file was bad.
-        problem = None
+        self.scorer = self.tracker = None
+        self._take_run_folder()
         try:
-            failed_imports = import_user_modules(algo.import_modules)
-            if failed_imports:
-                raise ConfigError(failed_imports)
-            self.tokenizer = load_tokenizer(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
-            self.train_prompts, train_stats = self._load_prompts(cfg.data.train_files, cfg.data.train_max_samples)
-            self.val_prompts, val_stats = (
-                self._load_prompts(cfg.data.val_files, cfg.data.val_max_samples) if cfg.data.val_files else (None, None)
-            )
-            self.sampler = PromptSampler(self.train_prompts, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-            self._check_reward_rules()
+            self._build()
+        except BaseException as err:
+            self.close("KILLED" if isinstance(err, Interrupted) else "FAILED")
+            raise
+
+    def _take_run_folder(self) -> None:
+        """Rank 0 locks the run folder for this run (``dsrl.run_folder``); every rank stops if it cannot. A
+        validation-only run writes nothing there but its reward workers' log, and takes no lock."""
+        self._locked = not self.cfg.trainer.val_only
+        if not self._locked:
+            return
+        busy = [None]
+        if self.rank == 0:
+            try:
+                run_folder.lock(self.checkpoint_root)
+            except (run_folder.RunFolderBusy, OSError) as err:
+                busy[0] = str(err)
+        dist.broadcast_object_list(busy, src=0)
+        if busy[0] is not None:
+            self._locked = False
+            raise run_folder.RunFolderBusy(busy[0])
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        model_cfg, actor_cfg, algo = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor, cfg.algorithm
+        trained = ["actor"] + (["critic"] if algo.adv_estimator == "gae" else [])
+        self.resume_from, resume_state = checkpoint_to_resume(cfg, self.checkpoint_root, trained)
+        if self.resume_from is not None:
+            check_settings(cfg, self.resume_from, resume_state, self.world_size)  # every rank holds the state
+        problems: list[str] = []
+        try:
+            # The user's modules (their estimators and losses registered on this rank), tokenizer, prompts and reward
+            # function: what fails here fails in seconds, before any model loads.
+            problems = import_user_modules(algo.import_modules)
+            if not problems:
+                self.tokenizer = load_tokenizer(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
+                self.train_prompts, train_stats = self._load_prompts(cfg.data.train_files, cfg.data.train_max_samples)
+                self.val_prompts, val_stats = (
+                    self._load_prompts(cfg.data.val_files, cfg.data.val_max_samples) if cfg.data.val_files else (None, None)
+                )
+                self.sampler = PromptSampler(self.train_prompts, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+                check_reward_rules(
+                    {"data.train_files": self.train_prompts, "data.val_files": self.val_prompts},
+                    custom_path=cfg.custom_reward_function.path,
+                    math_verify_sources=cfg.reward.math_verify_sources,
+                )
+                # The run's folder holds the workers' prints and tracebacks: a chatty reward function floods no console.
+                log = self.checkpoint_root / f"reward_workers_rank{self.rank}.log"
+                self.scorer = RewardScorer.from_config(cfg, log_file=log)
+        except ConfigError as err:
+            problems = err.violations
         except (ValueError, OSError) as err:
-            problem = err.violations if isinstance(err, ConfigError) else [" ".join(str(err).split())]
-        problems: list = [None] * self.world_size
-        dist.all_gather_object(problems, problem)
-        if any(problems):
-            raise ConfigError(next(p for p in problems if p))
+            problems = [" ".join(str(err).split())]
+        problems = gather_problems(problems)
+        if problems:
+            raise ConfigError(problems)
+        # What the checkpoints record of the training files: rank 0 writes the states and checks a resume's.
+        self.train_data = data_identity(cfg.data.train_files) if self.rank == 0 else []
+        if self.resume_from is not None:
+            changed = [None]
+            if self.rank == 0:
+                try:
+                    check_train_data(cfg, self.resume_from, resume_state, self.train_data)
+                except CheckpointError as err:
+                    changed[0] = str(err)
+            dist.broadcast_object_list(changed, src=0)
+            if changed[0] is not None:
+                raise CheckpointError(changed[0])
         self.prompt_stats = {"train": train_stats, "val": val_stats}
         # As verl: the lr schedule spans total_training_steps when set, and the run stops at it or
         # at the end of total_epochs, whichever comes first.
@@ -245,7 +191,10 @@ class Trainer:
         self.total_steps = min(schedule_steps, epoch_steps)
 
         needs_ref = actor_cfg.use_kl_loss or algo.use_kl_in_reward
+        uses_vllm = cfg.actor_rollout_ref.rollout.name == "vllm"
         if uses_vllm:
+            from dsrl.rollout.vllm import VLLMRollout  # needs the vllm package
+
             # Before the DeepSpeed engines take device memory; with sleep mode it sleeps right away.
             self.rollout = VLLMRollout.from_config(cfg)
             set_seed(cfg.trainer.seed + self.rank)  # vLLM seeded the global generators with its engine seed
@@ -259,9 +208,7 @@ class Trainer:
                 trust_remote_code=model_cfg.trust_remote_code,
                 micro_batch_size=cfg.actor_rollout_ref.rollout.micro_batch_size,
             )
-        # The run's folder holds the workers' prints and tracebacks: a chatty reward function floods no console.
-        self.scorer = RewardScorer.from_config(cfg, log_file=self.checkpoint_root / f"reward_workers_rank{self.rank}.log")
-        self.failed_reward_steps, self.first_reward_failure = 0, None  # reward.max_failed_steps
+        self.reward_failures = FailureStreak(cfg)  # reward.max_failed_steps
 
         if algo.kl_ctrl.type == "adaptive":
             self.kl_ctrl = AdaptiveKLController(algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
@@ -270,7 +217,9 @@ class Trainer:
 
         self.global_step = 0
         if self.resume_from is not None:
-            self._restore(resume_state)
+            restore(self.resume_from, resume_state, roles=self._trained_roles(), sampler=self.sampler,
+                    kl_ctrl=self.kl_ctrl, rank=self.rank)
+            self.global_step = resume_state["global_step"]
         self.initial_step = self.global_step  # where this run started (a resumed run's checkpoint)
         self.tracker = Tracker(
             cfg.trainer.logger,
@@ -291,122 +240,24 @@ class Trainer:
         self.last_checkpoint = self.resume_from
         self.model_dir = None
         if self.rank == 0:
-            logger.info(startup_summary(self.startup_facts()))
+            logger.info(startup_summary(startup_facts(self)))
 
-    def startup_facts(self) -> dict:
-        """What ``dsrl.console.startup_summary`` shows about this run."""
-        cfg, actor = self.cfg, self.cfg.actor_rollout_ref.actor
-        n = cfg.actor_rollout_ref.rollout.n
-        rows_per_rank = cfg.data.train_batch_size * n // self.world_size
-        roles = {"actor": self.actor, "reference": self.ref, "critic": self.critic}
-        steps = {name: -(-rows_per_rank // role.rows_per_mini_batch) * epochs
-                 for name, role, epochs in (("actor", self.actor, actor.ppo_epochs),
-                                            ("critic", self.critic, cfg.critic.ppo_epochs)) if role is not None}
-        algo = cfg.algorithm
-        device = get_accelerator().device_name()
-        if torch.cuda.is_available():
-            device += f" ({torch.cuda.get_device_name()})"
-        return {
-            "world_size": self.world_size,
-            "device": device,
-            "roles": {name: None if role is None else engine_facts(role, cfg.actor_rollout_ref.model.dtype)
-                      for name, role in roles.items()},
-            "rollout": rollout_engine_name(cfg),
-            "estimator": algo.adv_estimator,
-            "policy_loss": actor.policy_loss.loss_mode,
-            "loss_agg_mode": actor.loss_agg_mode,
-            "kl_loss": {"type": actor.kl_loss_type, "coef": actor.kl_loss_coef} if actor.use_kl_loss else None,
-            "kl_in_reward": {"penalty": algo.kl_penalty, "coef": algo.kl_ctrl.kl_coef, "ctrl": algo.kl_ctrl.type}
-            if algo.use_kl_in_reward else None,
-            "prompts_per_step": cfg.data.train_batch_size,
-            "n": n,
-            "optimizer_steps": {"actor": steps["actor"], "critic": steps.get("critic")},
-            "micro_batch_size": actor.ppo_micro_batch_size_per_gpu,
-            "max_token_len": actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
-            "prompts": self.prompt_stats,
-            "total_steps": self.total_steps,
-            "start_step": self.global_step,
-            "resume_from": str(self.resume_from) if self.resume_from else None,
-            "checkpoint_dir": str(self.checkpoint_root),
-            "save_freq": cfg.trainer.save_freq,
-            "mlflow": self.tracker.mlflow_facts(),
-        }
-
-    def final_facts(self, *, status: str, wall_time_s: float) -> dict:
-        """What ``dsrl.console.final_summary`` shows about this run."""
-        return {
-            **self.tracker.console_facts(),
-            "total_steps": self.total_steps,
-            "initial_step": self.initial_step,
-            "wall_time_s": wall_time_s,
-            "status": status,
-            "model_dir": str(self.model_dir) if self.model_dir else None,
-            "checkpoint_dir": str(self.checkpoint_root),
-            "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
-            "mlflow": self.tracker.mlflow_facts(),
-            "cwd": os.getcwd(),
-        }
+    def close(self, status: str) -> None:
+        """The end of the run, however it ends: the MLflow run ends as ``status`` (FINISHED, FAILED or KILLED),
+        the reward workers stop, the run folder is given back. Idempotent."""
+        if self.tracker is not None:
+            self.tracker.finish(status)
+        if self.scorer is not None:
+            self.scorer.close()
+        if self._locked:
+            run_folder.release(self.checkpoint_root)
+            self._locked = False
 
     # ---- checkpoints --------------------------------------------------------------------------
-
-    def _checkpoint_to_resume(self) -> tuple[Path | None, dict | None]:
-        """The checkpoint ``trainer.resume_mode`` asks for and its state; rank 0 decides for all."""
-        trainer = self.cfg.trainer
-        decision: list = [None, None, None]  # path, state, error
-        if self.rank == 0:
-            try:
-                path = None
-                if trainer.resume_mode == "resume_path":
-                    path = Path(trainer.resume_from_path)
-                elif trainer.resume_mode == "auto":
-                    path, skipped = newest_complete(self.checkpoint_root)
-                    for line in skipped:
-                        logger.info(f"resume: {line}")
-                if path is not None:
-                    decision[:2] = path, read_state(path)
-                    self._check_resumable(path, decision[1])
-            except CheckpointError as err:
-                decision[2] = str(err)
-        dist.broadcast_object_list(decision, src=0)
-        path, state, error = decision
-        if error is not None:
-            raise CheckpointError(error)
-        return path, state
-
-    def _check_resumable(self, path: Path, state: dict) -> None:
-        saved, now = state["config"], state_config(self.cfg, self.world_size)
-        if saved["world_size"] != self.world_size:
-            raise CheckpointError(
-                f"{path}: written by {saved['world_size']} ranks, this run has {self.world_size}; ZeRO partitions "
-                f"weights and optimizer per rank; fix: start with {saved['world_size']} ranks, or "
-                "trainer.resume_mode=disable to start over"
-            )
-        differences = config_differences(saved, now)
-        if differences and not self.cfg.trainer.resume_allow_config_change:
-            raise CheckpointError(
-                f"{path}: the run's settings differ from the checkpoint's:\n  " + "\n  ".join(differences)
-                + "\nfix: restore them, set trainer.resume_allow_config_change=true to resume anyway, "
-                "or trainer.resume_mode=disable to start over"
-            )
 
     def _trained_roles(self) -> dict:
         """The engines a checkpoint holds, by the name of their folder in it."""
         return {name: role for name, role in (("actor", self.actor), ("critic", self.critic)) if role is not None}
-
-    def _restore(self, state: dict) -> None:
-        start = time.perf_counter()
-        roles = self._trained_roles()
-        load_checkpoint(self.resume_from, {name: role.engine for name, role in roles.items()}, self.rank)
-        self.global_step = state["global_step"]
-        self.sampler.load_state_dict(state["sampler"])
-        self.kl_ctrl.value = state["kl_coef"]
-        for name, role in roles.items():
-            role.skips.load_state_dict(state["skips"][name])
-            role.lr_scheduler.load_state_dict(state["lr_schedulers"][name])
-            for group, lr in zip(role.lr_scheduler.optimizer.param_groups, role.lr_scheduler.get_last_lr()):
-                group["lr"] = lr  # the lr of the next step, whatever the optimizer state held
-        seconds = time.perf_counter() - start
-        logger.info(f"resumed from {self.resume_from} (step {self.global_step}; loaded in {seconds:.2f} s)")
 
     def save(self) -> Path:
         """``default_local_dir/global_step_<global_step>``, complete or not at all. Collective."""
@@ -414,16 +265,10 @@ class Trainer:
         roles = self._trained_roles()
         config = state_config(self.cfg, self.world_size)
         contents = list(self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
-        state = {
-            "sampler": self.sampler.state_dict(),
-            "kl_coef": self.kl_ctrl.value,
-            "skips": {name: role.skips.state_dict() for name, role in roles.items()},
-            "lr_schedulers": {name: role.lr_scheduler.state_dict() for name, role in roles.items()},
-            "mlflow_run_id": self.tracker.run_id,
-            "save_contents": contents,
-            "config": config,
-            "config_hash": config_hash(config),
-        }
+        state = trainer_state(
+            sampler=self.sampler, kl_coef=self.kl_ctrl.value, roles=roles, mlflow_run_id=self.tracker.run_id,
+            save_contents=contents, config=config, train_data=self.train_data,
+        )
         keep = {"actor": trainer.max_actor_ckpt_to_keep, "critic": trainer.max_critic_ckpt_to_keep}
         return save_checkpoint(
             self.checkpoint_root,
@@ -455,51 +300,7 @@ class Trainer:
                     "advantage that is not finite, or lower the learning rate; resume from the last checkpoint"
                 )
 
-    def _check_rewards(self, metrics: dict[str, float], step: int) -> None:
-        """``reward.max_failed_steps``: stop when every reward call failed in that many steps in a row,
-        quoting the first failure of the first of them. The counts are all-reduced: every rank decides alike."""
-        cfg = self.cfg
-        rows = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n  # every step's responses (drop_last)
-        failed = {name: int(metrics[name]) for name in FAILURE_COUNTS if metrics[name]}
-        if sum(failed.values()) < rows:
-            self.failed_reward_steps, self.first_reward_failure = 0, None
-            return
-        self.failed_reward_steps += 1
-        self.first_reward_failure = self.first_reward_failure or self.scorer.first_failure
-        limit = cfg.reward.max_failed_steps
-        if limit and self.failed_reward_steps >= limit:
-            fn = cfg.custom_reward_function
-            where = f"custom_reward_function.path={fn.path}, name={fn.name}" if fn.path else "the built-in rules"
-            fix = f"Fix the reward function ({where})"
-            if "reward/fail_timeout" in failed:
-                fix += f", or raise reward.timeout_s={cfg.reward.timeout_s:g} if it is only slow"
-            counts = " ".join(f"{name}={count}" for name, count in failed.items())
-            raise TrainingStopped(
-                f"step {step}: every reward call failed in {self.failed_reward_steps} steps in a row (this step's "
-                f"{rows} rows: {counts}; reward.max_failed_steps={limit}). First failure: {self.first_reward_failure}. "
-                f"{fix}, then run again (trainer.resume_mode=auto resumes from the last checkpoint); "
-                "reward.max_failed_steps=0 trains on through such steps"
-            )
-
     # ---- phases -------------------------------------------------------------------------------
-
-    def _check_reward_rules(self) -> None:
-        """Without a custom reward function every data source needs a built-in rule (or Math-Verify): one
-        without would score 0 on every row for the whole run."""
-        if self.cfg.custom_reward_function.path:
-            return
-        scored = set(rule_sources()) | set(self.cfg.reward.math_verify_sources)
-        unmatched = []
-        for key, prompts in (("data.train_files", self.train_prompts), ("data.val_files", self.val_prompts)):
-            for source, rows in (prompts.source_counts() if prompts is not None else {}).items():
-                if source not in scored:
-                    unmatched.append(f"{source!r} ({rows} rows of {key})")
-        if unmatched:
-            raise ValueError(
-                f"data sources without a reward rule: {', '.join(unmatched)}; built-in rules: {rule_sources()}. "
-                "Fix: set custom_reward_function.path to a file defining compute_score(data_source, solution_str, "
-                "ground_truth, extra_info=None), list them in reward.math_verify_sources, or rename data_source"
-            )
 
     def _load_prompts(self, files, max_samples: int) -> tuple[list, dict[str, int]]:
         data = self.cfg.data
@@ -832,27 +633,33 @@ class Trainer:
             self.log_samples(batch)
         return metrics
 
-    def fit(self) -> dict[str, float]:
+    def fit(self, signals: RunSignals | None = None) -> dict[str, float]:
         """Train up to ``total_steps`` steps; returns ``validation_score`` ``before`` and ``after``
         training (when validated), and sets ``model_dir`` to the exported model (None with
-        ``trainer.val_only``). Raises ``TrainingInterrupted`` after a signal.
+        ``trainer.val_only``). ``signals``: the run's handlers (``dsrl-train`` installs them before the
+        trainer loads); None installs them for the call. Raises ``TrainingInterrupted`` after a signal in
+        the loop, ``Interrupted`` after one elsewhere.
 
-        The tracking run ends FINISHED, KILLED (a signal) or FAILED (an exception); the reward
-        workers stop however it ends."""
+        The tracking run ends FINISHED, KILLED (a signal) or FAILED (an exception); the reward workers stop
+        and the run folder is given back however it ends."""
+        own = signals is None
+        if own:
+            signals = RunSignals().install()
+        signals.at_kill(lambda: self.close("KILLED"))
+        status = "FAILED"
         try:
-            results = self._fit()
-        except TrainingInterrupted:
-            self.tracker.finish("KILLED")
-            raise
-        except BaseException:
-            self.tracker.finish("FAILED")
+            results = self._fit(signals)
+            status = "FINISHED"
+        except Interrupted:
+            status = "KILLED"
             raise
         finally:
-            self.scorer.close()
-        self.tracker.finish("FINISHED")
+            self.close(status)
+            if own:
+                signals.restore()
         return results
 
-    def _fit(self) -> dict[str, float]:
+    def _fit(self, signals: RunSignals) -> dict[str, float]:
         cfg = self.cfg
         results: dict[str, float] = {}
         if self.val_prompts is not None and (cfg.trainer.val_before_train or cfg.trainer.val_only):
@@ -864,21 +671,23 @@ class Trainer:
                 return results
         per_rank = cfg.data.train_batch_size // self.world_size
         val = {}
-        with StopSignals(self.rank) as signals:
+        with signals.deferred(self.rank):
             while self.global_step < self.total_steps:
                 records = self.sampler.next_batch()[self.rank * per_rank : (self.rank + 1) * per_rank]
                 metrics = self.step(self._prompt_batch(records, first_group_id=self.rank * per_rank))
                 self.global_step += 1
                 step, last = self.global_step, self.global_step == self.total_steps
                 self._check_skips(step)
-                self._check_rewards(metrics, step)
+                stop = self.reward_failures.record(metrics, step, self.scorer.first_failure)
+                if stop:
+                    raise TrainingStopped(stop)
                 if self.val_prompts is not None and cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
                     with in_phase("validate"):
                         val = self.validate()
                     metrics.update(val)
                 self.tracker.log_metrics(metrics, step=step)
-                with in_phase("stop-signal check"):
-                    signum = signals.received()
+                with in_phase("stop-signal check"):  # the signal any rank received, the same answer on every rank
+                    signum = int(all_reduce(torch.tensor(float(signals.signum)), "max"))
                 if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or last) or signum:
                     start = time.perf_counter()
                     with in_phase("save"):
@@ -898,19 +707,19 @@ class Trainer:
         return results
 
 
-def train(cfg: Config) -> dict[str, float]:
+def train(cfg: Config, signals: RunSignals | None = None) -> dict[str, float]:
     """Build every role and run the loop; rank 0 logs the start-up summary, then the final one
     (validation scores, where the model, checkpoints and MLflow run are) however the run ends."""
     start = time.perf_counter()
     trainer = Trainer(cfg)
     status = "failed"
     try:
-        results = trainer.fit()
+        results = trainer.fit(signals)
         status = "finished"
-    except TrainingInterrupted as err:
+    except Interrupted as err:
         status = f"stopped by {signal.Signals(err.signum).name}"
         raise
     finally:
         if trainer.rank == 0:
-            logger.info(final_summary(trainer.final_facts(status=status, wall_time_s=time.perf_counter() - start)))
+            logger.info(final_summary(final_facts(trainer, status=status, wall_time_s=time.perf_counter() - start)))
     return results

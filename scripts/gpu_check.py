@@ -330,9 +330,8 @@ def run(size: CheckSize, out_dir: Path, started: float) -> None:
         deepspeed_config, optimizer_note = actor_deepspeed_config(size, model_dir)
         cfg = run_config(size, model_dir, rollout_name, deepspeed_config)
         if rollout_name == "vllm":
-            from dsrl.rollout.vllm import VLLMRollout, prepare_environment
+            from dsrl.rollout.vllm import VLLMRollout
 
-            prepare_environment()  # before the process group exists
             init_distributed()
             rollout = VLLMRollout.from_config(cfg)  # before the actor: vLLM sizes itself on an empty device
             actor = ActorEngine(cfg)

@@ -525,7 +525,7 @@ class TrainerConfig:
     )
     resume_allow_config_change: bool = _f(
         False,
-        "resume although settings that shape the run changed (model, estimator, batch geometry, seed, ...); optimizer and LR schedule continue from the checkpoint",
+        "resume although settings that shape the run changed (model, estimator, batch geometry, seed, ...) or the training files did (their size and SHA-256 are in every checkpoint); optimizer, LR schedule and sampler position continue from the checkpoint",
     )
     max_actor_ckpt_to_keep: Optional[int] = _f(None, "keep the actor state of this many newest checkpoints; null = all")
     max_critic_ckpt_to_keep: Optional[int] = _f(None, "keep the critic state of this many newest checkpoints; null = all")

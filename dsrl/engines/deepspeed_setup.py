@@ -15,10 +15,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -35,7 +37,7 @@ from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_
 from transformers.integrations import HfDeepSpeedConfig
 
 from dsrl.config.deepspeed_json import fill_ds_json, zero_stage
-from dsrl.distributed import stop_when_launcher_dies
+from dsrl.distributed import free_port, rendezvous_watchdog, stop_when_launcher_dies
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -43,22 +45,46 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def init_distributed(timeout_s: int | None = None) -> None:
     """Join (or create) the default process group; idempotent.
 
-    Under the ``deepspeed`` launcher the environment names rank and world, and a watchdog stops this
-    rank when the launcher is gone (``stop_when_launcher_dies``). Without it (``python scripts/train.py
-    ...``) this fills in a world of one on localhost, since ``deepspeed.init_distributed`` would
-    otherwise look for MPI and fail. ``timeout_s`` (``actor_rollout_ref.nccl_timeout``): how long a
-    collective waits for every rank; None keeps DeepSpeed's (``DEEPSPEED_TIMEOUT`` minutes, 10).
+    Under a launcher the environment names rank and world, and a watchdog stops this rank when the
+    ``deepspeed`` launcher is gone (``stop_when_launcher_dies``). Without one (``python scripts/train.py
+    ...``) this fills in a world of one on localhost with a free port (``deepspeed.init_distributed`` would
+    otherwise look for MPI and fail, and two such runs on one machine would both take port 29500).
+    ``timeout_s`` (``actor_rollout_ref.nccl_timeout``): how long a collective waits for every rank; None
+    keeps DeepSpeed's (``DEEPSPEED_TIMEOUT`` minutes, 10). While the ranks gather, a rank that waits long
+    says so (``rendezvous_watchdog``): a stale ``WORLD_SIZE`` in the environment would wait silently.
     """
     if dist.is_initialized():
         return
-    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    alone = os.environ.get("WORLD_SIZE", "1") == "1"  # the ranks of a larger world must agree on the port
+    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(free_port()) if alone else "29500"}
     for name, value in defaults.items():
         os.environ.setdefault(name, value)
+    # NCCL must not use cuMem-allocated buffers beside vLLM's memory pool (vLLM sets this when imported, too
+    # late for the group created here); every rank sets it alike, whatever its rollout.
+    os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     timeout = default_pg_timeout if timeout_s is None else timedelta(seconds=timeout_s)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=timeout)
+    with rendezvous_watchdog():
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=timeout)
     stop_when_launcher_dies()
     # One device per rank (a no-op on CPU): the rollout copy and the engines then share it.
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+    unlink_shared_memory_buffers()
+
+
+def unlink_shared_memory_buffers() -> None:
+    """Remove the names of DeepSpeed's shared-memory all-reduce buffers (CPU ranks of one machine): each rank
+    creates one in /dev/shm (66 MiB) and maps every other's while the group forms, and nothing removes them,
+    even after a clean exit. Once every rank has mapped them (a barrier) the names can go: the memory stays
+    mapped until the last rank ends, however it ends. Collective."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if get_accelerator().device_name() != "cpu" or os.environ.get("LOCAL_SIZE") != str(world):
+        return  # DeepSpeed makes them for CPU ranks that all share one machine only
+    dist.barrier()
+    # The name DeepSpeed's shm.cpp gives them: deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>.
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}_{rank}"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(Path("/dev/shm") / name)
 
 
 def build_ds_config(

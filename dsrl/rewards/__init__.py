@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dsrl.rewards import arithmetic, gsm8k
 from dsrl.rewards import math as math_answer
 from dsrl.rewards.custom import load_custom_reward_function
+from dsrl.rewards.failure_streak import FailureStreak
 from dsrl.rewards.scorer import FAILURE_COUNTS, RewardScorer, default_num_workers, numeric_extras
 
 _RULES: dict[str, Callable[[str, str], float]] = {
@@ -40,6 +41,26 @@ _RULES: dict[str, Callable[[str, str], float]] = {
 def rule_sources() -> list[str]:
     """The data sources with a built-in rule."""
     return sorted(_RULES)
+
+
+def check_reward_rules(prompt_sets: dict[str, object], *, custom_path: str | None, math_verify_sources) -> None:
+    """ValueError naming every data source of ``prompt_sets`` ({config key: a PromptStore or None}) that nothing
+    would score: without a custom reward function every data source needs a built-in rule (or Math-Verify); one
+    without would score 0 on every row for the whole run."""
+    if custom_path:
+        return
+    scored = set(rule_sources()) | set(math_verify_sources)
+    unmatched = [
+        f"{source!r} ({rows} rows of {key})"
+        for key, prompts in prompt_sets.items() if prompts is not None
+        for source, rows in prompts.source_counts().items() if source not in scored
+    ]
+    if unmatched:
+        raise ValueError(
+            f"data sources without a reward rule: {', '.join(unmatched)}; built-in rules: {rule_sources()}. "
+            "Fix: set custom_reward_function.path to a file defining compute_score(data_source, solution_str, "
+            "ground_truth, extra_info=None), list them in reward.math_verify_sources, or rename data_source"
+        )
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
@@ -78,7 +99,9 @@ def make_compute_score(math_verify_sources: Iterable[str] = ()) -> Callable:
 
 __all__ = [
     "FAILURE_COUNTS",
+    "FailureStreak",
     "RewardScorer",
+    "check_reward_rules",
     "compute_score",
     "default_num_workers",
     "load_custom_reward_function",

@@ -105,13 +105,6 @@ def _mask_padded_vocab(worker: Any, vocab_size: int) -> None:
     model.compute_logits = masked
 
 
-def prepare_environment() -> None:
-    """Settings vLLM needs in this process before the launcher's process group exists: NCCL must not use
-    cuMem-allocated buffers alongside vLLM's memory pool (vLLM sets NCCL_CUMEM_ENABLE=0 when imported,
-    which is too late for the group DeepSpeed creates first)."""
-    os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
-
-
 def check_allocator_for_sleep_mode() -> None:
     """vLLM's sleep mode keeps its memory in a pool of its own, which PyTorch's expandable segments
     cannot share (vLLM asserts at start-up with a message that does not say what to change)."""

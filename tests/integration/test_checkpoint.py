@@ -13,7 +13,17 @@ import deepspeed
 import pytest
 import torch
 
-from dsrl.checkpoint import CheckpointError, export_hf_model, state_config, step_dir, write_state
+from dsrl.checkpoint import (
+    FORMAT,
+    CheckpointError,
+    _files,
+    config_hash,
+    export_hf_model,
+    sha256_file,
+    state_config,
+    step_dir,
+    write_state,
+)
 from dsrl.engines import ActorEngine
 from dsrl.rollout import iter_full_parameters
 from tests.conftest import recipe
@@ -195,12 +205,34 @@ def test_empty_responses_and_equal_rewards_give_no_nan(
     assert not bad
 
 
-def test_resume_refuses_a_changed_run_before_any_model_loads(tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, tmp_path, monkeypatch):
+def write_checkpoint(directory, cfg, *, world_size=1, train_data=(), garbage_in=None):
+    """A checkpoint of ``cfg`` as save_checkpoint leaves it (its engine files stand-ins: a resume that gets as far
+    as loading them has passed every check), the trainer's state complete."""
+    (directory / "actor" / "ds").mkdir(parents=True)
+    (directory / "actor" / "ds" / "model_states.pt").write_bytes(b"weights" * 100)
+    config = state_config(cfg, world_size=world_size)
+    step = int(directory.name.rpartition("_")[2])
+    state = {
+        "format": FORMAT, "dsrl_version": "0.1.0", "global_step": step, "world_size": world_size,
+        "sampler": {"epoch": 0, "index": step}, "kl_coef": 0.001,
+        "skips": {"actor": {"total": 0, "consecutive": 0, "last_bad": {}}}, "lr_schedulers": {"actor": {}},
+        "mlflow_run_id": None, "save_contents": ["model", "optimizer", "extra"],
+        "config": config, "config_hash": config_hash(config), "train_data": list(train_data),
+    }
+    digests = {name: sha256_file(directory / name) for name in _files(directory)}
+    write_state(directory, state, digests)
+    return directory
+
+
+@pytest.fixture
+def resume_setup(tiny_model_dir, arithmetic_data, world_of_one, tmp_path, monkeypatch):
+    """(config overrides, a function that builds a Trainer of them): no model may load, so a Trainer that gets
+    past the checks raises 'a model was loaded'."""
     from dsrl.config import load_and_validate
     import dsrl.trainer
 
     def models_must_not_load(*args, **kwargs):
-        raise AssertionError("a model was loaded before the checkpoint was checked")
+        raise AssertionError("a model was loaded")
 
     monkeypatch.setattr(dsrl.trainer, "ActorEngine", models_must_not_load)
     base = [
@@ -209,30 +241,110 @@ def test_resume_refuses_a_changed_run_before_any_model_loads(tiny_model_dir, ari
         "data.val_files=null",
         f"trainer.default_local_dir={tmp_path}",
     ]
+    return base, lambda *overrides: dsrl.trainer.Trainer(load_and_validate(recipe("grpo"), base + list(overrides), 1)[0])
+
+
+def test_resume_refuses_a_changed_run_before_any_model_loads(resume_setup, arithmetic_data, tmp_path):
+    from dsrl.config import load_and_validate
+    from dsrl.resume import data_identity
+
+    base, build = resume_setup
     saved, _ = load_and_validate(recipe("grpo"), base, world_size=1)
-    step_dir(tmp_path, 2).mkdir(parents=True)
-    write_state(step_dir(tmp_path, 2), {"format": 1, "config": state_config(saved, world_size=1)})
-
-    changed, _ = load_and_validate(recipe("grpo"), base + ["trainer.seed=5"], world_size=1)
+    train_data = data_identity(str(arithmetic_data / "train.parquet"))
+    write_checkpoint(step_dir(tmp_path, 2), saved, train_data=train_data)
     with pytest.raises(CheckpointError, match=r"settings differ from the checkpoint's:\n  trainer.seed: 1 -> 5\nfix:"):
-        dsrl.trainer.Trainer(changed)
+        build("trainer.seed=5")
+    with pytest.raises(AssertionError, match="a model was loaded"):  # past the checks, on to the models
+        build("trainer.seed=5", "trainer.resume_allow_config_change=true")
 
-    allowed, _ = load_and_validate(
-        recipe("grpo"), base + ["trainer.seed=5", "trainer.resume_allow_config_change=true"],
-        world_size=1,
-    )
-    with pytest.raises(AssertionError, match="a model was loaded"):  # past the check, on to the models
-        dsrl.trainer.Trainer(allowed)
-
-    step_dir(tmp_path, 4).mkdir()
-    write_state(step_dir(tmp_path, 4), {"format": 1, "config": state_config(saved, world_size=8)})
+    write_checkpoint(step_dir(tmp_path, 4), saved, world_size=8)
     with pytest.raises(CheckpointError, match="written by 8 ranks, this run has 1"):
-        dsrl.trainer.Trainer(saved)
+        build()
 
-    not_a_checkpoint, _ = load_and_validate(
-        recipe("grpo"),
-        base + ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={arithmetic_data}"],
-        world_size=1,
-    )
     with pytest.raises(CheckpointError, match="not a complete dsrl checkpoint: no trainer_state.json"):
-        dsrl.trainer.Trainer(not_a_checkpoint)
+        build("trainer.resume_mode=resume_path", f"trainer.resume_from_path={arithmetic_data}")
+
+
+def test_a_training_file_changed_since_the_checkpoint_is_refused_before_any_model_loads(resume_setup, tmp_path):
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from dsrl.config import load_and_validate
+    from dsrl.resume import data_identity
+
+    base, build = resume_setup
+    data = tmp_path / "data" / "train.parquet"
+    data.parent.mkdir()
+    shutil.copy(base[1].partition("=")[2], data)
+    base[1] = f"data.train_files={data}"
+    saved, _ = load_and_validate(recipe("grpo"), base, world_size=1)
+    write_checkpoint(step_dir(tmp_path / "run", 2), saved, train_data=data_identity(str(data)))
+    base[3] = f"trainer.default_local_dir={tmp_path / 'run'}"
+    with pytest.raises(AssertionError, match="a model was loaded"):  # the same file: on to the models
+        build()
+    table = pq.read_table(data)
+    pq.write_table(table.slice(0, table.num_rows - 8), data)  # shrunk
+    with pytest.raises(CheckpointError, match=r"data.train_files changed since the checkpoint was written"):
+        build()
+    with pytest.raises(AssertionError, match="a model was loaded"):  # allowed
+        build("trainer.resume_allow_config_change=true")
+
+
+def test_auto_resume_falls_back_past_damaged_checkpoints_saying_why(resume_setup, arithmetic_data, tmp_path, caplog,
+                                                                   monkeypatch):
+    from dsrl.config import load_and_validate
+    from dsrl.resume import data_identity
+
+    import dsrl.trainer
+
+    base, build = resume_setup
+    saved, _ = load_and_validate(recipe("grpo"), base, world_size=1)
+    train_data = data_identity(str(arithmetic_data / "train.parquet"))
+    for step in (2, 4, 6):
+        write_checkpoint(step_dir(tmp_path, step), saved, train_data=train_data)
+    weights = step_dir(tmp_path, 6) / "actor" / "ds" / "model_states.pt"
+    weights.write_bytes(b"garbage" * 100)  # the right size, other bytes
+    state = step_dir(tmp_path, 4) / "trainer_state.json"
+    state.write_text(state.read_text().replace('"index": 4', '"index": 3'))  # an edited sampler position
+    import dsrl.resume
+
+    chosen = []
+    choose = dsrl.resume.checkpoint_to_resume
+    monkeypatch.setattr(dsrl.trainer, "checkpoint_to_resume", lambda *a: chosen.append(choose(*a)[0]) or (None, None))
+    with caplog.at_level("INFO", logger="dsrl"), pytest.raises(AssertionError, match="a model was loaded"):
+        build()
+    assert chosen == [step_dir(tmp_path, 2)]
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: skipping")]
+    assert skipped == [
+        f"resume: skipping {step_dir(tmp_path, 6)}: actor/ds/model_states.pt changed since it was written (its SHA-256 does not match)",
+        f"resume: skipping {step_dir(tmp_path, 4)}: trainer_state.json was changed after it was written (its checksum does not match)",
+    ]
+    with pytest.raises(CheckpointError, match=r"global_step_4: not a complete dsrl checkpoint: trainer_state.json was changed"):
+        build("trainer.resume_mode=resume_path", f"trainer.resume_from_path={step_dir(tmp_path, 4)}")
+
+
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        ("sampler", {"epoch": 0}, "sampler.index is missing or not what dsrl writes there"),
+        ("kl_coef", "0.1", "kl_coef is missing or not what dsrl writes there"),
+        ("global_step", -1, "global_step is missing"),
+        ("mlflow_run_id", 7, "mlflow_run_id is missing"),
+        ("skips", {"actor": {"total": "0"}}, "skips is missing"),
+        ("train_data", [{"path": "a"}], "train_data is missing"),
+        ("config_hash", "0" * 64, "config does not match its config_hash"),
+        ("lr_schedulers", {}, "lr_schedulers has no state of actor"),
+    ],
+)
+def test_a_state_whose_fields_dsrl_would_not_write_is_refused(field, value, why):
+    from dsrl.resume import fields_problem
+
+    state = {
+        "global_step": 2, "world_size": 1, "sampler": {"epoch": 0, "index": 2}, "kl_coef": 0.1,
+        "skips": {"actor": {"total": 0, "consecutive": 0, "last_bad": {}}}, "lr_schedulers": {"actor": {}},
+        "mlflow_run_id": None, "save_contents": ["model"], "config": {"a": 1}, "config_hash": config_hash({"a": 1}),
+        "train_data": [],
+    }
+    assert fields_problem(state, ["actor"]) is None
+    assert why in fields_problem({**state, field: value}, ["actor"])

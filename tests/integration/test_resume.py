@@ -86,26 +86,30 @@ def test_sigterm_saves_exits_143_and_resumes_exactly(baselines, overrides_for, f
     assert assert_same_run(baselines.result("grpo"), tmp_path, first_step=1) == STEPS
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_second_signal_exits_at_once(signum):
-    """The first signal only asks the loop to stop after its step; a second one ends the process
-    at once with 128 + the signal number."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_second_signal_exits_at_once(signum, tmp_path):
+    """The first signal only asks the loop to stop after its step; a second one ends the process at once
+    with 128 + the signal number, once the at_kill callbacks ran (the MLflow run marked KILLED)."""
     import subprocess
     import sys
 
     code = (
-        "import os, signal, time\n"
+        "import os, sys, time\n"
         "from dsrl.console import setup_logging\n"
-        "from dsrl.trainer import StopSignals\n"
+        "from dsrl.signals import RunSignals\n"
         "setup_logging(rank=0)\n"
-        "with StopSignals(rank=0) as s:\n"
+        "signals = RunSignals().install()\n"
+        "signals.at_kill(lambda: open(sys.argv[1], 'w').write('killed'))\n"
+        "with signals.deferred(rank=0):\n"
         f"    os.kill(os.getpid(), {int(signum)})\n"
-        f"    assert s.signum == {int(signum)}\n"
+        f"    assert signals.signum == {int(signum)}\n"
         f"    os.kill(os.getpid(), {int(signum)})\n"
         "    time.sleep(60)\n"
     )
     start = time.time()
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    marker = tmp_path / "at_kill"
+    result = subprocess.run([sys.executable, "-c", code, str(marker)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 128 + signum, result.stderr
     assert f"{signal.Signals(signum).name} received: finishing this step" in result.stdout
+    assert marker.read_text() == "killed"
     assert time.time() - start < 60

@@ -91,19 +91,49 @@ def test_a_crash_ends_the_run_failed(store, tiny_model_dir, arithmetic_data, ds_
 
 
 def test_a_signal_ends_the_run_killed(store, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one,
-                                      deepspeed_cpu_ops, tmp_path, monkeypatch):
+                                      deepspeed_cpu_ops, tmp_path):
     import signal
 
-    from dsrl.trainer import StopSignals, TrainingInterrupted
+    from dsrl.signals import RunSignals, TrainingInterrupted
 
     trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out",
                           "trainer.logger=[console,mlflow]", "trainer.val_before_train=false")
-    monkeypatch.setattr(StopSignals, "received", lambda self: int(signal.SIGTERM))  # as if a rank got SIGTERM
+    signals = RunSignals()
+    signals.signum = int(signal.SIGTERM)  # as if a rank got SIGTERM during the first step
     with pytest.raises(TrainingInterrupted):
-        trainer.fit()
+        trainer.fit(signals)
     run = the_run(store)
     assert run.info.status == "KILLED"
     assert [m.step for m in store.get_metric_history(run.info.run_id, "critic/score/mean")] == [1]
+
+
+@pytest.mark.parametrize("phase", ["validate", "export"])
+def test_a_signal_outside_the_loop_stops_at_once_and_ends_the_run_killed(
+    phase, store, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    """A real SIGTERM during the validation before training, or during the final export: nothing is left to
+    finish, so the handler stops the run where it is, and the MLflow run ends KILLED (not RUNNING, not FAILED)."""
+    import os
+    import signal
+
+    from dsrl.signals import Interrupted, TrainingInterrupted
+
+    trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out",
+                          "trainer.logger=[console,mlflow]", "trainer.total_training_steps=1")
+    method = {"validate": "validate", "export": "export_final_model"}[phase]
+    original = getattr(trainer, method)
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+
+    setattr(trainer, method, signalled)
+    with pytest.raises(Interrupted) as raised:
+        trainer.fit()
+    assert not isinstance(raised.value, TrainingInterrupted) and raised.value.phase == phase
+    assert raised.value.exit_code == 143
+    assert the_run(store).info.status == "KILLED"
+    assert trainer.scorer._pool is None  # the reward workers stopped
 
 
 def test_a_resumed_run_continues_its_mlflow_run(store, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one,

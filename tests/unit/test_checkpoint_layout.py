@@ -20,35 +20,55 @@ def fake_checkpoint(root, step, roles=("actor",), state_extra=None):
     for role in roles:
         (directory / role / "ds").mkdir(parents=True)
         (directory / role / "ds" / "weights.pt").write_bytes(b"x" * (10 + step))
-    ckpt.write_state(directory, {"format": ckpt.FORMAT, "global_step": step, **(state_extra or {})})
+    digests = {name: ckpt.sha256_file(directory / name) for name in ckpt._files(directory)}
+    ckpt.write_state(directory, {"format": ckpt.FORMAT, "global_step": step, **(state_extra or {})}, digests)
     return directory
 
 
-def test_resume_takes_the_newest_complete_checkpoint_and_says_why_it_skipped_others(tmp_path):
-    for step in (2, 4, 6, 8):
-        fake_checkpoint(tmp_path, step)
-    (ckpt.step_dir(tmp_path, 8) / "actor" / "ds" / "weights.pt").write_bytes(b"short")  # truncated
-    (ckpt.step_dir(tmp_path, 6) / ckpt.STATE_FILE).unlink()  # never finished
-    (tmp_path / ".tmp_global_step_10").mkdir()  # a save that crashed: not a checkpoint at all
-    (tmp_path / "global_step_12").write_text("")  # a file, not a directory
-    path, skipped = ckpt.newest_complete(tmp_path)
-    assert path == ckpt.step_dir(tmp_path, 4)
-    assert skipped == [
-        f"skipping {ckpt.step_dir(tmp_path, 8)}: actor/ds/weights.pt has 5 bytes, 18 were written",
-        f"skipping {ckpt.step_dir(tmp_path, 6)}: no trainer_state.json (not a dsrl checkpoint, or its save never finished)",
-    ]
-    assert ckpt.newest_complete(tmp_path / "nothing-here") == (None, [])
+def problem(directory):
+    """What a resume finds wrong with ``directory``: its state, then its files' contents (one rank), or None."""
+    state, why = ckpt.state_problem(directory)
+    return why or next(iter(ckpt.file_problems(directory, state["files"], rank=0, world=1)), None)
 
 
-def test_a_checkpoint_with_a_missing_or_unreadable_state_is_refused_with_the_fix(tmp_path):
+def test_a_checkpoint_checks_out_only_as_it_was_written(tmp_path):
+    directory = fake_checkpoint(tmp_path, 8)
+    assert problem(directory) is None
+    weights = directory / "actor" / "ds" / "weights.pt"
+    weights.write_bytes(b"short")
+    assert problem(directory) == "actor/ds/weights.pt has 5 bytes, 18 were written"
+    weights.write_bytes(b"y" * 18)  # the right size, other bytes
+    assert problem(directory) == "actor/ds/weights.pt changed since it was written (its SHA-256 does not match)"
+    weights.unlink()
+    assert problem(directory) == "actor/ds/weights.pt is missing"
+    (directory / ckpt.STATE_FILE).unlink()
+    assert problem(directory) == "no trainer_state.json (not a dsrl checkpoint, or its save never finished)"
+
+
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (lambda state: state.update(global_step=9), "trainer_state.json was changed after it was written"),
+        (lambda state: state.pop("files"), "trainer_state.json was changed after it was written"),
+        (lambda state: state.update(format=1), "in checkpoint format 1, which this dsrl"),
+    ],
+)
+def test_an_edited_state_is_refused(tmp_path, edit, why):
     directory = fake_checkpoint(tmp_path, 2)
-    (directory / "actor" / "ds" / "weights.pt").unlink()
-    with pytest.raises(ckpt.CheckpointError, match="actor/ds/weights.pt is missing; fix: point it at a global_step_N"):
-        ckpt.read_state(directory)
-    (directory / ckpt.STATE_FILE).write_text("{not json")
-    assert ckpt.checkpoint_problem(directory).startswith("trainer_state.json is unreadable")
-    (directory / ckpt.STATE_FILE).write_text(json.dumps({"format": 99, "files": {}}))
-    assert "not a dsrl checkpoint state of format 1" in ckpt.checkpoint_problem(directory)
+    state = json.loads((directory / ckpt.STATE_FILE).read_text())
+    edit(state)
+    (directory / ckpt.STATE_FILE).write_text(json.dumps(state))
+    assert why in problem(directory)
+
+
+def test_a_state_for_another_step_or_unreadable_is_refused(tmp_path):
+    directory = fake_checkpoint(tmp_path, 2)
+    directory.rename(ckpt.step_dir(tmp_path, 3))  # a copy under another step's name
+    assert problem(ckpt.step_dir(tmp_path, 3)) == "trainer_state.json is for step 2, not 3"
+    (ckpt.step_dir(tmp_path, 3) / ckpt.STATE_FILE).write_text("{not json")
+    assert problem(ckpt.step_dir(tmp_path, 3)).startswith("trainer_state.json is unreadable")
+    (ckpt.step_dir(tmp_path, 3) / ckpt.STATE_FILE).write_text("[1, 2]")
+    assert problem(ckpt.step_dir(tmp_path, 3)) == "trainer_state.json is not a dsrl checkpoint state"
 
 
 def test_publish_replaces_the_pointer_and_an_older_copy_of_the_step(tmp_path):
@@ -69,9 +89,8 @@ def test_prune_keeps_each_roles_newest_checkpoints(tmp_path):
     assert sorted(ckpt.complete_steps(tmp_path)) == [3, 4]
     assert (ckpt.step_dir(tmp_path, 4) / "actor").is_dir()
     assert not (ckpt.step_dir(tmp_path, 3) / "actor").exists() and (ckpt.step_dir(tmp_path, 3) / "critic").is_dir()
-    # the half-kept step 3 is no longer resumable and is skipped with its reason
-    assert ckpt.newest_complete(tmp_path)[0] == ckpt.step_dir(tmp_path, 4)
-    assert ckpt.checkpoint_problem(ckpt.step_dir(tmp_path, 3)) == "actor/ds/weights.pt is missing"
+    # the half-kept step 3 is no longer resumable, with its reason
+    assert problem(ckpt.step_dir(tmp_path, 3)) == "actor/ds/weights.pt is missing"
     ckpt.prune(tmp_path, {"actor": None, "critic": None})  # null keeps everything
     assert sorted(ckpt.complete_steps(tmp_path)) == [3, 4]
 

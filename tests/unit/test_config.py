@@ -946,8 +946,8 @@ def test_validation_imports_nothing_heavy(files):
 
 def test_main_hands_the_validated_config_to_the_trainer(files, monkeypatch):
     trained = []
-    errors = {name: type(name, (Exception,), {}) for name in ("CheckpointError", "TrainingInterrupted", "TrainingStopped")}
-    monkeypatch.setitem(sys.modules, "dsrl.trainer", types.SimpleNamespace(train=trained.append, **errors))
+    trainer = types.SimpleNamespace(train=lambda cfg, signals: trained.append(cfg), TrainingStopped=RuntimeError)
+    monkeypatch.setitem(sys.modules, "dsrl.trainer", trainer)
     monkeypatch.setenv("WORLD_SIZE", "1")
     main = runpy.run_path(TRAIN)["main"]
     assert main([*recipe("grpo"), *files, "data.train_batch_size=16"]) == 0

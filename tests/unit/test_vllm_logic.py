@@ -149,15 +149,6 @@ def test_requests_carry_seeds_only_with_per_prompt_seeds():
     assert seeds == again and len(set(seeds)) == 3 and all(isinstance(s, int) for s in seeds)
 
 
-def test_nccl_is_kept_off_cumem_unless_the_user_chose(monkeypatch):
-    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
-    vllm_rollout.prepare_environment()
-    assert vllm_rollout.os.environ["NCCL_CUMEM_ENABLE"] == "0"
-    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")
-    vllm_rollout.prepare_environment()
-    assert vllm_rollout.os.environ["NCCL_CUMEM_ENABLE"] == "1"
-
-
 def test_expandable_segments_are_refused_with_sleep_mode(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True")
     with pytest.raises(ValueError, match="expandable_segments:True.*enable_sleep_mode=false"):
