@@ -141,7 +141,7 @@ def free_port() -> int:
 
 # Launchers and the variables they set: a rank started by none of them got WORLD_SIZE from somewhere else.
 _LAUNCHER_VARIABLES = ("LOCAL_SIZE", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_PROCID")
-RENDEZVOUS_REPORT_S = 30.0
+RENDEZVOUS_REPORT_S = 15.0
 
 
 @contextmanager

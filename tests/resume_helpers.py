@@ -24,7 +24,7 @@ from tests.conftest import QUICKSTART, RANK_LOCAL, recipe
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "train_worker.py"
-STEPS = 6
+STEPS = 5
 
 
 # Every configuration dsrl ships, as the tests run it: each recipe under the CPU overlay, and the quickstart.

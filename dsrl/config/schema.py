@@ -485,7 +485,7 @@ class RewardConfig:
     )
     log_max_mb: int = _f(
         64,
-        "size in MB past which the workers' log reward_workers_rank<R>.log is rotated (renamed to .1, replacing an older .1; writing goes on in a new file), so about twice this is on disk; 0 = no limit",
+        "size in MB past which the workers' log reward_workers_rank<R>.log is rotated (renamed to .1, replacing the previous .1; writing goes on in a new file), so about twice this is on disk; 0 = no limit",
     )
 
 

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import math
 import os
@@ -27,6 +28,8 @@ import re
 import threading
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -119,6 +122,21 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
+@contextmanager
+def _sqlite_store_lock(uri: str) -> Iterator[None]:
+    """Within ``with``: this process alone opens the sqlite store at ``uri`` (other URIs: no lock). MLflow creates a
+    new store's tables on first use; two runs doing it at once race, and the loser's tracking fails ("table
+    latest_metrics already exists"). An ``flock`` on ``<db>.lock`` beside the file serialises them."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    database = Path(uri.removeprefix("sqlite:///"))
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{database}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file drops the lock
+
+
 class MLflowBackend:
     def __init__(self, project_name: str, experiment_name: str, run_id: str | None = None,
                  tags: dict[str, str] | None = None, *, report: Report):
@@ -132,16 +150,17 @@ class MLflowBackend:
         self._limits = validation
         self.report = report
         self.tracking_uri = default_tracking_uri()
-        self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self._existing_params: dict[str, str] = {}
         self._metric_names = MetricNames(validation.MAX_ENTITY_KEY_LENGTH)
         project_name, experiment_name = redact_text(project_name), redact_text(experiment_name)
         tags = tags or {}
         attach = run_id or os.environ.get("MLFLOW_RUN_ID") or None
-        run = self._attach(attach, tags) if attach else None
-        self.attached = run is not None
-        if run is None:
-            run = self._create(project_name, experiment_name, tags)
+        with _sqlite_store_lock(self.tracking_uri):
+            self.client = MlflowClient(tracking_uri=self.tracking_uri)
+            run = self._attach(attach, tags) if attach else None
+            self.attached = run is not None
+            if run is None:
+                run = self._create(project_name, experiment_name, tags)
         self.run_id: str = run.info.run_id
         self.experiment_id: str = run.info.experiment_id
 

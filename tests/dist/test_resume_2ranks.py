@@ -1,8 +1,8 @@
 """Exact resume on two CPU ranks under the real ``deepspeed`` launcher, in every configuration dsrl ships
 (each recipe under the CPU overlay, and the quickstart): a run resumed from the uninterrupted run's
-step-4 checkpoint (tests/integration/test_resume.py resumes at step 2), and in two of them killed with
-SIGKILL on the way (the launcher then stops the other rank) and resumed again, is bit-identical to the
-uninterrupted run at every later step: each rank's metrics, partitions, optimizer state and RNG.
+step-3 checkpoint (tests/integration/test_resume.py resumes at step 2), in PPO's case killed with SIGKILL on
+the way (the launcher then stops the other rank) and resumed again, is bit-identical to the uninterrupted
+run at every later step: each rank's metrics, partitions, optimizer state and RNG.
 """
 
 from __future__ import annotations
@@ -13,11 +13,8 @@ from tests.resume_helpers import SHIPPED, STEPS, Baselines, assert_same_run, res
 
 pytestmark = pytest.mark.dist
 
-RESUME_AT = 4
-KILLS = {
-    "rloo": [("update@6", 5)],
-    "reinforce_pp": [("save_engines@5", 4)],
-}
+RESUME_AT = 3
+KILLS = {"ppo": [("write_state@4", 3)]}
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,11 @@ def test_ranks_log_the_same_metrics(setup, tmp_path):
 
 def test_train_script_runs_under_the_launcher(setup):
     overrides, env, launcher = setup
-    stdout = run([*launcher(), str(REPO / "scripts" / "train.py"), *QUICKSTART, *overrides], env)
+    command = launcher()
+    port = command[command.index("--master_port") + 1]
+    stdout = run([*command, str(REPO / "scripts" / "train.py"), *QUICKSTART, *overrides], env)
+    # DeepSpeed's shared-memory all-reduce buffers of the run (66 MiB a rank) are not left in /dev/shm
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     # the launcher pipes stdout: plain lines, not a progress bar; rank 0 alone logs them
     assert re.search(r"^\[dsrl r0 \d\d:\d\d:\d\d\] step 2/2 score=", stdout, re.M)
     assert "[dsrl r1 " not in stdout

@@ -7,7 +7,7 @@ Each run is a real process (``tests/train_worker.py``): the configuration as shi
 model, the test data and reward, and ``STEPS`` steps with a checkpoint after each (``resume_overrides``).
 Under the CPU overlay every recipe takes one optimizer step per training step, so the resume points
 below are also optimizer-step counts: 2 (DeepSpeed's CPU Adam once took the third step differently in a
-resumed process), and 3 or 4 after a kill. Uninterrupted runs execute beside the resumed ones (one thread
+resumed process), and 3 after a kill. Uninterrupted runs execute beside the resumed ones (one thread
 each, two cores).
 """
 
@@ -31,16 +31,14 @@ from tests.resume_helpers import (
     start_worker,
 )
 
-# Each resumed chain starts from the uninterrupted run's step-2 checkpoint; three are killed with SIGKILL on
-# the way, at a phase of writing a checkpoint or in the middle of a step: (kill point, the checkpoint the next
-# run resumes from: a kill while a checkpoint is written falls back to the one before, a kill right after one
-# is published resumes from it). tests/dist/test_resume_2ranks.py resumes the same configurations at step 4.
+# Each resumed chain starts from the uninterrupted run's step-2 checkpoint; two are killed with SIGKILL on the
+# way, while a checkpoint is written or in the middle of a step: (kill point, the checkpoint the next run resumes
+# from: a kill while a checkpoint is written falls back to the one before). tests/dist/test_resume_2ranks.py
+# resumes the same configurations at step 3, and tests/unit/test_adam_resume.py the optimizer at every count.
 RESUME_AT = 2
 KILLS = {
     "grpo": [("save_engines@4", 3)],
-    "ppo": [("write_state@5", 4)],
-    "otb": [("publish@3", 3)],
-    "quickstart": [("update@5", 4)],
+    "quickstart": [("update@4", 3)],
 }
 
 

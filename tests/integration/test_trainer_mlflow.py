@@ -107,19 +107,20 @@ def test_a_signal_ends_the_run_killed(store, tiny_model_dir, arithmetic_data, ds
     assert [m.step for m in store.get_metric_history(run.info.run_id, "critic/score/mean")] == [1]
 
 
-@pytest.mark.parametrize("phase", ["validate", "export"])
+@pytest.mark.parametrize("phase, overrides", [("validate", []), ("validate", ["trainer.val_only=true"]), ("export", [])])
 def test_a_signal_outside_the_loop_stops_at_once_and_ends_the_run_killed(
-    phase, store, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+    phase, overrides, store, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
 ):
-    """A real SIGTERM during the validation before training, or during the final export: nothing is left to
-    finish, so the handler stops the run where it is, and the MLflow run ends KILLED (not RUNNING, not FAILED)."""
+    """A real SIGTERM during the validation before training, a validation-only run, or the final export: nothing
+    is left to finish, so the handler stops the run where it is, and the MLflow run ends KILLED (not RUNNING, not
+    FAILED)."""
     import os
     import signal
 
     from dsrl.signals import Interrupted, TrainingInterrupted
 
     trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out",
-                          "trainer.logger=[console,mlflow]", "trainer.total_training_steps=1")
+                          "trainer.logger=[console,mlflow]", "trainer.total_training_steps=1", *overrides)
     method = {"validate": "validate", "export": "export_final_model"}[phase]
     original = getattr(trainer, method)
 
