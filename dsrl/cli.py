@@ -95,7 +95,7 @@ def split_files_and_overrides(items: list[str]) -> tuple[list[str], list[str]]:
 
 def refuse(header: str, problems: list[str]) -> int:
     """Exit code 2 with the problems (one line each) printed once, by rank 0; a run of several ranks has
-    gathered every rank's (``report_across_ranks``)."""
+    gathered every rank's (``refused_across_ranks``, ``dsrl.trainer.Trainer``)."""
     if os.environ.get("RANK", "0") == "0":
         print(redact_text(f"dsrl: {header}:"), file=sys.stderr)
         for problem in problems:
@@ -129,9 +129,7 @@ def leave_together(code: int) -> int:
 
 
 def where_stopped(err: Interrupted) -> str:
-    """The message of a run a signal stopped, with what is left and how to go on."""
-    if isinstance(err, TrainingInterrupted):
-        return f"{err}; run the same command to resume (trainer.resume_mode=auto)"
+    """The message of a run a signal stopped outside the training loop, with what is left and how to go on."""
     if err.phase == "export":
         after = "training finished and its checkpoints are complete, but the final model was not exported"
     else:

@@ -6,9 +6,9 @@ blindly:
 - ``checkpoint_to_resume``: the checkpoint ``trainer.resume_mode`` asks for (``auto``: the newest under
   ``trainer.default_local_dir``; ``resume_path``: ``trainer.resume_from_path``) whose state checks out
   (``dsrl.checkpoint.state_problem``: unchanged since written, this format and step, every file there with
-  its size; ``fields_problem``: every field of the trainer's state of the expected type) and whose files' SHA-256 match the
-  manifest (each rank hashes a share). ``auto`` falls back to the previous checkpoint and says why; an
-  explicit path is refused with the reason.
+  its size; ``fields_problem``: every field of the trainer's state of the expected type) and whose files'
+  SHA-256 match the manifest (each rank hashes a share). ``auto`` falls back to the previous checkpoint and
+  says why; an explicit path is refused with the reason.
 - ``check_settings``: the same world size, and the settings that shape the run unchanged (unless
   ``trainer.resume_allow_config_change``).
 - ``check_train_data``: the training files as they were (size and SHA-256 of each, in order), since the
@@ -78,13 +78,16 @@ def _count(minimum: int):
     return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= minimum
 
 
-_NUMBER = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+def _finite_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 # Each field of a state and what its value must be: a check, or the checks of its keys.
 _FIELDS = {
     "global_step": _count(0),
     "world_size": _count(1),
     "sampler": {"epoch": _count(0), "index": _count(0)},
-    "kl_coef": _NUMBER,
+    "kl_coef": _finite_number,
     "skips": lambda v: isinstance(v, dict) and all(
         isinstance(s, dict) and _count(0)(s.get("total")) and _count(0)(s.get("consecutive")) for s in v.values()
     ),

@@ -58,6 +58,19 @@ def write_parquet_stub(path: Path) -> Path:
     return path
 
 
+def stub_file_overrides(folder: Path) -> list[str]:
+    """Overrides pointing every file key at stubs in ``folder`` that pass validation (the shipped YAMLs name
+    outputs/ files): training and validation data, then the actor's model directory."""
+    write_parquet_stub(folder / "train.parquet")
+    write_parquet_stub(folder / "test.parquet")
+    write_model_stub(folder / "model")
+    return [
+        f"data.train_files={folder / 'train.parquet'}",
+        f"data.val_files={folder / 'test.parquet'}",
+        f"actor_rollout_ref.model.path={folder / 'model'}",
+    ]
+
+
 def config_problems(files: list[str], overrides: list[str], world_size: int = 1) -> list[str]:
     """The violations ``load_and_validate`` reports for ``files`` + ``overrides``; [] when the config is valid."""
     from dsrl.config import ConfigError, load_and_validate

@@ -14,7 +14,7 @@ from omegaconf.errors import ReadonlyConfigError
 
 from dsrl import config as C
 from dsrl.config import loading, schema
-from tests.conftest import QUICKSTART, recipe, run_train_without_torch, write_model_stub, write_parquet_stub
+from tests.conftest import QUICKSTART, recipe, run_train_without_torch, stub_file_overrides, write_parquet_stub
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAYS = ("cpu", "quickstart")  # applied on top of a recipe
@@ -25,14 +25,7 @@ TRAIN = str(REPO / "scripts" / "train.py")
 @pytest.fixture
 def files(tmp_path):
     """Overrides pointing every file key at files that exist (the shipped YAMLs name outputs/ ones)."""
-    write_parquet_stub(tmp_path / "train.parquet")
-    write_parquet_stub(tmp_path / "test.parquet")
-    write_model_stub(tmp_path / "model")
-    return [
-        f"data.train_files={tmp_path / 'train.parquet'}",
-        f"data.val_files={tmp_path / 'test.parquet'}",
-        f"actor_rollout_ref.model.path={tmp_path / 'model'}",
-    ]
+    return stub_file_overrides(tmp_path)
 
 
 def critic_path(files):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dsrl import config as C
-from tests.conftest import REPO, recipe, run_train_without_torch, write_model_stub, write_parquet_stub
+from tests.conftest import REPO, recipe, run_train_without_torch, stub_file_overrides, write_parquet_stub
 
 ACTOR = "actor_rollout_ref.model.path"
 RUN_DIR = "trainer.default_local_dir"
@@ -26,15 +26,7 @@ RUN_DIR = "trainer.default_local_dir"
 @pytest.fixture
 def inputs(tmp_path):
     """Overrides naming real files of every kind validation reads, all valid; the run folder does not exist yet."""
-    write_parquet_stub(tmp_path / "train.parquet")
-    write_parquet_stub(tmp_path / "test.parquet")
-    write_model_stub(tmp_path / "model")
-    return [
-        f"data.train_files={tmp_path / 'train.parquet'}",
-        f"data.val_files={tmp_path / 'test.parquet'}",
-        f"{ACTOR}={tmp_path / 'model'}",
-        f"{RUN_DIR}={tmp_path / 'run'}",
-    ]
+    return [*stub_file_overrides(tmp_path), f"{RUN_DIR}={tmp_path / 'run'}"]
 
 
 def problems(overrides, files=None, seconds=30):
