@@ -332,12 +332,18 @@ class RewardScorer:
             )
         if self._pool is None:
             raise RuntimeError("score_batch after close()")
-        if not self._pool.active:
-            logger.warning("reward: the worker pool broke down; starting a new one")
-            self._finalizer()
-            self._start_pool()
+        self._replace_broken_pool()
         rows = list(zip(data_sources, responses, ground_truths, extra_infos, strict=True))
         outcomes, self.first_failure = self._run(rows)
+        # pebble breaks the whole pool when a worker dies before pebble has recorded which call it took: the
+        # calls in flight then fail through no fault of their own. They run once more, on a new pool; what
+        # fails so again counts as a crash.
+        lost = [i for i, outcome in enumerate(outcomes) if outcome[0] == "broken"]
+        if lost:
+            self._replace_broken_pool()
+            again, _ = self._run([rows[i] for i in lost])
+            for i, outcome in zip(lost, again):
+                outcomes[i] = ("crash", outcome[1]) if outcome[0] == "broken" else outcome
 
         scores, row_extras = [self.fallback_score] * n, [{}] * n
         failures: dict[str, list[str]] = {kind: [] for kind in FAILURE_KINDS}
@@ -356,9 +362,15 @@ class RewardScorer:
                 )
         return scores, extras, {name: len(failures[kind]) for name, kind in zip(FAILURE_COUNTS, FAILURE_KINDS)}
 
+    def _replace_broken_pool(self) -> None:
+        if not self._pool.active:
+            logger.warning("reward: the worker pool broke down; starting a new one")
+            self._finalizer()
+            self._start_pool()
+
     def _run(self, rows: list[tuple]) -> tuple[list[tuple], str | None]:
-        """One outcome per row (see ``dsrl.rewards.worker``), ``("timeout" | "crash", message)`` added, and
-        the message of the first call to fail (in time: a call that ran, not one cancelled). Cuts short a
+        """One outcome per row (see ``dsrl.rewards.worker``), ``("timeout" | "crash" | "broken", message)`` added
+        (``broken``: the pool broke down under the call), and the message of the first call to fail (in time: a call that ran, not one cancelled). Cuts short a
         batch that hangs and reports a slow one (the module doc)."""
         if self.batch:
             size = self.batch_chunk_size or max(1, -(-len(rows) // self.num_workers))
@@ -418,7 +430,7 @@ class RewardScorer:
 
     def _outcomes(self, future, size: int) -> list[tuple]:
         if isinstance(future, Exception):
-            return [("crash", f"the reward worker pool broke down: {future}")] * size
+            return [("broken", f"the reward worker pool broke down: {future}")] * size
         try:
             outcomes = future.result()
         except FutureTimeoutError:
@@ -431,7 +443,7 @@ class RewardScorer:
             )
             return [("crash", f"the reward worker died ({_exit_reason(exc.exitcode)}) in this call{memory}")] * size
         except (BrokenProcessPool, RuntimeError) as exc:
-            return [("crash", f"the reward worker pool broke down: {type(exc).__name__}: {exc}")] * size
+            return [("broken", f"the reward worker pool broke down: {type(exc).__name__}: {exc}")] * size
         except Exception as exc:  # noqa: BLE001 -- e.g. arguments pebble could not pickle
             return [("exception", f"{type(exc).__name__}: {exc}")] * size
         return outcomes

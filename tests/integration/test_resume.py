@@ -13,6 +13,7 @@ each, two cores).
 
 from __future__ import annotations
 
+import shutil
 import signal
 import time
 
@@ -31,13 +32,14 @@ from tests.resume_helpers import (
     start_worker,
 )
 
-# Each resumed chain starts from the uninterrupted run's step-2 checkpoint; two are killed with SIGKILL on the
-# way, while a checkpoint is written or in the middle of a step: (kill point, the checkpoint the next run resumes
+# Each resumed chain starts from the uninterrupted run's step-2 checkpoint; three are killed with SIGKILL on the
+# way, at a phase of writing a checkpoint or in the middle of a step (and RLOO's is stopped by SIGTERM below): (kill point, the checkpoint the next run resumes
 # from: a kill while a checkpoint is written falls back to the one before). tests/dist/test_resume_2ranks.py
 # resumes the same configurations at step 3, and tests/unit/test_adam_resume.py the optimizer at every count.
 RESUME_AT = 2
 KILLS = {
     "grpo": [("save_engines@4", 3)],
+    "otb": [("publish@3", 3)],
     "quickstart": [("update@4", 3)],
 }
 
@@ -64,12 +66,13 @@ def test_killed_and_resumed_run_is_bit_identical(name, baselines, overrides_for,
 
 
 def test_sigterm_saves_exits_143_and_resumes_exactly(baselines, overrides_for, free_port, tmp_path):
-    baselines.start("grpo")
-    overrides = overrides_for("grpo", tmp_path / "ckpt")
-    process = start_worker("grpo", overrides, tmp_path, port=free_port())
+    start = baselines.checkpoint("rloo", RESUME_AT)
+    shutil.copytree(start, tmp_path / "ckpt" / start.name)
+    overrides = overrides_for("rloo", tmp_path / "ckpt")
+    process = start_worker("rloo", overrides, tmp_path, port=free_port())
     deadline = time.time() + 300
-    while not any(e["step"] == 3 for e in logged_steps(tmp_path)):
-        assert process.poll() is None and time.time() < deadline, "the run ended before step 3"
+    while not any(e["step"] == RESUME_AT + 1 for e in logged_steps(tmp_path)):
+        assert process.poll() is None and time.time() < deadline, "the run ended before its first step"
         time.sleep(0.2)
     process.send_signal(signal.SIGTERM)
     code, output = finish(process)
@@ -78,10 +81,10 @@ def test_sigterm_saves_exits_143_and_resumes_exactly(baselines, overrides_for, f
     assert stopped < STEPS
     assert f"checkpoint saved to {tmp_path / 'ckpt' / f'global_step_{stopped}'}" in output
     assert "SIGTERM received: finishing this step" in output
-    code, output = run_worker("grpo", overrides, tmp_path, port=free_port())
+    code, output = run_worker("rloo", overrides, tmp_path, port=free_port())
     assert code == 0, output[-3000:]
     assert f"resumed from {tmp_path / 'ckpt' / f'global_step_{stopped}'}" in output
-    assert assert_same_run(baselines.result("grpo"), tmp_path, first_step=1) == STEPS
+    assert assert_same_run(baselines.result("rloo"), tmp_path, first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])

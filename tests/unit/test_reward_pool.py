@@ -510,3 +510,27 @@ def test_from_config_passes_every_key(files, tmp_path, batch_file):
         assert scorer.batch and scorer.batch_chunk_size == 5 and len(scorer.worker_pids()) == 2
         assert scorer.score_batch(["s"] * 2, ["a", "b"], ["a", "a"], [None] * 2)[0] == [1.0, 0.0]
 
+
+
+def test_rows_lost_to_a_broken_pool_run_once_more(scorer, monkeypatch):
+    """pebble breaks the whole pool when a worker dies before pebble recorded which call it took ("All workers
+    expired"): the other calls in flight fail through no fault of theirs. They run once more on a new pool; a
+    call lost twice counts as a crash."""
+    run, calls = scorer._run, []
+
+    def first_run_loses_rows(rows):
+        outcomes, first = run(rows)
+        calls.append([row[1] for row in rows])
+        if len(calls) == 1:
+            outcomes = [("broken", "the reward worker pool broke down: All workers expired") if row[1] != "b"
+                        else outcome for row, outcome in zip(rows, outcomes)]
+        return outcomes, first
+
+    monkeypatch.setattr(scorer, "_run", first_run_loses_rows)
+    assert score(scorer, ["a", "b", "a"]) == ([1.0, 0.0, 1.0], {}, counts_of())
+    assert calls == [["a", "b", "a"], ["a", "a"]]  # the lost rows, once more
+
+    calls.clear()
+    monkeypatch.setattr(scorer, "_run", lambda rows: (calls.append(rows) or [("broken", "lost")] * len(rows), "lost"))
+    assert score(scorer, ["a", "b"]) == ([FALLBACK, FALLBACK], {}, counts_of(crash=2))
+    assert len(calls) == 2
