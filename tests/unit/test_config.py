@@ -948,6 +948,23 @@ def test_main_hands_the_validated_config_to_the_trainer(files, monkeypatch):
     assert cfg.data.train_batch_size == 16 and cfg.algorithm.adv_estimator == "grpo"
 
 
+def test_an_unexpected_error_is_reported_with_its_rank_and_host(files, monkeypatch, capsys):
+    """On any rank, not only rank 0: the one line that says where, then the traceback; exit code 1."""
+    import socket
+
+    def train(cfg, signals):
+        raise KeyError("a bug")
+
+    monkeypatch.setitem(sys.modules, "dsrl.trainer", types.SimpleNamespace(train=train, TrainingStopped=RuntimeError))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "3")
+    main = runpy.run_path(TRAIN)["main"]
+    assert main([*recipe("grpo"), *files]) == 1
+    err = capsys.readouterr().err
+    assert f"dsrl: rank 3 on {socket.gethostname()}: the run failed with an unexpected error:\nTraceback" in err
+    assert err.rstrip().endswith("KeyError: 'a bug'")
+
+
 # ---------------------------------------------------------------- vllm rollout keys and rollout correction (issue 4)
 
 
