@@ -20,10 +20,10 @@ checkpoints are renamed to ``.trash_*`` before they are deleted, so a crash whil
 a half-deleted ``global_step_*``. A rank that cannot write its part (a full disk) removes the
 temporary directory and stops the run with ``CheckpointWriteError``, saying what failed and the free
 space. Resuming (``dsrl.resume``) takes the newest checkpoint whose state and files check out:
-``state_problem`` (the state parses, is unchanged since it was written and has the expected fields
-and types, and every file of the manifest is there with its size), then ``file_problems`` (every
-file's SHA-256, the ranks hashing a share each); a crash at any point of a save, or a file changed
-since, falls back to the previous checkpoint.
+``state_problem`` (the state parses, is unchanged since it was written, names this step, and every
+file of the manifest is there with its size; ``dsrl.resume`` checks its fields), then
+``file_problems`` (every file's SHA-256, the ranks hashing a share each); a crash at any point of a
+save, or a file changed since, falls back to the previous checkpoint.
 
 Every function that takes engines is a collective: every rank calls it.
 """
@@ -49,6 +49,7 @@ from deepspeed.accelerator import get_accelerator
 from safetensors.torch import save_file
 
 from dsrl.config import RESUME_HARMLESS_KEYS, Config, to_dict
+from dsrl.config.schema import FINAL_MODEL_DIR
 from dsrl.rollout.weight_sync import iter_full_parameters
 from dsrl.tracking import flatten
 
@@ -56,7 +57,7 @@ STATE_FILE = "trainer_state.json"
 STATE_CHECKSUM = "state_sha256"  # the state's own checksum, over every other field
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 DS_TAG = "ds"  # DeepSpeed's tag: engine files live in <role>/ds/
-HF_DIR = "huggingface"
+HF_DIR = FINAL_MODEL_DIR  # the Hugging Face model: the run folder's final one, and a checkpoint's actor/ one
 FORMAT = 2  # 2: the manifest holds each file's size and SHA-256 (1: sizes only), the state its own checksum
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 MAX_SHARD_BYTES = 5 * 2**30

@@ -84,7 +84,7 @@ OLDER_NAMES = {
     for role in ("actor_rollout_ref.actor", "critic")
     for old, new in (("optim.warmup_style", "optim.lr_scheduler_type"), ("grad_clip", "optim.clip_grad"))
 }
-# The final model's folder in trainer.default_local_dir (dsrl.checkpoint.HF_DIR, which imports torch).
+# The final model's folder in trainer.default_local_dir (validation checks what is there; dsrl.checkpoint writes it).
 FINAL_MODEL_DIR = "huggingface"
 LR_SCHEDULES = ("constant", "cosine")
 MODEL_DTYPES = ("bfloat16", "float32")
