@@ -125,6 +125,9 @@ def leave_together(code: int) -> int:
 
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+        # Torn down here, while every rank is alive: left to the interpreter's exit, a rank whose peer has
+        # already gone may abort ("terminate called without an active exception", exit code 250).
+        dist.destroy_process_group()
     return code
 
 
