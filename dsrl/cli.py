@@ -218,11 +218,12 @@ def run_training(cfg, signals: RunSignals, where: str) -> int:
         logger.info(f"{err}; exit code {err.exit_code}")
         return err.exit_code
     except Exception as err:  # noqa: BLE001 -- reported with the rank and host it happened on
-        from dsrl.distributed import collective_timeout_message
+        from dsrl.distributed import collective_timeout_message, leave_timed_out_group
 
         message = collective_timeout_message(err)
         if message is not None:
             print(redact_text(f"dsrl: {message}"), file=sys.stderr)  # every rank that waited says so
+            leave_timed_out_group()
             return 1
         rank = os.environ.get("RANK", "0")
         print(redact_text(f"dsrl: rank {rank} on {socket.gethostname()}: the run failed with an unexpected error:\n"

@@ -132,6 +132,14 @@ def collective_timeout_message(err: BaseException) -> str | None:
     )
 
 
+def leave_timed_out_group() -> None:
+    """Destroy the default process group after one of its collectives timed out, while this process still
+    runs: left to the interpreter's exit, gloo's threads still waiting on the missing peer abort the process
+    ("terminate called without an active exception", exit code 134) in place of the exit code the run chose."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def free_port() -> int:
     """A TCP port on localhost that nothing listens on now (the rendezvous of a run without a launcher)."""
     with socket.socket() as s:

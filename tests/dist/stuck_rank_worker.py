@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from dsrl.distributed import all_reduce, collective_timeout_message
+from dsrl.distributed import all_reduce, collective_timeout_message, leave_timed_out_group
 from dsrl.engines import init_distributed
 from dsrl.trainer import PhaseTimer
 
@@ -28,4 +28,5 @@ try:
         all_reduce(torch.ones(1))
 except RuntimeError as err:
     print(f"waited {time.monotonic() - start:.1f} s; dsrl: {collective_timeout_message(err)}", flush=True)
+    leave_timed_out_group()  # as scripts/train.py does
     sys.exit(1)
