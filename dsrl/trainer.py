@@ -197,7 +197,9 @@ class Trainer:
 
             # Before the DeepSpeed engines take device memory; with sleep mode it sleeps right away.
             self.rollout = VLLMRollout.from_config(cfg)
-            set_seed(cfg.trainer.seed + self.rank)  # vLLM seeded the global generators with its engine seed
+            # vLLM seeded the global generators with its engine seed; the trainer's draws stay per rank (each
+            # generate call seeds the ranks of a tensor-parallel group alike: dsrl.rollout.base.seeded).
+            set_seed(cfg.trainer.seed + self.rank)
         self.actor = ActorEngine(cfg, total_training_steps=schedule_steps)
         self.ref = ReferenceEngine(cfg) if needs_ref else None
         self.critic = CriticEngine(cfg, total_training_steps=schedule_steps) if algo.adv_estimator == "gae" else None

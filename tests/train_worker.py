@@ -2,6 +2,10 @@
 to ``<out>/rank<N>.json`` at the end and, as they happen, to ``<out>/metrics_rank<N>.jsonl`` (so a
 killed run keeps what it logged). Runs alone (a world of one) or under the deepspeed launcher.
 
+With a vLLM rollout, ``generator_states`` in the report lists, for every ``LLM.generate`` call, a digest of
+the global generators (python, numpy, torch) the call started with: the ranks of a tensor-parallel group
+must start every call alike, whichever model runner draws from which.
+
 Fault injection: ``--kill-at PHASE@STEP`` sends SIGKILL to this process at one point of training
 step STEP (1-based): ``update`` (in the middle of the step, right after the actor update), or during
 that step's checkpoint save right after ``save_engines`` (DeepSpeed files written), ``write_state``
@@ -10,11 +14,17 @@ After SIGTERM/SIGINT the process exits as scripts/train.py does, with 128 + the 
 """
 
 import argparse
+import hashlib
 import json
+import pickle
+import random
 import os
 import signal
 import sys
 from pathlib import Path
+
+import numpy as np
+import torch
 
 import dsrl.checkpoint
 from dsrl.cli import split_files_and_overrides
@@ -43,6 +53,20 @@ def log_metrics(metrics, step):
 
 
 trainer.tracker.log_metrics = log_metrics
+generator_states = []
+
+
+def recording_states(generate):
+    def wrapped(*a, **kw):
+        state = (random.getstate(), np.random.get_state(), torch.get_rng_state().numpy())
+        generator_states.append(hashlib.sha256(pickle.dumps(state)).hexdigest())
+        return generate(*a, **kw)
+
+    return wrapped
+
+
+if hasattr(trainer.rollout, "llm"):
+    trainer.rollout.llm.generate = recording_states(trainer.rollout.llm.generate)
 
 
 def kill_after(fn, at_global_step):
@@ -76,6 +100,7 @@ report = {
     "rollout": type(trainer.rollout).__name__,
     "tp": tp,
     "logged": logged,
+    "generator_states": generator_states,
     "model_dir": str(getattr(trainer, "model_dir", "")),
 }
 (out / f"rank{trainer.rank}.json").write_text(json.dumps(report))

@@ -302,7 +302,8 @@ class RolloutConfig:
     per_prompt_seeds: bool = _f(
         False,
         "vllm: give every prompt its own seed, so its samples do not depend on the rest of the batch; slower on GPUs "
-        "(vLLM then samples row by row); false = one seed per generate call, from trainer.seed and the step",
+        "with vLLM's V1 model runner (it then samples row by row; V2 samples per row either way); false = one seed "
+        "per generate call, from trainer.seed and the step",
     )
     tensor_model_parallel_size: int = _f(
         1, "vllm: ranks sharing one engine by tensor parallelism; must divide the world size"

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -70,18 +72,27 @@ def stop_and_pad_ids(tokenizer, generation_eos, model_path: str) -> tuple[list[i
 
 
 def seeded(seed: int | None, device: torch.device):
-    """A context in which this process's default generators (CPU and ``device``) start from ``seed``
-    and are restored afterwards; a no-op context for ``None``."""
+    """A context in which this process's global generators -- python's ``random``, numpy's and torch's (CPU
+    and ``device``) -- start from ``seed`` and are restored afterwards; a no-op context for ``None``.
+
+    All three, because engines draw from any of them: vLLM's V2 model runner takes each unseeded request's
+    seed from numpy's, and the ranks of a tensor-parallel group must draw alike."""
     if seed is None:
         return contextlib.nullcontext()
     devices = [] if device.type == "cpu" else [device.index if device.index is not None else 0]
-    fork = torch.random.fork_rng(devices=devices, device_type=device.type)
 
     @contextlib.contextmanager
     def context():
-        with fork:
-            torch.manual_seed(seed)
-            yield
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=devices, device_type=device.type):
+                random.seed(seed)
+                np.random.seed(seed % 2**32)
+                torch.manual_seed(seed)
+                yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
 
     return context()
 

@@ -17,14 +17,17 @@ reports the raw log-softmax. Responses stop at the tokenizer's EOS and the model
 (``generation_config="vllm"``). Rows of the output layer beyond the tokenizer's vocabulary (Qwen pads
 151,665 tokens to 151,936) are never sampled: their logits are set to -inf.
 
-Seeds. By default requests carry no seed, so vLLM samples the whole batch at once from the default
-generators, and each ``generate`` call runs with those generators forked and seeded with
-``sampling.seed`` (of the first rank of the tensor-parallel group: the ranks of a group must sample
-alike); the same seed, weights and prompts give the same samples, and the caller's generators are left
+Seeds. By default requests carry no seed, so vLLM samples the whole batch at once, and each ``generate``
+call runs with the process's global generators (python's, numpy's, torch's) forked and seeded with the
+call's seed: ``sampling.seed`` of the first rank of the tensor-parallel group, or, for a call without one,
+a seed drawn from the engine's seed and the number of calls so far. The ranks of a group must sample
+alike: vLLM's V1 model runner samples from torch's generator, the V2 runner (the default on GPUs from
+vLLM 0.27) gives every unseeded request a seed from numpy's; seeded alike, the group's ranks agree under
+either. The same seed, weights and prompts give the same samples, and the caller's generators are left
 alone. With ``per_prompt_seeds`` prompt ``i`` gets its own seed, drawn from ``sampling.seed``, and its
-``n`` samples use that seed + 0..n-1, so a prompt's samples do not depend on the rest of the batch;
-vLLM then draws each seeded request's noise separately, which costs time on GPUs. The engine's own
-seed is ``trainer.seed + rank // tensor_parallel_size``.
+``n`` samples use that seed + 0..n-1, so a prompt's samples do not depend on the rest of the batch; on
+the V1 runner vLLM then draws each seeded request's noise separately, which costs time on GPUs (V2 draws
+per request either way). The engine's own seed is ``trainer.seed + rank // tensor_parallel_size``.
 
 Weights. ``update_weights`` streams full tensors (HF names) into the engine. vLLM releases whose
 model runner's ``reload_weights`` takes a ``weights_iterator`` reload in place, layer by layer, and re-run the
@@ -50,6 +53,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -165,6 +169,8 @@ class VLLMRollout:
         self.per_prompt_seeds = per_prompt_seeds
         self.tensor_parallel_size = tensor_parallel_size
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.engine_seed = seed + self.rank // tensor_parallel_size  # one per engine: its ranks share it
+        self.generate_calls = 0
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         if self.world_size % tensor_parallel_size:
             raise ValueError(
@@ -208,7 +214,7 @@ class VLLMRollout:
             enable_sleep_mode=self.sleep_mode,
             logprobs_mode="processed_logprobs",
             generation_config="vllm",
-            seed=seed + self.rank // tensor_parallel_size,
+            seed=self.engine_seed,
             **cpu_only,
         )
         if self.llm.llm_engine.model_config.get_vocab_size() > self.vocab_size:
@@ -331,7 +337,10 @@ class VLLMRollout:
             )
             for seed in seeds
         ]
-        with seeded(None if self.per_prompt_seeds else call_seed, self.device):
+        if call_seed is None:  # as the same on every rank of the group as a given seed
+            call_seed = int(np.random.SeedSequence([self.engine_seed, self.generate_calls]).generate_state(1)[0])
+        self.generate_calls += 1
+        with seeded(call_seed, self.device):
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=p) for p in all_prompts], params, use_tqdm=False
             )[mine]

@@ -3,12 +3,15 @@ release gets, what sleeps and what may run while it does, per-prompt seeds, the 
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from dsrl.rollout import vllm as vllm_rollout
+from dsrl.rollout.base import seeded
 from dsrl.rollout.vllm import VLLMRollout
 
 
@@ -196,3 +199,26 @@ def test_the_engine_gets_the_rollout_keys_from_the_config():
     assert engine.kwargs["tensor_parallel_size"] == 2 and engine.kwargs["seed"] == 9
     assert engine.kwargs["max_model_len"] == 128 and engine.kwargs["enable_sleep_mode"] is None
     assert load_config(None, []).actor_rollout_ref.rollout.sleep_level == 2  # the default the engine then gets
+
+
+def generator_draws():
+    return random.random(), float(np.random.random_sample()), torch.rand(1).item()
+
+
+def test_a_seeded_call_starts_every_global_generator_from_its_seed_and_restores_them():
+    """python's, numpy's and torch's: vLLM's V2 model runner draws unseeded requests' seeds from numpy's,
+    so the ranks of a tensor-parallel group need all of them alike, whatever each rank drew before."""
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    undisturbed = generator_draws()
+    inside = []
+    for rank_seed in (1, 2):  # two ranks whose generators differ before the call
+        random.seed(rank_seed), np.random.seed(rank_seed), torch.manual_seed(rank_seed)
+        with seeded(5, torch.device("cpu")):
+            inside.append(generator_draws())
+        if rank_seed == 1:
+            assert generator_draws() == undisturbed  # the caller's streams go on as if nothing ran
+    assert inside[0] == inside[1]
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    assert inside[0] == generator_draws()
+    with seeded(None, torch.device("cpu")):
+        assert generator_draws() != inside[0]

@@ -95,6 +95,10 @@ def test_two_ranks_under_the_launcher(overrides, tmp_path, free_port, tp):
     assert [(r["world"], r["tp"]) for r in reports] == [(2, tp), (2, tp)]
     for report in reports:
         check_run(report)
+    # Every generate call (3 steps, then validation) of a tensor-parallel group starts from the same generators.
+    states = [report["generator_states"] for report in reports]
+    assert len(states[0]) == len(states[1]) >= 4
+    assert (states[0] == states[1]) == (tp == 2)  # two engines of their own draw from their own seeds
     for entry0, entry1 in zip(reports[0]["logged"], reports[1]["logged"]):
         shared0 = {k: v for k, v in entry0["metrics"].items() if not k.startswith(RANK_LOCAL)}
         shared1 = {k: v for k, v in entry1["metrics"].items() if not k.startswith(RANK_LOCAL)}
