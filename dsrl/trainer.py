@@ -209,6 +209,7 @@ class Trainer:
                 dtype=model_cfg.dtype,
                 trust_remote_code=model_cfg.trust_remote_code,
                 micro_batch_size=cfg.actor_rollout_ref.rollout.micro_batch_size,
+                kv_cache_max_gb=cfg.actor_rollout_ref.rollout.kv_cache_max_gb,
             )
         self.reward_failures = FailureStreak(cfg)  # reward.max_failed_steps
 

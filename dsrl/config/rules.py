@@ -475,6 +475,12 @@ def _vllm_rules(cfg: Config, need: Need) -> None:
         "must be >= 1 (prompts per generate call)",
         "set it to 64",
     )
+    need(
+        rollout.kv_cache_max_gb is None or rollout.kv_cache_max_gb > 0,
+        f"{prefix}.kv_cache_max_gb",
+        "must be > 0 (GB of KV cache per generate call)",
+        "set it to the device memory generation may use beside the model's weights, or null for micro_batch_size prompts",
+    )
     if name == "vllm":
         for key in (f"{prefix}.temperature", f"{prefix}.val_kwargs.temperature"):
             need(

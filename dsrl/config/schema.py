@@ -297,7 +297,13 @@ class RolloutConfig:
         "what training keeps on the device while vLLM is awake must fit in the rest",
     )
     micro_batch_size: int = _f(
-        64, "hf: prompts per generate call on one rank (the KV cache grows with it times n); vllm batches by itself"
+        64, "hf: prompts per generate call on one rank, at most (the KV cache grows with it times n); vllm batches by itself"
+    )
+    kv_cache_max_gb: Optional[float] = _f(
+        16.0,
+        "hf: device memory (GB, 1e9 bytes) the KV cache of one generate call may take on one rank; a call takes as "
+        "many prompts as fit -- (prompt + response length) x n x the model's KV bytes per token (layers x KV heads x "
+        "head size x 2 x dtype) -- at most micro_batch_size, at least one; null: micro_batch_size prompts per call",
     )
     per_prompt_seeds: bool = _f(
         False,

@@ -2,7 +2,9 @@
 
 The CPU default. Each rank samples its own prompts with ``synced_gpus=False`` (generation is
 rank-local; the copy is not a ZeRO-3 module, so no rank waits for another), left-padded prompts,
-KV cache on, ``micro_batch_size`` prompts per ``generate`` call (the KV cache grows with it).
+KV cache on. A batch is generated in calls of as many prompts as ``kv_cache_max_gb`` holds the KV cache
+of -- n rows of prompt + response tokens each, at the model's KV bytes per token -- and at most
+``micro_batch_size``: a prompt count alone would run out of memory with a large model or long responses.
 
 Memory. On a device the copy lives there only while generating: ``sleep`` moves it to CPU memory and
 ``wake_up(["weights"])`` brings it back, so training has the device to itself. On a CPU both do nothing.
@@ -88,11 +90,18 @@ class HFRollout:
     static_memory = False  # generation's memory grows with the batch: offloading training states helps it
 
     def __init__(
-        self, model_path: str, *, dtype: str = "bfloat16", trust_remote_code: bool = False, micro_batch_size: int = 64
+        self,
+        model_path: str,
+        *,
+        dtype: str = "bfloat16",
+        trust_remote_code: bool = False,
+        micro_batch_size: int = 64,
+        kv_cache_max_gb: float | None = None,
     ):
         if micro_batch_size < 1:
             raise ValueError(f"actor_rollout_ref.rollout.micro_batch_size={micro_batch_size}: must be >= 1")
         self.micro_batch_size = micro_batch_size
+        self.kv_cache_max_bytes = None if kv_cache_max_gb is None else kv_cache_max_gb * 1e9
         self.device = torch.device(get_accelerator().current_device_name())
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
@@ -122,12 +131,28 @@ class HFRollout:
         if unknown or missing:
             raise ValueError(f"update_weights: unknown names {unknown[:5]}, parameters not received {missing[:5]}")
 
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token takes in every layer: keys and values, KV heads x head size each."""
+        config = self.model.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 2 * config.num_hidden_layers * heads * head_dim * self.model.dtype.itemsize
+
+    def prompts_per_call(self, prompt_len: int, sampling: SamplingParams) -> int:
+        """As many prompts as ``kv_cache_max_gb`` holds the cache of (n rows of ``prompt_len`` +
+        ``max_tokens`` each), at most ``micro_batch_size``, at least one."""
+        if self.kv_cache_max_bytes is None:
+            return self.micro_batch_size
+        per_prompt = sampling.n * (prompt_len + sampling.max_tokens) * self.kv_bytes_per_token()
+        return max(1, min(self.micro_batch_size, int(self.kv_cache_max_bytes // per_prompt)))
+
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams) -> RolloutOutput:
         """``sampling.n`` responses per left-padded prompt ``[B, P]``; see ``RolloutOutput``."""
         outputs = []
-        for call, start in enumerate(range(0, len(prompt_ids), self.micro_batch_size)):
-            chunk = slice(start, start + self.micro_batch_size)
+        size = self.prompts_per_call(prompt_ids.shape[1], sampling)
+        for call, start in enumerate(range(0, len(prompt_ids), size)):
+            chunk = slice(start, start + size)
             seed = None if sampling.seed is None else sampling.seed + call * CHUNK_SEED_STRIDE
             outputs.append(self._generate(prompt_ids[chunk], prompt_mask[chunk], sampling.replace(seed=seed)))
         if len(outputs) == 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -122,6 +124,36 @@ def test_generation_in_chunks_is_greedy_identical_and_seeded_per_chunk(tiny_mode
     assert first.response_ids.shape == (2 * len(prompt_ids), 10) and torch.equal(first.response_ids, again.response_ids)
     with pytest.raises(ValueError, match="micro_batch_size=0: must be >= 1"):
         HFRollout(str(tiny_model_dir), micro_batch_size=0)
+
+
+def test_a_kv_cache_budget_sizes_the_calls_from_the_model_and_the_lengths(tiny_model_dir, rollout, monkeypatch):
+    """Qwen3-8B's shape (36 layers, 8 KV heads of 128, bf16): 144 KiB per token, so 16 GB holds the cache
+    of 4 prompts at n 5 and 512 + 4096 tokens, where 64 prompts would need 217 GB. The tiny model's calls
+    follow its own budget and generate what one call would."""
+    from transformers import Qwen3Config
+
+    big = object.__new__(HFRollout)
+    big.model = SimpleNamespace(config=Qwen3Config(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                                                   head_dim=128, hidden_size=4096), dtype=torch.bfloat16)
+    big.micro_batch_size, big.kv_cache_max_bytes = 64, 16e9
+    assert big.kv_bytes_per_token() == 144 * 1024
+    long = SamplingParams(n=5, max_tokens=4096)
+    assert big.prompts_per_call(512, long) == 4  # 16e9 // (5 * 4608 * 147456)
+    big.kv_cache_max_bytes = 1e9
+    assert big.prompts_per_call(512, long) == 1  # at least one, even over the budget
+    big.kv_cache_max_bytes = 1e15
+    assert big.prompts_per_call(512, long) == 64  # at most micro_batch_size
+
+    prompt_ids, prompt_mask = prompts()
+    greedy = SamplingParams(n=1, do_sample=False, max_tokens=10)
+    per_prompt = (prompt_ids.shape[1] + 10) * rollout.kv_bytes_per_token()
+    budgeted = HFRollout(str(tiny_model_dir), dtype="float32", kv_cache_max_gb=2.5 * per_prompt / 1e9)
+    calls = []
+    generate_one = budgeted._generate
+    monkeypatch.setattr(budgeted, "_generate", lambda ids, mask, s: calls.append(len(ids)) or generate_one(ids, mask, s))
+    parts, whole = budgeted.generate(prompt_ids, prompt_mask, greedy), rollout.generate(prompt_ids, prompt_mask, greedy)
+    assert calls == [2] * (len(prompt_ids) // 2) + [len(prompt_ids) % 2] * (len(prompt_ids) % 2)
+    assert torch.equal(whole.response_ids, parts.response_ids)
 
 
 def test_ids_beyond_the_tokenizer_are_never_sampled(tiny_model_dir):
