@@ -376,3 +376,14 @@ def test_lr_schedule_steps_once_per_training_step(world_of_one, make_cfg, z3):
     second = actor.update(batch, temperature=TEMPERATURE)
     assert actor.engine.basic_optimizer.param_groups[0]["lr"] == pytest.approx(0.01) == second["actor/lr"]
     assert max((full_params(actor.module)[k] - before[k]).abs().max().item() for k in before) > 1e-4
+
+
+def test_a_bf16_actor_accumulates_its_gradients_in_fp32(world_of_one, make_cfg, ds_test_config):
+    """The shipped ZeRO configs set data_types.grad_accum_dtype=fp32: ZeRO-3 (offloaded here) sums the
+    micro-batches' gradients in an fp32 partition buffer, not in the model's bf16."""
+    cfg = make_cfg(*ACTOR_TRAINING, f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
+                   "actor_rollout_ref.model.dtype=bfloat16")
+    optimizer = ActorEngine(cfg).engine.optimizer
+    assert next(optimizer.module.parameters()).dtype == torch.bfloat16
+    assert optimizer.gradient_accumulation_dtype == torch.float32
+    assert optimizer.grad_partitions_flat_buffer.dtype == torch.float32
