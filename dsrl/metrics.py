@@ -213,13 +213,15 @@ def throughput_metrics(
 def memory_metrics() -> dict[str, float]:
     """The memory gauges verl's training engine logs with each update, in GiB.
 
-    This process's peak CUDA memory (only when CUDA is available) and the host's used RAM as
+    This process's peak CUDA memory since the last call, i.e. the step's peak (only when CUDA is
+    available; the peak is reset after reading it), and the host's used RAM as
     ``psutil.virtual_memory().used`` reports it.
     """
     metrics = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / GIB}
     if torch.cuda.is_available():
         metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / GIB
         metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / GIB
+        torch.cuda.reset_peak_memory_stats()  # else every later step would report the run's peak so far
     return metrics
 
 

@@ -109,15 +109,21 @@ def _mask_padded_vocab(worker: Any, vocab_size: int) -> None:
     model.compute_logits = masked
 
 
-def check_allocator_for_sleep_mode() -> None:
-    """vLLM's sleep mode keeps its memory in a pool of its own, which PyTorch's expandable segments
-    cannot share (vLLM asserts at start-up with a message that does not say what to change)."""
-    allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if "expandable_segments:True" in allocator:
-        raise ValueError(
-            f"PYTORCH_CUDA_ALLOC_CONF={allocator}: vLLM's sleep mode cannot run with expandable segments; "
-            "fix: remove expandable_segments:True, or set actor_rollout_ref.rollout.enable_sleep_mode=false"
-        )
+def check_allocator_for_sleep_mode(vllm_version: str) -> None:
+    """Before 0.24, vLLM's sleep-mode pool could not share PyTorch's expandable segments (it asserted at
+    start-up with a message that does not say what to change); later releases switch them off around
+    the pool themselves. Both names of the setting count: torch reads ``PYTORCH_ALLOC_CONF`` too."""
+    major, minor = (int(part) for part in vllm_version.split(".")[:2])
+    if (major, minor) >= (0, 24):
+        return
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        allocator = os.environ.get(name, "")
+        if "expandable_segments:True" in allocator:
+            raise ValueError(
+                f"{name}={allocator}: the sleep mode of vLLM {vllm_version} cannot run with expandable segments; "
+                "fix: remove expandable_segments:True, set actor_rollout_ref.rollout.enable_sleep_mode=false, "
+                "or use vLLM >= 0.24"
+            )
 
 
 def _prompt_seeds(seed: int | None, count: int) -> list[int | None]:
@@ -151,6 +157,7 @@ class VLLMRollout:
         per_prompt_seeds: bool = False,
     ):
         from transformers import AutoTokenizer, GenerationConfig
+        import vllm
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -164,7 +171,7 @@ class VLLMRollout:
             )
         self.sleep_mode = supported if enable_sleep_mode is None else enable_sleep_mode
         if self.sleep_mode:
-            check_allocator_for_sleep_mode()
+            check_allocator_for_sleep_mode(vllm.__version__)
         self.sleep_level = sleep_level
         self.per_prompt_seeds = per_prompt_seeds
         self.tensor_parallel_size = tensor_parallel_size

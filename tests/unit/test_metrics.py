@@ -196,11 +196,14 @@ def test_memory_metrics(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 2 * 1024**3)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 5 * 1024**3)
+    resets = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(1))
     assert memory_metrics() == {
         "perf/cpu_memory_used_gb": 3.0,
         "perf/max_memory_allocated_gb": 2.0,
         "perf/max_memory_reserved_gb": 5.0,
     }
+    assert resets == [1]  # the next step's peak is its own
 
 
 # ---------------------------------------------------------------------------------------------

@@ -152,12 +152,15 @@ def test_requests_carry_seeds_only_with_per_prompt_seeds():
     assert seeds == again and len(set(seeds)) == 3 and all(isinstance(s, int) for s in seeds)
 
 
-def test_expandable_segments_are_refused_with_sleep_mode(monkeypatch):
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True")
-    with pytest.raises(ValueError, match="expandable_segments:True.*enable_sleep_mode=false"):
-        vllm_rollout.check_allocator_for_sleep_mode()
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
-    vllm_rollout.check_allocator_for_sleep_mode()
+def test_expandable_segments_are_refused_with_the_sleep_mode_of_vllm_before_0_24(monkeypatch):
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.setenv(name, "max_split_size_mb:512,expandable_segments:True")
+        with pytest.raises(ValueError, match=f"{name}=.*expandable_segments:True.*enable_sleep_mode=false"):
+            vllm_rollout.check_allocator_for_sleep_mode("0.11.0")
+        vllm_rollout.check_allocator_for_sleep_mode("0.24.0")  # switches them off around its pool itself
+        vllm_rollout.check_allocator_for_sleep_mode("1.2.0rc1")
+        monkeypatch.setenv(name, "max_split_size_mb:512")
+        vllm_rollout.check_allocator_for_sleep_mode("0.10.2")
 
 
 class LogitsModel:
