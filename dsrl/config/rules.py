@@ -208,11 +208,24 @@ def _batch_rules(cfg: Config, world_size: int, need: Need) -> None:
         "set it to the longest prompt in tokens, e.g. 512",
     )
     need(data.max_response_length > 0, "data.max_response_length", "must be > 0", "set it to e.g. 512")
-    for key in (
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-    ):
-        need(OmegaConf.select(cfg, key) > 0, key, "must be > 0 (sequences per forward)", "set it to e.g. 8")
+    longest = data.max_prompt_length + data.max_response_length
+    actor = cfg.actor_rollout_ref.actor
+    no_grad_passes = [("actor_rollout_ref.rollout", "log_prob_", actor), ("actor_rollout_ref.ref", "log_prob_", actor)]
+    if _critic_used(cfg):
+        no_grad_passes.append(("critic", "forward_", cfg.critic))
+    for role, prefix, trained in no_grad_passes:
+        section = OmegaConf.select(cfg, role)
+        micro, budget = f"{prefix}micro_batch_size_per_gpu", f"{prefix}max_token_len_per_gpu"
+        need(section[micro] > 0, f"{role}.{micro}", "must be > 0 (sequences per forward)", "set it to e.g. 8")
+        dynamic = section.use_dynamic_bsz if role == "critic" else section.log_prob_use_dynamic_bsz
+        # The training budget it defaults to is checked with the training rules: one problem, one line.
+        checked = trained.use_dynamic_bsz and section[budget] == trained.ppo_max_token_len_per_gpu
+        need(
+            not dynamic or checked or section[budget] >= longest,
+            f"{role}.{budget}",
+            "must hold one whole sequence (max_prompt_length + max_response_length)",
+            f"set it to at least {longest}",
+        )
     _mini_batch_rules(cfg, "actor_rollout_ref.actor", world_size, need)
     if _critic_used(cfg):
         _mini_batch_rules(cfg, "critic", world_size, need)

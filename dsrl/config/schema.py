@@ -267,6 +267,15 @@ class RefConfig:
         "DeepSpeed setup of the frozen reference model: a name in ds_configs/ or a path ending in .json",
     )
     log_prob_micro_batch_size_per_gpu: int = _f(8, "sequences per reference forward on one rank; memory only")
+    log_prob_use_dynamic_bsz: bool = _f(
+        "${actor_rollout_ref.actor.use_dynamic_bsz}",
+        "split the reference's forwards by token budget (log_prob_max_token_len_per_gpu); default: the actor's",
+    )
+    log_prob_max_token_len_per_gpu: int = _f(
+        "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}",
+        "token budget of one reference forward when log_prob_use_dynamic_bsz; no gradients are kept, so 2-4x the "
+        "actor's training budget fits; default: the actor's",
+    )
 
 
 @dataclass
@@ -290,6 +299,16 @@ class RolloutConfig:
     top_k: int = _f(-1, "top-k sampling; -1 disables")
     log_prob_micro_batch_size_per_gpu: int = _f(
         8, "sequences per no-grad actor forward (old_log_probs) on one rank; memory only"
+    )
+    log_prob_use_dynamic_bsz: bool = _f(
+        "${actor_rollout_ref.actor.use_dynamic_bsz}",
+        "split the no-grad actor forwards (old_log_probs) by token budget (log_prob_max_token_len_per_gpu); "
+        "default: the actor's",
+    )
+    log_prob_max_token_len_per_gpu: int = _f(
+        "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}",
+        "token budget of one no-grad actor forward when log_prob_use_dynamic_bsz; no gradients are kept, so 2-4x "
+        "the training budget fits; default: the actor's",
     )
     gpu_memory_utilization: float = _f(
         0.5,
@@ -376,6 +395,14 @@ class CriticConfig:
         "split critic micro-batches by token budget instead of by count; default: the actor's",
     )
     ppo_max_token_len_per_gpu: int = _f(32768, "token budget of one critic micro-batch when use_dynamic_bsz")
+    forward_micro_batch_size_per_gpu: int = _f(
+        "${critic.ppo_micro_batch_size_per_gpu}",
+        "sequences per no-grad critic forward (the values) on one rank; memory only; default: ppo_micro_batch_size_per_gpu",
+    )
+    forward_max_token_len_per_gpu: int = _f(
+        "${critic.ppo_max_token_len_per_gpu}",
+        "token budget of one no-grad critic forward when use_dynamic_bsz; default: ppo_max_token_len_per_gpu",
+    )
     ppo_epochs: int = _f("${actor_rollout_ref.actor.ppo_epochs}", "critic passes over each batch of rollouts; default: the actor's")
     shuffle: bool = _f(
         "${actor_rollout_ref.actor.shuffle}", "shuffle the rollouts before cutting them into critic mini-batches; default: the actor's"

@@ -87,36 +87,35 @@ class ActorEngine:
         """The transformers model inside the engine (parameters partitioned under ZeRO-3)."""
         return self.engine.module
 
-    def _max_token_len(self) -> int | None:
-        actor = self.cfg.actor_rollout_ref.actor
-        return actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None
-
     def compute_log_probs(
         self, batch: Batch, *, temperature: float, with_entropy: bool = False, with_sum_pi_squared: bool = False
     ) -> dict[str, torch.Tensor]:
         """``old_log_probs`` (+ ``entropy``, ``sum_pi_squared``) ``[B, T]`` float32 of the current policy.
 
-        Micro-batches of ``rollout.log_prob_micro_batch_size_per_gpu`` rows, or of the actor's token
-        budget with ``use_dynamic_bsz``. Collective: every rank calls it.
+        Micro-batches of ``rollout.log_prob_micro_batch_size_per_gpu`` rows, or of
+        ``rollout.log_prob_max_token_len_per_gpu`` tokens with ``rollout.log_prob_use_dynamic_bsz``.
+        Collective: every rank calls it.
         """
+        rollout = self.cfg.actor_rollout_ref.rollout
         self.engine.eval()
         return compute_response_stats(
             self.engine,
             batch,
             temperature=temperature,
-            micro_batch_size=self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
-            max_token_len=self._max_token_len(),
-            budget_key=f"{self.prefix}.ppo_max_token_len_per_gpu",
+            micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu,
+            max_token_len=rollout.log_prob_max_token_len_per_gpu if rollout.log_prob_use_dynamic_bsz else None,
+            budget_key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
             with_entropy=with_entropy,
             with_sum_pi_squared=with_sum_pi_squared,
             share_prompts=self.cfg.actor_rollout_ref.model.shared_prompt_forward,
         )
 
     def _split(self, mini: Batch) -> list[torch.Tensor]:
+        actor = self.cfg.actor_rollout_ref.actor
         return micro_batch_indices(
             mini,
-            micro_batch_size=self.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu,
-            max_token_len=self._max_token_len(),
+            micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
+            max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
             key=f"{self.prefix}.ppo_max_token_len_per_gpu",
         )
 

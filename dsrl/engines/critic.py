@@ -102,13 +102,14 @@ class CriticEngine:
     def module(self) -> nn.Module:
         return self.engine.module
 
-    def _split(self, batch: Batch) -> list[torch.Tensor]:
+    def _split(self, batch: Batch, prefix: str = "ppo_") -> list[torch.Tensor]:
+        """Micro-batches of the update (``ppo_*`` keys) or of the no-grad pass (``forward_*``)."""
         critic = self.cfg.critic
         return micro_batch_indices(
             batch,
-            micro_batch_size=critic.ppo_micro_batch_size_per_gpu,
-            max_token_len=critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
-            key="critic.ppo_max_token_len_per_gpu",
+            micro_batch_size=critic[f"{prefix}micro_batch_size_per_gpu"],
+            max_token_len=critic[f"{prefix}max_token_len_per_gpu"] if critic.use_dynamic_bsz else None,
+            key=f"critic.{prefix}max_token_len_per_gpu",
         )
 
     def _values(self, micro: Batch) -> torch.Tensor:
@@ -118,11 +119,11 @@ class CriticEngine:
         return pad_response(values, micro.response_ids.shape[1])
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
-        """``values`` ``[B, T]`` float32, 0 on padding; micro-batches as in the update. Collective."""
+        """``values`` ``[B, T]`` float32, 0 on padding; micro-batches of ``critic.forward_*``. Collective."""
         self.engine.eval()
         out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
         with torch.no_grad():
-            for idx in self._split(batch):
+            for idx in self._split(batch, "forward_"):
                 out[idx] = self._values(batch.select(idx)).cpu()
         return (out * batch.response_mask.float().cpu()).to(batch.response_ids.device)
 

@@ -49,16 +49,16 @@ class ReferenceEngine:
 
     def compute_log_probs(self, batch: Batch, *, temperature: float) -> torch.Tensor:
         """``ref_log_probs`` ``[B, T]`` float32, 0 on padding. Micro-batches of
-        ``ref.log_prob_micro_batch_size_per_gpu`` rows, or the actor's token budget with its
-        ``use_dynamic_bsz`` (verl's defaults for the reference). Collective."""
-        actor = self.cfg.actor_rollout_ref.actor
+        ``ref.log_prob_micro_batch_size_per_gpu`` rows, or of ``ref.log_prob_max_token_len_per_gpu``
+        tokens with ``ref.log_prob_use_dynamic_bsz`` (both default to the actor's, as in verl). Collective."""
+        ref = self.cfg.actor_rollout_ref.ref
         stats = compute_response_stats(
             self.engine,
             batch,
             temperature=temperature,
-            micro_batch_size=self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
-            max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
-            budget_key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+            micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
+            max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
+            budget_key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
             share_prompts=self.cfg.actor_rollout_ref.model.shared_prompt_forward,
         )
         return stats["old_log_probs"]

@@ -1093,3 +1093,26 @@ def test_rollout_correction_levels_match_the_algorithms():
     from dsrl import algorithms
 
     assert C.ROLLOUT_CORRECTION_LEVELS == algorithms.ROLLOUT_CORRECTION_LEVELS
+
+
+def test_the_no_grad_passes_have_token_budgets_of_their_own(files):
+    """verl's keys: the old-log-prob pass (rollout.log_prob_*), the reference (ref.log_prob_*) and the critic's
+    values (critic.forward_*) default to the training settings; each budget set apart must hold a sequence."""
+    dynamic = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=300"]
+    cfg, _ = C.load_and_validate(recipe("ppo"), files + critic_path(files) + dynamic, 1)
+    rollout, ref, critic = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref, cfg.critic
+    assert rollout.log_prob_use_dynamic_bsz and ref.log_prob_use_dynamic_bsz
+    assert rollout.log_prob_max_token_len_per_gpu == ref.log_prob_max_token_len_per_gpu == 300
+    assert critic.forward_max_token_len_per_gpu == critic.ppo_max_token_len_per_gpu
+    assert critic.forward_micro_batch_size_per_gpu == critic.ppo_micro_batch_size_per_gpu
+    small = ["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=100",
+             "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=101", "critic.forward_max_token_len_per_gpu=102"]
+    found = problems("ppo", files + critic_path(files) + dynamic + ["critic.use_dynamic_bsz=true"] + small)
+    assert [v.partition("=")[0] for v in found] == [
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        "critic.forward_max_token_len_per_gpu",
+    ]
+    assert all("must hold one whole sequence" in v for v in found)
+    # Without a token budget for the pass, its budget is not read, so not checked.
+    assert problems("ppo", files + critic_path(files) + small) == []
