@@ -1,6 +1,7 @@
 """The config system: loading, overrides, every validation rule's error path, the shipped YAMLs, scripts/train.py."""
 
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -1116,3 +1117,20 @@ def test_the_no_grad_passes_have_token_budgets_of_their_own(files):
     assert all("must hold one whole sequence" in v for v in found)
     # Without a token budget for the pass, its budget is not read, so not checked.
     assert problems("ppo", files + critic_path(files) + small) == []
+
+
+def test_every_command_in_the_recipe_headers_validates_on_eight_ranks(files):
+    """The GPU commands each recipe's header gives (the recipe as shipped and the Qwen3-8B scaling): every
+    override is a known key and the geometry holds on 8 ranks."""
+    commands = 0
+    for name in CONFIGS:
+        header = (REPO / "configs" / f"{name}.yaml").read_text()
+        for command in re.findall(r"^#   deepspeed --num_gpus 8 scripts/train\.py (.*)$", header, re.M):
+            config, *overrides = command.split()
+            assert config == f"configs/{name}.yaml"
+            model = [o for o in overrides if o.startswith("actor_rollout_ref.model.path=")]
+            assert model in ([], ["actor_rollout_ref.model.path=Qwen/Qwen3-8B"])
+            kept = [o for o in overrides if o not in model]  # the stub model of `files` stands in for the hub id
+            C.load_and_validate([str(REPO / config)], files + kept, 8)
+            commands += 1
+    assert commands == 2 * len(CONFIGS)
