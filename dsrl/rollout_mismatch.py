@@ -54,7 +54,10 @@ class RolloutMismatch:
         gate = self.cfg.algorithm.rollout_mismatch
         model, rollout = self.cfg.actor_rollout_ref.model, self.cfg.actor_rollout_ref.rollout
         gaps = ", ".join(f"step {s}: {mean:.3g} (max {top:.3g})" for s, mean, top in self.streak)
-        rollout_dtype = (rollout.dtype or model.dtype) if rollout.name == "vllm" else model.dtype  # hf: the model's
+        if rollout.name == "vllm":
+            rollout_dtype, keys = rollout.dtype or model.dtype, "actor_rollout_ref.rollout.dtype, actor_rollout_ref.model.dtype"
+        else:
+            rollout_dtype, keys = model.dtype, "actor_rollout_ref.model.dtype, which the transformers rollout follows"
         causes = [
             "stale rollout weights: a weight push that failed or was skipped (look for update_weights in the log)"
         ]
@@ -66,7 +69,7 @@ class RolloutMismatch:
             )
         causes += [
             f"a dtype mismatch between rollout and actor (here the rollout runs in {rollout_dtype}, the actor in "
-            f"{model.dtype}: actor_rollout_ref.rollout.dtype, actor_rollout_ref.model.dtype)",
+            f"{model.dtype}: {keys})",
             "a padded vocabulary: output-layer rows beyond the tokenizer's vocabulary that one side masks and the "
             "other does not",
         ]

@@ -101,7 +101,7 @@ def test_the_message_names_the_steps_their_gaps_the_keys_and_the_causes():
         "step 8: 0.00123 (max 0.5), step 9: 0.0456 (max 0.987)): the rollout is not sampling from the policy being "
         "trained. Likely causes: stale rollout weights: a weight push that failed or was skipped (look for "
         "update_weights in the log); a dtype mismatch between rollout and actor (here the rollout runs in "
-        "bfloat16, the actor in bfloat16: actor_rollout_ref.rollout.dtype, actor_rollout_ref.model.dtype); a "
+        "bfloat16, the actor in bfloat16: actor_rollout_ref.model.dtype, which the transformers rollout follows); a "
         "padded vocabulary: output-layer rows beyond the tokenizer's vocabulary that one side masks and the other "
         "does not. Fix it, then run again (trainer.resume_mode=auto resumes from the last checkpoint); "
         "algorithm.rollout_mismatch.max_probs_diff=null trains on regardless"
@@ -124,7 +124,10 @@ def test_the_causes_follow_the_rollout_engine_and_its_precision(overrides, sleep
     mismatch = gate("algorithm.rollout_mismatch.patience=1", *overrides)
     message = mismatch.record(step_metrics(0.3), 1)
     assert ("vLLM woken from sleep level 2 without a push" in message) == sleep_named
-    assert f"here the rollout runs in {dtypes[0]}, the actor in {dtypes[1]}" in message
+    vllm = "actor_rollout_ref.rollout.name=vllm" in overrides
+    keys = ("actor_rollout_ref.rollout.dtype, actor_rollout_ref.model.dtype" if vllm
+            else "actor_rollout_ref.model.dtype, which the transformers rollout follows")
+    assert f"here the rollout runs in {dtypes[0]}, the actor in {dtypes[1]}: {keys})" in message
     assert "stale rollout weights" in message and "padded vocabulary" in message
 
 
