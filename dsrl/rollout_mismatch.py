@@ -64,8 +64,8 @@ class RolloutMismatch:
         # Sleep mode null = on where vLLM has it (GPUs): a level-2 wake without a push is possible.
         if rollout.name == "vllm" and rollout.enable_sleep_mode is not False and rollout.sleep_level == 2:
             causes.append(
-                "vLLM woken from sleep level 2 without a push: its weights are garbage until every parameter is "
-                "pushed again (actor_rollout_ref.rollout.sleep_level=1 keeps them)"
+                "vLLM woken from sleep level 2 without a full push: a parameter not pushed again holds garbage "
+                "(actor_rollout_ref.rollout.sleep_level=1 keeps the weights)"
             )
         causes += [
             f"a dtype mismatch between rollout and actor (here the rollout runs in {rollout_dtype}, the actor in "

@@ -420,7 +420,7 @@ class RolloutMismatchConfig:
         0.05,
         "stop the run when training/rollout_probs_diff_mean (mean |p_rollout - p_actor| over the response tokens) "
         "stays above this for patience training steps in a row: the rollout is not sampling from the policy being "
-        "trained (stale weights after a failed push, sleep level 2 without a push, a rollout/actor dtype or "
+        "trained (stale weights after a failed push, sleep level 2 without a full push, a rollout/actor dtype or "
         "padded-vocabulary mismatch); healthy: ~1e-7 with fp32 on CPU, ~1e-3 to 1e-2 with bf16 rollouts; null = never",
     )
     patience: int = _f(

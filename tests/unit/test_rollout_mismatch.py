@@ -123,7 +123,7 @@ def test_the_message_names_the_steps_their_gaps_the_keys_and_the_causes():
 def test_the_causes_follow_the_rollout_engine_and_its_precision(overrides, sleep_named, dtypes):
     mismatch = gate("algorithm.rollout_mismatch.patience=1", *overrides)
     message = mismatch.record(step_metrics(0.3), 1)
-    assert ("vLLM woken from sleep level 2 without a push" in message) == sleep_named
+    assert ("vLLM woken from sleep level 2 without a full push" in message) == sleep_named
     vllm = "actor_rollout_ref.rollout.name=vllm" in overrides
     keys = ("actor_rollout_ref.rollout.dtype, actor_rollout_ref.model.dtype" if vllm
             else "actor_rollout_ref.model.dtype, which the transformers rollout follows")
