@@ -21,7 +21,7 @@ from collections import deque
 from pathlib import Path
 
 import dsrl.checkpoint
-from dsrl.cli import split_files_and_overrides
+from dsrl.cli import leave_together, split_files_and_overrides
 from dsrl.config import load_and_validate
 from dsrl.trainer import Trainer, TrainingInterrupted, TrainingStopped
 
@@ -77,8 +77,9 @@ try:
     trainer.fit()
 except TrainingInterrupted as err:
     code = err.exit_code
-except TrainingStopped as err:
-    print(f"dsrl: {err}", file=sys.stderr, flush=True)
+except TrainingStopped as err:  # every rank raised it at the same step; rank 0 reports it
+    if trainer.rank == 0:
+        print(f"dsrl: {err}", file=sys.stderr, flush=True)
     code = 1
 llm = getattr(trainer.rollout, "llm", None)
 tp = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size if llm is not None else None
@@ -90,4 +91,6 @@ report = {
     "model_dir": str(getattr(trainer, "model_dir", "")),
 }
 (out / f"rank{trainer.rank}.json").write_text(json.dumps(report))
+if code == 1:
+    leave_together(code)  # every rank has written its report before the launcher sees one of them fail
 sys.exit(code)
