@@ -27,7 +27,8 @@ definition), ``eta`` = the mean wall time per step of this run so far (validatio
 included) times the steps left. Failure counts follow only when non-zero: ``reward_exceptions``,
 ``reward_timeouts``, ``reward_invalid``, ``reward_crashes`` (reward/fail_exception, reward/fail_timeout,
 reward/fail_invalid, reward/fail_crash), ``tracking_failures``, ``tracking_dropped``
-(tracking/failures, tracking/dropped); on a validation line, the reward failures of the validation
+(tracking/failures, tracking/dropped), ``rollout_mismatch`` (training/rollout_mismatch_streak: steps in a row
+whose rollout-vs-actor gap is above algorithm.rollout_mismatch.max_probs_diff); on a validation line, the reward failures of the validation
 (val-aux/reward/fail_*). Metrics logged at a step not after the last one shown (the validation before
 training, at step 0 or at the resumed step) print as a validation line only.
 
@@ -168,6 +169,7 @@ FAILURE_FIELDS = (
     ("reward_crashes", "reward/fail_crash"),
     ("tracking_failures", "tracking/failures"),
     ("tracking_dropped", "tracking/dropped"),
+    ("rollout_mismatch", "training/rollout_mismatch_streak"),
 )
 
 

@@ -65,6 +65,7 @@ from dsrl.resume import checkpoint_to_resume, check_settings, check_train_data, 
 from dsrl.rewards import FAILURE_COUNTS, FailureStreak, RewardScorer, check_reward_rules, numeric_extras
 from dsrl.rollout import HFRollout, SamplingParams, iter_full_parameters
 from dsrl.rollout.colocation import colocated_generation
+from dsrl.rollout_mismatch import RolloutMismatch
 from dsrl.run_facts import final_facts, run_tags, startup_facts
 from dsrl.signals import Interrupted, RunSignals, TrainingInterrupted
 from dsrl.tracking import Tracker, flatten
@@ -212,6 +213,7 @@ class Trainer:
                 kv_cache_max_gb=cfg.actor_rollout_ref.rollout.kv_cache_max_gb,
             )
         self.reward_failures = FailureStreak(cfg)  # reward.max_failed_steps
+        self.rollout_mismatch = RolloutMismatch(cfg)  # algorithm.rollout_mismatch
 
         if algo.kl_ctrl.type == "adaptive":
             self.kl_ctrl = AdaptiveKLController(algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
@@ -682,6 +684,7 @@ class Trainer:
                 step, last = self.global_step, self.global_step == self.total_steps
                 self._check_skips(step)
                 stop = self.reward_failures.record(metrics, step, self.scorer.first_failure)
+                stop = stop or self.rollout_mismatch.record(metrics, step)
                 if stop:
                     raise TrainingStopped(stop)
                 if self.val_prompts is not None and cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):

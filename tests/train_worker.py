@@ -10,7 +10,10 @@ Fault injection: ``--kill-at PHASE@STEP`` sends SIGKILL to this process at one p
 step STEP (1-based): ``update`` (in the middle of the step, right after the actor update), or during
 that step's checkpoint save right after ``save_engines`` (DeepSpeed files written), ``write_state``
 (the state file written, not yet published) or ``publish`` (renamed into place, before pruning).
-After SIGTERM/SIGINT the process exits as scripts/train.py does, with 128 + the signal number.
+After SIGTERM/SIGINT the process exits as scripts/train.py does, with 128 + the signal number; a run the
+trainer stops (``TrainingStopped``) exits 1 with its message, as scripts/train.py does. ``--skip-push``
+breaks the weight push: the rollout engine keeps its start-up weights (the actor's parameters are still
+gathered, a collective, and dropped).
 """
 
 import argparse
@@ -21,20 +24,22 @@ import random
 import os
 import signal
 import sys
+from collections import deque
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import dsrl.checkpoint
-from dsrl.cli import split_files_and_overrides
+from dsrl.cli import leave_together, split_files_and_overrides
 from dsrl.config import load_and_validate
-from dsrl.trainer import Trainer, TrainingInterrupted
+from dsrl.trainer import Trainer, TrainingInterrupted, TrainingStopped
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--local_rank", type=int)
 parser.add_argument("--kill-at", default=None)
+parser.add_argument("--skip-push", action="store_true")
 parser.add_argument("args", nargs="+", help="config files, then key=value overrides")
 args = parser.parse_args()
 
@@ -88,11 +93,18 @@ if args.kill_at:
     else:
         setattr(dsrl.checkpoint, phase, kill_after(getattr(dsrl.checkpoint, phase), step))
 
+if args.skip_push:
+    trainer.rollout.update_weights = lambda named_tensors: deque(named_tensors, maxlen=0)
+
 code = 0
 try:
     trainer.fit()
 except TrainingInterrupted as err:
     code = err.exit_code
+except TrainingStopped as err:  # every rank raised it at the same step; rank 0 reports it
+    if trainer.rank == 0:
+        print(f"dsrl: {err}", file=sys.stderr, flush=True)
+    code = 1
 llm = getattr(trainer.rollout, "llm", None)
 tp = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size if llm is not None else None
 report = {
@@ -104,4 +116,6 @@ report = {
     "model_dir": str(getattr(trainer, "model_dir", "")),
 }
 (out / f"rank{trainer.rank}.json").write_text(json.dumps(report))
+if code == 1:
+    leave_together(code)  # every rank has written its report before the launcher sees one of them fail
 sys.exit(code)

@@ -101,6 +101,7 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     _rollout_rules(cfg, world_size, need)
     _vllm_rules(cfg, need)
     _rollout_correction_rules(cfg, need)
+    _rollout_mismatch_rules(cfg, need)
     _file_rules(cfg, need)
     _deepspeed_rules(cfg, world_size, need)
     _reward_rules(cfg, need)
@@ -550,6 +551,24 @@ def _rollout_correction_rules(cfg: Config, need: Need) -> None:
                 "has no effect while rollout_rs is null",
                 f"set {prefix}.rollout_rs=token or sequence, or {prefix}.{name}=null",
             )
+
+
+def _rollout_mismatch_rules(cfg: Config, need: Need) -> None:
+    """The bound is a probability gap that can be crossed and tolerates rounding; patience counts steps."""
+    gate, prefix = cfg.algorithm.rollout_mismatch, "algorithm.rollout_mismatch"
+    need(
+        gate.max_probs_diff is None or 0 < gate.max_probs_diff < 1,
+        f"{prefix}.max_probs_diff",
+        "must be in (0, 1), or null for never: the mean |p_rollout - p_actor| is at most 1, and a healthy run's "
+        "is above 0 by rounding (~1e-7 in fp32, ~1e-3 to 1e-2 with a bf16 rollout)",
+        "set it to 0.05, or null to train on whatever the gap",
+    )
+    need(
+        gate.patience >= 1,
+        f"{prefix}.patience",
+        "must be >= 1 (training steps in a row above max_probs_diff that stop the run)",
+        "set it to 3",
+    )
 
 
 def _file_rules(cfg: Config, need: Need) -> None:

@@ -76,6 +76,7 @@ RESUME_HARMLESS_KEYS = (
     r"actor_rollout_ref\.rollout\.val_kwargs\..*",
     r"actor_rollout_ref\.actor\.checkpoint\..*",
     r"actor_rollout_ref\.nccl_timeout",
+    r"algorithm\.rollout_mismatch\..*",
 )
 # verl's older names of a setting, each with the key that names it now: set alone, the older name is used (as in
 # verl); set in the layers together with the current key to a different value, it is refused.
@@ -450,6 +451,22 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class RolloutMismatchConfig:
+    max_probs_diff: Optional[float] = _f(
+        0.05,
+        "stop the run when training/rollout_probs_diff_mean (mean |p_rollout - p_actor| over the response tokens) "
+        "stays above this for patience training steps in a row: the rollout is not sampling from the policy being "
+        "trained (stale weights after a failed push, sleep level 2 without a full push, a rollout/actor dtype or "
+        "padded-vocabulary mismatch); healthy: ~1e-7 with fp32 on CPU, ~1e-3 to 1e-2 with bf16 rollouts; null = never",
+    )
+    patience: int = _f(
+        3,
+        "training steps in a row above max_probs_diff that stop the run; a step with no response token "
+        "(training/rollout_probs_diff_valid 0) neither counts nor resets them",
+    )
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = _f(
         "gae",
@@ -472,6 +489,9 @@ class AlgorithmConfig:
     )
     rollout_correction: RolloutCorrectionConfig = _f(
         RolloutCorrectionConfig, "correction of the mismatch between the rollout engine's and the actor's log-probs"
+    )
+    rollout_mismatch: RolloutMismatchConfig = _f(
+        RolloutMismatchConfig, "stop the run when the rollout engine's probabilities keep leaving the actor's"
     )
     import_modules: list[str] = _f(
         list,

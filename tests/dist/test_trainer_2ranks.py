@@ -74,6 +74,28 @@ def test_ranks_log_the_same_metrics(setup, tmp_path):
     assert step1["global_seqlen/balanced_max"] - step1["global_seqlen/balanced_min"] <= step1["global_seqlen/minmax_diff"]
 
 
+def test_a_broken_push_stops_both_ranks_at_the_same_step(setup, tmp_path):
+    """``algorithm.rollout_mismatch`` reads all-reduced metrics, so every rank counts the same streak and stops
+    at the same step: each rank's rollout keeps its start-up weights (``--skip-push``), step 1 is healthy, steps 2
+    and 3 are off by more than 1e-4, and with patience 2 both ranks stop at step 3, rank 0 reporting it once."""
+    overrides, env, launcher = setup
+    result = subprocess.run(
+        [*launcher(), str(WORKER), "--out", str(tmp_path), "--skip-push", *QUICKSTART, *overrides,
+         "trainer.total_training_steps=3", "algorithm.rollout_mismatch.max_probs_diff=1e-4",
+         "algorithm.rollout_mismatch.patience=2"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=480, check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [[entry["step"] for entry in r["logged"]] for r in reports] == [[0, 1, 2], [0, 1, 2]]
+    streaks = [[entry["metrics"]["training/rollout_mismatch_streak"] for entry in r["logged"][1:]] for r in reports]
+    assert streaks == [[0, 1], [0, 1]]
+    gaps = [[entry["metrics"]["training/rollout_probs_diff_mean"] for entry in r["logged"][1:]] for r in reports]
+    assert gaps[0] == gaps[1] and gaps[0][0] < 1e-4 < gaps[0][1]
+    assert output.count("dsrl: step 3: the rollout's token probabilities left the actor's in 2 steps in a row") == 1
+
+
 def test_train_script_runs_under_the_launcher(setup):
     overrides, env, launcher = setup
     command = launcher()

@@ -50,11 +50,12 @@ def overrides(arithmetic_data, tiny_model_dir, ds_test_config, deepspeed_cpu_ops
     ]
 
 
-def run(command, port):
+def run(command, port, returncode=0):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "5",
            "VLLM_CPU_KVCACHE_SPACE": "1", "MASTER_PORT": str(port)}
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    assert result.returncode == returncode, (result.stdout + result.stderr)[-5000:]
+    return result
 
 
 def check_run(report):
@@ -103,3 +104,22 @@ def test_two_ranks_under_the_launcher(overrides, tmp_path, free_port, tp):
         shared0 = {k: v for k, v in entry0["metrics"].items() if not k.startswith(RANK_LOCAL)}
         shared1 = {k: v for k, v in entry1["metrics"].items() if not k.startswith(RANK_LOCAL)}
         assert shared0 == shared1  # all-reduced: every rank logs the same numbers
+
+
+def test_a_push_that_never_reaches_vllm_stops_the_run(overrides, tmp_path, free_port):
+    """The weight push made a no-op (``--skip-push``): vLLM keeps its start-up weights while the actor trains.
+    Step 1 samples from the weights the actor still holds (within fp32 numerics, as above); steps 2 and 3 are two
+    steps in a row off by more than FP32_ATOL, so ``algorithm.rollout_mismatch`` stops the run at step 3, exit 1."""
+    # Sleep mode off, as on CPU, also on a GPU: there a level-2 sleep without a push fails generate before any gap.
+    result = run([sys.executable, str(WORKER), "--out", str(tmp_path), "--skip-push", *QUICKSTART, *overrides,
+                  "actor_rollout_ref.rollout.enable_sleep_mode=false",
+                  f"algorithm.rollout_mismatch.max_probs_diff={FP32_ATOL}", "algorithm.rollout_mismatch.patience=2"],
+                 free_port(), returncode=1)
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    assert report["rollout"] == "VLLMRollout"
+    assert [entry["step"] for entry in report["logged"]] == [0, 1, 2]  # validation, then steps 1 and 2; 3 stopped
+    step1, step2 = (entry["metrics"] for entry in report["logged"][1:])
+    assert step1["training/rollout_probs_diff_mean"] < FP32_ATOL < step2["training/rollout_probs_diff_mean"]
+    assert (step1["training/rollout_mismatch_streak"], step2["training/rollout_mismatch_streak"]) == (0, 1)
+    assert "dsrl: step 3: the rollout's token probabilities left the actor's in 2 steps in a row" in result.stderr
+    assert "stale rollout weights: a weight push that failed or was skipped" in result.stderr

@@ -1,0 +1,82 @@
+"""``algorithm.rollout_mismatch``: the run stops when the rollout engine keeps sampling from another policy
+than the one being trained.
+
+After every weight push the rollout's token probabilities equal the actor's up to numerics:
+``training/rollout_probs_diff_mean`` (the mean of ``|p_rollout - p_actor|`` over the step's response tokens,
+``dsrl.metrics.rollout_logprob_metrics``) is ~1e-7 with fp32 on CPU and ~1e-3 to 1e-2 with a bf16 rollout.
+A gap above ``max_probs_diff`` for ``patience`` training steps in a row is not numerics: the policy loss's
+ratios and the rollout correction would be correcting for a broken push, so the run stops (exit code 1, the
+MLflow run FAILED) with the gap of each of those steps and the likely causes.
+
+A step without the metric (``training/rollout_probs_diff_valid`` 0: no rank has a response token) neither
+counts nor resets the streak: it says nothing either way. A nan gap on a valid step (a log-prob that is not
+a number on one side) counts as above the bound. The metrics are all-reduced, so every rank counts alike and
+stops at the same step.
+"""
+
+from __future__ import annotations
+
+DIFF_MEAN, DIFF_MAX, VALID = (
+    "training/rollout_probs_diff_mean",
+    "training/rollout_probs_diff_max",
+    "training/rollout_probs_diff_valid",
+)
+STREAK = "training/rollout_mismatch_streak"
+
+
+class RolloutMismatch:
+    """Counts the training steps in a row whose rollout-vs-actor probability gap is above
+    ``algorithm.rollout_mismatch.max_probs_diff`` and keeps their gaps for the message."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.streak: list[tuple[int, float, float]] = []  # (step, mean gap, max gap) of the steps in a row
+
+    def record(self, metrics: dict[str, float], step: int) -> str | None:
+        """Count this step's gap and add the streak's length to ``metrics`` as ``training/rollout_mismatch_streak``;
+        the message that stops the run when the streak reaches ``patience``, else None. With ``max_probs_diff``
+        null nothing is counted or added."""
+        gate = self.cfg.algorithm.rollout_mismatch
+        if gate.max_probs_diff is None:
+            return None
+        if metrics.get(VALID):
+            mean = metrics[DIFF_MEAN]
+            if mean <= gate.max_probs_diff:  # False for nan
+                self.streak = []
+            else:
+                self.streak.append((step, mean, metrics[DIFF_MAX]))
+        metrics[STREAK] = len(self.streak)
+        if len(self.streak) < gate.patience:
+            return None
+        return self._message(step)
+
+    def _message(self, step: int) -> str:
+        gate = self.cfg.algorithm.rollout_mismatch
+        model, rollout = self.cfg.actor_rollout_ref.model, self.cfg.actor_rollout_ref.rollout
+        gaps = ", ".join(f"step {s}: {mean:.3g} (max {top:.3g})" for s, mean, top in self.streak)
+        if rollout.name == "vllm":
+            rollout_dtype, keys = rollout.dtype or model.dtype, "actor_rollout_ref.rollout.dtype, actor_rollout_ref.model.dtype"
+        else:
+            rollout_dtype, keys = model.dtype, "actor_rollout_ref.model.dtype, which the transformers rollout follows"
+        causes = [
+            "stale rollout weights: a weight push that failed or was skipped (look for update_weights in the log)"
+        ]
+        # Sleep mode null = on where vLLM has it (GPUs): a level-2 wake without a push is possible.
+        if rollout.name == "vllm" and rollout.enable_sleep_mode is not False and rollout.sleep_level == 2:
+            causes.append(
+                "vLLM woken from sleep level 2 without a full push: a parameter not pushed again holds garbage "
+                "(actor_rollout_ref.rollout.sleep_level=1 keeps the weights)"
+            )
+        causes += [
+            f"a dtype mismatch between rollout and actor (here the rollout runs in {rollout_dtype}, the actor in "
+            f"{model.dtype}: {keys})",
+            "a padded vocabulary: output-layer rows beyond the tokenizer's vocabulary that one side masks and the "
+            "other does not",
+        ]
+        return (
+            f"step {step}: the rollout's token probabilities left the actor's in {len(self.streak)} steps in a row "
+            f"(training/rollout_probs_diff_mean above algorithm.rollout_mismatch.max_probs_diff="
+            f"{gate.max_probs_diff:g}, patience={gate.patience}; {gaps}): the rollout is not sampling from the policy "
+            f"being trained. Likely causes: {'; '.join(causes)}. Fix it, then run again (trainer.resume_mode=auto "
+            "resumes from the last checkpoint); algorithm.rollout_mismatch.max_probs_diff=null trains on regardless"
+        )
