@@ -208,13 +208,14 @@ def random_prompts(tokenizer_dir: Path, size: CheckSize) -> tuple[torch.Tensor, 
     return ids, torch.ones_like(ids)
 
 
-def fused_adam_problem() -> str | None:
-    """Why DeepSpeed's FusedAdam, the GPU optimizer of the zero3 config, cannot load here (it is
-    compiled on first use, which needs the CUDA toolkit), or None when it loads."""
+def op_problem(builder: str) -> str | None:
+    """Why DeepSpeed's op ``builder`` (``FusedAdamBuilder``: zero3's GPU optimizer; ``CPUAdamBuilder``: the
+    offload configs') cannot load here (it is compiled on first use, which needs the CUDA toolkit for a
+    GPU op), or None when it loads."""
     from deepspeed.accelerator import get_accelerator
 
     try:
-        get_accelerator().create_op_builder("FusedAdamBuilder").load(verbose=False)
+        get_accelerator().create_op_builder(builder).load(verbose=False)
     except Exception as err:  # no toolkit, no ninja or a failed compile: each raises its own type
         return f"{type(err).__name__}: {next(iter(str(err).splitlines()), '')}"
     return None
@@ -225,7 +226,7 @@ def optimizer_problem(size: CheckSize, optimizer: str) -> str | None:
     FusedAdam needs a compiler toolchain the machine may lack; ``--optimizer adamw`` does not use it."""
     if optimizer != "recipe" or size.deepspeed_config != "zero3":
         return None
-    problem = fused_adam_problem()
+    problem = op_problem("FusedAdamBuilder")
     if problem is None:
         return None
     return (

@@ -81,7 +81,7 @@ def test_fused_adam_that_cannot_build_exits_2_unless_adamw(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # its dataclasses look their module up there
     spec.loader.exec_module(gpu_check)
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(gpu_check, "fused_adam_problem", lambda: "MissingCUDAException: CUDA_HOME does not exist")
+    monkeypatch.setattr(gpu_check, "op_problem", lambda builder: f"{builder}: MissingCUDAException: CUDA_HOME does not exist")
     ran = []
     monkeypatch.setattr(gpu_check, "run", lambda size, optimizer, out, started: ran.append(optimizer))
 
