@@ -63,31 +63,28 @@ step() {  # step NAME TIMEOUT_S COMMAND...: its output to $OUT/NAME.log; NAME, e
 }
 
 toolchain() {
-    if command -v nvidia-smi >/dev/null; then
-        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    else
-        echo "nvidia-smi: not found"
-    fi
-    "$PYTHON" -V
-    echo "nvcc: $(command -v nvcc || echo NO_NVCC); CUDA_HOME=${CUDA_HOME:-unset}"
+    local install="none (WHEELS unset)"
     if [ -n "${WHEELS:-}" ]; then
         # Everything scripts/gpu_check.py's REQUIRED names; pip skips what is installed.
         mapfile -t packages < <("$PYTHON" -c "import sys; sys.path.insert(0, 'scripts'); import gpu_check
 print(*gpu_check.REQUIRED.values(), sep='\n')")
         "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" "${packages[@]}"
-        echo "wheel install from $WHEELS: exit $?"
+        install="pip exit $? installing ${packages[*]} from $WHEELS"
     fi
-    "$PYTHON" -m deepspeed.env_report 2>&1 | sed 's/\x1b\[[0-9;]*m//g' | grep -E "fused_adam|cpu_adam|ninja|torch cuda|nvcc|deepspeed info"
     # The recipes' optimizer op: FusedAdam for zero3 on GPU; the smoke's zero3_offload runs CPUAdam.
-    "$PYTHON" - "$OUT/toolchain.json" "$([ -n "$SMOKE" ] && echo CPUAdamBuilder || echo FusedAdamBuilder)" <<'PY'
-import json, os, shutil, sys
+    "$PYTHON" - "$OUT/toolchain.json" "$([ -n "$SMOKE" ] && echo CPUAdamBuilder || echo FusedAdamBuilder)" "$install" <<'PY'
+import json, os, re, shutil, subprocess, sys
 import torch
 sys.path.insert(0, "scripts")
 import gpu_check
-path, builder = sys.argv[1:]
+path, builder, install = sys.argv[1:]
 on_cuda = torch.cuda.is_available()
 missing = gpu_check.missing_packages()
 facts = {
+    "nvidia-smi": subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+        capture_output=True, text=True,
+    ).stdout.strip() if shutil.which("nvidia-smi") else None,
     "python": sys.version.split()[0],
     "torch": torch.__version__,
     "torch cuda": torch.version.cuda,
@@ -95,12 +92,18 @@ facts = {
     "device memory GiB (free, total)": [round(b / 2**30, 1) for b in torch.cuda.mem_get_info()] if on_cuda else None,
     "nvcc": shutil.which("nvcc"),
     "CUDA_HOME": os.environ.get("CUDA_HOME"),
+    "wheel install": install,
     "missing packages": missing,
     "optimizer op": builder,
 }
 if not missing:
     import deepspeed
     facts["deepspeed"] = deepspeed.__version__
+    report = subprocess.run([sys.executable, "-m", "deepspeed.env_report"], capture_output=True, text=True).stdout
+    facts["ds_report"] = [
+        " ".join(re.sub(r"\.{3,}", " ", line).split()) for line in re.sub(r"\x1b\[[0-9;]*m", "", report).splitlines()
+        if re.match(r"(fused_adam|cpu_adam|ninja|torch cuda version|nvcc version) ", line)
+    ]
     facts["optimizer op problem"] = gpu_check.op_problem(builder)
 print(json.dumps(facts, indent=1))
 with open(path, "w") as out:

@@ -95,6 +95,7 @@ def write_report(path: Path | None, header: str, table: list[tuple[str, float | 
 
 
 def measure(size: gpu_check.CheckSize, model_dir: Path, deepspeed_config, case: str, geometry) -> list[tuple]:
+    """The table rows of one case: a fresh engine, one warm-up update, then the timed passes."""
     from dsrl.engines.forward import micro_batch_indices
 
     n, micro, budget = geometry
