@@ -85,6 +85,7 @@ def one_step(size, model_dir: Path, config: Path, batch) -> dict:
         buffer_dtype=str(buffer.dtype).removeprefix("torch."),
         buffer_mib=buffer.numel() * buffer.element_size() / 2**20,
         communication_dtype=str(zero.communication_data_type).removeprefix("torch."),
+        optimizer=type(actor.engine.basic_optimizer).__name__,
     )
     actor.engine.destroy()
     del actor, zero, step
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     got = ", ".join(f"{d} -> buffer {runs[d]['buffer_dtype']}, communication {runs[d]['communication_dtype']}" for d in VARIANTS)
     header = (
-        f"[grad_accum_dtype] {device}; {Path(config).stem} grad_accum_dtype {got}; {size.dtype}, "
+        f"[grad_accum_dtype] {device}; {Path(config).stem} ({runs['fp32']['optimizer']}) grad_accum_dtype {got}; {size.dtype}, "
         f"{n_params / 1e6:.1f}M parameters (random weights); one step over {rows // micro} micro-batches "
         f"of {micro} rows x ({prompt_length} + {response_length}) tokens"
     )
