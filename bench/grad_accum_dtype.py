@@ -71,7 +71,8 @@ def one_step(size, model_dir: Path, config: Path, batch) -> dict:
 
     def snapshot_then_step(*args, **kwargs):
         begin = time.perf_counter()
-        result["grad"] = zero.grad_partitions_flat_buffer.cpu().float()  # to CPU first: no device copy
+        # To CPU first (no float copy on the device); clone: on CPU, in fp32, .cpu().float() is the buffer itself.
+        result["grad"] = zero.grad_partitions_flat_buffer.cpu().float().clone()
         result["snapshot_s"] = time.perf_counter() - begin
         return step(*args, **kwargs)
 
