@@ -7,8 +7,10 @@ Model: Qwen2.5-0.5B's shape with random weights (nothing is downloaded) and the 
 of ``scripts/make_tiny_model.py``; embedding rows beyond the tokenizer's vocabulary are padding, as in
 Qwen's own checkpoints, and like those all but impossible (``silence_vocab_padding``). Inputs are built
 in memory (random prompt ids, random advantages): no Trainer, data files or rewards. The actor runs
-ds_configs/zero3.json, with torch's AdamW where DeepSpeed's FusedAdam cannot be compiled (the header
-says so).
+ds_configs/zero3.json with its optimizer, DeepSpeed's FusedAdam, as every shipped recipe does. FusedAdam
+is compiled on first use, which needs the CUDA toolkit (nvcc, ``CUDA_HOME``); where it cannot be, the
+recipes cannot start either, and the check says so and exits 2. ``--optimizer adamw`` measures with
+torch's AdamW instead, and the header says that the recipes' optimizer was not measured.
 
 Two rounds of: push the actor's weights into the rollout engine and generate
 (``colocated_generation``), the actor's log-probs of the responses, a PPO update. Round one warms up
@@ -22,8 +24,9 @@ from the device name (``PEAK_BF16_FLOPS``) or the environment variable ``PEAK_TF
 
 Rollout: vLLM with sleep mode when ``vllm`` imports and CUDA is present, else transformers
 ``generate``; the header says which and why. The table also goes to ``$OUT/gpu_check.json``
-(default ``outputs/gpu_check``). Exit codes: 0 done (or no CUDA device without ``--smoke``),
-2 deepspeed, omegaconf, pyyaml or accelerate missing (transformers' DeepSpeed integration imports it).
+(default ``outputs/gpu_check``). Exit codes: 0 done (or no CUDA device without ``--smoke``); 2 with
+one line on stderr: a package of ``REQUIRED`` missing (``WHEELS=dir bash scripts/gpu_check.sh`` installs
+them from a folder that ``bench/gpu_wheels.sh`` builds), or FusedAdam not compiling.
 """
 
 from __future__ import annotations
@@ -41,8 +44,20 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-# Modules dsrl needs beyond torch and transformers, with their pip names.
-REQUIRED = {"deepspeed": "deepspeed", "omegaconf": "omegaconf", "yaml": "pyyaml", "accelerate": "accelerate"}
+# What the check imports beyond torch, with pip names (traced with sys.modules after a --smoke run; the
+# packages these pull in come with them from pip). accelerate: transformers' DeepSpeed integration imports it.
+REQUIRED = {
+    "numpy": "numpy",
+    "transformers": "transformers",
+    "tokenizers": "tokenizers",
+    "safetensors": "safetensors",
+    "huggingface_hub": "huggingface_hub",
+    "deepspeed": "deepspeed",
+    "accelerate": "accelerate",
+    "omegaconf": "omegaconf",
+    "yaml": "pyyaml",
+    "psutil": "psutil",
+}
 # Dense bf16 FLOP/s by device-name substring, first match wins (SXM parts unless named).
 PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 UPDATE_REPEATS = 3
@@ -106,13 +121,15 @@ SMOKE = CheckSize(
 
 
 def missing_packages() -> list[str]:
-    """Pip names of the ``REQUIRED`` modules that do not import."""
+    """Pip names of the ``REQUIRED`` modules that do not import; a module that is there but misses one of
+    its own dependencies is named with that dependency."""
     missing = []
     for module, package in REQUIRED.items():
         try:
             importlib.import_module(module)
-        except ImportError:
-            missing.append(package)
+        except ImportError as err:
+            lacking = (err.name or "").split(".")[0]
+            missing.append(package if lacking in ("", module) else f"{package} (needs {lacking})")
     return missing
 
 
@@ -191,36 +208,51 @@ def random_prompts(tokenizer_dir: Path, size: CheckSize) -> tuple[torch.Tensor, 
     return ids, torch.ones_like(ids)
 
 
-def fused_adam_problem() -> str | None:
-    """Why DeepSpeed's FusedAdam, the GPU optimizer of the zero3 config, cannot load here (it is
-    compiled on first use, which needs the CUDA toolkit), or None when it loads."""
+def op_problem(builder: str) -> str | None:
+    """Why DeepSpeed's op ``builder`` (``FusedAdamBuilder``: zero3's GPU optimizer; ``CPUAdamBuilder``: the
+    offload configs') cannot load here (it is compiled on first use, which needs the CUDA toolkit for a
+    GPU op), or None when it loads."""
     from deepspeed.accelerator import get_accelerator
 
     try:
-        get_accelerator().create_op_builder("FusedAdamBuilder").load(verbose=False)
+        get_accelerator().create_op_builder(builder).load(verbose=False)
     except Exception as err:  # no toolkit, no ninja or a failed compile: each raises its own type
         return f"{type(err).__name__}: {next(iter(str(err).splitlines()), '')}"
     return None
 
 
-def actor_deepspeed_config(size: CheckSize, out: Path) -> tuple[str | Path, str]:
-    """The actor's DeepSpeed config, and a note when it is not ``size.deepspeed_config`` itself:
-    where zero3's FusedAdam cannot load, a copy in ``out`` that uses torch's AdamW instead."""
-    if size.deepspeed_config != "zero3":
-        return size.deepspeed_config, ""
-    problem = fused_adam_problem()
+def optimizer_problem(size: CheckSize, optimizer: str) -> str | None:
+    """The one-line reason the recipes' optimizer cannot run here (exit 2), or None. Only zero3's
+    FusedAdam needs a compiler toolchain the machine may lack; ``--optimizer adamw`` does not use it."""
+    if optimizer != "recipe" or size.deepspeed_config != "zero3":
+        return None
+    problem = op_problem("FusedAdamBuilder")
     if problem is None:
+        return None
+    return (
+        f"DeepSpeed's FusedAdam, the optimizer of ds_configs/{size.deepspeed_config}.json and of every shipped recipe, "
+        f"does not build here ({problem}), so no recipe can start on this machine either: install the CUDA "
+        f"toolkit of torch's CUDA {torch.version.cuda} (nvcc, CUDA_HOME), or pass --optimizer adamw to measure "
+        "with torch's AdamW"
+    )
+
+
+def actor_deepspeed_config(size: CheckSize, optimizer: str, out: Path) -> tuple[str | Path, str]:
+    """The actor's DeepSpeed config and a note for the header: ``size.deepspeed_config`` itself, or with
+    ``optimizer == "adamw"`` a copy in ``out`` that uses torch's AdamW."""
+    if optimizer == "recipe":
         return size.deepspeed_config, ""
     from dsrl.config import deepspeed_config_path
 
     ds = json.loads(deepspeed_config_path(size.deepspeed_config).read_text())
     ds["optimizer"]["params"]["torch_adam"] = True
-    path = out / "zero3_torch_adam.json"
+    path = out / f"{size.deepspeed_config}_torch_adam.json"
     path.write_text(json.dumps(ds, indent=2))
-    return path, f" with torch AdamW (FusedAdam does not load: {problem})"
+    return path, " with torch AdamW (--optimizer adamw): the recipes' optimizer was NOT measured"
 
 
-def run_config(size: CheckSize, model_dir: Path, rollout_name: str, deepspeed_config: str | Path):
+def run_config(size: CheckSize, model_dir: Path, rollout_name: str, deepspeed_config: str | Path, *extra: str):
+    """The run config of ``size``; ``extra`` overrides come last and win."""
     from dsrl.config import load_and_validate
 
     # data.train_files must look like parquet to validation (its PAR1 framing); nothing reads it here, and the GPU
@@ -245,6 +277,7 @@ def run_config(size: CheckSize, model_dir: Path, rollout_name: str, deepspeed_co
         f"data.max_prompt_length={size.prompt_length}",
         f"data.max_response_length={size.max_tokens}",
         "algorithm.adv_estimator=grpo",
+        *extra,
     ]
     if rollout_name == "vllm":
         overrides.append("actor_rollout_ref.rollout.enable_sleep_mode=true")
@@ -281,7 +314,7 @@ def format_value(value: float | None) -> str:
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
 
 
-def run(size: CheckSize, out_dir: Path, started: float) -> None:
+def run(size: CheckSize, optimizer: str, out_dir: Path, started: float) -> None:
     """The check at ``size``; ``started`` is the ``time.perf_counter()`` the wall time counts from."""
     from deepspeed.accelerator import get_accelerator
 
@@ -327,7 +360,7 @@ def run(size: CheckSize, out_dir: Path, started: float) -> None:
         model_dir = Path(tmp)
         n_params = save_random_model(size, model_dir)
         prompt_ids, prompt_mask = random_prompts(model_dir, size)
-        deepspeed_config, optimizer_note = actor_deepspeed_config(size, model_dir)
+        deepspeed_config, optimizer_note = actor_deepspeed_config(size, optimizer, model_dir)
         cfg = run_config(size, model_dir, rollout_name, deepspeed_config)
         if rollout_name == "vllm":
             from dsrl.rollout.vllm import VLLMRollout
@@ -348,6 +381,7 @@ def run(size: CheckSize, out_dir: Path, started: float) -> None:
         batch, phase = generation_round(rollout, actor, prompt_ids, prompt_mask)
         agreement = rollout_logprob_metrics(batch)
         update_s = sum(timed_update(actor, batch) for _ in range(UPDATE_REPEATS))
+        optimizer_name = type(actor.engine.basic_optimizer).__name__
 
     tokens = batch.attention_mask.sum().item() * UPDATE_REPEATS
     update_tokens_per_s = tokens / update_s
@@ -373,7 +407,7 @@ def run(size: CheckSize, out_dir: Path, started: float) -> None:
     if rollout_name == "vllm":
         why += f" level {cfg.actor_rollout_ref.rollout.sleep_level}"
     header = (
-        f"[gpu_check] {device_name}; {why}; actor {size.deepspeed_config}{optimizer_note}; {size.dtype}, "
+        f"[gpu_check] {device_name}; {why}; actor {size.deepspeed_config} ({optimizer_name}){optimizer_note}; {size.dtype}, "
         f"{n_params / 1e6:.1f}M parameters (random weights); "
         f"{size.prompts} prompts x {size.prompt_length} tokens, n={size.n}, {size.max_tokens} new tokens"
     )
@@ -395,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shape and batch: the same code on CPU in seconds")
+    parser.add_argument(
+        "--optimizer",
+        choices=("recipe", "adamw"),
+        default="recipe",
+        help="recipe: the DeepSpeed config's own (FusedAdam on GPU); adamw: torch's AdamW, where FusedAdam cannot build",
+    )
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("[gpu_check] no CUDA device; run with --smoke for the CPU smoke test")
@@ -402,13 +442,18 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_packages()
     if missing:
         print(
-            f"[gpu_check] missing {', '.join(missing)}: pip install it, or run "
-            "WHEELS=<folder of wheels> bash scripts/gpu_check.sh to install it from there",
+            f"[gpu_check] missing {', '.join(missing)}: pip install it, or run WHEELS=<folder of wheels> "
+            "bash scripts/gpu_check.sh to install it from there (bench/gpu_wheels.sh builds the folder)",
             file=sys.stderr,
         )
         return 2
+    size = SMOKE if args.smoke else QWEN25_05B
+    problem = optimizer_problem(size, args.optimizer)
+    if problem:
+        print(f"[gpu_check] {problem}", file=sys.stderr)
+        return 2
     sys.path.insert(0, str(REPO))  # dsrl from this checkout, installed or not
-    run(SMOKE if args.smoke else QWEN25_05B, Path(os.environ.get("OUT", "outputs/gpu_check")), started)
+    run(size, args.optimizer, Path(os.environ.get("OUT", "outputs/gpu_check")), started)
     return 0
 
 

@@ -5,21 +5,29 @@
 # rollout when it imports, else transformers (the header says which). Details: scripts/gpu_check.py.
 #
 #   bash scripts/gpu_check.sh                  # one CUDA device (without one it says so and exits 0)
-#   WHEELS=dir bash scripts/gpu_check.sh       # first installs deepspeed, omegaconf, pyyaml, accelerate from dir
+#   WHEELS=dir bash scripts/gpu_check.sh       # first installs from dir what the check needs and lacks
+#   bash scripts/gpu_check.sh --optimizer adamw   # torch's AdamW where FusedAdam cannot build (no nvcc)
 #   bash scripts/gpu_check.sh --smoke          # tiny shape: the same code on CPU, in seconds
 #
+# WHEELS: a folder of wheels (bench/gpu_wheels.sh builds one) for a machine with torch and no network.
+# Whatever is still missing afterwards stops the check with exit 2 and one line naming it. vLLM cannot
+# come this way (its wheel is over 300 MB); without it the rollout is transformers'.
 # The table is also written to $OUT/gpu_check.json (default outputs/gpu_check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
 
 if [ -n "${WHEELS:-}" ]; then
-    missing=()
-    for pair in deepspeed:deepspeed omegaconf:omegaconf yaml:pyyaml accelerate:accelerate; do
-        "$PYTHON" -c "import ${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
-    done
+    # The pip names gpu_check.py would report missing (its REQUIRED), one per line.
+    mapfile -t missing < <("$PYTHON" -c "import sys; sys.path.insert(0, 'scripts'); import gpu_check
+print(*(name.split()[0] for name in gpu_check.missing_packages()), sep='\n')" 2>/dev/null | grep .)
     if [ "${#missing[@]}" -gt 0 ]; then
-        "$PYTHON" -m pip install --no-index --find-links "$WHEELS" "${missing[@]}"
+        echo "[gpu_check] installing ${missing[*]} from $WHEELS" >&2
+        log="$(mktemp)"
+        # A failed install is reported by the check itself below (exit 2, naming what is still missing).
+        "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" "${missing[@]}" >"$log" 2>&1 \
+            || echo "[gpu_check] pip could not install all of it from $WHEELS: $(grep -m1 ERROR "$log" || tail -1 "$log")" >&2
+        rm -f "$log"
     fi
 fi
 

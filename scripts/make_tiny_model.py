@@ -34,7 +34,6 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 
 from dsrl.data import arithmetic
-from dsrl.rewards.arithmetic import compute_score
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 CHARACTERS = ["\n"] + [chr(c) for c in range(32, 127)]
@@ -150,6 +149,9 @@ def supervised_warm_start(
 @torch.no_grad()
 def greedy_accuracy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[int, int]]) -> float:
     """Greedy exact-match rate under ``dsrl.rewards.arithmetic`` (what RL validation measures)."""
+    # Imported here: dsrl.rewards needs pebble, which scripts/gpu_check.py (it imports build_tokenizer) must not.
+    from dsrl.rewards.arithmetic import compute_score
+
     encoded = tokenizer.pad({"input_ids": [prompt_ids(tokenizer, a, b) for a, b in pairs]}, return_tensors="pt")
     output = model.generate(
         **encoded,
