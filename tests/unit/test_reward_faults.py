@@ -21,7 +21,7 @@ from dsrl.config import load_config
 from dsrl.console import ProgressConsole
 from dsrl.rewards import FAILURE_COUNTS, RewardScorer
 from dsrl.rewards import scorer as scorer_module
-from tests.conftest import QUICKSTART, write_model_stub, write_parquet_stub
+from tests.conftest import QUICKSTART, stub_file_overrides
 from tests.process_helpers import run_script, wait_gone
 
 FALLBACK = -1.0
@@ -277,13 +277,7 @@ def test_no_worker_outlives_its_trainer_however_it_ends(faults_file, tmp_path, k
 
 @pytest.fixture
 def files(tmp_path):
-    write_parquet_stub(tmp_path / "train.parquet")
-    write_model_stub(tmp_path / "model")
-    return [
-        f"data.train_files={tmp_path / 'train.parquet'}",
-        "data.val_files=null",
-        f"actor_rollout_ref.model.path={tmp_path / 'model'}",
-    ]
+    return stub_file_overrides(tmp_path)
 
 
 def test_max_failed_steps_defaults_to_3_and_0_turns_it_off(files):

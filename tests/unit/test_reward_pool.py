@@ -18,7 +18,7 @@ from dsrl import checkpoint as ckpt
 from dsrl import config as C
 from dsrl.config import load_config
 from dsrl.rewards import FAILURE_COUNTS, RewardScorer, default_num_workers
-from tests.conftest import QUICKSTART, write_model_stub, write_parquet_stub
+from tests.conftest import QUICKSTART, stub_file_overrides
 from tests.process_helpers import children, live, run_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -426,13 +426,7 @@ def test_a_failing_batch_call_fails_only_its_chunk(batch_file):
 
 @pytest.fixture
 def files(tmp_path):
-    write_parquet_stub(tmp_path / "train.parquet")
-    write_model_stub(tmp_path / "model")
-    return [
-        f"data.train_files={tmp_path / 'train.parquet'}",
-        "data.val_files=null",
-        f"actor_rollout_ref.model.path={tmp_path / 'model'}",
-    ]
+    return stub_file_overrides(tmp_path)
 
 
 def problems(overrides) -> list[str]:

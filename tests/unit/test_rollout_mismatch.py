@@ -14,7 +14,7 @@ from dsrl import config as C
 from dsrl.config import load_config
 from dsrl.console import ProgressConsole
 from dsrl.rollout_mismatch import STREAK, RolloutMismatch
-from tests.conftest import QUICKSTART, config_problems, write_model_stub, write_parquet_stub
+from tests.conftest import QUICKSTART, config_problems, stub_file_overrides
 
 
 def gate(*overrides: str) -> RolloutMismatch:
@@ -148,13 +148,7 @@ def test_the_console_shows_the_streak_while_it_is_not_zero():
 
 @pytest.fixture
 def files(tmp_path):
-    write_parquet_stub(tmp_path / "train.parquet")
-    write_model_stub(tmp_path / "model")
-    return [
-        f"data.train_files={tmp_path / 'train.parquet'}",
-        "data.val_files=null",
-        f"actor_rollout_ref.model.path={tmp_path / 'model'}",
-    ]
+    return stub_file_overrides(tmp_path)
 
 
 def test_defaults_0_05_and_3_and_null_turns_it_off(files):
