@@ -9,7 +9,9 @@ Input: random bf16 logits [B, T + 1, V] (a leaf standing in for the model's outp
 which slices the flattened logits per chunk so that backward adds one zero-padded full-size gradient per
 chunk. Each implementation runs once to warm up, then REPEATS times; the line printed gives medians.
 
-seconds: wall time of forward + backward (CUDA synchronised). peak_gib: the most memory the call held
+seconds: wall time of forward + backward (CUDA synchronised); cpu_seconds: the process's CPU time
+(user + system, all threads) over the same span, which on a shared CPU machine other jobs disturb less
+than the wall time (on CUDA it is the host's time, launches and waits). peak_gib: the most memory the call held
 beyond what was held before it (the input logits and labels): on CUDA ``torch.cuda.max_memory_allocated``
 (live tensors, not the allocator's cache); on CPU the process's peak resident set (``VmHWM``, reset
 through ``/proc/self/clear_refs``) minus its resident set before the call, which counts every page
@@ -97,19 +99,19 @@ class PeakMemory:
 def run_once(
     name: str, B: int, T: int, V: int, device: torch.device
 ) -> tuple[float, int, torch.Tensor, torch.Tensor]:
-    """(seconds, peak bytes, log-probs, gradient of the logits) of one forward + backward."""
+    """(seconds, CPU seconds, peak bytes, log-probs, gradient of the logits) of one forward + backward."""
     g = torch.Generator(device).manual_seed(0)
     logits = torch.randn(B, T + 1, V, generator=g, device=device, dtype=torch.bfloat16).requires_grad_()
     labels = torch.randint(V, (B, T), generator=g, device=device)
     weights = torch.randn(B, T, generator=g, device=device)
     with PeakMemory(device) as memory:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         log_probs = IMPLEMENTATIONS[name](logits[:, :-1], labels)
         (weights * log_probs).sum().backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    return seconds, memory.peak, log_probs.detach(), logits.grad
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    return seconds, cpu_seconds, memory.peak, log_probs.detach(), logits.grad
 
 
 def main() -> None:
@@ -126,21 +128,25 @@ def main() -> None:
     results, outputs = {}, {}
     for name in names:
         run_once(name, args.B, args.T, args.V, device)  # warm-up
-        seconds, peaks = [], []
+        seconds, cpu_seconds, peaks = [], [], []
         for _ in range(REPEATS):
             outputs.pop(name, None)  # frees the last run's gradient before the next run
             outputs[name] = run_once(name, args.B, args.T, args.V, device)
             seconds.append(outputs[name][0])
-            peaks.append(outputs[name][1] / GIB)
+            cpu_seconds.append(outputs[name][1])
+            peaks.append(outputs[name][2] / GIB)
         results[name] = {
             "seconds": seconds,
+            "cpu_seconds": cpu_seconds,
             "peak_gib": peaks,
             "median_seconds": statistics.median(seconds),
+            "median_cpu_seconds": statistics.median(cpu_seconds),
             "median_peak_gib": statistics.median(peaks),
         }
         print(
             f"{name}: B={args.B} T={args.T} V={args.V} {args.device}: "
-            f"{results[name]['median_seconds']:.3f} s, peak {results[name]['median_peak_gib']:.2f} GiB "
+            f"{results[name]['median_seconds']:.3f} s (CPU {results[name]['median_cpu_seconds']:.3f} s), "
+            f"peak {results[name]['median_peak_gib']:.2f} GiB "
             f"(median of {REPEATS})",
             flush=True,
         )
