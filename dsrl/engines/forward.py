@@ -25,7 +25,7 @@ from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 
 from dsrl.algorithms import (
     entropy_from_logits,
@@ -185,12 +185,84 @@ def policy_logits(
     return response_logits(module, inputs, width), width
 
 
-def _chunk_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    return logprobs_from_logits(logits.float() / temperature, labels)
+def _chunks(b: int, t: int, rows: int) -> list[tuple]:
+    """Indices into ``[b, t, ...]`` that cover it with at most ``rows`` positions each: blocks of whole
+    sequences when one fits, else equal pieces of one sequence. They give views even of the actor's
+    non-contiguous ``[:, :-1]`` logits, which flattening ``[b, t]`` would copy."""
+    if rows >= t:
+        k = rows // t
+        return [(slice(i, i + k),) for i in range(0, b, k)]
+    pieces = -(-t // rows)
+    size = -(-t // pieces)
+    return [(i, slice(s, s + size)) for i in range(b) for s in range(0, t, size)]
 
 
-def _chunk_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return entropy_from_logits(logits.float() / temperature)
+def _chunk_stats(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool, with_sum_pi_squared: bool
+) -> list[torch.Tensor]:
+    """Float32 log-probs of one chunk, then its entropy and sum of squared probabilities when asked."""
+    z = logits.float() / temperature
+    stats = [logprobs_from_logits(z, labels)]
+    if with_entropy:
+        stats.append(entropy_from_logits(z))
+    if with_sum_pi_squared:
+        stats.append(sum_pi_squared_from_logits(z))
+    return stats
+
+
+def _chunk_grad(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    grad_log_probs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+) -> torch.Tensor:
+    """Gradient with respect to one chunk of logits, its softmax recomputed."""
+    logits = logits.detach().requires_grad_()
+    with torch.enable_grad():
+        stats = _chunk_stats(logits, labels, temperature, grad_entropy is not None, False)
+    outputs, grads = zip(*((s, g) for s, g in zip(stats, (grad_log_probs, grad_entropy)) if g is not None))
+    return torch.autograd.grad(outputs, logits, grads)[0]
+
+
+class _ResponseStats(torch.autograd.Function):
+    """``response_stats`` as one autograd node that keeps only its input: backward recomputes each
+    chunk's softmax (checkpointing) and writes its gradient into one buffer the size of the logits.
+    Autograd through per-chunk slices would instead add up one zero-padded full-size gradient per chunk."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, with_entropy, with_sum_pi_squared, entropy_grad, rows):
+        b, t, _ = logits.shape
+        ctx.chunks, ctx.temperature = _chunks(b, t, rows), temperature
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, labels)
+        stats = [torch.empty(b, t, dtype=torch.float32, device=logits.device)]
+        stats += [torch.empty_like(stats[0]) for _ in range(with_entropy + with_sum_pi_squared)]
+        for idx in ctx.chunks:
+            values = _chunk_stats(logits[idx], labels[idx], temperature, with_entropy, with_sum_pi_squared)
+            for out, value in zip(stats, values):
+                out[idx] = value
+        # Outputs after log_probs (entropy, when not differentiated, and sum_pi_squared) get no gradient.
+        ctx.mark_non_differentiable(*stats[1 + (with_entropy and entropy_grad) :])
+        return tuple(stats)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_log_probs, *grad_rest):
+        grad_entropy = grad_rest[0] if grad_rest else None  # None unless entropy is differentiated
+        if grad_log_probs is None and grad_entropy is None:
+            return (None,) * 7
+        logits, labels = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for idx in ctx.chunks:
+            grad[idx] = _chunk_grad(
+                logits[idx],
+                labels[idx],
+                ctx.temperature,
+                None if grad_log_probs is None else grad_log_probs[idx],
+                None if grad_entropy is None else grad_entropy[idx],
+            )
+        return grad, None, None, None, None, None, None
 
 
 def response_stats(
@@ -205,37 +277,17 @@ def response_stats(
 ) -> dict[str, torch.Tensor]:
     """Per-token statistics of the softmax of ``logits / temperature``, chunk by chunk.
 
-    logits [b, T, V] (any float dtype), labels [b, T] -> float32 [b, T] tensors:
+    logits [b, T, V] (any float dtype, any strides), labels [b, T] -> float32 [b, T] tensors:
     ``log_probs`` = log pi(labels), ``entropy`` = -sum_v pi_v log pi_v (when ``with_entropy``),
     ``sum_pi_squared`` = sum_v pi_v^2 (when ``with_sum_pi_squared``; never differentiated).
     Gradients flow into ``log_probs``, and into ``entropy`` only with ``entropy_grad``.
-    ``chunk_rows`` positions are processed at a time (default: ~``CHUNK_ELEMENTS`` logits).
+    At most ``chunk_rows`` positions are processed at a time (default: ~``CHUNK_ELEMENTS`` logits).
+    Backward holds one ``logits``-sized gradient and one chunk's float32 temporaries (``_ResponseStats``).
     """
-    b, t, v = logits.shape
-    flat, flat_labels = logits.reshape(b * t, v), labels.reshape(b * t)
-    rows = chunk_rows or max(1, CHUNK_ELEMENTS // v)
-    differentiable = torch.is_grad_enabled() and logits.requires_grad
-    out: dict[str, list[torch.Tensor]] = {"log_probs": []}
-    if with_entropy:
-        out["entropy"] = []
-    if with_sum_pi_squared:
-        out["sum_pi_squared"] = []
-    for start in range(0, b * t, rows):
-        z, y = flat[start : start + rows], flat_labels[start : start + rows]
-        if differentiable:
-            out["log_probs"].append(checkpoint(_chunk_log_probs, z, y, temperature, use_reentrant=False))
-        else:
-            out["log_probs"].append(_chunk_log_probs(z, y, temperature))
-        if with_entropy:
-            if differentiable and entropy_grad:
-                out["entropy"].append(checkpoint(_chunk_entropy, z, temperature, use_reentrant=False))
-            else:
-                with torch.no_grad():
-                    out["entropy"].append(_chunk_entropy(z, temperature))
-        if with_sum_pi_squared:
-            with torch.no_grad():
-                out["sum_pi_squared"].append(sum_pi_squared_from_logits(z.float() / temperature))
-    return {name: torch.cat(pieces).reshape(b, t) for name, pieces in out.items()}
+    rows = chunk_rows or max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    stats = _ResponseStats.apply(logits, labels, temperature, with_entropy, with_sum_pi_squared, entropy_grad, rows)
+    names = ["log_probs"] + ["entropy"] * with_entropy + ["sum_pi_squared"] * with_sum_pi_squared
+    return dict(zip(names, stats))
 
 
 def pad_response(values: torch.Tensor, width: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from dsrl.data.batch import Batch
 from dsrl.engines import ActorEngine, CriticEngine, ReferenceEngine
 from dsrl.engines.deepspeed_setup import build_ds_config
-from dsrl.engines.forward import micro_batch_indices, model_inputs, response_stats
+from dsrl.engines.forward import micro_batch_indices, model_inputs
 from dsrl.rollout import iter_full_parameters
 
 N_PROMPTS, N, P, T = 2, 4, 6, 8  # 8 sequences; prompts up to 6 tokens, responses up to 8
@@ -182,25 +182,6 @@ def test_token_budget_and_shared_prompt_log_probs_come_back_in_order(actors):
     for name in by_count:
         torch.testing.assert_close(by_budget[name], by_count[name], atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(shared[name], by_count[name], atol=1e-5, rtol=1e-5)
-
-
-def test_chunked_stats_equal_unchunked_with_gradients():
-    g = torch.Generator().manual_seed(0)
-    labels = torch.randint(0, 11, (3, 5), generator=g)
-    results = []
-    for chunk_rows in (2, None):
-        logits = torch.randn(3, 5, 11, generator=g.manual_seed(1), requires_grad=True)
-        stats = response_stats(
-            logits, labels, temperature=0.8, with_entropy=True, with_sum_pi_squared=True, entropy_grad=True,
-            chunk_rows=chunk_rows,
-        )
-        (stats["log_probs"].sum() + 0.5 * stats["entropy"].sum()).backward()
-        results.append((stats, logits.grad))
-    (chunked, chunked_grad), (whole, whole_grad) = results
-    for name in whole:
-        torch.testing.assert_close(chunked[name], whole[name])
-    torch.testing.assert_close(chunked_grad, whole_grad)
-    assert not chunked["sum_pi_squared"].requires_grad
 
 
 def test_token_budget_packing_respects_the_budget(world_of_one):
