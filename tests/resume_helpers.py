@@ -175,15 +175,19 @@ def checkpoint_differences(a: Path, b: Path) -> list[str]:
                 flat = state["optimizer_state_dict"]["fp32_flat_groups"]
                 flat[:] = [group.detach()[mask] for group, mask in zip(flat, valid)]
         problems += _differences(x, y, str(name))
-    state_a, state_b = (_without_digests(json.loads((p / "trainer_state.json").read_text())) for p in (a, b))
+    state_a, state_b = (_comparable_state(json.loads((p / "trainer_state.json").read_text())) for p in (a, b))
     problems += _differences(state_a, state_b, "trainer_state.json")
     return problems
 
 
-def _without_digests(state: dict) -> dict:
-    """A trainer state less the files' SHA-256 and its own checksum: the digests cover ZeRO-3's padding bytes too,
-    which are garbage (the files' tensors are compared above, the padding masked out)."""
-    files = {name: {k: v for k, v in entry.items() if k != "sha256"} for name, entry in state["files"].items()}
+def _comparable_state(state: dict) -> dict:
+    """A trainer state less the files' sizes and SHA-256 and its own checksum. The digests cover ZeRO-3's padding
+    bytes too, which are garbage; the sizes depend on how pickle shares equal objects: a fresh engine's optimizer
+    param group holds the very ``betas`` list of its DeepSpeed config, a resumed one an equal copy, 21 bytes more
+    of pickle (and 64 more of file where that crosses the zip's 64-byte alignment). The files' tensors and values
+    are compared above, the padding masked out."""
+    files = {name: {k: v for k, v in entry.items() if k not in ("sha256", "bytes")}
+             for name, entry in state["files"].items()}
     return {**{k: v for k, v in state.items() if k != "state_sha256"}, "files": files}
 
 
