@@ -205,13 +205,7 @@ class Trainer:
         self.ref = ReferenceEngine(cfg) if needs_ref else None
         self.critic = CriticEngine(cfg, total_training_steps=schedule_steps) if algo.adv_estimator == "gae" else None
         if not uses_vllm:
-            self.rollout = HFRollout(
-                model_cfg.path,
-                dtype=model_cfg.dtype,
-                trust_remote_code=model_cfg.trust_remote_code,
-                micro_batch_size=cfg.actor_rollout_ref.rollout.micro_batch_size,
-                kv_cache_max_gb=cfg.actor_rollout_ref.rollout.kv_cache_max_gb,
-            )
+            self.rollout = HFRollout.from_config(cfg)
         self.reward_failures = FailureStreak(cfg)  # reward.max_failed_steps
         self.rollout_mismatch = RolloutMismatch(cfg)  # algorithm.rollout_mismatch
 

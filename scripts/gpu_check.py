@@ -371,9 +371,7 @@ def run(size: CheckSize, optimizer: str, out_dir: Path, started: float) -> None:
         else:
             init_distributed()
             actor = ActorEngine(cfg)
-            rollout = HFRollout(
-                str(model_dir), dtype=size.dtype, micro_batch_size=cfg.actor_rollout_ref.rollout.micro_batch_size
-            )
+            rollout = HFRollout.from_config(cfg)
         memory.sample()
 
         warmup_batch, _ = generation_round(rollout, actor, prompt_ids, prompt_mask)

@@ -25,6 +25,7 @@ prompts give the same samples, and the caller's global RNG streams are left unto
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -112,6 +113,18 @@ class HFRollout:
         )
         self.model.generation_config = GenerationConfig(
             eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id, bos_token_id=tokenizer.bos_token_id
+        )
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> HFRollout:
+        """Built from the run config (``actor_rollout_ref.{model,rollout}``): the actor's model and dtype."""
+        model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
+        return cls(
+            model.path,
+            dtype=model.dtype,
+            trust_remote_code=model.trust_remote_code,
+            micro_batch_size=rollout.micro_batch_size,
+            kv_cache_max_gb=rollout.kv_cache_max_gb,
         )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

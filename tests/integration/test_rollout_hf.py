@@ -268,3 +268,13 @@ def test_update_weights_reads_everything_then_refuses_unknown_names(rollout):
     with pytest.raises(ValueError, match="not.a.parameter"):
         rollout.update_weights(stream())
     assert len(consumed) == len(pairs) + 1
+
+
+def test_built_from_the_run_config_it_takes_the_actors_model_and_the_rollout_keys(make_cfg):
+    rollout = HFRollout.from_config(
+        make_cfg("actor_rollout_ref.rollout.micro_batch_size=3", "actor_rollout_ref.rollout.kv_cache_max_gb=2.5")
+    )
+    assert (rollout.micro_batch_size, rollout.kv_cache_max_bytes) == (3, 2.5e9)
+    assert rollout.model.dtype == torch.float32  # make_cfg's actor_rollout_ref.model.dtype
+    unbounded = HFRollout.from_config(make_cfg("actor_rollout_ref.rollout.kv_cache_max_gb=null"))
+    assert unbounded.kv_cache_max_bytes is None and unbounded.prompts_per_call(10, SamplingParams(n=8)) == 64
