@@ -26,19 +26,21 @@
 #                      grad_accum_dtype bf16 and fp32: gradient rel L2 error and 1 - cosine, seconds, memory.
 #
 # BUDGET_S (default 570): the whole script's seconds. Each step's timeout is cut to what is left, so the
-# table is written before a 600-second device limit ends the command. FusedAdam's first build (nvcc) falls
-# in step 1; later steps load it from ~/.cache/torch_extensions.
+# table is written before a 600-second device limit ends the command. The smoke has no device limit: its steps
+# get 4x the time (BUDGET_S default 2280), so a loaded CI machine slows it down without failing it.
+# FusedAdam's first build (nvcc) falls in step 1; later steps load it from ~/.cache/torch_extensions.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
 OUT="${OUT:-outputs/gpu_measure}"
-BUDGET_S="${BUDGET_S:-570}"
 SMOKE=""
 case "${1:-}" in
     --smoke) SMOKE=1 ;;
     "") ;;
     *) echo "usage: [WHEELS=dir] [OUT=dir] bash bench/gpu_measure.sh [--smoke]" >&2; exit 2 ;;
 esac
+SLACK=$([ -n "$SMOKE" ] && echo 4 || echo 1)  # the smoke's timeouts guard against hangs, not a device limit
+BUDGET_S="${BUDGET_S:-$((570 * SLACK))}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # dsrl from this checkout
 if [ -n "$SMOKE" ]; then
@@ -47,7 +49,7 @@ fi
 : >"$OUT/steps.tsv"
 
 step() {  # step NAME TIMEOUT_S COMMAND...: its output to $OUT/NAME.log; NAME, exit code, seconds to steps.tsv
-    local name=$1 limit=$2 begin=$SECONDS rc
+    local name=$1 limit=$(($2 * SLACK)) begin=$SECONDS rc
     shift 2
     local left=$((BUDGET_S - 15 - SECONDS))  # 15 s kept for the table
     [ "$limit" -gt "$left" ] && limit=$left
