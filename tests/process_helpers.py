@@ -14,10 +14,22 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 
 
+# A process started from a background job of a non-interactive shell (``cmd &``, ``nohup``) inherits SIGINT,
+# SIGQUIT and SIGHUP ignored, and Python then leaves them so: the scripts start with their usual handlers, as a
+# terminal's command does (dsrl's CLI installs its own).
+_USUAL_SIGNALS = (
+    "import signal\n"
+    "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    "signal.signal(signal.SIGQUIT, signal.SIG_DFL)\n"
+    "signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
+)
+
+
 def run_script(code: str, tmp_path: Path, **popen) -> subprocess.Popen:
-    """``code`` (dedented) as ``tmp_path/script.py``, run by this Python with the checkout importable."""
+    """``code`` (dedented) as ``tmp_path/script.py``, run by this Python with the checkout importable and the
+    usual signal handlers."""
     script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(code))
+    script.write_text(_USUAL_SIGNALS + textwrap.dedent(code))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path, text=True, **popen)
 
