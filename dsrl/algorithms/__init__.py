@@ -23,6 +23,7 @@ from dsrl.algorithms.losses import (
     agg_loss,
     policy_loss,
     policy_loss_names,
+    policy_loss_params,
     register_policy_loss,
     value_loss,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "masked_whiten",
     "policy_loss",
     "policy_loss_names",
+    "policy_loss_params",
     "reads_policy",
     "register_estimator",
     "register_policy_loss",

@@ -11,7 +11,9 @@ mini-batch's loss, so any split gives the same gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -95,22 +97,40 @@ def _require_local(dp_size: int, normaliser: str, mode: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # policy losses
 
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+@dataclass(frozen=True)
+class _RegisteredLoss:
+    fn: PolicyLossFn
+    params: Mapping[str, Any]  # the loss's own parameters and their defaults
+    aggregates: bool  # fn returns the aggregated scalar itself
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering a per-token policy loss under `name`.
+_POLICY_LOSSES: dict[str, _RegisteredLoss] = {}
+
+
+def register_policy_loss(
+    name: str, *, params: Mapping[str, Any] | None = None, aggregates: bool = False
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator registering a policy loss under `name`.
 
     The function is called with keywords `old_log_probs, log_probs, advantages, response_mask,
-    clip_ratio_low, clip_ratio_high, clip_ratio_c` (all `[B, T]` tensors or floats) and returns
-    `(loss_mat [B, T], metrics)`; `policy_loss` applies the rollout importance weights and
-    aggregates. Registering a taken name raises `ValueError`.
+    clip_ratio_low, clip_ratio_high, clip_ratio_c` (all `[B, T]` tensors or floats) and, by name,
+    each of its `params`. By default it returns `(loss_mat [B, T], metrics)` and `policy_loss`
+    applies the rollout importance weights and aggregates.
+
+    Args:
+        name: the `loss_mode` it answers to; registering a taken name raises `ValueError`.
+        params: the loss's own parameters with their defaults, e.g. `{"tau_pos": 1.0}`;
+            `policy_loss(name, ..., tau_pos=2.0)` overrides one, an undeclared name is refused.
+        aggregates: the loss aggregates on its own (a sequence-level objective, a choice of tokens
+            over the micro-batch): it is also called with `loss_agg_mode, rollout_is_weights,
+            num_tokens, num_seqs, loss_scale_factor, dp_size` and returns `(scalar loss, metrics)`.
+            Honour the normalisers (see `agg_loss`) to keep the loss micro-batch-split invariant.
     """
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         if name in _POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered; register under another name")
-        _POLICY_LOSSES[name] = fn
+        _POLICY_LOSSES[name] = _RegisteredLoss(fn=fn, params=dict(params or {}), aggregates=aggregates)
         return fn
 
     return decorator
@@ -119,6 +139,18 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 def policy_loss_names() -> list[str]:
     """Sorted names accepted by `policy_loss` (and `actor.policy_loss.loss_mode`)."""
     return sorted(_POLICY_LOSSES)
+
+
+def policy_loss_params(mode: str) -> dict[str, Any]:
+    """The parameters the loss `mode` declares, with their defaults (`{}` for most losses)."""
+    return dict(_registered(mode).params)
+
+
+def _registered(mode: str) -> _RegisteredLoss:
+    entry = _POLICY_LOSSES.get(mode)
+    if entry is None:
+        raise ValueError(f"unknown policy loss {mode!r}; valid names: {', '.join(policy_loss_names())}")
+    return entry
 
 
 def policy_loss(
@@ -137,10 +169,13 @@ def policy_loss(
     num_seqs: Tensor | int | None = None,
     loss_scale_factor: float | None = None,
     dp_size: int = 1,
+    **params: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy-gradient loss `mode` for one (micro-)batch.
 
         loss = agg_loss(ℓ_mode(old_log_probs, log_probs, A) · rollout_is_weights, response_mask)
+
+    (a loss registered with `aggregates=True` computes `loss` itself from the same inputs).
 
     Args:
         mode: an entry of `policy_loss_names()`.
@@ -150,14 +185,18 @@ def policy_loss(
         clip_ratio_c: dual-clip bound for negative advantages (vanilla), > 1.
         rollout_is_weights: `[B, T]` truncated importance weights rollout -> trainer (constants),
             multiplying the per-token loss.
+        params: the loss's own parameters under verl's names (`policy_loss_params(mode)` lists
+            them with their defaults); any other name raises `ValueError`.
     Returns:
         `(loss, metrics)`: scalar loss; detached scalar tensors named as in verl
         (`actor/pg_clipfrac`, `actor/ppo_kl`, `actor/pg_clipfrac_lower`; none for `gpg`).
     """
-    fn = _POLICY_LOSSES.get(mode)
-    if fn is None:
-        raise ValueError(f"unknown policy loss {mode!r}; valid names: {', '.join(policy_loss_names())}")
-    loss_mat, metrics = fn(
+    entry = _registered(mode)
+    unknown = sorted(set(params) - set(entry.params))
+    if unknown:
+        valid = ", ".join(sorted(entry.params)) or "none"
+        raise ValueError(f"policy loss {mode!r} takes no parameter {', '.join(unknown)}; its parameters: {valid}")
+    inputs = dict(
         old_log_probs=old_log_probs,
         log_probs=log_probs,
         advantages=advantages,
@@ -165,18 +204,18 @@ def policy_loss(
         clip_ratio_low=clip_ratio_low,
         clip_ratio_high=clip_ratio_high,
         clip_ratio_c=clip_ratio_c,
+        **{**entry.params, **params},
     )
-    if rollout_is_weights is not None:
-        loss_mat = loss_mat * rollout_is_weights
-    loss = agg_loss(
-        loss_mat,
-        response_mask,
-        loss_agg_mode,
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        loss_scale_factor=loss_scale_factor,
-        dp_size=dp_size,
-    )
+    normalisers = dict(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor, dp_size=dp_size)
+    if entry.aggregates:
+        loss, metrics = entry.fn(
+            **inputs, loss_agg_mode=loss_agg_mode, rollout_is_weights=rollout_is_weights, **normalisers
+        )
+    else:
+        loss_mat, metrics = entry.fn(**inputs)
+        if rollout_is_weights is not None:
+            loss_mat = loss_mat * rollout_is_weights
+        loss = agg_loss(loss_mat, response_mask, loss_agg_mode, **normalisers)
     return loss, {key: value.detach() for key, value in metrics.items()}
 
 

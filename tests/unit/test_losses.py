@@ -160,7 +160,7 @@ def test_rollout_is_weights_multiply_the_per_token_loss(mode):
     }
     weights = torch.rand(3, 4, generator=gen) * 2
     clips = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
-    per_token, _ = losses_module._POLICY_LOSSES[mode](**clips, **kwargs)
+    per_token, _ = losses_module._POLICY_LOSSES[mode].fn(**clips, **kwargs)
     weighted, _ = policy_loss(mode, loss_agg_mode="token-sum", rollout_is_weights=weights, **clips, **kwargs)
     assert weighted.item() == pytest.approx((per_token * weights * kwargs["response_mask"]).sum().item())
 
@@ -300,3 +300,54 @@ def test_a_registered_policy_loss_is_weighted_and_aggregated():
         assert loss.item() == pytest.approx((1.0 + 6.0) / 2)
     finally:
         losses_module._POLICY_LOSSES.pop("test_log_prob")
+
+
+def test_a_registered_loss_declares_parameters_and_refuses_others():
+    register_policy_loss("test_scaled", params={"scale": 2.0})(
+        lambda *, log_probs, scale, **_: (-scale * log_probs, {})
+    )
+    try:
+        kwargs = {
+            "old_log_probs": torch.zeros(1, 2),
+            "log_probs": torch.tensor([[-1.0, -3.0]]),
+            "advantages": torch.ones(1, 2),
+            "response_mask": torch.ones(1, 2),
+        }
+        assert losses_module.policy_loss_params("test_scaled") == {"scale": 2.0}
+        assert policy_loss("test_scaled", **kwargs)[0].item() == pytest.approx(4.0)  # the default
+        assert policy_loss("test_scaled", scale=0.5, **kwargs)[0].item() == pytest.approx(1.0)
+        with pytest.raises(ValueError, match="'test_scaled' takes no parameter tau_pos; its parameters: scale"):
+            policy_loss("test_scaled", tau_pos=1.0, **kwargs)
+        with pytest.raises(ValueError, match="'vanilla' takes no parameter scale; its parameters: none"):
+            policy_loss("vanilla", scale=1.0, **kwargs)
+    finally:
+        losses_module._POLICY_LOSSES.pop("test_scaled")
+
+
+def test_a_self_aggregating_loss_gets_the_normalisers_and_the_weights():
+    seen = {}
+
+    def sequence_loss(*, log_probs, response_mask, rollout_is_weights, num_seqs, dp_size, loss_agg_mode, **_):
+        seen.update(mode=loss_agg_mode, weights=rollout_is_weights, dp_size=dp_size)
+        return -(log_probs * response_mask).sum() / num_seqs * dp_size, {"actor/x": log_probs.sum()}
+
+    register_policy_loss("test_sequence", aggregates=True)(sequence_loss)
+    try:
+        log_probs = torch.tensor([[-1.0, -3.0]], requires_grad=True)
+        weights = torch.ones(1, 2)
+        loss, metrics = policy_loss(
+            "test_sequence",
+            old_log_probs=torch.zeros(1, 2),
+            log_probs=log_probs,
+            advantages=torch.ones(1, 2),
+            response_mask=torch.ones(1, 2),
+            loss_agg_mode="seq-mean-token-sum",
+            rollout_is_weights=weights,
+            num_seqs=4,
+            dp_size=2,
+        )
+        assert loss.item() == pytest.approx(2.0)  # not aggregated a second time
+        assert seen == {"mode": "seq-mean-token-sum", "weights": weights, "dp_size": 2}
+        assert not metrics["actor/x"].requires_grad
+    finally:
+        losses_module._POLICY_LOSSES.pop("test_sequence")
