@@ -427,7 +427,9 @@ def dppo_kl_policy_loss(
         (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
     )
     trusted = torch.where(
-        advantages > 0, (divergence <= clip_ratio_high) | (prob <= old_prob), (divergence <= clip_ratio_low) | (prob >= old_prob)
+        advantages > 0,
+        (divergence <= clip_ratio_high) | (prob <= old_prob),
+        (divergence <= clip_ratio_low) | (prob >= old_prob),
     )
     return _dppo(
         old_log_probs=old_log_probs,
@@ -467,7 +469,9 @@ def sapo_policy_loss(
     clipped). Shapes `[B, T]`.
     """
     if not (tau_pos > 0 and tau_neg > 0):
-        raise ValueError(f"SAPO's temperatures must be > 0; got tau_pos={tau_pos}, tau_neg={tau_neg}. Set e.g. 1.0 and 1.05")
+        raise ValueError(
+            f"SAPO's temperatures must be > 0; got tau_pos={tau_pos}, tau_neg={tau_neg}. Set e.g. 1.0 and 1.05"
+        )
     log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     tau = torch.where(
@@ -629,7 +633,8 @@ def geo_mean_policy_loss(
         masked_sum(clipped_log_ratio, response_mask, dim=-1) / lengths
     )
     if rollout_is_weights is not None:
-        seq_losses = seq_losses * torch.exp(masked_sum(torch.log(rollout_is_weights + 1e-10), response_mask, dim=-1) / lengths)
+        log_weights = torch.log(rollout_is_weights + 1e-10)
+        seq_losses = seq_losses * torch.exp(masked_sum(log_weights, response_mask, dim=-1) / lengths)
     # each sequence's loss as a one-token row: agg_loss's seq-mean counts the non-empty rows
     non_empty = (response_mask.sum(dim=-1) > 0).unsqueeze(-1)
     loss = agg_loss(seq_losses.unsqueeze(-1), non_empty, "seq-mean-token-sum", num_seqs=num_seqs, dp_size=dp_size)
@@ -661,7 +666,9 @@ def dro_policy_loss(
     Metrics: ppo_kl = mean[-log r]. Shapes `[B, T]`.
     """
     if dro_beta is None or not dro_beta > 0:
-        raise ValueError(f"dro needs dro_beta > 0, the weight of its log-ratio penalty; got {dro_beta}. Set it, e.g. to 0.1")
+        raise ValueError(
+            f"dro needs dro_beta > 0, the weight of its log-ratio penalty; got {dro_beta}. Set it, e.g. to 0.1"
+        )
     log_ratio = log_probs - old_log_probs
     loss_mat = -(log_probs * advantages - 0.5 * dro_beta * log_ratio.square())
     return loss_mat, {"actor/ppo_kl": masked_mean(-log_ratio, response_mask)}
