@@ -6,7 +6,10 @@ to call `backward()` on and detached tensor metrics (no host synchronisation her
 Split invariance: a mini-batch is usually processed as several micro-batches (and ranks) whose
 gradients are accumulated. Pass the mini-batch-wide normalisers (`num_tokens`, `num_seqs`, all
 ranks and micro-batches) and `dp_size`, and the summed micro-batch losses equal the whole
-mini-batch's loss, so any split gives the same gradient.
+mini-batch's loss, so any split gives the same gradient. Two losses are not split invariant, by
+their definition: `clip_cov` and `kl_cov` choose tokens by their covariance centred on the
+micro-batch's means, as many as a ratio of the micro-batch's tokens (`clip_cov` at random). As in
+verl, the choice is made per micro-batch.
 """
 
 from __future__ import annotations
@@ -188,8 +191,8 @@ def policy_loss(
         params: the loss's own parameters under verl's names (`policy_loss_params(mode)` lists
             them with their defaults); any other name raises `ValueError`.
     Returns:
-        `(loss, metrics)`: scalar loss; detached scalar tensors named as in verl
-        (`actor/pg_clipfrac`, `actor/ppo_kl`, `actor/pg_clipfrac_lower`; none for `gpg`).
+        `(loss, metrics)`: scalar loss; detached scalar tensors named as in verl (`actor/pg_clipfrac`,
+        `actor/ppo_kl`, `actor/pg_clipfrac_lower`: each loss's docstring lists its own).
     """
     entry = _registered(mode)
     unknown = sorted(set(params) - set(entry.params))
@@ -336,6 +339,339 @@ def gpg_policy_loss(*, log_probs: Tensor, advantages: Tensor, **_: object) -> tu
     No metrics. Shapes `[B, T]`.
     """
     return -log_probs * advantages, {}
+
+
+def _dppo(
+    *,
+    old_log_probs: Tensor,
+    log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_c: float,
+    trusted: Tensor,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO's loss given its trust region: the tokens whose update stays inside it (`trusted`, `[B, T]` bool)."""
+    log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    trusted = trusted.detach().float()
+    loss_mat = -advantages * torch.clamp(ratio, max=clip_ratio_c).detach() * log_probs * trusted
+    metrics = {
+        "actor/pg_clipfrac": masked_mean(1.0 - trusted, response_mask),
+        "actor/ppo_kl": masked_mean(-log_ratio, response_mask),
+        "actor/pg_clipfrac_lower": masked_mean((ratio > clip_ratio_c).float() * trusted, response_mask),
+    }
+    return loss_mat, metrics
+
+
+@register_policy_loss("dppo_tv")
+def dppo_tv_policy_loss(
+    *,
+    old_log_probs: Tensor,
+    log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO-Binary-TV, a trust region on the sampled token's probability (https://arxiv.org/abs/2602.04879).
+
+        r = exp(clamp(log_probs - old_log_probs, -20, 20)),  p = exp(log_probs),  p_old = exp(old_log_probs)
+        v = [p - p_old ≤ high]  where A > 0,  [p - p_old ≥ -low]  elsewhere     (no gradient)
+        ℓ = -A · sg[min(r, c)] · log_probs · v                                   (c = clip_ratio_c)
+
+    clip_ratio_low/high are thresholds on the probability change (total variation of the binary
+    distribution {token, rest}), not ratio clip ranges; c truncates the importance weight instead of
+    a dual clip (the paper recommends a large c). verl reads c with a fallback of 20, but its actor
+    config always holds clip_ratio_c (3.0 by default), so the fallback never applies: c is
+    clip_ratio_c as given. Per-token, so split invariant.
+    Metrics: pg_clipfrac = mean[1 - v], pg_clipfrac_lower = mean[r > c and v], ppo_kl = mean[-log r]
+    (clamped), over the mask. Shapes `[B, T]`.
+    """
+    change = torch.exp(log_probs) - torch.exp(old_log_probs)
+    trusted = torch.where(advantages > 0, change <= clip_ratio_high, change >= -clip_ratio_low)
+    return _dppo(
+        old_log_probs=old_log_probs,
+        log_probs=log_probs,
+        advantages=advantages,
+        response_mask=response_mask,
+        clip_ratio_c=clip_ratio_c,
+        trusted=trusted,
+    )
+
+
+@register_policy_loss("dppo_kl")
+def dppo_kl_policy_loss(
+    *,
+    old_log_probs: Tensor,
+    log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO-Binary-KL, the trust region as a KL of the binary distribution {token, rest}
+    (https://arxiv.org/abs/2602.04879).
+
+        p = exp(log_probs),  p_old = exp(old_log_probs)
+        D = p_old (log p_old - log p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+        v = [D ≤ high or p ≤ p_old]  where A > 0,  [D ≤ low or p ≥ p_old]  elsewhere   (no gradient)
+        ℓ = -A · sg[min(r, c)] · log_probs · v          (r, c as in dppo_tv)
+
+    Only a move in the advantage's direction is limited. Per-token, so split invariant.
+    Metrics as dppo_tv. Shapes `[B, T]`.
+    """
+    prob, old_prob = torch.exp(log_probs), torch.exp(old_log_probs)
+    divergence = old_prob * (old_log_probs - log_probs) + (1 - old_prob) * torch.log(
+        (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
+    )
+    trusted = torch.where(
+        advantages > 0,
+        (divergence <= clip_ratio_high) | (prob <= old_prob),
+        (divergence <= clip_ratio_low) | (prob >= old_prob),
+    )
+    return _dppo(
+        old_log_probs=old_log_probs,
+        log_probs=log_probs,
+        advantages=advantages,
+        response_mask=response_mask,
+        clip_ratio_c=clip_ratio_c,
+        trusted=trusted,
+    )
+
+
+@register_policy_loss("sapo", params={"tau_pos": 1.0, "tau_neg": 1.05}, aggregates=True)
+def sapo_policy_loss(
+    *,
+    old_log_probs: Tensor,
+    log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    tau_pos: float,
+    tau_neg: float,
+    rollout_is_weights: Tensor | None,
+    num_seqs: Tensor | int | None,
+    dp_size: int,
+    **_: object,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO, Soft Adaptive Policy Optimization: a smooth gate in place of the clip
+    (https://arxiv.org/abs/2511.20347).
+
+        r = exp(clamp(log_probs - old_log_probs, -20, 20))
+        τ = tau_pos where A > 0, tau_neg elsewhere
+        ℓ = -A · (4/τ) · σ(τ (r - 1))          (gradient -A · 4σ(1 - σ) · r: -A at r = 1, fading away from it)
+        loss = agg_loss(ℓ · rollout_is_weights, mask, "seq-mean-token-mean")
+
+    Always seq-mean-token-mean, as the paper and verl: `loss_agg_mode` is not read (the actor still
+    aggregates its entropy and KL terms with it). Split invariant with the global `num_seqs`.
+    Metrics: ppo_kl = mean[-log r] (clamped); pg_clipfrac = pg_clipfrac_lower = 0 (nothing is
+    clipped). Shapes `[B, T]`.
+    """
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(
+            f"SAPO's temperatures must be > 0; got tau_pos={tau_pos}, tau_neg={tau_neg}. Set e.g. 1.0 and 1.05"
+        )
+    log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(
+        advantages > 0,
+        torch.as_tensor(tau_pos, dtype=advantages.dtype, device=advantages.device),
+        torch.as_tensor(tau_neg, dtype=advantages.dtype, device=advantages.device),
+    )
+    loss_mat = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * advantages
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights
+    loss = agg_loss(loss_mat, response_mask, "seq-mean-token-mean", num_seqs=num_seqs, dp_size=dp_size)
+    zero = torch.zeros((), device=loss.device)
+    metrics = {
+        "actor/pg_clipfrac": zero,
+        "actor/ppo_kl": masked_mean(-log_ratio, response_mask),
+        "actor/pg_clipfrac_lower": zero,
+    }
+    return loss, metrics
+
+
+@register_policy_loss("clip_cov", params={"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0})
+def clip_cov_policy_loss(
+    *,
+    old_log_probs: Tensor,
+    log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_cov_ratio: float,
+    clip_cov_lb: float,
+    clip_cov_ub: float,
+    **_: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clip-Cov (Cui et al. 2025, The Entropy Mechanism of RL for Reasoning Language Models,
+    https://arxiv.org/abs/2505.22617): PPO's clip, and no gradient for a few random tokens whose
+    advantage and log-prob move together.
+
+        r = exp(log_probs - old_log_probs)                                  (no clamp)
+        ℓ_clip = max(-A r, -A clip(r, 1 - low, 1 + high))                  (no dual clip)
+        cov = (A - mean A) · (sg[log_probs] - mean sg[log_probs])           (means over the masked tokens)
+        C = max(1, ⌊clip_cov_ratio · N⌋) tokens drawn at random among those with
+            clip_cov_lb < cov < clip_cov_ub where ℓ_clip is not clipped    (all of them if fewer)
+        ℓ = 0 on C,  ℓ_clip elsewhere
+
+    The draw is `torch.randperm` over the candidates in row-major order from the global CPU
+    generator, as verl's, so a run seeded alike draws the same tokens. Not micro-batch-split
+    invariant: the means, N and the draw are the micro-batch's (as in verl).
+    Metrics: pg_clipfrac = the fraction of tokens in C (not of PPO-clipped ones), ppo_kl = mean[-log r].
+    Shapes `[B, T]`.
+    """
+    if not (0 < clip_cov_ratio <= 1 and clip_cov_lb < clip_cov_ub):
+        raise ValueError(
+            f"clip_cov needs 0 < clip_cov_ratio <= 1 and clip_cov_lb < clip_cov_ub; got {clip_cov_ratio}, "
+            f"{clip_cov_lb}, {clip_cov_ub}. Set e.g. 0.0002, 1.0, 5.0"
+        )
+    log_ratio = log_probs - old_log_probs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    detached = log_probs.detach()
+    cov = (advantages - masked_mean(advantages, response_mask)) * (detached - masked_mean(detached, response_mask))
+    eligible = (response_mask > 0) & ~(clipped > unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+    candidates = torch.nonzero(eligible)  # [K, 2]
+    kept = torch.ones_like(advantages)
+    if len(candidates) > 0:  # verl draws nothing then: the generator's state stays the same
+        count = max(int(clip_cov_ratio * response_mask.sum().item()), 1)  # host sync: the draw needs the count
+        chosen = candidates[torch.randperm(len(candidates))[:count]]
+        kept[chosen[:, 0], chosen[:, 1]] = 0
+    loss_mat = torch.maximum(unclipped, clipped) * kept
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((kept == 0).float(), response_mask),
+        "actor/ppo_kl": masked_mean(-log_ratio, response_mask),
+    }
+    return loss_mat, metrics
+
+
+@register_policy_loss("kl_cov", params={"kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1})
+def kl_cov_policy_loss(
+    *,
+    old_log_probs: Tensor,
+    log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    kl_cov_ratio: float,
+    ppo_kl_coef: float,
+    **_: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """KL-Cov (Cui et al. 2025, https://arxiv.org/abs/2505.22617): no clip; a |log r| penalty on
+    the tokens whose advantage and log-prob move together most.
+
+        r = exp(log_probs - old_log_probs)                                  (no clamp)
+        cov = (A - mean A) · (sg[log_probs] - mean sg[log_probs])           (means over the masked tokens)
+        K = the max(1, ⌊kl_cov_ratio · N⌋) masked tokens of largest cov     (none when N = 0)
+        ℓ = -A r + ppo_kl_coef · |log r|  on K,  -A r elsewhere
+
+    The top-k runs on the host, as verl's, so equal covariances break ties alike. Not
+    micro-batch-split invariant: the means, N and K are the micro-batch's (as in verl).
+    Metrics: ppo_kl = mean[|log r|] (verl's: absolute, unlike the other losses). Shapes `[B, T]`.
+    """
+    if not (0 < kl_cov_ratio <= 1 and ppo_kl_coef >= 0):
+        raise ValueError(
+            f"kl_cov needs 0 < kl_cov_ratio <= 1 and ppo_kl_coef >= 0; got {kl_cov_ratio}, {ppo_kl_coef}. "
+            "Set e.g. 0.0002 and 0.1"
+        )
+    log_ratio = log_probs - old_log_probs
+    loss_mat = -advantages * torch.exp(log_ratio)
+    valid = response_mask > 0
+    flat_valid = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
+    if len(flat_valid) > 0:
+        adv, logp = advantages[valid].detach().cpu(), log_probs[valid].detach().cpu()
+        cov = (adv - adv.mean()) * (logp - logp.mean())
+        top = torch.topk(cov, max(1, int(len(cov) * kl_cov_ratio))).indices
+        penalised = torch.zeros(loss_mat.numel(), dtype=torch.bool, device=loss_mat.device)
+        penalised[flat_valid[top.to(flat_valid.device)]] = True
+        loss_mat = torch.where(penalised.view_as(loss_mat), loss_mat + ppo_kl_coef * log_ratio.abs(), loss_mat)
+    return loss_mat, {"actor/ppo_kl": masked_mean(log_ratio.abs(), response_mask)}
+
+
+@register_policy_loss("geo_mean", aggregates=True)
+def geo_mean_policy_loss(
+    *,
+    old_log_probs: Tensor,
+    log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    rollout_is_weights: Tensor | None,
+    num_seqs: Tensor | int | None,
+    dp_size: int,
+    **_: object,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GMPO, Geometric-Mean Policy Optimization (Zhao et al. 2025, https://arxiv.org/abs/2507.20673):
+    a sequence's ratio is the geometric mean of its token ratios, each clipped in log space.
+
+        δ = log_probs - old_log_probs                                        (no clamp)
+        δ' = sgn(A) · min(sgn(A) δ, sgn(A) clip(δ, -low, high))
+        L_i = -Ā_i · exp(Σ_t m δ' / (n_i + 1e-8)) · w_i,   Ā_i = Σ_t m A / (n_i + 1e-8),  n_i = Σ_t m
+        w_i = exp(Σ_t m log(rollout_is_weights + 1e-10) / (n_i + 1e-8))       (1 without weights)
+        loss = Σ_i L_i / N_seq · dp_size
+
+    A sequence-level objective: `loss_agg_mode` is not read (the actor still aggregates its entropy
+    and KL terms with it); the advantage is meant to be the sequence's (outcome estimators). Split
+    invariant with the global `num_seqs`. verl takes the mean of L_i over the micro-batch's rows
+    instead, whatever its normalisers: the same loss when the micro-batch is the whole mini-batch on
+    one rank and no row is fully masked (verl counts such a row, whose L_i is 0, in the mean; N_seq
+    does not, as in `agg_loss`); with several micro-batches verl's sum of their means is not the
+    mini-batch's.
+    Metrics: pg_clipfrac = mean[δ ≠ clip(δ) and A > 0], pg_clipfrac_lower = mean[δ ≠ clip(δ) and
+    A < 0], ppo_kl = mean[-δ]. Shapes `[B, T]`.
+    """
+    log_ratio = log_probs - old_log_probs
+    sign = torch.sign(advantages)
+    clamped = torch.clamp(log_ratio, -clip_ratio_low, clip_ratio_high)
+    clipped_log_ratio = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    lengths = response_mask.sum(dim=-1) + 1e-8
+    seq_losses = -masked_sum(advantages, response_mask, dim=-1) / lengths * torch.exp(
+        masked_sum(clipped_log_ratio, response_mask, dim=-1) / lengths
+    )
+    if rollout_is_weights is not None:
+        log_weights = torch.log(rollout_is_weights + 1e-10)
+        seq_losses = seq_losses * torch.exp(masked_sum(log_weights, response_mask, dim=-1) / lengths)
+    # each sequence's loss as a one-token row: agg_loss's seq-mean counts the non-empty rows
+    non_empty = (response_mask.sum(dim=-1) > 0).unsqueeze(-1)
+    loss = agg_loss(seq_losses.unsqueeze(-1), non_empty, "seq-mean-token-sum", num_seqs=num_seqs, dp_size=dp_size)
+    outside = log_ratio != clamped
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((outside & (advantages > 0)).float(), response_mask),
+        "actor/ppo_kl": masked_mean(-log_ratio, response_mask),
+        "actor/pg_clipfrac_lower": masked_mean((outside & (advantages < 0)).float(), response_mask),
+    }
+    return loss, metrics
+
+
+@register_policy_loss("dro", params={"dro_beta": None})
+def dro_policy_loss(
+    *,
+    old_log_probs: Tensor,
+    log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    dro_beta: float | None,
+    **_: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DRO, Direct Reward Optimization (Richemond et al. 2024, https://arxiv.org/abs/2405.19107):
+    the policy gradient with a quadratic penalty on the log-ratio.
+
+        ℓ = -(A · log_probs - β/2 · (log_probs - old_log_probs)²)        (β = dro_beta > 0)
+
+    β has no default (verl's neither). Per-token, so split invariant.
+    Metrics: ppo_kl = mean[-log r]. Shapes `[B, T]`.
+    """
+    if dro_beta is None or not dro_beta > 0:
+        raise ValueError(
+            f"dro needs dro_beta > 0, the weight of its log-ratio penalty; got {dro_beta}. Set it, e.g. to 0.1"
+        )
+    log_ratio = log_probs - old_log_probs
+    loss_mat = -(log_probs * advantages - 0.5 * dro_beta * log_ratio.square())
+    return loss_mat, {"actor/ppo_kl": masked_mean(-log_ratio, response_mask)}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import os
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, Optional, Union, get_args, get_origin
 
 import yaml
@@ -123,8 +124,9 @@ def _read_layer(name: str, violations: list[str]) -> Optional[DictConfig]:
     return layer
 
 
-def _load(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, list[str]]:
-    """The typed tree with the YAML files (left to right) and the overrides applied, and the problems met on the way.
+def _load(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, list[str], set[str]]:
+    """The typed tree with the YAML files (left to right) and the overrides applied, the problems met on the way,
+    and the keys the files and overrides set.
 
     A file that cannot be read stops there: ConfigError with the files' problems and the overrides' syntax errors
     only, since without the file the defaults it would have replaced (required keys, the default estimator's
@@ -172,16 +174,40 @@ def _load(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, list[st
                 f"is verl's older name of {new}, which the config sets to {_show(new_value)}: two values for one setting",
                 f"set only {new} (to {_show(old_value)} if that is the value you meant)",
             ))
-    return cfg, violations
+    return cfg, violations, given
 
 
 def load_config(files: ConfigFiles, overrides: list[str]) -> Config:
     """Defaults <- the YAML ``files`` (paths or recipe names, left to right) <- ``overrides`` (``key=value``).
     Raises ConfigError."""
-    cfg, violations = _load(files, overrides)
+    cfg, violations, _ = _load(files, overrides)
     if violations:
         raise ConfigError(violations)
     return cfg  # type: ignore[return-value]  # a DictConfig typed by Config: attribute access as on the dataclass
+
+
+def policy_loss_param_key(name: str) -> Optional[str]:
+    """The key a policy loss's parameter ``name`` is read from: actor_rollout_ref.actor.policy_loss.<name>, else
+    actor_rollout_ref.actor.<name> (where verl keeps them); None when neither exists (a user loss's own parameter,
+    set in actor_rollout_ref.actor.policy_loss.params)."""
+    actor = "actor_rollout_ref.actor"
+    candidates = (f"{actor}.policy_loss.{name}", f"{actor}.{name}")
+    return next((key for key in candidates if key in SCHEMA and key != f"{actor}.policy_loss.params"), None)
+
+
+def policy_loss_param_values(cfg: Config, names: Iterable[str]) -> dict[str, Any]:
+    """The config's values of the policy loss parameters ``names`` (``dsrl.algorithms.policy_loss_params(mode)``),
+    by name, to pass to ``policy_loss``: each from its key (a section as a plain dict); a name without a key from
+    actor_rollout_ref.actor.policy_loss.params when set there, else left to the loss's default."""
+    own = cfg.actor_rollout_ref.actor.policy_loss.params
+    values = {}
+    for name in names:
+        key = policy_loss_param_key(name)
+        if key is None and name not in own:
+            continue
+        value = own[name] if key is None else OmegaConf.select(cfg, key)
+        values[name] = OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+    return values
 
 
 def resolve(cfg: Config) -> list[str]:

@@ -8,14 +8,23 @@ import math
 import os
 import re
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any, Callable, Optional
 
 from omegaconf import MISSING, ListConfig, OmegaConf
 
 from dsrl.config.deepspeed_json import DeepSpeedJsonError, clip_grad, fill_ds_json
 from dsrl.config.files import file_kind, model_dir_problems, not_regular, parquet_paths, parquet_problem
-from dsrl.config.loading import ConfigError, ConfigFiles, _load, resolve, rollout_name, secret_notes
-from dsrl.config.user_code import import_user_modules, registered_names
+from dsrl.config.loading import (
+    ConfigError,
+    ConfigFiles,
+    _load,
+    policy_loss_param_key,
+    resolve,
+    rollout_name,
+    secret_notes,
+)
+from dsrl.config.user_code import import_user_modules, registered_names, registered_policy_loss_params
 from dsrl.config.schema import (
     ADV_ESTIMATORS,
     CHECKPOINT_CONTENTS,
@@ -29,6 +38,7 @@ from dsrl.config.schema import (
     LR_SCHEDULES,
     MODEL_DTYPES,
     POLICY_LOSS_MODES,
+    POLICY_LOSS_PARAMS,
     PREPARED_TASKS,
     REQUIRED_CHECKPOINT_CONTENTS,
     RESUME_MODES,
@@ -68,8 +78,11 @@ def _is_missing(cfg: Config, key: str) -> bool:
     return OmegaConf.is_missing(OmegaConf.select(cfg, parent), name)
 
 
-def validate(cfg: Config, world_size: int) -> list[str]:
+def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset()) -> list[str]:
     """Every violation of the rules below, one line each (dotted key, value, rule, fix); [] when valid.
+
+    ``given``: the keys the config's files and overrides set (``load_and_validate`` passes them); a policy loss
+    parameter given for a loss that does not read it is refused (at its default it is not known to be set).
 
     Checks that numbers are finite, the batch geometry against ``world_size``, estimator requirements,
     loss and KL settings, names against the known ones, that the files the run needs exist, are regular files
@@ -98,6 +111,7 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     violations += import_user_modules(cfg.algorithm.import_modules)  # before the name checks: they register names
     _estimator_rules(cfg, need)
     _loss_rules(cfg, need)
+    _loss_param_rules(cfg, given, need)
     _rollout_rules(cfg, world_size, need)
     _vllm_rules(cfg, need)
     _rollout_correction_rules(cfg, need)
@@ -357,7 +371,8 @@ def _loss_rules(cfg: Config, need: Need) -> None:
     need(
         actor.clip_ratio_c > 1,
         f"{prefix}.clip_ratio_c",
-        "must be > 1: dual clip bounds the loss of negative advantages at clip_ratio_c times the advantage",
+        "must be > 1: dual clip bounds the loss of negative advantages at clip_ratio_c times the advantage "
+        "(dppo_tv/dppo_kl truncate the importance weight at it)",
         "set it to 3.0",
     )
     losses = registered_names(f"{prefix}.policy_loss.loss_mode", POLICY_LOSS_MODES)
@@ -404,6 +419,54 @@ def _loss_rules(cfg: Config, need: Need) -> None:
     if _critic_used(cfg):
         _optim_rules(cfg, "critic", need)
         need(cfg.critic.cliprange_value > 0, "critic.cliprange_value", "must be > 0", "set it to 0.5")
+
+
+def _loss_param_rules(cfg: Config, given: Collection[str], need: Need) -> None:
+    """The chosen policy loss's own parameters (``POLICY_LOSS_PARAMS``, or what a user loss declares) in range; a
+    parameter of another loss, or one in policy_loss.params the loss does not declare, refused: it would do nothing."""
+    prefix = "actor_rollout_ref.actor"
+    actor, losses = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.actor.policy_loss
+    mode = losses.loss_mode
+    names = POLICY_LOSS_PARAMS.get(mode, ()) if mode in POLICY_LOSS_MODES else registered_policy_loss_params(mode)
+    read = {policy_loss_param_key(name) for name in names}
+    for loss, loss_names in POLICY_LOSS_PARAMS.items():
+        for key in map(policy_loss_param_key, loss_names):
+            need(
+                key in read or key not in given,
+                key,
+                f"a parameter of the {loss} loss, which loss_mode={mode} does not read: it would do nothing",
+                f"remove it, or set {prefix}.policy_loss.loss_mode={loss}",
+            )
+    ranges = {  # name: (ok, rule, fix)
+        "clip_cov_ratio": (0 < losses.clip_cov_ratio <= 1, "must be in (0, 1]: a fraction of the tokens", "set it to 0.0002"),
+        "clip_cov_ub": (
+            losses.clip_cov_lb < losses.clip_cov_ub,
+            f"must be > clip_cov_lb ({_show(losses.clip_cov_lb)}): the covariance band is (clip_cov_lb, clip_cov_ub)",
+            "set clip_cov_lb=1.0 and clip_cov_ub=5.0",
+        ),
+        "kl_cov_ratio": (0 < losses.kl_cov_ratio <= 1, "must be in (0, 1]: a fraction of the tokens", "set it to 0.0002"),
+        "ppo_kl_coef": (losses.ppo_kl_coef >= 0, "must be >= 0: the weight of a penalty", "set it to 0.1"),
+        "tau_pos": (actor.tau_pos > 0, "must be > 0: the gate's temperature", "set it to 1.0"),
+        "tau_neg": (actor.tau_neg > 0, "must be > 0: the gate's temperature", "set it to 1.05"),
+        "dro_beta": (
+            losses.dro_beta is not None and losses.dro_beta > 0,
+            f"must be > 0 with loss_mode={mode}: the weight of the quadratic log-ratio penalty (no default, as in verl)",
+            "set it, e.g. to 0.1",
+        ),
+    }
+    for name in names:
+        if name in ranges:
+            ok, rule, fix = ranges[name]
+            need(ok, policy_loss_param_key(name), rule, fix)
+    own = [name for name in names if policy_loss_param_key(name) is None]
+    for name in losses.params:
+        key = policy_loss_param_key(name)
+        need(
+            name in own,
+            f"{prefix}.policy_loss.params.{name}",
+            f"loss_mode={mode} declares no parameter {name}" if key is None else f"{name} has a key of its own",
+            f"set {key} instead" if key else f"remove it (the parameters of {mode} set here: {', '.join(own) or 'none'})",
+        )
 
 
 def _rollout_rules(cfg: Config, world_size: int, need: Need) -> None:
@@ -917,8 +980,8 @@ def load_and_validate(files: ConfigFiles, overrides: list[str], world_size: int)
 
     Raises ConfigError listing every problem: unknown or mistyped keys and every rule violated.
     """
-    cfg, violations = _load(files, overrides)
-    violations += validate(cfg, world_size)
+    cfg, violations, given = _load(files, overrides)
+    violations += validate(cfg, world_size, given)
     if violations:
         raise ConfigError(violations)
     notes = resolve(cfg) + secret_notes(cfg)

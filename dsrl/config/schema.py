@@ -45,7 +45,15 @@ GROUP_ESTIMATORS = (
 CRITIC_ESTIMATORS = ("gae",)
 # Estimators whose token weights need sum_pi_squared = sum_v pi(v | s_t)^2 from the actor forward.
 SUM_PI_SQUARED_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
-POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg")
+POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "dppo_tv", "dppo_kl", "sapo", "clip_cov", "kl_cov", "geo_mean", "dro")
+# The parameters each built-in policy loss declares (dsrl.algorithms.policy_loss_params), by verl's names: a name is
+# read from actor_rollout_ref.actor.policy_loss.<name>, else actor_rollout_ref.actor.<name> (policy_loss_param_key).
+POLICY_LOSS_PARAMS = {
+    "sapo": ("tau_pos", "tau_neg"),
+    "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+    "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
+    "dro": ("dro_beta",),
+}
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _KL_BASE_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 # A '+' suffix keeps the value of the base kind and takes the gradient of k2 (unbiased gradient).
@@ -189,7 +197,23 @@ class OptimConfig:
 class PolicyLossConfig:
     loss_mode: str = _f(
         "vanilla",
-        "policy loss: vanilla (PPO clip with dual clip) | gspo (sequence ratio) | cispo (clipped IS weight) | gpg, or a name registered by algorithm.import_modules",
+        "policy loss: vanilla (PPO clip with dual clip) | gspo (sequence ratio) | cispo (clipped IS weight) | gpg "
+        "(plain policy gradient) | dppo_tv, dppo_kl (DPPO trust region on the token's probability; clip_ratio_low/high "
+        "are its thresholds, clip_ratio_c truncates the IS weight) | sapo (soft gate; tau_pos, tau_neg) | clip_cov, "
+        "kl_cov (covariance-chosen tokens cut / KL-penalised, per micro-batch) | geo_mean (GMPO) | dro (dro_beta); "
+        "sapo and geo_mean aggregate their own way (seq-mean-token-mean, mean over sequences), loss_agg_mode then "
+        "only aggregates the entropy and KL terms; or a name registered by algorithm.import_modules",
+    )
+    clip_cov_ratio: float = _f(0.0002, "clip_cov: at most this fraction of a micro-batch's tokens lose their gradient")
+    clip_cov_lb: float = _f(1.0, "clip_cov: a token is a candidate when its covariance of advantage and log-prob is above this")
+    clip_cov_ub: float = _f(5.0, "clip_cov: ... and below this (> clip_cov_lb)")
+    kl_cov_ratio: float = _f(0.0002, "kl_cov: this fraction of a micro-batch's tokens, those of largest covariance, get the KL penalty")
+    ppo_kl_coef: float = _f(0.1, "kl_cov: weight of the |log ratio| penalty on the chosen tokens")
+    dro_beta: Optional[float] = _f(None, "dro: weight of the quadratic log-ratio penalty; required (> 0) with loss_mode=dro")
+    params: dict = _f(
+        dict,
+        "the own parameters of a policy loss registered by algorithm.import_modules, {name: value}; a parameter named "
+        "like a key of actor or actor.policy_loss is read from that key instead",
     )
 
 
@@ -229,13 +253,17 @@ class ActorConfig:
     clip_ratio_low: Optional[float] = _f(None, "lower clip epsilon; null = clip_ratio")
     clip_ratio_high: Optional[float] = _f(None, "upper clip epsilon; null = clip_ratio (DAPO's clip-higher uses 0.28)")
     clip_ratio_c: float = _f(
-        3.0, "dual-clip bound for negative advantages (Ye et al., 2020); must be > 1, 3.0 is standard"
+        3.0,
+        "dual-clip bound for negative advantages (Ye et al., 2020); dppo_* truncate the importance weight at it; must "
+        "be > 1, 3.0 is standard",
     )
     loss_agg_mode: str = _f(
         "token-mean",
         "how token losses become one number: token-mean (recommended) | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)",
     )
     entropy_coeff: float = _f(0.0, "weight of the entropy bonus; 0 is the usual choice for LLMs")
+    tau_pos: float = _f(1.0, "sapo: temperature of the gate for positive advantages (> 0; a higher one fades faster)")
+    tau_neg: float = _f(1.05, "sapo: temperature of the gate for other advantages (> 0; above tau_pos damps negative updates more)")
     use_kl_loss: bool = _f(
         False, "add kl_loss_coef * KL(actor || reference) to the loss (GRPO style); loads the reference model"
     )

@@ -89,3 +89,12 @@ def registered_names(key: str, builtin: tuple[str, ...]) -> tuple[str, ...]:
     module = sys.modules.get(module_name)
     extra = [] if module is None else [name for name in getattr(module, function)() if name not in builtin]
     return builtin + tuple(sorted(extra))
+
+
+def registered_policy_loss_params(mode: str) -> tuple[str, ...]:
+    """The parameter names the policy loss ``mode`` declares, read from the registry (a user module that registered
+    ``mode`` imported it); () when the registry is not loaded or does not know ``mode``."""
+    module = sys.modules.get(REGISTRIES["actor_rollout_ref.actor.policy_loss.loss_mode"][0])
+    if module is None or mode not in module.policy_loss_names():
+        return ()
+    return tuple(module.policy_loss_params(mode))

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from dsrl.algorithms import agg_loss, kl_penalty, policy_loss
+from dsrl.algorithms import agg_loss, kl_penalty, policy_loss, policy_loss_params
+from dsrl.config import policy_loss_param_values
 from dsrl.data.batch import Batch
 from dsrl.distributed import accelerator_device
 from dsrl.config.deepspeed_json import clip_grad
@@ -81,6 +82,8 @@ class ActorEngine:
             self.engine.basic_optimizer, actor.optim, total_training_steps=total_training_steps, prefix=self.prefix
         )
         self.skips = SkipCounter("actor")
+        # the chosen loss's own parameters (sapo's tau_pos, ...) from their config keys
+        self.loss_params = policy_loss_param_values(cfg, policy_loss_params(actor.policy_loss.loss_mode))
 
     @property
     def module(self) -> torch.nn.Module:
@@ -218,6 +221,7 @@ class ActorEngine:
             clip_ratio_c=actor.clip_ratio_c,
             rollout_is_weights=micro.rollout_is_weights,
             **normalisers,
+            **self.loss_params,
         )
         # policy_loss's metrics are means over this micro-batch's tokens: weight them by its share.
         share = mask.sum() / num_tokens

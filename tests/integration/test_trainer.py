@@ -137,6 +137,35 @@ def test_config_trains_two_steps(
     assert (trainer.model_dir / "model.safetensors.index.json").is_file()
 
 
+# verl's other policy losses; sapo (its own parameters, its own aggregation) in the default run, the rest with -m slow
+NEW_LOSSES = ("sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "geo_mean", "dro")
+LOSS_SETTINGS = {"sapo": ["actor_rollout_ref.actor.tau_neg=2.0"], "dro": ["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"]}
+
+
+@pytest.mark.parametrize("loss_mode", [m if m == "sapo" else pytest.param(m, marks=pytest.mark.slow) for m in NEW_LOSSES])
+def test_each_policy_loss_trains_two_steps(
+    loss_mode, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    """The GRPO config with the loss and its parameters from the config: two steps with finite metrics that
+    move every parameter of the actor."""
+    from dsrl.algorithms import policy_loss_params
+
+    trainer, logged, (actor_before, actor_after), _ = run_config(
+        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
+        f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}", "trainer.val_before_train=false",
+        "trainer.test_freq=-1", *LOSS_SETTINGS.get(loss_mode, []),
+    )
+    assert trainer.actor.loss_params.keys() == policy_loss_params(loss_mode).keys()
+    if loss_mode == "sapo":
+        assert trainer.actor.loss_params == {"tau_pos": 1.0, "tau_neg": 2.0}
+    assert [step for step, _ in logged] == [1, 2]
+    for step, metrics in logged:
+        bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
+        assert not bad, (step, bad)
+        assert {"actor/pg_loss", "actor/ppo_kl", "actor/grad_norm"} <= set(metrics)
+    assert logged[0][1]["actor/grad_norm"] > 0
+    assert changed_fraction(actor_before, actor_after) == 1.0
+
 def test_folding_the_old_log_prob_pass_changes_no_number(
     tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
 ):

@@ -1134,3 +1134,80 @@ def test_every_command_in_the_recipe_headers_validates_on_eight_ranks(files):
             C.load_and_validate([str(REPO / config)], files + kept, 8)
             commands += 1
     assert commands == 2 * len(CONFIGS)
+
+
+# ---------------------------------------------------------------- policy loss parameters
+
+LOSS = "actor_rollout_ref.actor.policy_loss"
+
+
+@pytest.mark.parametrize(
+    "mode, override, key, message",
+    [
+        ("dro", None, f"{LOSS}.dro_beta", "null: must be > 0 with loss_mode=dro: the weight of the quadratic"),
+        ("dro", "-0.5", f"{LOSS}.dro_beta", "-0.5: must be > 0 with loss_mode=dro"),
+        ("sapo", "0", "actor_rollout_ref.actor.tau_pos", "0.0: must be > 0: the gate's temperature; fix: set it to 1.0"),
+        ("sapo", "-1", "actor_rollout_ref.actor.tau_neg", "-1.0: must be > 0"),
+        ("clip_cov", "0", f"{LOSS}.clip_cov_ratio", "0.0: must be in (0, 1]"),
+        ("clip_cov", "0.5", f"{LOSS}.clip_cov_ub", "0.5: must be > clip_cov_lb (1.0)"),
+        ("kl_cov", "2", f"{LOSS}.kl_cov_ratio", "2.0: must be in (0, 1]"),
+        ("kl_cov", "-0.1", f"{LOSS}.ppo_kl_coef", "-0.1: must be >= 0"),
+    ],
+)
+def test_a_loss_parameter_out_of_range_is_refused(files, mode, override, key, message):
+    overrides = [f"{LOSS}.loss_mode={mode}"] + ([] if override is None else [f"{key}={override}"])
+    [line] = problems("grpo", files + overrides)
+    assert line.startswith(f"{key}={message}"), line
+
+
+@pytest.mark.parametrize(
+    "mode, settings, expected",
+    [
+        ("dro", [f"{LOSS}.dro_beta=0.1"], {"dro_beta": 0.1}),
+        ("sapo", ["actor_rollout_ref.actor.tau_neg=2"], {"tau_pos": 1.0, "tau_neg": 2.0}),
+        ("clip_cov", [f"{LOSS}.clip_cov_lb=0.5"], {"clip_cov_ratio": 0.0002, "clip_cov_lb": 0.5, "clip_cov_ub": 5.0}),
+        ("kl_cov", [f"{LOSS}.ppo_kl_coef=1.0"], {"kl_cov_ratio": 0.0002, "ppo_kl_coef": 1.0}),
+        ("dppo_tv", ["actor_rollout_ref.actor.clip_ratio_c=20"], {}),  # clip_ratio_c: every loss's input
+    ],
+)
+def test_each_loss_takes_its_parameters_from_verls_keys(files, mode, settings, expected):
+    cfg, _ = C.load_and_validate(recipe("grpo"), files + [f"{LOSS}.loss_mode={mode}", *settings], 1)
+    assert C.policy_loss_param_values(cfg, C.POLICY_LOSS_PARAMS.get(mode, ())) == expected
+
+
+def test_a_parameter_set_for_a_loss_that_does_not_read_it_is_refused(files):
+    [line] = problems("grpo", files + [f"{LOSS}.loss_mode=sapo", f"{LOSS}.clip_cov_ratio=0.001"])
+    assert line == (
+        f"{LOSS}.clip_cov_ratio=0.001: a parameter of the clip_cov loss, which loss_mode=sapo does not read: it "
+        f"would do nothing; fix: remove it, or set {LOSS}.loss_mode=clip_cov"
+    )
+    [line] = problems("grpo", files + ["actor_rollout_ref.actor.tau_neg=1.05"])  # the default, but set: refused
+    assert line.startswith("actor_rollout_ref.actor.tau_neg=1.05: a parameter of the sapo loss, which loss_mode=vanilla")
+    assert problems("grpo", files) == []  # unset, the defaults are no one's choice
+
+
+def test_policy_loss_params_are_a_user_losss_own_parameters(files, tmp_path):
+    module = tmp_path / "my_loss.py"
+    module.write_text(
+        "from dsrl.algorithms import register_policy_loss\n"
+        "@register_policy_loss('test_cfg_scaled', params={'scale': 2.0, 'tau_pos': 1.0})\n"
+        "def scaled(*, log_probs, scale, tau_pos, **_):\n"
+        "    return -scale * log_probs, {}\n"
+    )
+    base = files + [f"algorithm.import_modules=[{module}]", f"{LOSS}.loss_mode=test_cfg_scaled"]
+    try:
+        cfg, _ = C.load_and_validate(recipe("grpo"), base + [f"{LOSS}.params={{scale: 0.5}}", "actor_rollout_ref.actor.tau_pos=3"], 1)
+        assert C.policy_loss_param_values(cfg, ["scale", "tau_pos"]) == {"scale": 0.5, "tau_pos": 3.0}
+        cfg, _ = C.load_and_validate(recipe("grpo"), base, 1)
+        assert C.policy_loss_param_values(cfg, ["scale", "tau_pos"]) == {"tau_pos": 1.0}  # scale: the loss's default
+        assert about(problems("grpo", base + [f"{LOSS}.params={{scales: 0.5}}"]), f"{LOSS}.params.scales") == [
+            f"{LOSS}.params.scales=0.5: loss_mode=test_cfg_scaled declares no parameter scales; fix: remove it "
+            "(the parameters of test_cfg_scaled set here: scale)"
+        ]
+        assert about(problems("grpo", base + [f"{LOSS}.params={{tau_pos: 2}}"]), f"{LOSS}.params.tau_pos") == [
+            f"{LOSS}.params.tau_pos=2: tau_pos has a key of its own; fix: set actor_rollout_ref.actor.tau_pos instead"
+        ]
+    finally:
+        from dsrl.algorithms import losses
+
+        losses._POLICY_LOSSES.pop("test_cfg_scaled", None)

@@ -17,3 +17,11 @@ def test_loss_agg_modes_match():
 
 def test_kl_kinds_match():
     assert sorted(config.KL_KINDS) == sorted(algorithms.KL_KINDS)
+
+
+def test_policy_loss_params_match_the_registry_and_default_to_the_schema():
+    for mode in config.POLICY_LOSS_MODES:
+        declared = algorithms.policy_loss_params(mode)
+        assert tuple(declared) == config.POLICY_LOSS_PARAMS.get(mode, ()), mode
+        keys = {name: config.loading.policy_loss_param_key(name) for name in declared}
+        assert {name: config.SCHEMA[key].default for name, key in keys.items()} == declared, mode
