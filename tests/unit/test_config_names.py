@@ -17,3 +17,12 @@ def test_loss_agg_modes_match():
 
 def test_kl_kinds_match():
     assert sorted(config.KL_KINDS) == sorted(algorithms.KL_KINDS)
+
+
+def test_length_weighted_estimators_match_the_declared_options():
+    declared = [n for n in algorithms.estimator_names() if "length_weighted_baseline" in algorithms.estimator_options(n)]
+    assert sorted(config.LENGTH_WEIGHTED_ESTIMATORS) == declared
+
+
+def test_pf_ppo_methods_match():
+    assert config.PF_PPO_METHODS == algorithms.PF_PPO_METHODS
