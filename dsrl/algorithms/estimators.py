@@ -391,8 +391,7 @@ def gdpo(
     groups = _Groups(inputs.group_ids, torch.float32)
     normalised = [_group_normalised(r.to(torch.float32), groups, norm_adv_by_std) for r in components.values()]
     total = sum(w * a for w, a in zip(weights, normalised))  # [B]
-    lengths = inputs.response_mask.sum(dim=-1).to(torch.float32)
-    advantages = _broadcast(masked_whiten_(total, lengths), inputs.response_mask)
+    advantages = _broadcast(masked_whiten_(total, _lengths(inputs, torch.float32)), inputs.response_mask)
     return advantages, advantages
 
 
