@@ -1,9 +1,9 @@
 """The training loop: one SPMD loop per rank that drives every model role in-process.
 
 Each step is a sequence of phase calls, each timed as ``timing_s/<phase>``: gen (with
-update_weights) -> balance (rows across ranks) -> reward -> old_log_prob -> ref -> values -> adv ->
-update_critic -> update_actor, then validation every ``trainer.test_freq`` steps and a checkpoint every
-``trainer.save_freq`` steps (``dsrl.checkpoint``). An exactly on-policy step that needs the actor's
+update_weights) -> balance (rows across ranks) -> reward -> old_log_prob -> ref -> values -> adv (with
+PF-PPO's redraw of the rows) -> update_critic -> update_actor, then validation every ``trainer.test_freq``
+steps and a checkpoint every ``trainer.save_freq`` steps (``dsrl.checkpoint``). An exactly on-policy step that needs the actor's
 log-probs only for metrics folds the old_log_prob pass into update_actor (``Trainer.folds_old_log_prob``). Tensor math lives in ``dsrl.algorithms`` and the
 engines; this file only orders the calls.
 
@@ -38,11 +38,12 @@ from dsrl.algorithms import (
     FixedKLController,
     apply_kl_penalty,
     compute_advantages,
+    estimator_options,
     RolloutCorrection,
     reads_policy,
     rollout_correction,
 )
-from dsrl.balance import balance_across_ranks
+from dsrl.balance import balance_across_ranks, pf_ppo_resample
 from dsrl.checkpoint import HF_DIR, CheckpointError, export_hf_model, save_checkpoint, state_config, step_dir
 from dsrl.config import LOGGED_SAMPLES, Config, ConfigError, import_user_modules, to_dict, to_yaml
 from dsrl.console import final_summary, logger, setup_logging, startup_summary
@@ -62,7 +63,14 @@ from dsrl.metrics import (
 )
 from dsrl.phases import in_phase
 from dsrl.resume import checkpoint_to_resume, check_settings, check_train_data, data_identity, restore, trainer_state
-from dsrl.rewards import FAILURE_COUNTS, FailureStreak, RewardScorer, check_reward_rules, numeric_extras
+from dsrl.rewards import (
+    FAILURE_COUNTS,
+    FailureStreak,
+    RewardScorer,
+    check_reward_rules,
+    numeric_extras,
+    reward_components,
+)
 from dsrl.rollout import HFRollout, SamplingParams, iter_full_parameters
 from dsrl.rollout.colocation import colocated_generation
 from dsrl.rollout_mismatch import RolloutMismatch
@@ -355,11 +363,22 @@ class Trainer:
             rollout_log_probs=out.log_probs,
         )
 
-    def score(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Token-level scores [B, T] (each response's score at its last response token) and the reward
-        metrics over all ranks (a collective): the failure counts, and ``reward/<name>/mean`` for each
-        numeric extra a reward function returned (over the rows that returned it)."""
+    def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """Token-level scores [B, T] (each response's score at its last response token), gdpo's reward
+        components [B, K] (``algorithm.gdpo_reward_keys``; else None) and the reward metrics over all ranks
+        (a collective): the failure counts, and ``reward/<name>/mean`` for each numeric extra a reward
+        function returned (over the rows that returned it). A row without a component stops the run on
+        every rank."""
         token_level_scores, _, extras, counts = self._score_rank_local(batch)
+        components, keys = None, self.cfg.algorithm.gdpo_reward_keys
+        if keys:
+            rows, problems = reward_components(
+                list(keys), {**extras, "score": token_level_scores.sum(-1).tolist()}, batch.data_sources
+            )
+            problems = gather_problems(problems)
+            if problems:
+                raise TrainingStopped(f"step {self.global_step + 1}: " + "; ".join(problems))
+            components = torch.tensor(rows, dtype=torch.float32)
         local = numeric_extras(extras)
         names: list[list[str]] = [[] for _ in range(self.world_size)]
         dist.all_gather_object(names, sorted(local))
@@ -371,7 +390,7 @@ class Trainer:
         k = len(extra_names)
         for name, total, size in zip(extra_names, totals[len(counts) : len(counts) + k], totals[len(counts) + k :]):
             metrics[f"reward/{name}/mean"] = total / size
-        return token_level_scores, metrics
+        return token_level_scores, components, metrics
 
     def _score_rank_local(self, batch: Batch) -> tuple[torch.Tensor, list[str], dict[str, list], dict[str, float]]:
         """``score`` of this rank's rows alone (no collective): token-level scores, the decoded
@@ -451,7 +470,8 @@ class Trainer:
         return rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
 
     def advantages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The estimator over the whole global batch, so batch-wide whitening sees every rank's rows."""
+        """The estimator over the whole global batch, so batch-wide whitening sees every rank's rows; its own
+        options (``estimator_options``) are the ``algorithm.*`` keys of the same names."""
         algo = self.cfg.algorithm
         fields = {
             "token_level_rewards": batch.token_level_rewards,
@@ -464,14 +484,29 @@ class Trainer:
         gathered = {name: all_gather_rows(value)[0] for name, value in fields.items()}
         group_ids, rows = all_gather_rows(batch.group_ids[:, None])
         baselines = all_gather_rows(None if batch.reward_baselines is None else batch.reward_baselines[:, None])[0]
+        components = all_gather_rows(batch.reward_components)[0]  # [world * B, K]
         inputs = EstimatorInputs(
-            **gathered, group_ids=group_ids[:, 0], reward_baselines=None if baselines is None else baselines[:, 0]
+            **gathered,
+            group_ids=group_ids[:, 0],
+            reward_baselines=None if baselines is None else baselines[:, 0],
+            reward_components=None if components is None else dict(zip(algo.gdpo_reward_keys, components.unbind(-1))),
         )
+        options = {key: algo[key] for key in estimator_options(algo.adv_estimator) if key in algo}
         advantages, returns = compute_advantages(
-            algo.adv_estimator, inputs, gamma=algo.gamma, lam=algo.lam, norm_adv_by_std=algo.norm_adv_by_std_in_grpo
+            algo.adv_estimator,
+            inputs,
+            gamma=algo.gamma,
+            lam=algo.lam,
+            norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
+            **options,
         )
         T = batch.response_mask.shape[1]
         return advantages[rows, :T], returns[rows, :T]
+
+    def pf_ppo_seed(self) -> int:
+        """The seed of this step's PF-PPO draw: from ``trainer.seed`` and the step alone, so a resumed run
+        draws the same rows."""
+        return self.cfg.trainer.seed * 1_000_003 + self.global_step
 
     def rollout_correction(self, batch: Batch):
         """Importance ratios rollout -> actor on this batch (``algorithm.rollout_correction``)."""
@@ -556,15 +591,15 @@ class Trainer:
                     greedy = self.generate(prompts, self._sampling(validation=False).replace(n=1, do_sample=False))
             with timer("reward"):
                 if algo.adv_estimator == "remax":  # scored before the rows move, like the responses below
-                    greedy_scores, _ = self.score(greedy)
+                    greedy_scores, _, _ = self.score(greedy)
                     batch = batch.replace(reward_baselines=greedy_scores.sum(-1).repeat_interleave(rollout_cfg.n))
             if cfg.trainer.balance_batch and self.world_size > 1:
                 with timer("balance"):
                     batch, balance_metrics = balance_across_ranks(batch)
                     metrics.update(balance_metrics)
             with timer("reward"):
-                scores, counts = self.score(batch)
-                batch = batch.replace(token_level_scores=scores)
+                scores, components, counts = self.score(batch)
+                batch = batch.replace(token_level_scores=scores, reward_components=components)
                 metrics.update(counts)
             fold = self.folds_old_log_prob(batch)
             if not fold:
@@ -598,6 +633,9 @@ class Trainer:
                 batch = batch.replace(token_level_rewards=rewards)
                 advantages, returns = self.advantages(batch)
                 batch = batch.replace(advantages=advantages, returns=returns)
+                if algo.use_pf_ppo:  # as verl, right after the advantages: both updates see the redrawn rows
+                    pf = algo.pf_ppo
+                    batch = pf_ppo_resample(batch, pf.reweight_method, pf.weight_pow, seed=self.pf_ppo_seed())
             if self.critic is not None:
                 with timer("update_critic"):
                     metrics.update(self.critic.update(batch))

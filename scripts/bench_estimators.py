@@ -30,6 +30,7 @@ CUMSUM_TARGETS = {
     "remax": 10.0,
     "gpg": 10.0,
     "grpo_passk": 10.0,
+    "gdpo": 10.0,
     "optimal_token_baseline": 30.0,
     "tir_optimal_token_baseline": 30.0,
 }
@@ -63,6 +64,10 @@ def make_inputs(batch: int, length: int, group: int) -> EstimatorInputs:
         old_log_probs=-torch.rand(batch, length, generator=gen) * 2,
         sum_pi_squared=torch.rand(batch, length, generator=gen) * 0.5 + 0.1,
         reward_baselines=torch.rand(batch, generator=gen),
+        reward_components={
+            "acc": (torch.rand(batch, generator=gen) > 0.5).float(),
+            "format": (torch.rand(batch, generator=gen) > 0.2).float(),
+        },
     )
 
 

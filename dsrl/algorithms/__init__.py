@@ -1,4 +1,4 @@
-"""Pure-torch RL math: advantage estimators, policy / value losses, KL, masked reductions.
+"""Pure-torch RL math: advantage estimators, policy / value losses, KL, PF-PPO weights, masked reductions.
 
 No config objects, I/O or distributed calls: tensors in, tensors out. Estimators and
 policy losses are registries by name; `register_estimator` / `register_policy_loss` add your own.
@@ -8,6 +8,7 @@ from dsrl.algorithms.estimators import (
     EstimatorInputs,
     compute_advantages,
     estimator_names,
+    estimator_options,
     reads_policy,
     register_estimator,
 )
@@ -27,6 +28,7 @@ from dsrl.algorithms.losses import (
     register_policy_loss,
     value_loss,
 )
+from dsrl.algorithms.pf_ppo import PF_PPO_METHODS, pf_ppo_indices, pf_ppo_weights
 from dsrl.algorithms.rollout_correction import ROLLOUT_CORRECTION_LEVELS, RolloutCorrection, rollout_correction
 from dsrl.algorithms.tensor_ops import (
     entropy_from_logits,
@@ -40,6 +42,7 @@ from dsrl.algorithms.tensor_ops import (
 __all__ = [
     "KL_KINDS",
     "LOSS_AGG_MODES",
+    "PF_PPO_METHODS",
     "ROLLOUT_CORRECTION_LEVELS",
     "AdaptiveKLController",
     "EstimatorInputs",
@@ -50,11 +53,14 @@ __all__ = [
     "compute_advantages",
     "entropy_from_logits",
     "estimator_names",
+    "estimator_options",
     "kl_penalty",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "pf_ppo_indices",
+    "pf_ppo_weights",
     "policy_loss",
     "policy_loss_names",
     "policy_loss_params",

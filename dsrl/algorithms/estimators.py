@@ -42,6 +42,7 @@ class EstimatorInputs:
         sum_pi_squared: `[B, T]` Σ_v π_v² of the policy at each token (OTB).
         rollout_is_weights: `[B, T]` truncated importance weights rollout -> trainer (OTB).
         reward_baselines: `[B]` score of the greedy response to the same prompt (ReMax).
+        reward_components: `{name: [B]}` the reward function's separate scores, e.g. `acc`, `format` (GDPO).
     """
 
     token_level_rewards: Tensor
@@ -52,6 +53,7 @@ class EstimatorInputs:
     sum_pi_squared: Tensor | None = None
     rollout_is_weights: Tensor | None = None
     reward_baselines: Tensor | None = None
+    reward_components: dict[str, Tensor] | None = None
 
     def __post_init__(self) -> None:
         shape = tuple(self.token_level_rewards.shape)
@@ -68,17 +70,29 @@ class EstimatorInputs:
             tensor = getattr(self, name)
             if tensor is not None and tuple(tensor.shape) != shape[:1]:
                 raise ValueError(f"EstimatorInputs.{name} must be [B] = {shape[:1]}; got {tuple(tensor.shape)}")
+        for key, tensor in (self.reward_components or {}).items():
+            if tuple(tensor.shape) != shape[:1]:
+                raise ValueError(
+                    f"EstimatorInputs.reward_components[{key!r}] must be [B] = {shape[:1]}; got {tuple(tensor.shape)}"
+                )
 
 
 _ESTIMATORS: dict[str, EstimatorFn] = {}
 _POLICY_FREE: set[str] = set()  # estimators that read neither old_log_probs nor sum_pi_squared
+_OPTIONS: dict[str, dict[str, object]] = {}  # estimator -> its own keyword options and their defaults
 
 
-def register_estimator(name: str, *, reads_policy: bool = True) -> Callable[[EstimatorFn], EstimatorFn]:
+def register_estimator(
+    name: str, *, reads_policy: bool = True, options: dict[str, object] | None = None
+) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator registering an advantage estimator under `name`.
 
-    The function is called as `fn(inputs, *, gamma, lam, norm_adv_by_std, handle_zero_tail)` and
-    returns `(advantages [B, T], returns [B, T])`; it may ignore the keywords it has no use for.
+    The function is called as `fn(inputs, *, gamma, lam, norm_adv_by_std, handle_zero_tail, **options)`
+    and returns `(advantages [B, T], returns [B, T])`; it may ignore the keywords it has no use for.
+    `options` declares the estimator's own keyword options with their defaults, named as verl's
+    `algorithm.*` keys (e.g. `{"gdpo_reward_weights": None}`): `compute_advantages` passes each one,
+    the caller's value or the default, and refuses any other; the trainer passes `algorithm.<option>`
+    for each option the config has.
     `reads_policy=False` declares that it never reads `inputs.old_log_probs` or `inputs.sum_pi_squared`:
     the trainer may then fold the old-log-prob pass of an exactly on-policy step into the update and
     pass them as None. Registering a taken name raises `ValueError`.
@@ -88,6 +102,7 @@ def register_estimator(name: str, *, reads_policy: bool = True) -> Callable[[Est
         if name in _ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered; register under another name")
         _ESTIMATORS[name] = fn
+        _OPTIONS[name] = dict(options or {})
         if not reads_policy:
             _POLICY_FREE.add(name)
         return fn
@@ -105,6 +120,11 @@ def estimator_names() -> list[str]:
     return sorted(_ESTIMATORS)
 
 
+def estimator_options(name: str) -> dict[str, object]:
+    """The keyword options estimator `name` declared (see `register_estimator`), with their defaults."""
+    return dict(_OPTIONS[_checked_name(name)])
+
+
 def compute_advantages(
     name: str,
     inputs: EstimatorInputs,
@@ -113,6 +133,7 @@ def compute_advantages(
     lam: float = 1.0,
     norm_adv_by_std: bool = True,
     handle_zero_tail: bool = True,
+    **options: object,
 ) -> tuple[Tensor, Tensor]:
     """Run the estimator registered as `name`.
 
@@ -121,20 +142,38 @@ def compute_advantages(
         inputs: the batch's tensors; estimators check the optional ones they need.
         gamma: discount (GAE, REINFORCE++).
         lam: GAE λ.
-        norm_adv_by_std: GRPO (and pass@k) divide by the group std; False is Dr.GRPO.
+        norm_adv_by_std: GRPO, GDPO (and pass@k) divide by the group std; False is Dr.GRPO.
         handle_zero_tail: OTB: baseline 0 where only the longest response of a group reaches.
+        options: the estimator's own options (`estimator_options(name)`), e.g. `gdpo_reward_weights`
+            (gdpo), `length_weighted_baseline` (rloo, reinforce_plus_plus_baseline); others raise.
     Returns:
         `(advantages, returns)`, each `[B, T]`. Outcome estimators return the same tensor twice.
     """
-    fn = _ESTIMATORS.get(name)
-    if fn is None:
-        raise ValueError(f"unknown advantage estimator {name!r}; valid names: {', '.join(estimator_names())}")
+    fn = _ESTIMATORS[_checked_name(name)]
+    declared = _OPTIONS[name]
+    unknown = sorted(set(options) - set(declared))
+    if unknown:
+        valid = ", ".join(sorted(declared)) or "none"
+        raise ValueError(f"advantage estimator {name!r} has no option {', '.join(unknown)}; its options: {valid}")
     with torch.no_grad():
-        return fn(inputs, gamma=gamma, lam=lam, norm_adv_by_std=norm_adv_by_std, handle_zero_tail=handle_zero_tail)
+        return fn(
+            inputs,
+            gamma=gamma,
+            lam=lam,
+            norm_adv_by_std=norm_adv_by_std,
+            handle_zero_tail=handle_zero_tail,
+            **{**declared, **options},
+        )
 
 
 # ----------------------------------------------------------------------------------------------
 # helpers
+
+
+def _checked_name(name: str) -> str:
+    if name not in _ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid names: {', '.join(estimator_names())}")
+    return name
 
 
 def _require(inputs: EstimatorInputs, field: str, estimator: str, what: str) -> Tensor:
@@ -305,37 +344,90 @@ def grpo(inputs: EstimatorInputs, *, norm_adv_by_std: bool, **_: object) -> tupl
     """
     scores = _scores(inputs)
     groups = _Groups(inputs.group_ids, scores.dtype)
-    centred = scores - groups.mean(scores)[groups.index]
-    if norm_adv_by_std:
-        centred = centred / (groups.std(scores)[groups.index] + _GRPO_EPS)
-    advantages = _broadcast(centred, inputs.response_mask)
+    advantages = _broadcast(_group_normalised(scores, groups, norm_adv_by_std), inputs.response_mask)
     return advantages, advantages
 
 
 register_estimator("grpo_vectorized", reads_policy=False)(grpo)
 
 
-@register_estimator("rloo", reads_policy=False)
-def rloo(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
+def _group_normalised(scores: Tensor, groups: _Groups, norm_adv_by_std: bool) -> Tensor:
+    """GRPO's per-response advantage `[B]` of `scores` `[B]` (see `grpo`)."""
+    centred = scores - groups.mean(scores)[groups.index]
+    if norm_adv_by_std:
+        centred = centred / (groups.std(scores)[groups.index] + _GRPO_EPS)
+    return centred
+
+
+@register_estimator("gdpo", reads_policy=False, options={"gdpo_reward_weights": None})
+def gdpo(
+    inputs: EstimatorInputs, *, norm_adv_by_std: bool, gdpo_reward_weights: list[float] | None, **_: object
+) -> tuple[Tensor, Tensor]:
+    """GDPO, group reward-decoupled normalisation (https://arxiv.org/abs/2601.05242): each reward
+    component is normalised within its group before the components are added, so a component with a
+    large spread does not drown the others.
+
+        a_ik = GRPO advantage of component k's scores r_ik (see `grpo`; norm_adv_by_std applies)
+        x_i = Σ_k w_k a_ik          w = gdpo_reward_weights in the order of reward_components; None = all 1
+        advantages = whiten(x_i · m) over the mask, batch-wide, · m   (unbiased variance, + 1e-8)
+
+    `token_level_rewards` (and so an in-reward KL penalty) does not enter. As verl, the components
+    are cast to float32 first. The token-level whitening is computed on `[B]` with weights |y_i|, as
+    in `reinforce_plus_plus_baseline`.
+    Shapes: mask `[B, T]`, group_ids `[B]`, reward_components `{k: [B]}` -> advantages = returns `[B, T]`.
+    """
+    components = inputs.reward_components
+    if not components:
+        raise ValueError(
+            "advantage estimator 'gdpo' needs EstimatorInputs.reward_components ({name: [B] scores}, one or more); "
+            f"got {components!r}"
+        )
+    weights = [1.0] * len(components) if gdpo_reward_weights is None else list(gdpo_reward_weights)
+    if len(weights) != len(components):
+        raise ValueError(
+            f"gdpo_reward_weights has {len(weights)} weights for {len(components)} reward components "
+            f"({', '.join(components)}); give one weight per component, or None for equal weights"
+        )
+    groups = _Groups(inputs.group_ids, torch.float32)
+    normalised = [_group_normalised(r.to(torch.float32), groups, norm_adv_by_std) for r in components.values()]
+    total = sum(w * a for w, a in zip(weights, normalised))  # [B]
+    advantages = _broadcast(masked_whiten_(total, _lengths(inputs, torch.float32)), inputs.response_mask)
+    return advantages, advantages
+
+
+@register_estimator("rloo", reads_policy=False, options={"length_weighted_baseline": False})
+def rloo(inputs: EstimatorInputs, *, length_weighted_baseline: bool, **_: object) -> tuple[Tensor, Tensor]:
     """RLOO, leave-one-out baseline (Ahmadian et al. 2024, https://arxiv.org/abs/2402.14740).
 
         a_i = s_i - mean_{j ≠ i in g} s_j = s_i · n/(n-1) - mean_g · n/(n-1)
         groups of one: a_i = s_i
+
+    With `length_weighted_baseline` (OPO's length weighting, applied to the others' mean):
+        a_i = s_i - Σ_{j ≠ i} |y_j| s_j / Σ_{j ≠ i} |y_j|,   |y_j| = Σ_t response_mask[j, t]
+        baseline 0 where Σ_{j ≠ i} |y_j| = 0 (a group of one, or only empty other responses)
+    With equal lengths this is the unweighted a_i.
 
     Shapes: rewards, mask `[B, T]`, group_ids `[B]` -> advantages = returns `[B, T]`.
     Also registered as `rloo_vectorized`.
     """
     scores = _scores(inputs)
     groups = _Groups(inputs.group_ids, scores.dtype)
-    n = groups.size[groups.index]
-    mean = (groups.sum(scores) / groups.size)[groups.index]
-    factor = n / (n - 1).clamp(min=1)
-    per_response = torch.where(n > 1, scores * factor - mean * factor, scores)
+    if length_weighted_baseline:
+        lengths = _lengths(inputs, scores.dtype)
+        others_weighted = groups.sum(lengths * scores)[groups.index] - lengths * scores
+        others_length = groups.sum(lengths)[groups.index] - lengths
+        baseline = torch.where(others_length > 0, others_weighted / others_length, 0.0)
+        per_response = scores - baseline
+    else:
+        n = groups.size[groups.index]
+        mean = (groups.sum(scores) / groups.size)[groups.index]
+        factor = n / (n - 1).clamp(min=1)
+        per_response = torch.where(n > 1, scores * factor - mean * factor, scores)
     advantages = _broadcast(per_response, inputs.response_mask)
     return advantages, advantages
 
 
-register_estimator("rloo_vectorized", reads_policy=False)(rloo)
+register_estimator("rloo_vectorized", reads_policy=False, options={"length_weighted_baseline": False})(rloo)
 
 
 @register_estimator("opo", reads_policy=False)
@@ -350,20 +442,34 @@ def opo(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
     """
     scores = _scores(inputs)
     groups = _Groups(inputs.group_ids, scores.dtype)
-    lengths = inputs.response_mask.sum(dim=-1).to(scores.dtype)
-    weighted = groups.sum(lengths * scores)
-    total_length = groups.sum(lengths)
-    baseline = torch.where((groups.size > 1) & (total_length > 0), weighted / total_length, 0.0)
+    baseline = _length_weighted_mean(scores, _lengths(inputs, scores.dtype), groups)
     advantages = _broadcast(scores - baseline[groups.index], inputs.response_mask)
     return advantages, advantages
 
 
-@register_estimator("reinforce_plus_plus_baseline", reads_policy=False)
-def reinforce_plus_plus_baseline(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
+def _lengths(inputs: EstimatorInputs, dtype: torch.dtype) -> Tensor:
+    """|y_i| = Σ_t response_mask[i, t], `[B]`."""
+    return inputs.response_mask.sum(dim=-1).to(dtype)
+
+
+def _length_weighted_mean(scores: Tensor, lengths: Tensor, groups: _Groups) -> Tensor:
+    """OPO's baseline `[G]`: Σ_g |y_j| s_j / Σ_g |y_j|; 0 for groups of one or of empty responses only."""
+    total_length = groups.sum(lengths)
+    return torch.where((groups.size > 1) & (total_length > 0), groups.sum(lengths * scores) / total_length, 0.0)
+
+
+@register_estimator("reinforce_plus_plus_baseline", reads_policy=False, options={"length_weighted_baseline": False})
+def reinforce_plus_plus_baseline(
+    inputs: EstimatorInputs, *, length_weighted_baseline: bool, **_: object
+) -> tuple[Tensor, Tensor]:
     """REINFORCE++ with a group-mean baseline (Hu 2025, https://arxiv.org/abs/2501.03262).
 
         x_i = s_i - mean_g  (groups of one: x_i = s_i)
         advantages = whiten(x_i · m) over the mask, batch-wide, · m
+
+    With `length_weighted_baseline`, mean_g is OPO's length-weighted group mean (see `opo`):
+        x_i = s_i - Σ_{j in g} |y_j| s_j / Σ_{j in g} |y_j|   (0 for groups of one or of empty responses only)
+    then the same whitening. With equal lengths this is the unweighted x_i.
 
     The token-level whitening statistics equal length-weighted statistics over responses, so
     they are computed on `[B]` (weights |y_i| = Σ_t m[i, t]).
@@ -371,9 +477,9 @@ def reinforce_plus_plus_baseline(inputs: EstimatorInputs, **_: object) -> tuple[
     """
     scores = _scores(inputs)
     groups = _Groups(inputs.group_ids, scores.dtype)
-    centred = scores - groups.mean(scores)[groups.index]
-    lengths = inputs.response_mask.sum(dim=-1).to(scores.dtype)
-    advantages = _broadcast(masked_whiten_(centred, lengths), inputs.response_mask)
+    lengths = _lengths(inputs, scores.dtype)
+    baseline = _length_weighted_mean(scores, lengths, groups) if length_weighted_baseline else groups.mean(scores)
+    advantages = _broadcast(masked_whiten_(scores - baseline[groups.index], lengths), inputs.response_mask)
     return advantages, advantages
 
 

@@ -33,10 +33,12 @@ from dsrl.config.schema import (
     GROUP_ESTIMATORS,
     KL_CTRL_TYPES,
     KL_KINDS,
+    LENGTH_WEIGHTED_ESTIMATORS,
     LOGGERS,
     LOSS_AGG_MODES,
     LR_SCHEDULES,
     MODEL_DTYPES,
+    PF_PPO_METHODS,
     POLICY_LOSS_MODES,
     POLICY_LOSS_PARAMS,
     PREPARED_TASKS,
@@ -110,6 +112,7 @@ def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset())
     _batch_rules(cfg, world_size, need)
     violations += import_user_modules(cfg.algorithm.import_modules)  # before the name checks: they register names
     _estimator_rules(cfg, need)
+    _estimator_option_rules(cfg, need)
     _loss_rules(cfg, need)
     _loss_param_rules(cfg, given, need)
     _rollout_rules(cfg, world_size, need)
@@ -573,6 +576,75 @@ def _vllm_rules(cfg: Config, need: Need) -> None:
         f"must hold the longest prompt plus response, data.max_prompt_length + data.max_response_length = {sequence}",
         f"set it to null or at least {sequence}",
     )
+
+
+def _estimator_option_rules(cfg: Config, need: Need) -> None:
+    """gdpo's reward components, the length-weighted baselines and PF-PPO: set only where they take effect."""
+    algo = cfg.algorithm
+    estimator, keys, weights = algo.adv_estimator, algo.gdpo_reward_keys, algo.gdpo_reward_weights
+    if estimator == "gdpo":
+        need(
+            keys,
+            "algorithm.gdpo_reward_keys",
+            "gdpo normalises each reward component separately, so it needs their names",
+            "set it to keys of the dict your reward function returns, e.g. [acc,format]",
+        )
+        need(
+            weights is None or not keys or len(weights) == len(keys),
+            "algorithm.gdpo_reward_weights",
+            f"needs one weight per algorithm.gdpo_reward_keys entry ({len(keys or [])})",
+            "give one weight per key, in the same order, or null for equal weights",
+        )
+        need(
+            not algo.use_kl_in_reward,
+            "algorithm.use_kl_in_reward",
+            "gdpo computes its advantages from the reward components alone, so an in-reward KL penalty never reaches "
+            "them (verl ignores it too)",
+            "set algorithm.use_kl_in_reward=false (actor_rollout_ref.actor.use_kl_loss=true keeps a KL term)",
+        )
+    else:
+        for key, value in (("gdpo_reward_keys", keys), ("gdpo_reward_weights", weights)):
+            need(
+                value is None,
+                f"algorithm.{key}",
+                f"only gdpo reads it, and algorithm.adv_estimator is {estimator}",
+                f"set algorithm.adv_estimator=gdpo, or algorithm.{key}=null",
+            )
+    need(
+        not algo.length_weighted_baseline or estimator in LENGTH_WEIGHTED_ESTIMATORS,
+        "algorithm.length_weighted_baseline",
+        f"only {', '.join(LENGTH_WEIGHTED_ESTIMATORS)} have a group baseline to weigh by length "
+        f"(opo's is length-weighted already), and algorithm.adv_estimator is {estimator}",
+        "set algorithm.length_weighted_baseline=false, or algorithm.adv_estimator=rloo or reinforce_plus_plus_baseline",
+    )
+    pf = algo.pf_ppo
+    need(
+        pf.reweight_method in PF_PPO_METHODS,
+        "algorithm.pf_ppo.reweight_method",
+        "unknown method",
+        f"use one of {', '.join(PF_PPO_METHODS)}",
+    )
+    need(
+        pf.weight_pow > 0,
+        "algorithm.pf_ppo.weight_pow",
+        "must be > 0: 0 weighs every row alike, and a negative power gives a row scoring 0 an infinite weight",
+        "set it to 2.0",
+    )
+    if algo.use_pf_ppo:
+        need(
+            estimator in CRITIC_ESTIMATORS,
+            "algorithm.use_pf_ppo",
+            f"verl resamples the batch after GAE's advantages only; with {estimator} it would do nothing there",
+            "set algorithm.adv_estimator=gae, or algorithm.use_pf_ppo=false",
+        )
+    else:
+        for name, default in (("reweight_method", "pow"), ("weight_pow", 2.0)):
+            need(
+                OmegaConf.select(pf, name) == default,
+                f"algorithm.pf_ppo.{name}",
+                "has no effect while algorithm.use_pf_ppo is false",
+                f"set algorithm.use_pf_ppo=true, or remove it (the default is {default})",
+            )
 
 
 def _rollout_correction_rules(cfg: Config, need: Need) -> None:

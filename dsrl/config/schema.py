@@ -28,6 +28,7 @@ ADV_ESTIMATORS = (
     "tir_optimal_token_baseline",
     "gpg",
     "grpo_passk",
+    "gdpo",
 )
 # Estimators whose baseline comes from the other responses to the same prompt.
 GROUP_ESTIMATORS = (
@@ -41,8 +42,12 @@ GROUP_ESTIMATORS = (
     "tir_optimal_token_baseline",
     "gpg",
     "grpo_passk",
+    "gdpo",
 )
 CRITIC_ESTIMATORS = ("gae",)
+# Estimators with the option algorithm.length_weighted_baseline (dsrl.algorithms.estimator_options).
+LENGTH_WEIGHTED_ESTIMATORS = ("rloo", "rloo_vectorized", "reinforce_plus_plus_baseline")
+PF_PPO_METHODS = ("pow", "max_min", "max_random")  # dsrl.algorithms.PF_PPO_METHODS
 # Estimators whose token weights need sum_pi_squared = sum_v pi(v | s_t)^2 from the actor forward.
 SUM_PI_SQUARED_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "dppo_tv", "dppo_kl", "sapo", "clip_cov", "kl_cov", "geo_mean", "dro")
@@ -495,18 +500,47 @@ class RolloutMismatchConfig:
 
 
 @dataclass
+class PfPpoConfig:
+    reweight_method: str = _f(
+        "pow",
+        "how a row's score s (its token_level_scores summed) weighs its draw: pow (|s|^weight_pow) | max_min (1 for the "
+        "batch's highest and lowest scores, else 0) | max_random (0.4 for the highest, else 0.1); every weight + 1e-8",
+    )
+    weight_pow: float = _f(2.0, "pow: the exponent; > 0 (higher trains more on the largest |scores|)")
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = _f(
         "gae",
-        "advantage estimator: gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | opo | optimal_token_baseline | tir_optimal_token_baseline | gpg | grpo_passk, or a name registered by algorithm.import_modules",
+        "advantage estimator: gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | opo | optimal_token_baseline | tir_optimal_token_baseline | gpg | grpo_passk | gdpo, or a name registered by algorithm.import_modules",
     )
     gamma: float = _f(1.0, "discount; 1.0 for LLM episodes (one reward at the end)")
     lam: float = _f(
         1.0, "GAE lambda: 1.0 = Monte-Carlo returns minus values (recommended for LLMs), lower trusts the critic more"
     )
     norm_adv_by_std_in_grpo: bool = _f(
-        True, "grpo: divide by the group std; false is Dr.GRPO (with loss_agg_mode seq-mean-token-sum-norm)"
+        True, "grpo, gdpo: divide by the group std; false is Dr.GRPO (with loss_agg_mode seq-mean-token-sum-norm)"
     )
+    gdpo_reward_keys: Optional[list[str]] = _f(
+        None,
+        "gdpo: the reward components, keys of the dict the reward function returns (e.g. [acc,format]); each is "
+        "normalised within its group before they are added; every row must give a number for each (else the run stops)",
+    )
+    gdpo_reward_weights: Optional[list[float]] = _f(
+        None, "gdpo: one weight per gdpo_reward_keys entry, in that order; null = all 1"
+    )
+    length_weighted_baseline: bool = _f(
+        False,
+        "rloo, reinforce_plus_plus_baseline: weigh each response's score in the group baseline by its length, as "
+        "OPO does (rloo: over the other responses); with equal lengths nothing changes",
+    )
+    use_pf_ppo: bool = _f(
+        False,
+        "PF-PPO (gae only, as in verl): after the advantages, redraw the step's rows with replacement by pf_ppo's "
+        "reward weights, over the whole batch of all ranks, seeded by trainer.seed and the step",
+    )
+    pf_ppo: PfPpoConfig = _f(PfPpoConfig, "PF-PPO's resampling weights (with use_pf_ppo)")
     use_kl_in_reward: bool = _f(
         False, "subtract kl_ctrl.kl_coef * KL(actor || reference) from the token rewards (PPO/RLOO style)"
     )

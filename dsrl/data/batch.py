@@ -52,6 +52,7 @@ class Batch:
     returns: torch.Tensor | None = None
     rollout_is_weights: torch.Tensor | None = None
     reward_baselines: torch.Tensor | None = None  # [B] float32, ReMax: the score of the prompt's greedy response
+    reward_components: torch.Tensor | None = None  # [B, K] float32, gdpo: the reward's algorithm.gdpo_reward_keys values
 
     @classmethod
     def of_responses(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, out: Any, n: int) -> Batch:
@@ -123,7 +124,7 @@ class Batch:
                 raise ValueError(f"Batch.concat: field {f.name!r} is set on some batches and not on others")
             elif f.name in ("prompt_ids", "prompt_mask"):
                 fields[f.name] = torch.cat([F.pad(v, (P - v.shape[1], 0)) for v in values])
-            elif values[0].dim() == 1:  # group_ids, reward_baselines
+            elif values[0].dim() == 1 or f.name == "reward_components":  # not per token
                 fields[f.name] = torch.cat(values)
             else:
                 fields[f.name] = torch.cat([F.pad(v, (0, T - v.shape[1])) for v in values])

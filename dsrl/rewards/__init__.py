@@ -27,7 +27,7 @@ from dsrl.rewards import arithmetic, gsm8k
 from dsrl.rewards import math as math_answer
 from dsrl.rewards.custom import load_custom_reward_function
 from dsrl.rewards.failure_streak import FailureStreak
-from dsrl.rewards.scorer import FAILURE_COUNTS, RewardScorer, default_num_workers, numeric_extras
+from dsrl.rewards.scorer import FAILURE_COUNTS, RewardScorer, default_num_workers, numeric_extras, reward_components
 
 _RULES: dict[str, Callable[[str, str], float]] = {
     "arithmetic": arithmetic.compute_score,
@@ -107,5 +107,6 @@ __all__ = [
     "load_custom_reward_function",
     "make_compute_score",
     "numeric_extras",
+    "reward_components",
     "rule_sources",
 ]

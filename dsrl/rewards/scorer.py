@@ -477,3 +477,28 @@ def numeric_extras(extras: dict[str, list]) -> dict[str, list[float]]:
         if numbers:
             numeric[name] = numbers
     return numeric
+
+
+def reward_components(
+    keys: list[str], extras: dict[str, list], data_sources: list[str]
+) -> tuple[list[list[float]], list[str]]:
+    """gdpo's reward components: for each of B rows, the finite numbers its reward gave under ``keys``
+    (``algorithm.gdpo_reward_keys``, in that order), and one problem line per key and data source whose
+    rows gave none (no such key in the row's dict, a failed call, a non-number or a non-finite one)."""
+    columns, problems = [], []
+    for key in keys:
+        values = extras.get(key) or [None] * len(data_sources)
+        bad = [i for i, v in enumerate(values) if not (isinstance(v, (int, float)) and math.isfinite(v))]
+        for source in sorted({data_sources[i] for i in bad}):
+            rows = [i for i in bad if data_sources[i] == source]
+            problems.append(
+                f"algorithm.gdpo_reward_keys: the reward of data source {source!r} gave no finite number under {key!r} "
+                f"for {len(rows)} of {len(values)} rows of this step (first: row {rows[0]}, {values[rows[0]]!r}); "
+                f"gdpo normalises every component of every row, so the reward function must return a dict with a "
+                f"number under {key!r} for each row (a failed call, counted in reward/fail_*, returns none). Fix the "
+                f"reward function, or remove {key!r} from algorithm.gdpo_reward_keys"
+            )
+        columns.append(values)
+    if problems:
+        return [], problems
+    return [[float(v) for v in row] for row in zip(*columns)], []

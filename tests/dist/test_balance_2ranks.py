@@ -1,4 +1,4 @@
-"""``trainer.balance_batch``: rows moved across two real gloo ranks keep every field intact.
+"""``trainer.balance_batch`` and PF-PPO's redraw: rows moved across two real gloo ranks keep every field intact.
 
 Rank 0 holds long responses and rank 1 short ones; after balancing both hold the same number of
 rows, the token totals are closer, and every row (its prompt with its left padding, response,
@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dsrl.balance import balance_across_ranks, equal_size_partition
+from dsrl.algorithms import pf_ppo_indices
+from dsrl.balance import balance_across_ranks, equal_size_partition, pf_ppo_resample
 from dsrl.data.batch import Batch
 
 pytestmark = pytest.mark.dist
@@ -62,7 +63,11 @@ def worker(rank: int, port: int, out: dict) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     batch = rank_batch(rank)
     balanced, metrics = balance_across_ranks(batch)
+    scores = torch.zeros(len(batch), 8)
+    scores[:, 0] = batch.group_ids.float() % 3  # a score of 0, 1 or 2
+    redrawn = pf_ppo_resample(batch.replace(token_level_scores=scores), "pow", 2.0, seed=11)
     out[rank] = {
+        "redrawn": [row_record(redrawn, i) for i in range(len(redrawn))],
         "before": [row_record(batch, i) for i in range(len(batch))],
         "after": [row_record(balanced, i) for i in range(len(balanced))],
         "tokens": int(balanced.attention_mask.sum()),
@@ -85,6 +90,18 @@ def test_rows_move_intact_and_tokens_even_out(free_port):
     assert m["global_seqlen/max"] - m["global_seqlen/min"] == m["global_seqlen/minmax_diff"] > 0
     assert sorted([out[0]["tokens"], out[1]["tokens"]]) == [m["global_seqlen/balanced_min"], m["global_seqlen/balanced_max"]]
     assert m["global_seqlen/balanced_max"] - m["global_seqlen/balanced_min"] < m["global_seqlen/minmax_diff"]
+
+
+def test_pf_ppo_redraws_the_global_batch_and_each_rank_takes_its_share(free_port):
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(worker, args=(free_port(), out), nprocs=2)
+        out = dict(out)
+    before = out[0]["before"] + out[1]["before"]  # the global batch, rank 0's rows first
+    scores = torch.tensor([row[0] % 3 for row in before], dtype=torch.float32)
+    rows = pf_ppo_indices(scores, "pow", 2.0, torch.Generator().manual_seed(11)).tolist()
+    assert out[0]["redrawn"] + out[1]["redrawn"] == [before[i] for i in rows]  # intact, in the draw's order
+    assert all(before[i][0] % 3 for i in rows)  # a score of 0 weighs 1e-8
 
 
 def test_equal_size_partition_evens_the_sums():

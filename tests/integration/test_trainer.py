@@ -286,3 +286,105 @@ def test_val_only_validates_and_stops(tiny_model_dir, arithmetic_data, ds_test_c
     assert val["val-core/arithmetic/reward/best@2/mean"] >= val["val-core/arithmetic/reward/mean@2"]
     assert changed_fraction(actor_before, actor_after) == 0.0
     assert not (tmp_path / "huggingface").exists()
+
+
+COMPONENT_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    digits = sum(ch.isdigit() for ch in solution_str)
+    return {"score": digits / 4.0, "digits": digits, "short": float(len(solution_str) < 24)}
+"""
+
+
+def test_gdpo_trains_on_the_reward_components(
+    tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    """gdpo with a reward function returning a dict: its digits and short components reach the estimator."""
+    from dsrl import trainer as trainer_module
+
+    reward = tmp_path / "components.py"
+    reward.write_text(COMPONENT_REWARD)
+    seen = []
+    compute = trainer_module.compute_advantages
+
+    def spy(name, inputs, **kwargs):
+        seen.append((name, {k: v.clone() for k, v in inputs.reward_components.items()}, kwargs["gdpo_reward_weights"]))
+        return compute(name, inputs, **kwargs)
+
+    trainer_module.compute_advantages = spy
+    try:
+        trainer, logged, (actor_before, actor_after), _ = run_config(
+            "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "run",
+            "algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[digits,short]",
+            "algorithm.gdpo_reward_weights=[1.0,0.5]", f"custom_reward_function.path={reward}",
+        )
+    finally:
+        trainer_module.compute_advantages = compute
+    assert [step for step, _ in logged] == [0, 1, 2]
+    for step, metrics in logged:
+        assert all(math.isfinite(v) for v in metrics.values()), step
+    assert [name for name, _, _ in seen] == ["gdpo", "gdpo"]
+    rows = 8 * 5  # train_batch_size x n
+    for _, components, weights in seen:
+        assert list(components) == ["digits", "short"] and list(weights) == [1.0, 0.5]
+        assert components["digits"].shape == (rows,) and set(components["short"].tolist()) <= {0.0, 1.0}
+    step1 = logged[1][1]
+    assert step1["reward/digits/mean"] == pytest.approx(seen[0][1]["digits"].mean().item())
+    assert abs(step1["critic/advantages/mean"]) < 0.2  # whitened over the batch's tokens
+    assert changed_fraction(actor_before, actor_after) == 1.0
+
+
+def test_gdpo_stops_when_a_row_lacks_a_component(
+    tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    from dsrl.trainer import TrainingStopped
+
+    trainer = trainer_for(
+        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
+        "algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[digits,format]", "trainer.val_before_train=false",
+    )
+    with pytest.raises(TrainingStopped) as error:
+        trainer.fit()
+    message = str(error.value)
+    assert message.startswith("step 1: algorithm.gdpo_reward_keys:")
+    assert "data source 'arithmetic' gave no finite number under 'format' for 40 of 40 rows" in message
+    assert "remove 'format' from algorithm.gdpo_reward_keys" in message and "'digits'" not in message
+
+
+def test_pf_ppo_redraws_the_batch_after_gae(
+    tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    """PPO with use_pf_ppo: each step's rows are redrawn by reward (max_random) with the step's seed, and
+    both the critic and the actor train on them."""
+    from dsrl import trainer as trainer_module
+
+    draws = []
+    resample = trainer_module.pf_ppo_resample
+
+    def spy(batch, reweight_method, weight_pow, seed):
+        out = resample(batch, reweight_method, weight_pow, seed)
+        draws.append((reweight_method, seed, batch, out))
+        return out
+
+    trainer_module.pf_ppo_resample = spy
+    ds_critic = ds_test_config("zero3_offload")
+    try:
+        trainer, logged, (actor_before, actor_after), (critic_before, critic_after) = run_config(
+            "ppo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
+            f"critic.model.path={tiny_model_dir}", f"critic.deepspeed_config={ds_critic}", "critic.optim.weight_decay=0",
+            "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=max_random",
+        )
+    finally:
+        trainer_module.pf_ppo_resample = resample
+    seed = trainer.cfg.trainer.seed
+    assert [(method, s) for method, s, _, _ in draws] == [("max_random", seed * 1_000_003), ("max_random", seed * 1_000_003 + 1)]
+    for _, _, before, after in draws:
+        assert len(after) == len(before)
+        # every row drawn is a row of the batch, with its advantages; with replacement, some come twice
+        keys = [tuple(row.tolist()) for row in before.response_ids]
+        assert all(tuple(row.tolist()) in keys for row in after.response_ids)
+        assert len({tuple(row.tolist()) for row in after.response_ids}) < len(after)
+        assert after.advantages is not None
+    for step, metrics in logged:
+        assert all(math.isfinite(v) for v in metrics.values()), step
+    assert changed_fraction(actor_before, actor_after) == 1.0
+    assert changed_fraction(critic_before, critic_after) == 1.0

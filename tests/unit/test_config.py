@@ -1211,3 +1211,59 @@ def test_policy_loss_params_are_a_user_losss_own_parameters(files, tmp_path):
         from dsrl.algorithms import losses
 
         losses._POLICY_LOSSES.pop("test_cfg_scaled", None)
+
+
+# ---------------------------------------------------------------- estimator options: gdpo, length weighting, PF-PPO
+
+
+def test_gdpo_needs_its_reward_keys_and_one_weight_per_key(files):
+    gdpo = ["algorithm.adv_estimator=gdpo"]
+    [v] = problems("grpo", files + gdpo)
+    assert v.startswith("algorithm.gdpo_reward_keys=null: gdpo normalises each reward component separately")
+    assert v.endswith("e.g. [acc,format]")
+    keys = ["algorithm.gdpo_reward_keys=[acc,format]"]
+    assert problems("grpo", files + gdpo + keys) == []
+    assert problems("grpo", files + gdpo + keys + ["algorithm.gdpo_reward_weights=[1.0,0.5]"]) == []
+    [v] = problems("grpo", files + gdpo + keys + ["algorithm.gdpo_reward_weights=[1.0]"])
+    assert v.startswith("algorithm.gdpo_reward_weights=[1.0]: needs one weight per algorithm.gdpo_reward_keys entry (2)")
+    [v] = problems("grpo", files + gdpo + keys + ["algorithm.use_kl_in_reward=true"])
+    assert v.startswith("algorithm.use_kl_in_reward=true: gdpo computes its advantages from the reward components alone")
+
+
+@pytest.mark.parametrize("key", ["gdpo_reward_keys=[acc]", "gdpo_reward_weights=[1.0]"])
+def test_gdpo_keys_are_refused_for_another_estimator(files, key):
+    [v] = problems("grpo", files + [f"algorithm.{key}"])
+    name = key.split("=")[0]
+    assert v.startswith(f"algorithm.{name}=")
+    assert "only gdpo reads it, and algorithm.adv_estimator is grpo" in v
+    assert v.endswith(f"set algorithm.adv_estimator=gdpo, or algorithm.{name}=null")
+
+
+def test_length_weighted_baseline_only_where_there_is_a_baseline_to_weigh(files):
+    on = ["algorithm.length_weighted_baseline=true"]
+    assert problems("rloo", files + on) == []
+    assert problems("grpo", files + on + ["algorithm.adv_estimator=reinforce_plus_plus_baseline"]) == []
+    [v] = problems("opo", files + on)
+    assert v.startswith("algorithm.length_weighted_baseline=true: only rloo, rloo_vectorized, reinforce_plus_plus_baseline")
+    assert "algorithm.adv_estimator is opo" in v
+
+
+def test_pf_ppo_rules(files):
+    ppo = files + critic_path(files)
+    on = ["algorithm.use_pf_ppo=true"]
+    assert problems("ppo", ppo + on + ["algorithm.pf_ppo.reweight_method=max_min"]) == []
+    [v] = problems("grpo", files + on)
+    assert v.startswith("algorithm.use_pf_ppo=true: verl resamples the batch after GAE's advantages only")
+    [v] = problems("ppo", ppo + on + ["algorithm.pf_ppo.reweight_method=median"])
+    assert v.startswith("algorithm.pf_ppo.reweight_method=median: unknown method") and "pow, max_min, max_random" in v
+    for bad in ("0", "-1.0"):
+        [v] = problems("ppo", ppo + on + [f"algorithm.pf_ppo.weight_pow={bad}"])
+        assert v.startswith(f"algorithm.pf_ppo.weight_pow={float(bad)}: must be > 0")
+
+
+@pytest.mark.parametrize("key", ["reweight_method=max_min", "weight_pow=3.0"])
+def test_pf_ppo_settings_without_pf_ppo_are_refused(files, key):
+    ppo = files + critic_path(files)
+    [v] = problems("ppo", ppo + [f"algorithm.pf_ppo.{key}"])
+    assert v.startswith(f"algorithm.pf_ppo.{key}: has no effect while algorithm.use_pf_ppo is false")
+    assert problems("ppo", ppo + ["algorithm.pf_ppo.reweight_method=pow", "algorithm.pf_ppo.weight_pow=2.0"]) == []

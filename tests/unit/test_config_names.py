@@ -25,3 +25,12 @@ def test_policy_loss_params_match_the_registry_and_default_to_the_schema():
         assert tuple(declared) == config.POLICY_LOSS_PARAMS.get(mode, ()), mode
         keys = {name: config.loading.policy_loss_param_key(name) for name in declared}
         assert {name: config.SCHEMA[key].default for name, key in keys.items()} == declared, mode
+
+
+def test_length_weighted_estimators_match_the_declared_options():
+    declared = [n for n in algorithms.estimator_names() if "length_weighted_baseline" in algorithms.estimator_options(n)]
+    assert sorted(config.LENGTH_WEIGHTED_ESTIMATORS) == declared
+
+
+def test_pf_ppo_methods_match():
+    assert config.PF_PPO_METHODS == algorithms.PF_PPO_METHODS

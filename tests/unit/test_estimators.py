@@ -10,6 +10,7 @@ from dsrl.algorithms import (
     EstimatorInputs,
     compute_advantages,
     estimator_names,
+    estimator_options,
     masked_whiten,
     reads_policy,
     register_estimator,
@@ -94,6 +95,67 @@ def test_grpo_vectorized_and_rloo_vectorized_are_aliases():
     assert torch.equal(compute_advantages("rloo_vectorized", batch)[0], compute_advantages("rloo", batch)[0])
 
 
+def whitened(per_response, mask):
+    """verl's batch whitening of a broadcast per-response value: token-level mean and unbiased std (+ 1e-8)."""
+    tokens = torch.as_tensor(per_response, dtype=torch.float32).repeat_interleave(mask.sum(-1).long())
+    std = math.sqrt(tokens.var().item() + 1e-8)
+    return (torch.as_tensor(per_response).unsqueeze(-1) - tokens.mean()) / std * mask
+
+
+# ---------------------------------------------------------------------------------------------
+# GDPO
+
+
+def gdpo_batch(**components):
+    """Group 7 (rows 0-2), group 9 (rows 3-5, all-equal acc), row 6 alone; lengths 2 1 3 2 2 1 1."""
+    components = {k: torch.tensor(v) for k, v in components.items()}
+    return inputs([0.0] * 7, [2, 1, 3, 2, 2, 1, 1], [7, 7, 7, 9, 9, 9, 4], reward_components=components)
+
+
+def test_gdpo_by_hand_normalises_each_component_then_weights_then_whitens():
+    batch = gdpo_batch(acc=[0.0, 1.0, 2.0, 5.0, 5.0, 5.0, 3.0], format=[4.0, 2.0, 0.0, 1.0, 2.0, 3.0, -1.0])
+    advantages, returns = compute_advantages("gdpo", batch, gdpo_reward_weights=[1.0, 0.5])
+    # acc:    group 7 mean 1 std 1 -> -1 0 1; group 9 all equal -> 0 0 0; alone: mean 0 std 1 -> 3
+    # format: group 7 mean 2 std 2 -> 1 0 -1; group 9 mean 2 std 1 -> -1 0 1; alone -> -1
+    acc = torch.tensor([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 3.0]) / (1 + EPS)
+    fmt = torch.tensor([2.0, 0.0, -2.0]) / (2 + EPS)
+    fmt = torch.cat([fmt, torch.tensor([-1.0, 0.0, 1.0, -1.0]) / (1 + EPS)])
+    summed = acc + 0.5 * fmt  # about -0.5 0 0.5 | -0.5 0 0.5 | 2.5
+    torch.testing.assert_close(summed, torch.tensor([-0.5, 0.0, 0.5, -0.5, 0.0, 0.5, 2.5]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(advantages, whitened(summed, batch.response_mask))
+    assert returns is advantages
+
+
+def test_gdpo_without_std_and_with_equal_weights():
+    batch = gdpo_batch(acc=[0.0, 1.0, 2.0, 5.0, 5.0, 5.0, 3.0], format=[4.0, 2.0, 0.0, 1.0, 2.0, 3.0, -1.0])
+    advantages, _ = compute_advantages("gdpo", batch, norm_adv_by_std=False)
+    # centred only: acc -1 0 1 | 0 0 0 | 3, format 2 0 -2 | -1 0 1 | -1; weights None = 1, 1
+    summed = torch.tensor([1.0, 0.0, -1.0, -1.0, 0.0, 1.0, 2.0])
+    torch.testing.assert_close(advantages, whitened(summed, batch.response_mask))
+
+
+def test_gdpo_of_one_component_is_whitened_grpo():
+    batch, scores, _ = random_batch(3)
+    gdpo = dataclasses.replace(batch, reward_components={"acc": scores})
+    grpo, _ = compute_advantages("grpo", batch)
+    expected = masked_whiten(grpo, batch.response_mask) * batch.response_mask
+    torch.testing.assert_close(compute_advantages("gdpo", gdpo)[0], expected)
+
+
+def test_gdpo_all_equal_components_give_zero_not_nan():
+    batch = gdpo_batch(acc=[1.0] * 7)
+    advantages, _ = compute_advantages("gdpo", dataclasses.replace(batch, group_ids=torch.zeros(7, dtype=torch.long)))
+    assert torch.equal(advantages, torch.zeros_like(advantages))
+
+
+def test_gdpo_weights_must_match_the_components():
+    batch = gdpo_batch(acc=[0.0] * 7, format=[1.0] * 7)
+    with pytest.raises(ValueError, match="3 weights for 2 reward components"):
+        compute_advantages("gdpo", batch, gdpo_reward_weights=[1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="gdpo.*reward_components"):
+        compute_advantages("gdpo", dataclasses.replace(batch, reward_components={}))
+
+
 # ---------------------------------------------------------------------------------------------
 # RLOO, OPO, REINFORCE++-baseline, GPG, pass@k
 
@@ -147,6 +209,47 @@ def test_reinforce_plus_plus_baseline_by_hand():
     expected = (expected - mean) / std * batch.response_mask
     torch.testing.assert_close(advantages, expected)
     assert returns is advantages
+
+
+def test_length_weighted_rloo_by_hand():
+    batch = inputs([1.0, 0.0, 2.0, 4.0], [1, 2, 3, 2], [0, 0, 0, 1])
+    advantages, _ = compute_advantages("rloo", batch, length_weighted_baseline=True)
+    # row 0: others (2·0 + 3·2) / 5 = 1.2; row 1: (1·1 + 3·2) / 4 = 1.75; row 2: (1·1 + 2·0) / 3; alone: 0
+    expected = torch.tensor([[1.0 - 1.2], [0.0 - 1.75], [2.0 - 1.0 / 3.0], [4.0]]) * batch.response_mask
+    torch.testing.assert_close(advantages, expected)
+
+
+def test_length_weighted_rloo_baseline_is_zero_when_the_others_are_empty():
+    batch = inputs([1.0, 3.0, 5.0], [2, 0, 1], [0, 0, 1])
+    advantages, _ = compute_advantages("rloo", batch, length_weighted_baseline=True)
+    # row 0: the only other response is empty -> baseline 0; row 1 has no token; row 2 alone
+    torch.testing.assert_close(advantages, torch.tensor([[1.0, 1.0], [0.0, 0.0], [5.0, 0.0]]))
+
+
+def test_length_weighted_reinforce_plus_plus_baseline_by_hand():
+    batch = inputs([1.0, 0.0, 2.0, 4.0], [1, 2, 3, 2], [0, 0, 0, 1])
+    advantages, _ = compute_advantages("reinforce_plus_plus_baseline", batch, length_weighted_baseline=True)
+    # group baseline (1·1 + 2·0 + 3·2) / 6 = 7/6; alone: baseline 0; then token-level whitening
+    centred = [1.0 - 7 / 6, 0.0 - 7 / 6, 2.0 - 7 / 6, 4.0]
+    torch.testing.assert_close(advantages, whitened(centred, batch.response_mask))
+
+
+@pytest.mark.parametrize("name", ["rloo", "rloo_vectorized", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_length_weighted_baseline_with_equal_lengths_is_the_unweighted_one(name, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3, 3, 3])  # row 5 alone
+    batch = inputs(torch.randn(10, generator=gen), [4] * 10, ids)
+    weighted, _ = compute_advantages(name, batch, length_weighted_baseline=True)
+    torch.testing.assert_close(weighted, compute_advantages(name, batch)[0])
+
+
+@pytest.mark.parametrize("name", ["rloo", "reinforce_plus_plus_baseline"])
+def test_length_weighted_baseline_changes_the_result_with_unequal_lengths(name):
+    # two groups: the batch whitening would remove the shift of a single group's baseline
+    batch = inputs([1.0, 0.0, 2.0, 1.0, 3.0], [1, 2, 3, 1, 1], [0, 0, 0, 1, 1])
+    weighted, _ = compute_advantages(name, batch, length_weighted_baseline=True)
+    assert not torch.allclose(weighted, compute_advantages(name, batch)[0])
 
 
 def test_gpg_by_hand():
@@ -335,6 +438,7 @@ def full_inputs(mask_dtype=torch.float32, seed=8):
         sum_pi_squared=torch.rand(12, 6, generator=gen) * 0.5,
         rollout_is_weights=torch.rand(12, 6, generator=gen) + 0.5,
         reward_baselines=torch.randn(12, generator=gen),
+        reward_components={"acc": torch.randn(12, generator=gen), "format": torch.randn(12, generator=gen)},
     )
 
 
@@ -364,6 +468,7 @@ def test_shapes_and_no_gradient(name):
     [
         ("gae", "values"),
         ("remax", "reward_baselines"),
+        ("gdpo", "reward_components"),
         ("optimal_token_baseline", "old_log_probs"),
         ("tir_optimal_token_baseline", "sum_pi_squared"),
     ],
@@ -382,6 +487,8 @@ def test_inputs_with_mismatched_shapes_are_rejected():
         EstimatorInputs(rewards, mask, torch.tensor([0, 0, 0]))
     with pytest.raises(ValueError, match=r"\[B, T\]"):
         EstimatorInputs(rewards[0], mask[0], torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"reward_components\['acc'\] must be \[B\]"):
+        EstimatorInputs(rewards, mask, torch.tensor([0, 0]), reward_components={"acc": torch.zeros(3)})
 
 
 def test_registry_lists_the_verl_names():
@@ -399,6 +506,7 @@ def test_registry_lists_the_verl_names():
         "tir_optimal_token_baseline",
         "gpg",
         "grpo_passk",
+        "gdpo",
     }
     assert set(estimator_names()) == expected
     assert estimator_names() == sorted(estimator_names())
@@ -431,6 +539,40 @@ def test_a_registered_estimator_is_called_with_the_shared_signature():
         assert "test_constant" in estimator_names()
     finally:
         estimators_module._ESTIMATORS.pop("test_constant")
+        estimators_module._OPTIONS.pop("test_constant")
+
+
+def test_estimators_declare_their_options():
+    assert estimator_options("gdpo") == {"gdpo_reward_weights": None}
+    for name in ("rloo", "rloo_vectorized", "reinforce_plus_plus_baseline"):
+        assert estimator_options(name) == {"length_weighted_baseline": False}
+    assert estimator_options("grpo") == {}
+    with pytest.raises(ValueError, match="unknown advantage estimator 'grpoo'"):
+        estimator_options("grpoo")
+
+
+def test_an_unknown_option_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="'rloo' has no option gdpo_reward_weights; its options: length_weighted_baseline"):
+        compute_advantages("rloo", full_inputs(), gdpo_reward_weights=[1.0])
+    with pytest.raises(ValueError, match="'grpo' has no option length_weighted_baseline; its options: none"):
+        compute_advantages("grpo", full_inputs(), length_weighted_baseline=True)
+
+
+def test_a_user_estimator_gets_its_declared_options_with_defaults():
+    seen = []
+
+    def scaled(inputs, *, scale, **_):
+        seen.append(scale)
+        return (inputs.response_mask * scale,) * 2
+
+    register_estimator("test_scaled", options={"scale": 2.0})(scaled)
+    try:
+        compute_advantages("test_scaled", full_inputs())
+        compute_advantages("test_scaled", full_inputs(), scale=3.0)
+        assert seen == [2.0, 3.0]
+    finally:
+        estimators_module._ESTIMATORS.pop("test_scaled")
+        estimators_module._OPTIONS.pop("test_scaled")
 
 
 @pytest.mark.parametrize("name", estimator_names())
@@ -454,4 +596,5 @@ def test_a_user_estimator_is_assumed_to_read_the_policy_unless_it_says_not():
     finally:
         for name in ("test_reads", "test_free"):
             estimators_module._ESTIMATORS.pop(name)
+            estimators_module._OPTIONS.pop(name)
         estimators_module._POLICY_FREE.discard("test_free")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dsrl.rewards import FAILURE_COUNTS, RewardScorer, load_custom_reward_function
+from dsrl.rewards import FAILURE_COUNTS, RewardScorer, load_custom_reward_function, reward_components
 
 CUSTOM = textwrap.dedent(
     """
@@ -121,3 +121,26 @@ def test_batch_lengths_must_agree():
         scorer.score_batch(["arithmetic"], ["1", "2"], ["1", "2"], [None, None])
     with pytest.raises(ValueError, match="timeout_s"):
         RewardScorer(timeout_s=0)
+
+
+# ---------------------------------------------------------------- gdpo's reward components
+
+
+def test_reward_components_are_rows_of_the_keys_in_order():
+    extras = {"acc": [1, 0.5, 0.0], "format": [0.0, 1.0, True], "pred": ["a", "b", "c"]}
+    rows, problems = reward_components(["format", "acc"], extras, ["gsm8k"] * 3)
+    assert problems == [] and rows == [[0.0, 1.0], [1.0, 0.5], [1.0, 0.0]]
+
+
+def test_a_missing_component_names_the_key_the_data_source_and_the_fix():
+    extras = {"acc": [1.0, None, float("nan"), 0.0], "format": ["x", 1.0, 1.0, 1.0]}
+    rows, problems = reward_components(["acc", "format", "len"], extras, ["gsm8k", "math", "math", "gsm8k"])
+    assert rows == []
+    assert problems[0].startswith(
+        "algorithm.gdpo_reward_keys: the reward of data source 'math' gave no finite number under 'acc' for 2 of 4 "
+        "rows of this step (first: row 1, None)"
+    )
+    assert "data source 'gsm8k' gave no finite number under 'format' for 1 of 4 rows of this step (first: row 0, 'x')" in problems[1]
+    assert "data source 'gsm8k' gave no finite number under 'len' for 2 of 4" in problems[2]  # a key no row gave
+    assert "'math' gave no finite number under 'len' for 2 of 4" in problems[3]
+    assert all("remove" in p and "return a dict" in p for p in problems) and len(problems) == 4
