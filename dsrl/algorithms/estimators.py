@@ -408,7 +408,6 @@ def rloo(inputs: EstimatorInputs, *, length_weighted_baseline: bool, **_: object
     With equal lengths this is the unweighted a_i.
 
     Shapes: rewards, mask `[B, T]`, group_ids `[B]` -> advantages = returns `[B, T]`.
-    Also registered as `rloo_vectorized`.
     """
     scores = _scores(inputs)
     groups = _Groups(inputs.group_ids, scores.dtype)
@@ -427,7 +426,14 @@ def rloo(inputs: EstimatorInputs, *, length_weighted_baseline: bool, **_: object
     return advantages, advantages
 
 
-register_estimator("rloo_vectorized", reads_policy=False, options={"length_weighted_baseline": False})(rloo)
+@register_estimator("rloo_vectorized", reads_policy=False, options={"length_weighted_baseline": False})
+def rloo_vectorized(inputs: EstimatorInputs, *, length_weighted_baseline: bool, **_: object) -> tuple[Tensor, Tensor]:
+    """`rloo`, except that a group of one gets advantage 0 rather than its score: verl 0.9.1's two
+    RLOO forms disagree there, and each name gives its own form's numbers."""
+    advantages, _ = rloo(inputs, length_weighted_baseline=length_weighted_baseline)
+    groups = _Groups(inputs.group_ids, advantages.dtype)
+    advantages = advantages * (groups.size[groups.index] > 1).unsqueeze(-1)
+    return advantages, advantages
 
 
 @register_estimator("opo", reads_policy=False)

@@ -89,10 +89,17 @@ def test_grpo_identical_scores_give_zero_not_nan():
     assert torch.equal(advantages, torch.zeros(3, 3))
 
 
-def test_grpo_vectorized_and_rloo_vectorized_are_aliases():
+def test_grpo_vectorized_is_grpo_and_rloo_vectorized_is_rloo_but_for_groups_of_one():
     batch, _, _ = random_batch(3)
     assert torch.equal(compute_advantages("grpo_vectorized", batch)[0], compute_advantages("grpo", batch)[0])
     assert torch.equal(compute_advantages("rloo_vectorized", batch)[0], compute_advantages("rloo", batch)[0])
+    # verl 0.9.1: its loop RLOO gives a group of one its score, its vectorised one 0
+    alone = inputs([2.0, 1.0, 3.0], [1, 2, 1], [5, 5, 6], 2)
+    for lw in (False, True):
+        assert compute_advantages("rloo", alone, length_weighted_baseline=lw)[0][2, 0].item() == 3.0
+        vectorized = compute_advantages("rloo_vectorized", alone, length_weighted_baseline=lw)[0]
+        assert vectorized[2].tolist() == [0.0, 0.0]
+        assert torch.equal(vectorized[:2], compute_advantages("rloo", alone, length_weighted_baseline=lw)[0][:2])
 
 
 def whitened(per_response, mask):

@@ -162,21 +162,13 @@ ESTIMATOR_BATCHES: dict[str, list[dict]] = {
     "gdpo": [{"holes": False, "dense": False}],
     "rloo_vectorized": [*BATCH_KINDS, *({**kind, "singletons": False} for kind in BATCH_KINDS)],
 }
-# Known differences from verl, found by this file: name -> (does this batch kind show it, why).
-ESTIMATOR_MISMATCHES: dict[str, tuple[Callable[[dict], bool], str]] = {
-    "rloo_vectorized": (
-        lambda kind: kind.get("singletons", True),
-        "verl 0.9.1's rloo_vectorized gives a group of one advantage 0 (`* (c > 1)`) where its rloo gives the "
-        "score itself; dsrl registers rloo_vectorized as rloo (the score): row 7 (score 0.9) gets 0.9 vs verl 0.0",
-    ),
-}
 
 
 def run_dsrl_estimator(name: str, batch: Batch, options: dict) -> tuple[torch.Tensor, torch.Tensor]:
     options = dict(options)
     use_is = options.pop("use_is_weights", False)
-    fields = {f.name for f in dataclasses.fields(dsrl_algos.EstimatorInputs)}
-    extra = {"reward_components": batch.reward_components} if "reward_components" in fields else {}
+    # the order of gdpo_reward_weights is the order of the components: verl's keys are sorted below
+    components = {key: batch.reward_components[key] for key in sorted(batch.reward_components)}
     inputs = dsrl_algos.EstimatorInputs(
         token_level_rewards=batch.token_level_rewards.clone(),
         response_mask=batch.response_mask,
@@ -186,7 +178,7 @@ def run_dsrl_estimator(name: str, batch: Batch, options: dict) -> tuple[torch.Te
         sum_pi_squared=batch.sum_pi_squared,
         rollout_is_weights=batch.rollout_is_weights if use_is else None,
         reward_baselines=batch.reward_baselines,
-        **extra,
+        reward_components=components,
     )
     return dsrl_algos.compute_advantages(name, inputs, **options)
 
@@ -216,8 +208,9 @@ def run_verl_estimator(name: str, batch: Batch, options: dict) -> tuple[torch.Te
         pool["config"] = AlgoConfig(norm_adv_by_std_in_grpo=norm, adv_estimator=name, gdpo_reward_keys=keys,
                                     gdpo_reward_weights=options["gdpo_reward_weights"])
         pool["non_tensor_batch"] = {k: batch.reward_components[k].numpy() for k in keys}
-        prompt = torch.ones(B, 3)
-        pool["batch"] = {"prompts": prompt, "attention_mask": torch.cat([prompt, batch.response_mask], dim=-1)}
+        prompt = torch.ones(B, 3, dtype=torch.long)
+        attention_mask = torch.cat([prompt, batch.response_mask.long()], dim=-1)
+        pool["batch"] = {"prompts": prompt, "attention_mask": attention_mask}
     fn = verl_algos.ADV_ESTIMATOR_REGISTRY[name]
     params = inspect.signature(fn).parameters
     return fn(**{key: value for key, value in pool.items() if key in params})
@@ -228,13 +221,8 @@ def test_dsrl_has_every_verl_estimator():
     assert not missing, f"advantage estimators registered in verl 0.9.1 but not in dsrl: {missing}"
 
 
-def estimator_marks(name: str, kind: dict) -> list:
-    shows, reason = ESTIMATOR_MISMATCHES.get(name, (lambda kind: False, ""))
-    return [pytest.mark.xfail(strict=True, reason=reason)] if shows(kind) else []
-
-
 ESTIMATOR_CASES = [
-    pytest.param(name, options, kind, seed, marks=estimator_marks(name, kind),
+    pytest.param(name, options, kind, seed,
                  id=f"{name}-{'-'.join(f'{k}={v}' for k, v in {**options, **kind}.items())}-s{seed}")
     for name in SHARED_ESTIMATORS
     for options in ESTIMATOR_OPTIONS.get(name, [{}])
