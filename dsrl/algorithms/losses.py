@@ -108,6 +108,11 @@ class _RegisteredLoss:
 
 
 _POLICY_LOSSES: dict[str, _RegisteredLoss] = {}
+# What policy_loss passes every loss (the aggregation inputs only to losses that aggregate on their own).
+_CALL_INPUTS = frozenset(
+    {"old_log_probs", "log_probs", "advantages", "response_mask", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c"}
+    | {"loss_agg_mode", "rollout_is_weights", "num_tokens", "num_seqs", "loss_scale_factor", "dp_size"}
+)
 
 
 def register_policy_loss(
@@ -133,6 +138,12 @@ def register_policy_loss(
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         if name in _POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered; register under another name")
+        taken = sorted(set(params or {}) & _CALL_INPUTS)
+        if taken:
+            raise ValueError(
+                f"policy loss {name!r} declares {', '.join(taken)}, which every loss is given already; "
+                "read it from the keyword arguments instead"
+            )
         _POLICY_LOSSES[name] = _RegisteredLoss(fn=fn, params=dict(params or {}), aggregates=aggregates)
         return fn
 

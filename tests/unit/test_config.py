@@ -1,5 +1,6 @@
 """The config system: loading, overrides, every validation rule's error path, the shipped YAMLs, scripts/train.py."""
 
+import functools
 import os
 import re
 import runpy
@@ -1134,6 +1135,19 @@ def test_every_command_in_the_recipe_headers_validates_on_eight_ranks(files):
             C.load_and_validate([str(REPO / config)], files + kept, 8)
             commands += 1
     assert commands == 2 * len(CONFIGS)
+
+
+def test_the_loss_variants_in_the_grpo_header_validate_with_both_commands(files):
+    """Each variant line of configs/grpo.yaml (verl's SAPO, GSPO and DAPO clip-higher settings) validates on 8
+    ranks appended to the recipe as shipped."""
+    header = (REPO / "configs" / "grpo.yaml").read_text()
+    variants = re.findall(r"^#   (SAPO|GSPO|DAPO)[^:]*: (.*)$", header, re.M)
+    assert [name for name, _ in variants] == ["SAPO", "GSPO", "DAPO"]
+    for _, overrides in variants:
+        cfg, _ = C.load_and_validate([str(REPO / "configs" / "grpo.yaml")], files + overrides.split(), 8)
+        for override in overrides.split():
+            key, value = override.split("=")
+            assert functools.reduce(getattr, key.split("."), cfg) == yaml.safe_load(value), override
 
 
 # ---------------------------------------------------------------- policy loss parameters

@@ -537,6 +537,8 @@ def test_a_registered_loss_declares_parameters_and_refuses_others():
             policy_loss("test_scaled", tau_pos=1.0, **kwargs)
         with pytest.raises(ValueError, match="'vanilla' takes no parameter scale; its parameters: none"):
             policy_loss("vanilla", scale=1.0, **kwargs)
+        with pytest.raises(ValueError, match="'test_clash' declares clip_ratio_c, dp_size, which every loss is given"):
+            register_policy_loss("test_clash", params={"clip_ratio_c": 2.0, "dp_size": 1})
     finally:
         losses_module._POLICY_LOSSES.pop("test_scaled")
 
