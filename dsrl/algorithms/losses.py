@@ -135,15 +135,16 @@ def register_policy_loss(
             Honour the normalisers (see `agg_loss`) to keep the loss micro-batch-split invariant.
     """
 
+    taken = sorted(set(params or {}) & _CALL_INPUTS)
+    if taken:
+        raise ValueError(
+            f"policy loss {name!r} declares {', '.join(taken)}, which every loss is given already; "
+            "read it from the keyword arguments instead"
+        )
+
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         if name in _POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered; register under another name")
-        taken = sorted(set(params or {}) & _CALL_INPUTS)
-        if taken:
-            raise ValueError(
-                f"policy loss {name!r} declares {', '.join(taken)}, which every loss is given already; "
-                "read it from the keyword arguments instead"
-            )
         _POLICY_LOSSES[name] = _RegisteredLoss(fn=fn, params=dict(params or {}), aggregates=aggregates)
         return fn
 
