@@ -19,19 +19,15 @@ parameters.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 
-import numpy as np
 import pytest
 import torch
-from verl.trainer.config import AlgoConfig
-from verl.trainer.config.algorithm import RolloutCorrectionConfig
 from verl.trainer.ppo import core_algos as verl_algos
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
-from verl.workers.config import ActorConfig, PolicyLossConfig
 
 import dsrl.algorithms as dsrl_algos
+from tests.verl import verl_calls
 
 RTOL = ATOL = 1e-5
 SEEDS = (0, 1, 2)
@@ -68,11 +64,6 @@ class Batch:
     reward_baselines: torch.Tensor  # [B]
     reward_components: dict[str, torch.Tensor]  # name -> [B]
     advantages: torch.Tensor
-
-    @property
-    def uids(self) -> np.ndarray:
-        """verl's ``index``: the prompt uid of each row, as the trainer's non_tensor_batch["uid"] holds it."""
-        return np.array([f"uid-{int(g)}" for g in self.group_ids], dtype=object)
 
 
 def make_batch(seed: int, *, holes: bool = False, dense: bool = False, singletons: bool = True,
@@ -135,7 +126,7 @@ def make_batch(seed: int, *, holes: bool = False, dense: bool = False, singleton
 
 
 def verl_estimators() -> list[str]:
-    return sorted(verl_algos.ADV_ESTIMATOR_REGISTRY)
+    return sorted(verl_calls.ESTIMATORS)
 
 
 SHARED_ESTIMATORS = sorted(set(verl_estimators()) & set(dsrl_algos.estimator_names()))
@@ -164,11 +155,10 @@ ESTIMATOR_BATCHES: dict[str, list[dict]] = {
 }
 
 
-def run_dsrl_estimator(name: str, batch: Batch, options: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def estimator_inputs(batch: Batch, options: dict) -> tuple[dsrl_algos.EstimatorInputs, dict]:
+    """dsrl's inputs for ``batch`` and the options without the test's own ``use_is_weights``."""
     options = dict(options)
     use_is = options.pop("use_is_weights", False)
-    # the order of gdpo_reward_weights is the order of the components: verl's keys are sorted below
-    components = {key: batch.reward_components[key] for key in sorted(batch.reward_components)}
     inputs = dsrl_algos.EstimatorInputs(
         token_level_rewards=batch.token_level_rewards.clone(),
         response_mask=batch.response_mask,
@@ -178,42 +168,9 @@ def run_dsrl_estimator(name: str, batch: Batch, options: dict) -> tuple[torch.Te
         sum_pi_squared=batch.sum_pi_squared,
         rollout_is_weights=batch.rollout_is_weights if use_is else None,
         reward_baselines=batch.reward_baselines,
-        reward_components=components,
+        reward_components=batch.reward_components,
     )
-    return dsrl_algos.compute_advantages(name, inputs, **options)
-
-
-def run_verl_estimator(name: str, batch: Batch, options: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl's registered function with the keywords its signature names, as its trainer fills them."""
-    gamma, lam = options.get("gamma", 1.0), options.get("lam", 1.0)
-    norm = options.get("norm_adv_by_std", True)
-    config = AlgoConfig(gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm, adv_estimator=name)
-    pool = {
-        "token_level_rewards": batch.token_level_rewards.clone(),
-        "response_mask": batch.response_mask.clone(),
-        "index": batch.uids,
-        "config": config,
-        "values": batch.values.clone(),
-        "gamma": gamma,
-        "lam": lam,
-        "reward_baselines": batch.reward_baselines.clone(),
-        "old_log_probs": batch.old_log_probs.clone(),
-        "sum_pi_squared": batch.sum_pi_squared.clone(),
-        "rollout_is_weights": batch.rollout_is_weights.clone() if options.get("use_is_weights") else None,
-        "norm_adv_by_std_in_grpo": norm,
-        "handle_zero_tail": options.get("handle_zero_tail", True),
-    }
-    if name == "gdpo":
-        keys = sorted(batch.reward_components)
-        pool["config"] = AlgoConfig(norm_adv_by_std_in_grpo=norm, adv_estimator=name, gdpo_reward_keys=keys,
-                                    gdpo_reward_weights=options["gdpo_reward_weights"])
-        pool["non_tensor_batch"] = {k: batch.reward_components[k].numpy() for k in keys}
-        prompt = torch.ones(B, 3, dtype=torch.long)
-        attention_mask = torch.cat([prompt, batch.response_mask.long()], dim=-1)
-        pool["batch"] = {"prompts": prompt, "attention_mask": attention_mask}
-    fn = verl_algos.ADV_ESTIMATOR_REGISTRY[name]
-    params = inspect.signature(fn).parameters
-    return fn(**{key: value for key, value in pool.items() if key in params})
+    return inputs, options
 
 
 def test_dsrl_has_every_verl_estimator():
@@ -234,8 +191,9 @@ ESTIMATOR_CASES = [
 @pytest.mark.parametrize(("name", "options", "kind", "seed"), ESTIMATOR_CASES)
 def test_estimator_matches_verl(name, options, kind, seed):
     batch = make_batch(seed, **kind)
-    advantages, returns = run_dsrl_estimator(name, batch, options)
-    verl_advantages, verl_returns = run_verl_estimator(name, batch, options)
+    inputs, options = estimator_inputs(batch, options)
+    advantages, returns = dsrl_algos.compute_advantages(name, inputs, **options)
+    verl_advantages, verl_returns = verl_calls.verl_advantages(name, inputs, options)
     close(advantages, verl_advantages, f"{name} advantages")
     close(returns, verl_returns, f"{name} returns")
 
@@ -244,7 +202,7 @@ def test_estimator_matches_verl(name, options, kind, seed):
 
 
 def verl_policy_losses() -> list[str]:
-    return sorted(verl_algos.POLICY_LOSS_REGISTRY)
+    return sorted(verl_calls.POLICY_LOSSES)
 
 
 SHARED_LOSSES = sorted(set(verl_policy_losses()) & set(dsrl_algos.policy_loss_names()))
@@ -274,7 +232,6 @@ LOSS_PARAMS: dict[str, list[dict]] = {
                                 "rollout_rs_threshold": "0.5_2.0"}},
     ],
 }
-_ACTOR_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg")
 # verl aggregates these with a fixed mode whatever loss_agg_mode says; dsrl is asked for that mode.
 FIXED_AGG_MODE = {"sapo": "seq-mean-token-mean"}
 # Batch options per loss where the standard batch shows a known difference (tested on its own below).
@@ -289,18 +246,6 @@ NOT_COMPARABLE = {
     ("geo_mean", "global"): "verl's geo_mean ignores global_batch_info (a plain mean over this micro-batch's "
     "rows), so it has no split-invariant form to compare with",
 }
-
-
-def actor_config(params: dict, global_batch_info: dict) -> ActorConfig:
-    """verl's ActorConfig carrying ``params``; the batch-size fields only satisfy its validation."""
-    top = {key: params[key] for key in _ACTOR_KEYS if key in params}
-    nested = {key: value for key, value in params.items() if key not in _ACTOR_KEYS}
-    if "rollout_correction" in nested:
-        nested["rollout_correction"] = RolloutCorrectionConfig(**nested["rollout_correction"])
-    config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
-                         policy_loss=PolicyLossConfig(**nested), **top)
-    config.global_batch_info.update(global_batch_info)
-    return config
 
 
 def normalisers(batch: Batch, kind: str) -> tuple[dict, dict]:
@@ -357,18 +302,18 @@ def compare_loss_with_verl(name: str, params: dict, mode: str, is_weights: bool,
     weights = batch.rollout_is_weights if is_weights else None
     dsrl_norm, global_batch_info = normalisers(batch, norm)
     dsrl_params = dict(params)
-    clip = {key: dsrl_params.pop(key) for key in _ACTOR_KEYS[:3] if key in dsrl_params}  # policy_loss's own keywords
+    clip = {key: dsrl_params.pop(key) for key in verl_calls.ACTOR_KEYS[:3] if key in dsrl_params}  # policy_loss's own keywords
     loss, grad, metrics = run_loss(
         lambda log_probs: dsrl_algos.policy_loss(
             name, old_log_probs=batch.old_log_probs, log_probs=log_probs, advantages=batch.advantages,
             response_mask=batch.response_mask, loss_agg_mode=FIXED_AGG_MODE.get(name, mode),
             rollout_is_weights=weights, **clip, **dsrl_norm, **dsrl_params),
         batch, seed)
-    config = actor_config(params, global_batch_info)
+    config = verl_calls.verl_actor_config(params, global_batch_info)
     verl_loss, verl_grad, verl_metrics = run_loss(
-        lambda log_probs: verl_algos.POLICY_LOSS_REGISTRY[name](
-            old_log_prob=batch.old_log_probs, log_prob=log_probs, advantages=batch.advantages,
-            response_mask=batch.response_mask, loss_agg_mode=mode, config=config, rollout_is_weights=weights),
+        lambda log_probs: verl_calls.verl_policy_loss(
+            name, old_log_probs=batch.old_log_probs, log_probs=log_probs, advantages=batch.advantages,
+            response_mask=batch.response_mask, loss_agg_mode=mode, rollout_is_weights=weights, config=config),
         batch, seed)
 
     close(loss, verl_loss, f"{name} loss")
