@@ -19,6 +19,7 @@ from dsrl.algorithms.kl import (
     kl_penalty,
 )
 from dsrl.algorithms.losses import (
+    BYPASS_LOSS_TYPES,
     LOSS_AGG_MODES,
     agg_loss,
     policy_loss,
@@ -27,7 +28,13 @@ from dsrl.algorithms.losses import (
     register_policy_loss,
     value_loss,
 )
-from dsrl.algorithms.rollout_correction import ROLLOUT_CORRECTION_LEVELS, RolloutCorrection, rollout_correction
+from dsrl.algorithms.rollout_correction import (
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_RS_OPTIONS,
+    RolloutCorrection,
+    correct_rollout,
+    rollout_correction,
+)
 from dsrl.algorithms.tensor_ops import (
     entropy_from_logits,
     logprobs_from_logits,
@@ -38,9 +45,11 @@ from dsrl.algorithms.tensor_ops import (
 )
 
 __all__ = [
+    "BYPASS_LOSS_TYPES",
     "KL_KINDS",
     "LOSS_AGG_MODES",
-    "ROLLOUT_CORRECTION_LEVELS",
+    "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_RS_OPTIONS",
     "AdaptiveKLController",
     "EstimatorInputs",
     "FixedKLController",
@@ -48,6 +57,7 @@ __all__ = [
     "agg_loss",
     "apply_kl_penalty",
     "compute_advantages",
+    "correct_rollout",
     "entropy_from_logits",
     "estimator_names",
     "kl_penalty",

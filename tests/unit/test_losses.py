@@ -272,8 +272,8 @@ def test_value_loss_gradient_is_the_same_for_any_split(agg_mode):
 
 
 def test_policy_loss_registry_names_and_errors():
-    assert policy_loss_names() == ["cispo", "gpg", "gspo", "vanilla"]
-    with pytest.raises(ValueError, match="unknown policy loss 'ppo'; valid names: cispo, gpg, gspo, vanilla"):
+    assert policy_loss_names() == ["bypass_mode", "cispo", "gpg", "gspo", "vanilla"]
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo'; valid names: bypass_mode, cispo, gpg, gspo, vanilla"):
         policy_loss(
             "ppo",
             old_log_probs=torch.zeros(1, 1),
