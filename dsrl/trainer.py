@@ -3,9 +3,11 @@
 Each step is a sequence of phase calls, each timed as ``timing_s/<phase>``: gen (with
 update_weights) -> balance (rows across ranks) -> reward -> old_log_prob -> ref -> values -> adv (with
 PF-PPO's redraw of the rows) -> update_critic -> update_actor, then validation every ``trainer.test_freq``
-steps and a checkpoint every ``trainer.save_freq`` steps (``dsrl.checkpoint``). An exactly on-policy step that needs the actor's
-log-probs only for metrics folds the old_log_prob pass into update_actor (``Trainer.folds_old_log_prob``). Tensor math lives in ``dsrl.algorithms`` and the
-engines; this file only orders the calls.
+steps and a checkpoint every ``trainer.save_freq`` steps (``dsrl.checkpoint``). An exactly on-policy step
+that needs the actor's log-probs only for metrics folds the old_log_prob pass into update_actor
+(``Trainer.folds_old_log_prob``); so does bypass mode (``algorithm.rollout_correction.bypass_mode``), where
+the rollout engine's log-probs are the old ones and the update records the actor's for the metrics. Tensor
+math lives in ``dsrl.algorithms`` and the engines; this file only orders the calls.
 
 Around the loop: the run folder's lock (``dsrl.run_folder``), the checkpoint to resume and its checks
 (``dsrl.resume``), the facts the console's summaries show (``dsrl.run_facts``).
@@ -517,9 +519,9 @@ class Trainer:
             batch.response_mask,
             rollout_is=corr.rollout_is,
             rollout_is_threshold=corr.rollout_is_threshold,
+            rollout_is_batch_normalize=corr.rollout_is_batch_normalize,
             rollout_rs=corr.rollout_rs,
             rollout_rs_threshold=corr.rollout_rs_threshold,
-            rollout_rs_threshold_lower=corr.rollout_rs_threshold_lower,
         )
 
     def validate(self) -> dict[str, float]:
@@ -601,7 +603,10 @@ class Trainer:
                 scores, components, counts = self.score(batch)
                 batch = batch.replace(token_level_scores=scores, reward_components=components)
                 metrics.update(counts)
-            fold = self.folds_old_log_prob(batch)
+            bypass = algo.rollout_correction.bypass_mode  # verl's bypass mode: no old-log-prob pass
+            if bypass:
+                batch = batch.replace(old_log_probs=batch.rollout_log_probs)
+            fold = bypass or self.folds_old_log_prob(batch)
             if not fold:
                 with timer("old_log_prob"):
                     batch = batch.replace(
@@ -623,7 +628,7 @@ class Trainer:
                 with timer("values"):
                     batch = batch.replace(values=self.critic.compute_values(batch))
             with timer("adv"):
-                if algo.rollout_correction.rollout_is or algo.rollout_correction.rollout_rs:  # never folded
+                if not bypass and (algo.rollout_correction.rollout_is or algo.rollout_correction.rollout_rs):  # never folded
                     batch = batch.replace(rollout_is_weights=correction.weights)
                 if algo.use_kl_in_reward:
                     rewards, kl_metrics = self.rewards_with_kl(batch)

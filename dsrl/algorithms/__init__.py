@@ -20,6 +20,7 @@ from dsrl.algorithms.kl import (
     kl_penalty,
 )
 from dsrl.algorithms.losses import (
+    BYPASS_LOSS_TYPES,
     LOSS_AGG_MODES,
     agg_loss,
     policy_loss,
@@ -29,7 +30,13 @@ from dsrl.algorithms.losses import (
     value_loss,
 )
 from dsrl.algorithms.pf_ppo import PF_PPO_METHODS, pf_ppo_indices, pf_ppo_weights
-from dsrl.algorithms.rollout_correction import ROLLOUT_CORRECTION_LEVELS, RolloutCorrection, rollout_correction
+from dsrl.algorithms.rollout_correction import (
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_RS_OPTIONS,
+    RolloutCorrection,
+    correct_rollout,
+    rollout_correction,
+)
 from dsrl.algorithms.tensor_ops import (
     entropy_from_logits,
     logprobs_from_logits,
@@ -40,10 +47,12 @@ from dsrl.algorithms.tensor_ops import (
 )
 
 __all__ = [
+    "BYPASS_LOSS_TYPES",
     "KL_KINDS",
     "LOSS_AGG_MODES",
     "PF_PPO_METHODS",
-    "ROLLOUT_CORRECTION_LEVELS",
+    "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_RS_OPTIONS",
     "AdaptiveKLController",
     "EstimatorInputs",
     "FixedKLController",
@@ -51,6 +60,7 @@ __all__ = [
     "agg_loss",
     "apply_kl_penalty",
     "compute_advantages",
+    "correct_rollout",
     "entropy_from_logits",
     "estimator_names",
     "estimator_options",

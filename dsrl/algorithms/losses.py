@@ -1,15 +1,17 @@
 """Policy losses (registered by name), the value loss, and the one loss aggregation `agg_loss`.
 
 Semantics follow verl 0.9.1 `core_algos.py`, metric names included. Every loss returns a scalar
-to call `backward()` on and detached tensor metrics (no host synchronisation here).
+to call `backward()` on and detached tensor metrics (no host synchronisation, except where `clip_cov`
+and `kl_cov` count or rank tokens on the host, as verl does).
 
 Split invariance: a mini-batch is usually processed as several micro-batches (and ranks) whose
 gradients are accumulated. Pass the mini-batch-wide normalisers (`num_tokens`, `num_seqs`, all
 ranks and micro-batches) and `dp_size`, and the summed micro-batch losses equal the whole
-mini-batch's loss, so any split gives the same gradient. Two losses are not split invariant, by
+mini-batch's loss, so any split gives the same gradient. Three losses are not split invariant, by
 their definition: `clip_cov` and `kl_cov` choose tokens by their covariance centred on the
-micro-batch's means, as many as a ratio of the micro-batch's tokens (`clip_cov` at random). As in
-verl, the choice is made per micro-batch.
+micro-batch's means, as many as a ratio of the micro-batch's tokens (`clip_cov` at random), and
+`bypass_mode` corrects against the current policy (after each optimizer step of an epoch) and may
+normalise its weights over the micro-batch. As in verl, these are computed per micro-batch.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dsrl.algorithms.rollout_correction import correct_rollout
 from dsrl.algorithms.tensor_ops import masked_mean, masked_sum
 
 Tensor = torch.Tensor
@@ -684,6 +687,89 @@ def dro_policy_loss(
     log_ratio = log_probs - old_log_probs
     loss_mat = -(log_probs * advantages - 0.5 * dro_beta * log_ratio.square())
     return loss_mat, {"actor/ppo_kl": masked_mean(-log_ratio, response_mask)}
+
+
+# verl 0.9.1's defaults of algorithm.rollout_correction, which its bypass mode hands to this loss.
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
+_BYPASS_DEFAULTS = {
+    "loss_type": "ppo_clip",
+    "rollout_is": None,
+    "rollout_is_threshold": 2.0,
+    "rollout_is_batch_normalize": False,
+    "rollout_rs": None,
+    "rollout_rs_threshold": None,
+}
+
+
+@register_policy_loss("bypass_mode", params={"rollout_correction": _BYPASS_DEFAULTS}, aggregates=True)
+def bypass_mode_policy_loss(
+    *,
+    old_log_probs: Tensor,
+    log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+    rollout_correction: Mapping[str, Any],
+    loss_agg_mode: str,
+    rollout_is_weights: Tensor | None,
+    **normalisers: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """verl's bypass mode: the rollout engine's log-probs stand in for the old log-probs (no separate
+    old-log-prob pass; Liu et al. 2025, https://richardli.xyz/rl-collapse), corrected against the
+    current policy on the fly.
+
+        old_log_probs = log π_rollout;  log ρ = sg[log π_θ] - log π_rollout
+        w, m' = correct_rollout(sg[log π_θ], log π_rollout, m, rollout_correction)   (IS weights, rejection)
+        ppo_clip:   loss = agg(ℓ_vanilla(r = π_θ / π_rollout), m')          (the ratio is the correction: no w)
+        reinforce:  loss = agg(-A · w · log π_θ, m')                        (w = 1 when rollout_is is null)
+
+    `m'` (the response mask less the rejected tokens) is the aggregation mask: it sets the
+    per-sequence lengths of seq-mean-token-mean and which rows count, while the mini-batch
+    normalisers (`num_tokens`, `num_seqs`) stay those of `m`, as in verl. `rollout_is_weights` from
+    the caller is ignored (verl recomputes them here).
+
+    Not micro-batch-split invariant, as in verl: the IS weights and rejection use the current
+    policy, so they change after each optimizer step of an epoch; `rollout_is_batch_normalize`
+    normalises over the micro-batch given. The metrics are micro-batch statistics.
+
+    Args:
+        rollout_correction: `loss_type` (`ppo_clip` | `reinforce`), `rollout_is`,
+            `rollout_is_threshold`, `rollout_is_batch_normalize`, `rollout_rs`,
+            `rollout_rs_threshold` (see `dsrl.algorithms.rollout_correction`); missing keys take
+            verl's defaults (no IS weights, no rejection, ppo_clip).
+        the rest: see `policy_loss`. Shapes `[B, T]`.
+    Returns:
+        `(loss, metrics)`: `actor/ppo_kl` (and vanilla's clip fractions for ppo_clip), and the
+        `rollout_corr/*` diagnostics of π_θ against π_rollout.
+    """
+    unknown = sorted(set(rollout_correction) - set(_BYPASS_DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"bypass_mode's rollout_correction has no key {', '.join(unknown)}; its keys: {', '.join(_BYPASS_DEFAULTS)}"
+        )
+    settings = {**_BYPASS_DEFAULTS, **rollout_correction}
+    loss_type = settings.pop("loss_type")
+    if loss_type not in BYPASS_LOSS_TYPES:
+        raise ValueError(f"bypass_mode's loss_type {loss_type!r} is unknown; use one of {', '.join(BYPASS_LOSS_TYPES)}")
+    rollout_log_probs = old_log_probs
+    weights, kept, correction_metrics = correct_rollout(log_probs.detach(), rollout_log_probs, response_mask, **settings)
+    if loss_type == "ppo_clip":
+        loss_mat, metrics = vanilla_policy_loss(
+            old_log_probs=rollout_log_probs,
+            log_probs=log_probs,
+            advantages=advantages,
+            response_mask=kept,
+            clip_ratio_low=clip_ratio_low,
+            clip_ratio_high=clip_ratio_high,
+            clip_ratio_c=clip_ratio_c,
+        )
+    else:
+        loss_mat = -advantages * log_probs if weights is None else -advantages * log_probs * weights
+        metrics = {"actor/ppo_kl": masked_mean(rollout_log_probs - log_probs, kept)}
+    loss = agg_loss(loss_mat, kept, loss_agg_mode, **normalisers)
+    return loss, {**metrics, **correction_metrics}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from dsrl.config.reference import describe_keys
 from dsrl.config.rules import load_and_validate, validate
 from dsrl.config.schema import (
     ADV_ESTIMATORS,
+    BYPASS_LOSS_TYPES,
     DS_CONFIG_DIR,
     GROUP_ESTIMATORS,
     KL_CTRL_TYPES,
@@ -59,7 +60,8 @@ from dsrl.config.schema import (
     POLICY_LOSS_PARAMS,
     RECIPE_DIR,
     RESUME_HARMLESS_KEYS,
-    ROLLOUT_CORRECTION_LEVELS,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_RS_OPTIONS,
     ROLLOUT_NAMES,
     SCHEMA,
     SUM_PI_SQUARED_ESTIMATORS,
@@ -72,6 +74,7 @@ from dsrl.config.user_code import import_user_modules
 __all__ = [
     # schema
     "ADV_ESTIMATORS",
+    "BYPASS_LOSS_TYPES",
     "DS_CONFIG_DIR",
     "GROUP_ESTIMATORS",
     "KL_CTRL_TYPES",
@@ -85,7 +88,8 @@ __all__ = [
     "POLICY_LOSS_PARAMS",
     "RECIPE_DIR",
     "RESUME_HARMLESS_KEYS",
-    "ROLLOUT_CORRECTION_LEVELS",
+    "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_RS_OPTIONS",
     "ROLLOUT_NAMES",
     "SCHEMA",
     "SUM_PI_SQUARED_ESTIMATORS",

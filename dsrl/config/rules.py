@@ -3,6 +3,7 @@ which loads, validates, resolves and freezes a run's config."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -27,6 +28,7 @@ from dsrl.config.loading import (
 from dsrl.config.user_code import import_user_modules, registered_names, registered_policy_loss_params
 from dsrl.config.schema import (
     ADV_ESTIMATORS,
+    BYPASS_LOSS_TYPES,
     CHECKPOINT_CONTENTS,
     CRITIC_ESTIMATORS,
     FINAL_MODEL_DIR,
@@ -44,14 +46,17 @@ from dsrl.config.schema import (
     PREPARED_TASKS,
     REQUIRED_CHECKPOINT_CONTENTS,
     RESUME_MODES,
-    ROLLOUT_CORRECTION_LEVELS,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_RS_OPTIONS,
     ROLLOUT_NAMES,
     SCHEMA,
     SLEEP_LEVELS,
     SUM_PI_SQUARED_ESTIMATORS,
     TRUNCATION_MODES,
     _LEAF_KEYS,
+    BypassCorrectionConfig,
     Config,
+    RolloutCorrectionConfig,
     _show,
     _violation,
 )
@@ -648,44 +653,154 @@ def _estimator_option_rules(cfg: Config, need: Need) -> None:
 
 
 def _rollout_correction_rules(cfg: Config, need: Need) -> None:
-    """Levels are known, thresholds keep an exact on-policy token, and no threshold is set in vain."""
-    corr = cfg.algorithm.rollout_correction
-    prefix = "algorithm.rollout_correction"
-    for name in ("rollout_is", "rollout_rs"):
-        need(
-            OmegaConf.select(corr, name) in (None, *ROLLOUT_CORRECTION_LEVELS),
-            f"{prefix}.{name}",
-            "unknown level",
-            f"use null (off) or one of {', '.join(ROLLOUT_CORRECTION_LEVELS)}",
-        )
+    """verl 0.9.1's vocabulary in both correction sections (the decoupled one on the algorithm, bypass_mode's on
+    the policy loss), and bypass mode set consistently on both sides."""
+    algo_prefix, loss_prefix = "algorithm.rollout_correction", "actor_rollout_ref.actor.policy_loss.rollout_correction"
+    corr, loss_corr = cfg.algorithm.rollout_correction, cfg.actor_rollout_ref.actor.policy_loss.rollout_correction
+    _correction_rules(corr, algo_prefix, need)
+    _correction_rules(loss_corr, loss_prefix, need)
+    loss_key = "actor_rollout_ref.actor.policy_loss.loss_mode"
+    bypass = OmegaConf.select(cfg, loss_key) == "bypass_mode"
     need(
-        corr.rollout_is_threshold > 1,
-        f"{prefix}.rollout_is_threshold",
-        "must be > 1: weights above it are cut to it, and an exactly on-policy token has weight 1",
-        "set it to 2.0",
-    )
-    upper = corr.rollout_is_threshold if corr.rollout_rs_threshold is None else corr.rollout_rs_threshold
-    lower = corr.rollout_rs_threshold_lower
-    need(
-        corr.rollout_rs_threshold is None or corr.rollout_rs_threshold >= 1,
-        f"{prefix}.rollout_rs_threshold",
-        "must be >= 1: an exactly on-policy token (ratio 1) must be accepted",
-        "set it to 2.0 or null (= rollout_is_threshold)",
+        not corr.bypass_mode or bypass,
+        f"{algo_prefix}.bypass_mode",
+        "bypass mode trains with the bypass_mode policy loss (verl switches the loss itself; dsrl does not rewrite "
+        "a setting)",
+        f"set {loss_key}=bypass_mode, or {algo_prefix}.bypass_mode=false",
     )
     need(
-        lower is None or 0 <= lower <= min(1.0, upper),
-        f"{prefix}.rollout_rs_threshold_lower",
-        "must be in [0, 1] and at most the upper end: an exactly on-policy token (ratio 1) must be accepted",
-        "set it to null (= 1 / upper end) or e.g. 0.5",
+        corr.bypass_mode or not bypass,
+        loss_key,
+        "bypass_mode takes the rollout engine's log-probs as the old log-probs, which only bypass mode provides "
+        "(it skips the old-log-prob pass)",
+        f"set {algo_prefix}.bypass_mode=true, or another loss_mode",
     )
-    if corr.rollout_rs is None:
-        for name in ("rollout_rs_threshold", "rollout_rs_threshold_lower"):
+    for name in dataclasses.fields(BypassCorrectionConfig):
+        key, value = f"{loss_prefix}.{name.name}", loss_corr[name.name]
+        if not bypass:
             need(
-                OmegaConf.select(corr, name) is None,
-                f"{prefix}.{name}",
-                "has no effect while rollout_rs is null",
-                f"set {prefix}.rollout_rs=token or sequence, or {prefix}.{name}=null",
+                value == name.default,
+                key,
+                f"configures the bypass_mode loss, not {OmegaConf.select(cfg, loss_key)}",
+                f"set {loss_key}=bypass_mode, or leave {key} at {_show(name.default)}",
             )
+        elif corr.bypass_mode:  # verl hands algorithm.rollout_correction to the loss: the two must agree
+            need(
+                corr[name.name] == value,
+                f"{algo_prefix}.{name.name}",
+                f"in bypass mode verl's loss takes its settings from {algo_prefix}, dsrl's from {loss_prefix}, "
+                f"which has {name.name}={_show(value)}",
+                "set both keys to the same value",
+            )
+    need(
+        corr.bypass_mode or corr.loss_type == RolloutCorrectionConfig.loss_type,
+        f"{algo_prefix}.loss_type",
+        "has no effect without bypass mode",
+        f"set {algo_prefix}.bypass_mode=true, or leave loss_type at {RolloutCorrectionConfig.loss_type}",
+    )
+    if corr.bypass_mode:
+        estimator, actor = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.actor
+        for ok, key, what in (
+            (estimator not in SUM_PI_SQUARED_ESTIMATORS, "algorithm.adv_estimator", f"{estimator} needs sum_pi_squared"),
+            (not actor.calculate_sum_pi_squared, "actor_rollout_ref.actor.calculate_sum_pi_squared", "sum_pi_squared"),
+        ):
+            need(
+                ok,
+                key,
+                f"{what} from the old-log-prob pass, which bypass mode skips",
+                f"set {algo_prefix}.bypass_mode=false (and another loss_mode), or turn it off",
+            )
+
+
+def _correction_rules(section: Any, prefix: str, need: Need) -> None:
+    """One correction section: known names, thresholds that parse and accept an exactly on-policy token (ratio 1),
+    no threshold set in vain. Mirrors ``dsrl.algorithms.rollout_correction.parse_*`` (which needs torch)."""
+    if "loss_type" in section:
+        need(section.loss_type in BYPASS_LOSS_TYPES, f"{prefix}.loss_type", "unknown loss type", f"use one of {', '.join(BYPASS_LOSS_TYPES)}")
+    need(
+        section.rollout_is in (None, *ROLLOUT_IS_LEVELS),
+        f"{prefix}.rollout_is",
+        "unknown level",
+        f"use null (off) or one of {', '.join(ROLLOUT_IS_LEVELS)}",
+    )
+    is_rule = "a number U > 1 (TIS: an on-policy weight 1 is not cut) or a string 'L_U' with 0 < L <= 1 <= U (IcePop)"
+    need(
+        _threshold_problem(section.rollout_is_threshold, "is") is None,
+        f"{prefix}.rollout_is_threshold",
+        f"must be {is_rule}: {_threshold_problem(section.rollout_is_threshold, 'is')}",
+        "set it to 2.0, or e.g. '0.5_5.0' for IcePop",
+    )
+    need(
+        section.rollout_is is not None or not section.rollout_is_batch_normalize,
+        f"{prefix}.rollout_is_batch_normalize",
+        "has no effect while rollout_is is null",
+        f"set {prefix}.rollout_is=token or sequence, or rollout_is_batch_normalize=false",
+    )
+    if section.rollout_rs is None:
+        need(
+            section.rollout_rs_threshold is None,
+            f"{prefix}.rollout_rs_threshold",
+            "has no effect while rollout_rs is null",
+            f"set {prefix}.rollout_rs (e.g. token_k1), or {prefix}.rollout_rs_threshold=null",
+        )
+        return
+    options = [part.strip() for part in str(section.rollout_rs).split(",") if part.strip()]
+    renamed = {"token": "token_k1", "sequence": "seq_sum_k1"}  # dsrl's older levels, as verl names them
+    unknown = [option for option in options if option not in ROLLOUT_RS_OPTIONS]
+    need(
+        options and not unknown,
+        f"{prefix}.rollout_rs",
+        f"must list options (comma-separated) among {', '.join(ROLLOUT_RS_OPTIONS)}",
+        "use e.g. token_k1 or seq_mean_k3"
+        + "".join(f"; for {old!r} write {new} (with rollout_rs_threshold 'L_U')" for old, new in renamed.items() if old in unknown),
+    )
+    options = list(dict.fromkeys(options))
+    specs = [] if section.rollout_rs_threshold is None else [p.strip() for p in str(section.rollout_rs_threshold).split(",") if p.strip()]
+    problem = None
+    if not specs:
+        problem = "rejection needs a threshold"
+    elif len(specs) not in (1, len(options)):
+        problem = f"{len(specs)} thresholds for {len(options)} rollout_rs options"
+    else:
+        for option, spec in zip(options, specs * len(options) if len(specs) == 1 else specs):
+            if problem is None and (found := _threshold_problem(spec, "k1" if option.endswith("k1") else "k")):
+                problem = f"{option}: {found}"
+    need(
+        problem is None,
+        f"{prefix}.rollout_rs_threshold",
+        "must give one bound for all rollout_rs options or one per option (comma-separated): k2/k3 an upper bound > 0, "
+        f"k1 'L_U' with 0 < L <= 1 <= U or a single U >= 1 (L = 1/U): {problem}",
+        "set it to e.g. 0.01 (k2, k3) or '0.5_2.0' (k1)",
+    )
+
+
+def _threshold_problem(spec: Any, kind: str) -> Optional[str]:
+    """What is wrong with a threshold of ``kind`` (``is``: rollout_is_threshold, ``k1``: a k1 option's, ``k``: a k2/k3
+    option's) such that an exactly on-policy ratio 1 is kept; None when nothing is. A number U: > 1 (is), >= 1 (k1),
+    > 0 (k); 'L_U' (is, k1): 0 < L <= 1 <= U."""
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        return f"{spec!r} is not a number"
+    text = str(spec).strip()
+    if "_" in text:
+        if kind == "k":
+            return f"{text!r} is an interval; only k1 options and rollout_is_threshold take 'L_U'"
+        lower, _, upper = (_number(part) for part in text.partition("_"))
+        if None in (lower, upper) or not 0 < lower <= 1 <= upper:
+            return f"{text!r} is not 'L_U' with 0 < L <= 1 <= U"
+        return None
+    value = _number(text)
+    least, strict = {"is": (1.0, True), "k1": (1.0, False), "k": (0.0, True)}[kind]
+    if value is None or value < least or (strict and value == least):
+        return f"{text} is not a number {'>' if strict else '>='} {least:g}"
+    return None
+
+
+def _number(text: str) -> Optional[float]:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _rollout_mismatch_rules(cfg: Config, need: Need) -> None:

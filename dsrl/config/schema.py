@@ -50,7 +50,9 @@ LENGTH_WEIGHTED_ESTIMATORS = ("rloo", "rloo_vectorized", "reinforce_plus_plus_ba
 PF_PPO_METHODS = ("pow", "max_min", "max_random")  # dsrl.algorithms.PF_PPO_METHODS
 # Estimators whose token weights need sum_pi_squared = sum_v pi(v | s_t)^2 from the actor forward.
 SUM_PI_SQUARED_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
-POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "dppo_tv", "dppo_kl", "sapo", "clip_cov", "kl_cov", "geo_mean", "dro")
+POLICY_LOSS_MODES = (
+    "vanilla", "gspo", "cispo", "gpg", "dppo_tv", "dppo_kl", "sapo", "clip_cov", "kl_cov", "geo_mean", "dro", "bypass_mode"
+)
 # The parameters each built-in policy loss declares (dsrl.algorithms.policy_loss_params), by verl's names: a name is
 # read from actor_rollout_ref.actor.policy_loss.<name>, else actor_rollout_ref.actor.<name> (policy_loss_param_key).
 POLICY_LOSS_PARAMS = {
@@ -58,6 +60,7 @@ POLICY_LOSS_PARAMS = {
     "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
     "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
     "dro": ("dro_beta",),
+    "bypass_mode": ("rollout_correction",),
 }
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _KL_BASE_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -66,8 +69,16 @@ KL_KINDS = _KL_BASE_KINDS + tuple(f"{kind}+" for kind in _KL_BASE_KINDS)
 KL_CTRL_TYPES = ("fixed", "adaptive")
 TRUNCATION_MODES = ("error", "left", "right")
 ROLLOUT_NAMES = ("hf", "vllm")
-# Levels of algorithm.rollout_correction.rollout_is / rollout_rs (dsrl.algorithms.ROLLOUT_CORRECTION_LEVELS).
-ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+# verl 0.9.1's rollout-correction vocabulary (dsrl.algorithms.ROLLOUT_IS_LEVELS, ROLLOUT_RS_OPTIONS,
+# BYPASS_LOSS_TYPES): rollout_is levels, rollout_rs options (comma-separated lists), bypass_mode loss types.
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_RS_OPTIONS = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)  # fmt: skip
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 SLEEP_LEVELS = (1, 2)
 LOGGERS = ("console", "mlflow")
 RESUME_MODES = ("auto", "disable", "resume_path")
@@ -198,6 +209,42 @@ class OptimConfig:
     clip_grad: float = _f(1.0, "clip the global gradient norm to this (verl 0.9's key); 0 turns clipping off")
 
 
+_IS_THRESHOLD_HELP = (
+    "rollout_is: a number U cuts weights above U (TIS; 2.0 typical, > 1), a string 'L_U' zeroes weights outside "
+    "[L, U] (IcePop, e.g. '0.5_5.0', L <= 1 <= U; write bounds with a decimal point)"
+)
+_RS_HELP = (
+    "rejection: null (off) or comma-separated divergences of the ratio, every one must pass: token_k1|k2|k3 "
+    "(per token), seq_sum_*|seq_mean_* k1|k2|k3, seq_max_k2|k3 (whole responses); k1 = -log r, "
+    "k2 = (log r)^2 / 2, k3 = r - 1 - log r"
+)
+_RS_THRESHOLD_HELP = (
+    "rollout_rs: one bound for all options, or one per option, comma-separated: k2/k3 an upper bound (e.g. 0.01); "
+    "k1 'L_U' keeps log L <= -log r <= log U (e.g. '0.5_2.0'), a single U means L = 1/U; required with rollout_rs"
+)
+
+
+@dataclass
+class BypassCorrectionConfig:
+    loss_type: str = _f(
+        "ppo_clip",
+        "ppo_clip: PPO clip with r = pi_theta / pi_rollout on the kept tokens (no IS weights) | reinforce: -A w log pi_theta",
+    )
+    rollout_is: Optional[str] = _f(
+        None,
+        "importance weights w = pi_theta / pi_rollout (detached) for reinforce: null (w = 1) | token | sequence",
+    )
+    rollout_is_threshold: Any = _f(2.0, _IS_THRESHOLD_HELP)
+    rollout_is_batch_normalize: bool = _f(
+        False,
+        "rollout_is: rescale the weights to mean 1 over each micro-batch (so the result depends on the micro-batch size)",
+    )
+    rollout_rs: Optional[str] = _f(
+        None, _RS_HELP + " (of r = pi_theta / pi_rollout); rejected tokens leave the loss and its per-sequence lengths"
+    )
+    rollout_rs_threshold: Any = _f(None, _RS_THRESHOLD_HELP)
+
+
 @dataclass
 class PolicyLossConfig:
     loss_mode: str = _f(
@@ -219,6 +266,10 @@ class PolicyLossConfig:
         dict,
         "the own parameters of a policy loss registered by algorithm.import_modules, {name: value}; a parameter named "
         "like a key of actor or actor.policy_loss is read from that key instead",
+    )
+    rollout_correction: BypassCorrectionConfig = _f(
+        BypassCorrectionConfig,
+        "loss_mode bypass_mode (the rollout's log-probs as old log-probs; with algorithm.rollout_correction.bypass_mode=true) only: its loss type and its correction of pi_theta / pi_rollout (verl takes these from algorithm.rollout_correction, which must hold the same values)",
     )
 
 
@@ -468,18 +519,22 @@ class KLControlConfig:
 class RolloutCorrectionConfig:
     rollout_is: Optional[str] = _f(
         None,
-        "truncated importance weights pi_old / pi_rollout in the policy loss: null (off) | token | sequence (product over the response)",
+        "importance weights pi_old / pi_rollout on the policy loss: null (off) | token | sequence (product over the response)",
     )
-    rollout_is_threshold: float = _f(2.0, "rollout_is: weights above it are cut to it (TIS); 2.0 is typical")
-    rollout_rs: Optional[str] = _f(
-        None,
-        "rejection: mask tokens (token) or whole responses (sequence) whose ratio pi_old / pi_rollout leaves the interval below; null = off",
+    rollout_is_threshold: Any = _f(2.0, _IS_THRESHOLD_HELP)
+    rollout_rs: Optional[str] = _f(None, _RS_HELP + " (of r = pi_old / pi_rollout); rejected tokens get weight 0")
+    rollout_rs_threshold: Any = _f(None, _RS_THRESHOLD_HELP)
+    bypass_mode: bool = _f(
+        False,
+        "true: no old-log-prob pass, the rollout engine's log-probs are the old ones; needs "
+        "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode (verl switches the loss itself)",
     )
-    rollout_rs_threshold: Optional[float] = _f(
-        None, "rollout_rs: upper end of the accepted ratio interval; null = rollout_is_threshold"
+    loss_type: str = _f(
+        "ppo_clip",
+        "bypass_mode: ppo_clip | reinforce; must equal actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type",
     )
-    rollout_rs_threshold_lower: Optional[float] = _f(
-        None, "rollout_rs: lower end of the accepted ratio interval; null = 1 / upper end"
+    rollout_is_batch_normalize: bool = _f(
+        False, "rollout_is: rescale the weights to mean 1 over the batch (tokens, or sequences for sequence)"
     )
 
 

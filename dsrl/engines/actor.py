@@ -133,18 +133,18 @@ class ActorEngine:
         with ``use_kl_loss``; ``rollout_is_weights`` optional). Returns verl's ``actor/*`` metrics, averaged
         over optimizer steps, identical on every rank. Collective.
 
-        ``recorded`` (an on-policy update only): filled with ``old_log_probs`` and ``entropy`` ``[B, T]``
-        float32 as the update's forward passes computed them. The parameters do not change before the
+        ``recorded``: filled with ``old_log_probs`` and ``entropy`` ``[B, T]`` float32 as the first forward
+        pass over each row computed them. In an on-policy update the parameters do not change before the
         only optimizer step, so they are what a separate old-log-prob pass gives (up to the rounding of
-        another micro-batch split), and the trainer skips that pass.
+        another micro-batch split), and the trainer skips that pass. Otherwise (bypass mode, which has no
+        such pass) a row's values are the policy's after the optimizer steps that came before its mini-batch.
         """
         actor = self.cfg.actor_rollout_ref.actor
         if actor.use_kl_loss and batch.ref_log_probs is None:
             raise ValueError(f"{self.prefix}.use_kl_loss=True but the batch has no ref_log_probs; run the reference first")
         on_policy = self.on_policy(len(batch))
+        seen = torch.zeros(len(batch), dtype=torch.bool)  # rows already recorded
         if recorded is not None:
-            if not on_policy:
-                raise ValueError("ActorEngine.update: recorded log-probs need an on-policy update (one mini-batch, one epoch)")
             recorded.update({name: torch.zeros(batch.response_ids.shape) for name in ("old_log_probs", "entropy")})
         self.engine.train()
         metrics = run_ppo_updates(
@@ -161,7 +161,7 @@ class ActorEngine:
                 num_seqs=num_seqs,
                 temperature=temperature,
                 on_policy=on_policy,
-                record=None if recorded is None else (recorded, rows),
+                record=None if recorded is None else (recorded, rows, seen),
             ),
             skips=self.skips,
             lr_scheduler=self.lr_scheduler,
@@ -202,16 +202,20 @@ class ActorEngine:
         )
         log_probs = pad_response(stats["log_probs"], T)
         if record is not None:
-            recorded, rows = record
-            recorded["old_log_probs"][rows] = log_probs.detach().float().cpu()
-            recorded["entropy"][rows] = pad_response(stats["entropy"].detach().float().cpu(), T)
+            recorded, rows, seen = record
+            first = ~seen[rows]
+            recorded["old_log_probs"][rows[first]] = log_probs.detach().float().cpu()[first]
+            recorded["entropy"][rows[first]] = pad_response(stats["entropy"].detach().float().cpu(), T)[first]
+            seen[rows] = True
         mask = micro.response_mask.float()
         normalisers = {"num_tokens": num_tokens, "num_seqs": num_seqs}
         clip_low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
         clip_high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
+        # bypass_mode's old log-probs are the rollout engine's, on-policy too: its loss corrects against them
+        bypass = actor.policy_loss.loss_mode == "bypass_mode"
         pg_loss, pg_metrics = policy_loss(
             actor.policy_loss.loss_mode,
-            old_log_probs=log_probs.detach() if on_policy else micro.old_log_probs,
+            old_log_probs=log_probs.detach() if on_policy and not bypass else micro.old_log_probs,
             log_probs=log_probs,
             advantages=micro.advantages,
             response_mask=mask,

@@ -194,6 +194,39 @@ def test_folding_the_old_log_prob_pass_changes_no_number(
             assert with_fold[name] == pytest.approx(without[name], rel=1e-5, abs=1e-7), name
 
 
+@pytest.mark.parametrize("mini_batch", [8, 4])
+def test_bypass_mode_trains_without_the_old_log_prob_pass(
+    mini_batch, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    """verl's bypass mode (REINFORCE with sequence IS weights and token rejection), on-policy and with two
+    mini-batches: no old-log-prob pass runs, the update sees the rollout's log-probs as the old ones, the
+    actor trains, and the pass's metrics come from the update's forward."""
+    corr = "actor_rollout_ref.actor.policy_loss.rollout_correction"
+    settings = {"loss_type": "reinforce", "rollout_is": "sequence", "rollout_rs": "token_k1", "rollout_rs_threshold": "0.5_2.0"}
+    overrides = [f"{prefix}.{key}={value}" for prefix in (corr, "algorithm.rollout_correction") for key, value in settings.items()]
+    trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
+                          "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", "algorithm.rollout_correction.bypass_mode=true",
+                          f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}", "trainer.val_before_train=false",
+                          "trainer.test_freq=-1", *overrides)  # fmt: skip
+    trainer.actor.compute_log_probs = lambda *a, **kw: pytest.fail("bypass mode ran the old-log-prob pass")
+    seen, update = [], trainer.actor.update
+    trainer.actor.update = lambda batch, **kw: seen.append(batch.old_log_probs.equal(batch.rollout_log_probs)) or update(batch, **kw)
+    from dsrl.rollout import iter_full_parameters
+
+    before = {name: tensor.clone() for name, tensor in iter_full_parameters(trainer.actor.module)}
+    logged = []
+    trainer.tracker.log_metrics = lambda metrics, step: logged.append(metrics)
+    trainer.fit()
+    after = dict(iter_full_parameters(trainer.actor.module))
+    assert seen == [True, True] and len(logged) == 2
+    assert changed_fraction(before, after) > 0.9
+    for metrics in logged:
+        assert "timing_s/old_log_prob" not in metrics and math.isfinite(metrics["actor/pg_loss"])
+        for name in ("actor/entropy", "training/rollout_probs_diff_mean", "rollout_corr/rollout_is_mean",
+                     "rollout_corr/rollout_rs_token_k1_masked_fraction", "rollout_corr/kl", "actor/ppo_kl"):  # fmt: skip
+            assert math.isfinite(metrics[name]), name
+
+
 def test_applied_rollout_correction_keeps_the_separate_pass_and_weights_the_loss(
     tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
 ):

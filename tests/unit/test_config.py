@@ -1,5 +1,6 @@
 """The config system: loading, overrides, every validation rule's error path, the shipped YAMLs, scripts/train.py."""
 
+import dataclasses
 import functools
 import os
 import re
@@ -16,6 +17,7 @@ from omegaconf.errors import ReadonlyConfigError
 
 from dsrl import config as C
 from dsrl.config import loading, schema
+from dsrl.config.schema import BypassCorrectionConfig
 from tests.conftest import QUICKSTART, recipe, run_train_without_torch, stub_file_overrides, write_parquet_stub
 
 REPO = Path(__file__).resolve().parents[2]
@@ -1076,25 +1078,83 @@ def test_max_model_len_must_hold_a_whole_sequence(files):
 
 def test_rejection_thresholds_must_accept_an_on_policy_token(files):
     prefix = "algorithm.rollout_correction"
-    rs = [f"{prefix}.rollout_rs=sequence"]
-    assert problems("grpo", files + rs + [f"{prefix}.rollout_rs_threshold=3", f"{prefix}.rollout_rs_threshold_lower=0.5"]) == []
-    assert about(problems("grpo", files + rs + [f"{prefix}.rollout_rs_threshold=0.9"]), f"{prefix}.rollout_rs_threshold")
-    assert about(
-        problems("grpo", files + rs + [f"{prefix}.rollout_rs_threshold_lower=1.5"]), f"{prefix}.rollout_rs_threshold_lower"
-    )
-    assert about(problems("grpo", files + [f"{prefix}.rollout_rs=seq"]), f"{prefix}.rollout_rs")
+    rs = [f"{prefix}.rollout_rs=seq_sum_k1"]
+    assert problems("grpo", files + rs + [f"{prefix}.rollout_rs_threshold=0.5_3.0"]) == []
+    assert problems("grpo", files + rs + [f"{prefix}.rollout_rs_threshold=3"]) == []  # L = 1/3
+    for bad in ("0.9", "1.5_3.0", "3.0_0.5", "x", "1.5,2"):  # ratio 1 outside; not a number; too many
+        assert about(problems("grpo", files + rs + [f"{prefix}.rollout_rs_threshold={bad}"]), f"{prefix}.rollout_rs_threshold"), bad
+    k3 = [f"{prefix}.rollout_rs=token_k3,seq_max_k2"]
+    assert problems("grpo", files + k3 + [f"{prefix}.rollout_rs_threshold=0.01"]) == []
+    assert problems("grpo", files + k3 + [f"{prefix}.rollout_rs_threshold=0.01,0.1"]) == []
+    [v] = problems("grpo", files + k3 + [f"{prefix}.rollout_rs_threshold=0.5_2.0"])
+    assert "token_k3: '0.5_2.0' is an interval" in v
+    assert about(problems("grpo", files + [f"{prefix}.rollout_rs=seq", f"{prefix}.rollout_rs_threshold=2.0"]), f"{prefix}.rollout_rs")
+
+
+def test_older_rejection_levels_name_the_new_option(files):
+    prefix = "algorithm.rollout_correction"
+    [v] = problems("grpo", files + [f"{prefix}.rollout_rs=sequence", f"{prefix}.rollout_rs_threshold=2.0"])
+    assert v.startswith(f"{prefix}.rollout_rs=sequence:") and "for 'sequence' write seq_sum_k1" in v
+
+
+@pytest.mark.parametrize("value, ok", [(2.0, True), ("'0.5_5.0'", True), (1.0, False), ("'1.5_5.0'", False), ("x", False)])
+def test_is_threshold_is_tis_or_icepop(files, value, ok):
+    key = "algorithm.rollout_correction.rollout_is_threshold"
+    found = problems("grpo", files + ["algorithm.rollout_correction.rollout_is=token", f"{key}={value}"])
+    assert (found == []) == ok and (ok or about(found, key))
 
 
 def test_rejection_thresholds_without_rejection_are_refused(files):
     prefix = "algorithm.rollout_correction"
     [v] = problems("grpo", files + [f"{prefix}.rollout_is=token", f"{prefix}.rollout_rs_threshold=3"])
-    assert v.startswith(f"{prefix}.rollout_rs_threshold=3.0: has no effect while rollout_rs is null")
+    assert v.startswith(f"{prefix}.rollout_rs_threshold=3: has no effect while rollout_rs is null")
+    [v] = problems("grpo", files + [f"{prefix}.rollout_is_batch_normalize=true"])
+    assert v.startswith(f"{prefix}.rollout_is_batch_normalize=true: has no effect while rollout_is is null")
 
 
-def test_rollout_correction_levels_match_the_algorithms():
+def test_rollout_correction_names_match_the_algorithms():
     from dsrl import algorithms
 
-    assert C.ROLLOUT_CORRECTION_LEVELS == algorithms.ROLLOUT_CORRECTION_LEVELS
+    assert C.ROLLOUT_IS_LEVELS == algorithms.ROLLOUT_IS_LEVELS
+    assert C.ROLLOUT_RS_OPTIONS == algorithms.ROLLOUT_RS_OPTIONS
+    assert C.BYPASS_LOSS_TYPES == algorithms.BYPASS_LOSS_TYPES
+    defaults = algorithms.policy_loss_params("bypass_mode")["rollout_correction"]
+    assert defaults == {f.name: f.default for f in dataclasses.fields(BypassCorrectionConfig)}
+
+
+BYPASS = ["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", "algorithm.rollout_correction.bypass_mode=true"]
+LOSS_CORR = "actor_rollout_ref.actor.policy_loss.rollout_correction"
+
+
+def test_bypass_mode_is_set_on_both_sides(files):
+    assert problems("grpo", files + BYPASS) == []
+    [v] = problems("grpo", files + BYPASS[:1])
+    assert v.startswith("actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode: bypass_mode takes the rollout")
+    assert "set algorithm.rollout_correction.bypass_mode=true" in v
+    [v] = problems("grpo", files + BYPASS[1:])
+    assert v.startswith("algorithm.rollout_correction.bypass_mode=true: bypass mode trains with the bypass_mode policy loss")
+    assert "set actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode" in v
+
+
+def test_bypass_settings_agree_on_both_sides_and_are_refused_without_bypass(files):
+    reinforce = [f"{LOSS_CORR}.loss_type=reinforce", f"{LOSS_CORR}.rollout_is=sequence"]
+    [v1, v2] = problems("grpo", files + BYPASS + reinforce)
+    assert v1.startswith("algorithm.rollout_correction.loss_type=ppo_clip: in bypass mode verl's loss takes its settings")
+    assert v2.startswith("algorithm.rollout_correction.rollout_is=null:") and "set both keys to the same value" in v2
+    same = ["algorithm.rollout_correction.loss_type=reinforce", "algorithm.rollout_correction.rollout_is=sequence"]
+    assert problems("grpo", files + BYPASS + reinforce + same) == []
+    found = problems("grpo", files + [f"{LOSS_CORR}.rollout_rs=token_k1", f"{LOSS_CORR}.rollout_rs_threshold=2.0"])
+    assert [v.split(":")[0] for v in found] == [f"{LOSS_CORR}.rollout_rs=token_k1", f"{LOSS_CORR}.rollout_rs_threshold=2.0"]
+    assert all("configures the bypass_mode loss, not vanilla" in v for v in found)
+    [v] = problems("grpo", files + ["algorithm.rollout_correction.loss_type=reinforce"])
+    assert v.startswith("algorithm.rollout_correction.loss_type=reinforce: has no effect without bypass mode")
+    [v] = problems("grpo", files + BYPASS + [f"{LOSS_CORR}.loss_type=pg", "algorithm.rollout_correction.loss_type=pg"])[:1]
+    assert "unknown loss type" in v
+
+
+def test_bypass_mode_refuses_what_needs_the_old_log_prob_pass(files):
+    [v] = problems("grpo", files + BYPASS + ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"])
+    assert v.startswith("actor_rollout_ref.actor.calculate_sum_pi_squared=true: sum_pi_squared from the old-log-prob pass")
 
 
 def test_the_no_grad_passes_have_token_budgets_of_their_own(files):
