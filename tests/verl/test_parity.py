@@ -391,53 +391,45 @@ def test_kl_full_refused_by_both(kind):
 
 # ---------------------------------------------------------------- rollout correction
 
-# dsrl's rejection levels as verl options: keep lower <= ρ <= upper is verl's "k1" statistic -log ρ (summed over
-# the sequence for "sequence") within [log(1/upper), log(1/lower)].
-VERL_RS_OPTION = {"token": "token_k1", "sequence": "seq_sum_k1"}
+# verl 0.9.1's rollout-correction vocabulary, which dsrl's algorithm.rollout_correction and bypass mode speak.
 ROLLOUT_CORRECTION_CASES = [
     {"rollout_is": "token", "rollout_is_threshold": 2.0},
     {"rollout_is": "sequence", "rollout_is_threshold": 2.0},
     {"rollout_is": "sequence", "rollout_is_threshold": 1e9},
-    {"rollout_rs": "token", "rollout_rs_threshold": 2.0},
-    {"rollout_rs": "token", "rollout_rs_threshold": 1.5, "rollout_rs_threshold_lower": 0.8},
-    {"rollout_rs": "sequence", "rollout_rs_threshold": 3.0},
-    {"rollout_is": "token", "rollout_is_threshold": 1.5, "rollout_rs": "sequence", "rollout_rs_threshold": 4.0},
-    {"rollout_is": "sequence", "rollout_is_threshold": 2.0, "rollout_rs": "token", "rollout_rs_threshold": 2.0},
+    {"rollout_is": "token", "rollout_is_threshold": "0.5_5.0"},  # IcePop: zero outside [lower, upper]
+    {"rollout_is": "sequence", "rollout_is_threshold": "0.2_8.0"},
+    {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_is_batch_normalize": True},
+    {"rollout_rs": "token_k1", "rollout_rs_threshold": 2.0},
+    {"rollout_rs": "token_k1", "rollout_rs_threshold": "0.8_1.5"},
+    {"rollout_rs": "seq_sum_k1", "rollout_rs_threshold": 3.0},
+    {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": 1.5},
+    {"rollout_rs": "token_k2", "rollout_rs_threshold": 0.05},
+    {"rollout_rs": "token_k3", "rollout_rs_threshold": 0.05},
+    {"rollout_rs": "seq_sum_k2", "rollout_rs_threshold": 0.5},
+    {"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.05},
+    {"rollout_rs": "seq_max_k2", "rollout_rs_threshold": 0.2},
+    {"rollout_rs": "seq_max_k3", "rollout_rs_threshold": 0.2},
+    {"rollout_rs": "token_k1,seq_max_k3", "rollout_rs_threshold": "2.0,0.3"},
+    {"rollout_is": "token", "rollout_is_threshold": 1.5, "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": 4.0},
+    {"rollout_is": "sequence", "rollout_is_threshold": 2.0, "rollout_rs": "token_k1", "rollout_rs_threshold": 2.0},
 ]
 
 
 def verl_rollout_correction(batch: Batch, rollout_log_probs: torch.Tensor, options: dict):
-    level = options.get("rollout_rs")
-    spec = None
-    if level is not None:
-        upper = options.get("rollout_rs_threshold") or options.get("rollout_is_threshold", 2.0)
-        lower = options.get("rollout_rs_threshold_lower") or 1.0 / upper
-        spec = f"{1.0 / upper!r}_{1.0 / lower!r}"
-    weights_proto, keep, _ = compute_rollout_correction_and_rejection_mask(
+    weights_proto, keep, metrics = compute_rollout_correction_and_rejection_mask(
         old_log_prob=batch.old_log_probs, rollout_log_prob=rollout_log_probs, response_mask=batch.response_mask,
-        rollout_is=options.get("rollout_is"), rollout_is_threshold=options.get("rollout_is_threshold", 2.0),
-        rollout_rs=VERL_RS_OPTION.get(level), rollout_rs_threshold=spec)
+        **{"rollout_is_threshold": 2.0, **options})
     weights = keep if weights_proto is None else weights_proto.batch["rollout_is_weights"] * keep
-    return weights, keep
-
-
-SEQUENCE_RS_MISMATCH = (
-    "verl 0.9.1 clamps each token's log-ratio to ±20 before summing it for seq_sum_k1 rejection, dsrl clamps "
-    "the sum: a response with token log-ratios +30 and -25 (sum +4.6, clamped sum ~0) is rejected by dsrl "
-    "(ρ_seq = e^4.6 > 3) and kept by verl"
-)
+    return weights, keep, metrics
 
 
 def rollout_correction_cases() -> list:
-    cases = []
-    for options in ROLLOUT_CORRECTION_CASES:
-        for extreme in (False, True):
-            marks = []
-            if extreme and options.get("rollout_rs") == "sequence":
-                marks = [pytest.mark.xfail(strict=True, reason=SEQUENCE_RS_MISMATCH)]
-            name = "-".join(f"{k}={v}" for k, v in options.items())
-            cases.append(pytest.param(options, extreme, marks=marks, id=f"{name}-{'extreme' if extreme else 'near'}"))
-    return cases
+    return [
+        pytest.param(options, extreme, id=f"{'-'.join(f'{k}={v}' for k, v in options.items())}-"
+                                          f"{'extreme' if extreme else 'near'}")
+        for options in ROLLOUT_CORRECTION_CASES
+        for extreme in (False, True)
+    ]
 
 
 @pytest.mark.parametrize(("options", "extreme"), rollout_correction_cases())
@@ -454,6 +446,11 @@ def test_rollout_correction_matches_verl(options, extreme, seed):
         rollout_log_probs[0, 1] += 25.0  # log ρ = -25 in the same response
         rollout_log_probs[3, 0] += 30.0
     result = dsrl_algos.rollout_correction(batch.old_log_probs, rollout_log_probs, batch.response_mask, **options)
-    verl_weights, verl_keep = verl_rollout_correction(batch, rollout_log_probs, options)
+    verl_weights, verl_keep, verl_metrics = verl_rollout_correction(batch, rollout_log_probs, options)
     close(result.weights, verl_weights, "rollout_correction weights")
     assert torch.equal(result.keep_mask, verl_keep.float()), "rollout_correction keep mask"
+    *_, metrics = dsrl_algos.correct_rollout(batch.old_log_probs, rollout_log_probs, batch.response_mask, **options)
+    shared = sorted(set(metrics) & set(verl_metrics))
+    assert shared, f"no rollout_corr metric in common: {sorted(metrics)} vs {sorted(verl_metrics)}"
+    for key in shared:
+        close(metrics[key], verl_metrics[key], f"rollout correction metric {key}")
