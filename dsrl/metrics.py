@@ -15,6 +15,7 @@ from functools import lru_cache
 import numpy as np
 import psutil
 import torch
+import torch.distributed as dist
 
 from dsrl.algorithms import RolloutCorrection
 from dsrl.data.batch import Batch
@@ -329,4 +330,21 @@ def validation_metrics(
             for metric, values in by_metric.items():
                 core = name == core_variable and metric.startswith(("mean", "maj", "best")) and sizes[metric] == largest
                 metrics[f"{'val-core' if core else 'val-aux'}/{source}/{name}/{metric}"] = float(np.mean(values))
+    return metrics
+
+
+def reward_metrics(counts: Mapping[str, float], extras: Mapping[str, list[float]]) -> dict[str, float]:
+    """A step's reward metrics over all ranks (collectives): the scorer's failure ``counts`` summed, and
+    ``reward/<name>/mean`` of each numeric extra over the rows, on any rank, that returned it (``extras``:
+    this rank's values by name, as ``dsrl.rewards.numeric_extras`` gives them)."""
+    names: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(names, sorted(extras))
+    extra_names = sorted({name for part in names for name in part})
+    sums = [sum(extras.get(name, [])) for name in extra_names]
+    sizes = [len(extras.get(name, [])) for name in extra_names]
+    totals = all_reduce(torch.tensor([float(v) for v in [*counts.values(), *sums, *sizes]], dtype=torch.float64)).tolist()
+    metrics = dict(zip(counts, totals))
+    k = len(extra_names)
+    for name, total, size in zip(extra_names, totals[len(counts) : len(counts) + k], totals[len(counts) + k :]):
+        metrics[f"reward/{name}/mean"] = total / size
     return metrics

@@ -57,6 +57,7 @@ from dsrl.engines.training import global_counts
 from dsrl.metrics import (
     batch_metrics,
     memory_metrics,
+    reward_metrics,
     rollout_correction_metrics,
     rollout_logprob_metrics,
     throughput_metrics,
@@ -381,18 +382,7 @@ class Trainer:
             if problems:
                 raise TrainingStopped(f"step {self.global_step + 1}: " + "; ".join(problems))
             components = torch.tensor(rows, dtype=torch.float32)
-        local = numeric_extras(extras)
-        names: list[list[str]] = [[] for _ in range(self.world_size)]
-        dist.all_gather_object(names, sorted(local))
-        extra_names = sorted({name for part in names for name in part})
-        sums = [sum(local.get(name, [])) for name in extra_names]
-        sizes = [len(local.get(name, [])) for name in extra_names]
-        totals = all_reduce(torch.tensor([float(v) for v in [*counts.values(), *sums, *sizes]], dtype=torch.float64)).tolist()
-        metrics = dict(zip(counts, totals))
-        k = len(extra_names)
-        for name, total, size in zip(extra_names, totals[len(counts) : len(counts) + k], totals[len(counts) + k :]):
-            metrics[f"reward/{name}/mean"] = total / size
-        return token_level_scores, components, metrics
+        return token_level_scores, components, reward_metrics(counts, numeric_extras(extras))
 
     def _score_rank_local(self, batch: Batch) -> tuple[torch.Tensor, list[str], dict[str, list], dict[str, float]]:
         """``score`` of this rank's rows alone (no collective): token-level scores, the decoded
