@@ -51,6 +51,7 @@ from dsrl.config import LOGGED_SAMPLES, Config, ConfigError, import_user_modules
 from dsrl.console import final_summary, logger, setup_logging, startup_summary
 from dsrl.data.batch import Batch
 from dsrl.data.datasets import PromptSampler, collate_prompts, load_prompts, load_tokenizer
+from dsrl.dynamic_sampling import fill_batch, metric_values
 from dsrl.distributed import all_gather_rows, all_reduce, gather_problems, global_mean
 from dsrl.engines import ActorEngine, CriticEngine, ReferenceEngine, init_distributed
 from dsrl.engines.training import global_counts
@@ -325,6 +326,14 @@ class Trainer:
             chat_template_kwargs=dict(data.apply_chat_template_kwargs),
         )
 
+    def _first_group_id(self) -> int:
+        return self.rank * (self.cfg.data.train_batch_size // self.world_size)
+
+    def _next_records(self) -> list:
+        """This rank's share of the sampler's next global batch (the sampler advances on every rank)."""
+        per_rank = self.cfg.data.train_batch_size // self.world_size
+        return self.sampler.next_batch()[self.rank * per_rank : (self.rank + 1) * per_rank]
+
     def _prompt_batch(self, records, first_group_id: int) -> Batch:
         """Left-padded prompts of this rank; group ids are global row numbers, unique across ranks."""
         fields = collate_prompts(records, self.tokenizer.pad_token_id)
@@ -372,6 +381,12 @@ class Trainer:
         (a collective): the failure counts, and ``reward/<name>/mean`` for each numeric extra a reward
         function returned (over the rows that returned it). A row without a component stops the run on
         every rank."""
+        token_level_scores, components, extras, counts = self._score_with_components(batch)
+        return token_level_scores, components, reward_metrics(counts, numeric_extras(extras))
+
+    def _score_with_components(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, list], dict[str, float]]:
+        """``score`` without the metrics: scores, gdpo's components, the extras and the counts of this rank's
+        rows (a collective with gdpo only)."""
         token_level_scores, _, extras, counts = self._score_rank_local(batch)
         components, keys = None, self.cfg.algorithm.gdpo_reward_keys
         if keys:
@@ -382,7 +397,45 @@ class Trainer:
             if problems:
                 raise TrainingStopped(f"step {self.global_step + 1}: " + "; ".join(problems))
             components = torch.tensor(rows, dtype=torch.float32)
-        return token_level_scores, components, reward_metrics(counts, numeric_extras(extras))
+        return token_level_scores, components, extras, counts
+
+    def dynamic_sampling(self, prompts: Batch, timer: PhaseTimer) -> tuple[Batch, dict[str, float]]:
+        """DAPO's dynamic sampling (``algorithm.filter_groups``, ``dsrl.dynamic_sampling``): rounds of prompts
+        generated and scored until ``data.train_batch_size`` groups whose metric varies are found; this rank's
+        share of them, scored, and the metrics (the reward's over every scored row). Collective; inside the
+        colocated generation."""
+        cfg, fg = self.cfg, self.cfg.algorithm.filter_groups
+        reward_extras: dict[str, list] = {}
+        reward_counts: dict[str, float] = {}
+
+        def scored_round(round_prompts: Batch, k: int) -> tuple[Batch, list[float], str | None]:
+            sampling = self._sampling(validation=False)
+            batch = self.generate(round_prompts, sampling.replace(seed=sampling.seed + 1_000_003 * k))
+            with timer("reward"):
+                scores, components, extras, counts = self._score_with_components(batch)
+            for name, values in extras.items():
+                reward_extras.setdefault(name, []).extend(values)
+            for name, count in counts.items():
+                reward_counts[name] = reward_counts.get(name, 0) + count
+            values, problem = metric_values(fg.metric, scores.sum(-1), extras)
+            return batch.replace(token_level_scores=scores, reward_components=components), values, problem
+
+        def next_prompts(k: int) -> Batch:
+            return self._prompt_batch(self._next_records(), first_group_id=k * cfg.data.train_batch_size + self._first_group_id())
+
+        try:
+            batch, metrics = fill_batch(
+                prompts,
+                scored_round=scored_round,
+                next_prompts=next_prompts,
+                n_groups=cfg.data.train_batch_size,
+                max_rounds=fg.max_num_gen_batches,
+                log=logger.info if self.rank == 0 else lambda line: None,
+            )
+        except ValueError as err:
+            raise TrainingStopped(f"step {self.global_step + 1}: {err}") from None
+        metrics.update(reward_metrics(reward_counts, numeric_extras(reward_extras)))
+        return batch, metrics
 
     def _score_rank_local(self, batch: Batch) -> tuple[torch.Tensor, list[str], dict[str, list], dict[str, float]]:
         """``score`` of this rank's rows alone (no collective): token-level scores, the decoded
@@ -578,7 +631,11 @@ class Trainer:
         with timer("step"):
             # timing_s/update_weights, /wake, /gen, /sleep (and sleep-mode memory on GPUs)
             with in_phase("gen"), self.colocated(metrics):
-                batch = self.generate(prompts, self._sampling(validation=False))
+                if algo.filter_groups.enable:  # scored here, round by round; timing_s/gen includes the scoring
+                    batch, sampling_metrics = self.dynamic_sampling(prompts, timer)
+                    metrics.update(sampling_metrics)
+                else:
+                    batch = self.generate(prompts, self._sampling(validation=False))
                 if algo.adv_estimator == "remax":
                     greedy = self.generate(prompts, self._sampling(validation=False).replace(n=1, do_sample=False))
             with timer("reward"):
@@ -589,10 +646,11 @@ class Trainer:
                 with timer("balance"):
                     batch, balance_metrics = balance_across_ranks(batch)
                     metrics.update(balance_metrics)
-            with timer("reward"):
-                scores, components, counts = self.score(batch)
-                batch = batch.replace(token_level_scores=scores, reward_components=components)
-                metrics.update(counts)
+            if not algo.filter_groups.enable:
+                with timer("reward"):
+                    scores, components, counts = self.score(batch)
+                    batch = batch.replace(token_level_scores=scores, reward_components=components)
+                    metrics.update(counts)
             bypass = algo.rollout_correction.bypass_mode  # verl's bypass mode: no old-log-prob pass
             if bypass:
                 batch = batch.replace(old_log_probs=batch.rollout_log_probs)
@@ -701,12 +759,10 @@ class Trainer:
             self.tracker.log_metrics(val, step=self.global_step)
             if cfg.trainer.val_only:
                 return results
-        per_rank = cfg.data.train_batch_size // self.world_size
         val = {}
         with signals.deferred(self.rank):
             while self.global_step < self.total_steps:
-                records = self.sampler.next_batch()[self.rank * per_rank : (self.rank + 1) * per_rank]
-                metrics = self.step(self._prompt_batch(records, first_group_id=self.rank * per_rank))
+                metrics = self.step(self._prompt_batch(self._next_records(), first_group_id=self._first_group_id()))
                 self.global_step += 1
                 step, last = self.global_step, self.global_step == self.total_steps
                 self._check_skips(step)

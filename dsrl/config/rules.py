@@ -124,6 +124,7 @@ def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset())
     _vllm_rules(cfg, need)
     _rollout_correction_rules(cfg, need)
     _rollout_mismatch_rules(cfg, need)
+    _filter_groups_rules(cfg, need)
     _file_rules(cfg, need)
     _deepspeed_rules(cfg, world_size, need)
     _reward_rules(cfg, need)
@@ -650,6 +651,41 @@ def _estimator_option_rules(cfg: Config, need: Need) -> None:
                 "has no effect while algorithm.use_pf_ppo is false",
                 f"set algorithm.use_pf_ppo=true, or remove it (the default is {default})",
             )
+
+
+def _filter_groups_rules(cfg: Config, need: Need) -> None:
+    """DAPO's dynamic sampling: a metric, groups of more than one response, and the score known when it filters.
+    With enable false the other keys are accepted unread (DAPO's scripts set metric and max_num_gen_batches
+    with enable=False)."""
+    algo, fg = cfg.algorithm, cfg.algorithm.filter_groups
+    if not fg.enable:
+        return
+    need(
+        fg.metric,
+        "algorithm.filter_groups.metric",
+        "algorithm.filter_groups.enable=true needs the number a group's responses must differ in",
+        "set it to acc (DAPO's recipe: a key the reward function's dict returns) or seq_reward (the score)",
+    )
+    need(
+        cfg.actor_rollout_ref.rollout.n > 1,
+        "actor_rollout_ref.rollout.n",
+        "algorithm.filter_groups.enable=true drops groups whose responses all score alike; with one response per "
+        "prompt every group is kept (as verl), so filtering would do nothing",
+        "set actor_rollout_ref.rollout.n=8 (4-16 is typical), or algorithm.filter_groups.enable=false",
+    )
+    need(
+        algo.adv_estimator != "remax",
+        "algorithm.adv_estimator",
+        "remax's greedy baseline is generated once per step, not for the extra rounds of algorithm.filter_groups",
+        "use grpo or rloo with algorithm.filter_groups.enable=true, or set it to false",
+    )
+    need(
+        not (fg.metric == "seq_final_reward" and algo.use_kl_in_reward),
+        "algorithm.filter_groups.metric",
+        "seq_final_reward is the score after the in-reward KL penalty, which needs the reference pass that runs after "
+        "filtering",
+        "set it to seq_reward (the score before KL), or algorithm.use_kl_in_reward=false",
+    )
 
 
 def _rollout_correction_rules(cfg: Config, need: Need) -> None:

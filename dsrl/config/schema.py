@@ -565,6 +565,26 @@ class PfPpoConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = _f(
+        False,
+        "DAPO's dynamic sampling: drop each group whose metric is the same for all its responses (no advantage "
+        "signal) and generate more prompts' groups until data.train_batch_size remain; needs rollout.n > 1",
+    )
+    metric: Optional[str] = _f(
+        None,
+        "the per-response number a group must vary in: seq_reward or score (the response's score, before KL; "
+        "seq_final_reward is the same, as an in-reward KL is refused with filtering) or a key of the dict the "
+        "reward function returns, e.g. acc (DAPO's recipe); required with enable",
+    )
+    max_num_gen_batches: int = _f(
+        0,
+        "rounds of data.train_batch_size prompts a step may generate; a step still short after them stops the run "
+        "(as verl); <= 0 = no limit (verl's default; DAPO's recipe uses 10)",
+    )
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = _f(
         "gae",
@@ -609,6 +629,9 @@ class AlgorithmConfig:
     )
     rollout_mismatch: RolloutMismatchConfig = _f(
         RolloutMismatchConfig, "stop the run when the rollout engine's probabilities keep leaving the actor's"
+    )
+    filter_groups: FilterGroupsConfig = _f(
+        FilterGroupsConfig, "DAPO's dynamic sampling: train only on groups whose responses differ (verl's DAPO recipe)"
     )
     import_modules: list[str] = _f(
         list,
