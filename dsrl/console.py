@@ -189,6 +189,9 @@ def _fields(metrics: dict[str, float]) -> str:
         key = next((k for k in keys if k in metrics), None)
         if key is not None:
             shown.append(f"{label}={fmt.format(metrics[key])}")
+    rounds = metrics.get("train/num_gen_batches", 1)  # dynamic sampling's generation rounds (algorithm.filter_groups)
+    if rounds > 1:
+        shown.append(f"rounds={rounds:.0f}")
     return " ".join(shown + _failures(metrics))
 
 

@@ -172,6 +172,16 @@ STEP = {
 VAL = {"val-core/arith/acc/mean@1": 0.125, "val-core/arith/reward/mean@1": 0.25, "val-aux/arith/acc/std@1": 0.1}
 
 
+def test_step_line_shows_dynamic_sampling_rounds_above_one():
+    for rounds, shown in ((1, ""), (3, " rounds=3")):
+        stream = io.StringIO()
+        progress = ProgressConsole(10, stream=stream, clock=Clock())
+        progress.log_metrics({**STEP, "train/num_gen_batches": rounds}, step=1)
+        progress.finish()
+        [line] = lines(stream.getvalue())
+        assert f"tok/s=812{shown} eta" in line
+
+
 def test_step_lines_off_a_terminal():
     stream, clock = io.StringIO(), Clock()  # StringIO.isatty() is False
     progress = ProgressConsole(10, stream=stream, clock=clock)
