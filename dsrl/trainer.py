@@ -3,7 +3,9 @@
 Each step is a sequence of phase calls, each timed as ``timing_s/<phase>``: gen (with
 update_weights) -> balance (rows across ranks) -> reward -> old_log_prob -> ref -> values -> adv (with
 PF-PPO's redraw of the rows) -> update_critic -> update_actor, then validation every ``trainer.test_freq``
-steps and a checkpoint every ``trainer.save_freq`` steps (``dsrl.checkpoint``). An exactly on-policy step
+steps and a checkpoint every ``trainer.save_freq`` steps (``dsrl.checkpoint``). With DAPO's dynamic
+sampling (``algorithm.filter_groups``) gen also scores, drops the groups whose metric does not vary and
+generates more rounds of prompts until the batch is full (``dsrl.dynamic_sampling``); reward then has run. An exactly on-policy step
 that needs the actor's log-probs only for metrics folds the old_log_prob pass into update_actor
 (``Trainer.folds_old_log_prob``); so does bypass mode (``algorithm.rollout_correction.bypass_mode``), where
 the rollout engine's log-probs are the old ones and the update records the actor's for the metrics. Tensor

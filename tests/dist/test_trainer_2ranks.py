@@ -141,3 +141,24 @@ def test_validation_with_fewer_prompts_than_chunks_on_some_ranks(setup, arithmet
         assert [entry["step"] for entry in report["logged"]] == [0, 1]
         for entry in report["logged"]:
             assert entry["metrics"]["val-core/arithmetic/reward/mean@1"] == 1.0
+
+
+def test_dynamic_sampling_ranks_agree_on_rounds_and_kept_groups(setup, tmp_path):
+    """algorithm.filter_groups on two ranks: each generates its shard of every round, one collective per round
+    gives both the same verdicts, so both run the same rounds and train on the same global batch of
+    train_batch_size groups (every all-reduced metric equal on both ranks)."""
+    from tests.integration.test_dynamic_sampling import FILTERING, PARITY_REWARD
+
+    (tmp_path / "parity_reward.py").write_text(PARITY_REWARD)
+    overrides, env, launcher = setup
+    run([*launcher(), str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides,
+         f"custom_reward_function.path={tmp_path / 'parity_reward.py'}", *FILTERING], env)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for entry0, entry1 in zip(reports[0]["logged"], reports[1]["logged"]):
+        shared0 = {k: v for k, v in entry0["metrics"].items() if not k.startswith(RANK_LOCAL)}
+        shared1 = {k: v for k, v in entry1["metrics"].items() if not k.startswith(RANK_LOCAL)}
+        assert shared0 == shared1
+    steps = [entry["metrics"] for entry in reports[0]["logged"] if "train/num_gen_batches" in entry["metrics"]]
+    assert len(steps) == 2 and sum(m["train/num_gen_batches"] for m in steps) > 2
+    for metrics in steps:
+        assert metrics["dynamic_sampling/groups_kept"] == 8 and metrics["actor/grad_norm"] > 0

@@ -114,3 +114,22 @@ def test_second_signal_exits_at_once(signum, tmp_path):
     assert f"{signal.Signals(signum).name} received: finishing this step" in result.stdout
     assert marker.read_text() == "killed"
     assert time.time() - start < 60
+
+
+def test_resume_with_dynamic_sampling_is_bit_identical(overrides_for, free_port, deepspeed_cpu_ops, tmp_path):
+    """algorithm.filter_groups draws extra prompt batches in a step; the checkpoint's sampler position counts
+    them, so a run killed mid-step and resumed draws the same prompts as the uninterrupted one."""
+    from tests.integration.test_dynamic_sampling import FILTERING, PARITY_REWARD
+
+    reward = tmp_path / "parity_reward.py"
+    reward.write_text(PARITY_REWARD)
+    extra = [f"custom_reward_function.path={reward}", *FILTERING]
+    baseline = tmp_path / "baseline"
+    code, output = run_worker("grpo", overrides_for("grpo", baseline / "ckpt") + extra, baseline, port=free_port())
+    assert code == 0, output[-4000:]
+    rounds = [e["metrics"]["train/num_gen_batches"] for e in logged_steps(baseline) if "train/num_gen_batches" in e["metrics"]]
+    assert len(rounds) == STEPS and sum(rounds) > STEPS  # some step drew more than one batch of prompts
+    chain = tmp_path / "chain"
+    resume_chain("grpo", baseline / "ckpt" / f"global_step_{RESUME_AT}", [("update@4", 3)], out=chain,
+                 overrides=overrides_for("grpo", chain / "ckpt") + extra, world=1, free_port=free_port)
+    assert assert_same_run(baseline, chain, first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
