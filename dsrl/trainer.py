@@ -679,7 +679,8 @@ class Trainer:
                     metrics.update(self.actor.update(actor_batch, temperature=rollout_cfg.temperature, recorded=recorded))
                 if fold:
                     batch = batch.replace(**recorded)
-                    metrics.update(self.policy_metrics(batch, self.rollout_correction(batch)))
+                    trained = batch.replace(response_mask=actor_batch.response_mask)  # the rows it recorded
+                    metrics.update(self.policy_metrics(trained, self.rollout_correction(trained)))
         metrics.update(
             batch_metrics(batch, max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length)
         )

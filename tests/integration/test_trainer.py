@@ -465,3 +465,24 @@ def test_dapo_overlong_punishment_and_truncated_masking(
     assert any(ratio["training/truncated_masked_ratio"] > 0 for _, _, ratio in masked)  # the untrained model runs long
     for step in (0, 2):
         assert {"val-aux/arithmetic/overlong_reward/mean@1", "val-aux/arithmetic/overlong/mean@1"} <= set(logged[step][1])
+
+
+def test_bypass_mode_with_truncated_masking_reads_the_rollout_gap_on_the_trained_rows(
+    tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    """Bypass mode records the actor's log-probs in the update, which sees no tokens of a masked (truncated)
+    row: the rollout-vs-actor gap is read over the rows it trained on, so the masked rows do not show as a
+    gap (the rollout-mismatch gate reads it). The HF rollout is the actor's own model: the gap stays small."""
+    trainer = trainer_for(
+        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
+        "data.max_response_length=16", "actor_rollout_ref.actor.mask_truncated_completions=true",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", "algorithm.rollout_correction.bypass_mode=true",
+    )
+    logged = []
+    trainer.tracker.log_metrics = lambda metrics, step: logged.append((step, metrics))
+    trainer.fit()
+    trained = [metrics for step, metrics in logged if "training/truncated_masked_ratio" in metrics]
+    assert trained and any(m["training/truncated_masked_ratio"] > 0 for m in trained)  # the untrained model runs long
+    for metrics in trained:
+        assert "timing_s/old_log_prob" not in metrics
+        assert metrics["training/rollout_probs_diff_max"] < 0.05, metrics["training/rollout_probs_diff_max"]
