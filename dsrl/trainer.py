@@ -2,10 +2,11 @@
 
 Each step is a sequence of phase calls, each timed as ``timing_s/<phase>``: gen (with
 update_weights) -> balance (rows across ranks) -> reward -> old_log_prob -> ref -> values -> adv (with
-PF-PPO's redraw of the rows) -> update_critic -> update_actor, then validation every ``trainer.test_freq``
-steps and a checkpoint every ``trainer.save_freq`` steps (``dsrl.checkpoint``). With DAPO's dynamic
-sampling (``algorithm.filter_groups``) gen also scores, drops the groups whose metric does not vary and
-generates more rounds of prompts until the batch is full (``dsrl.dynamic_sampling``); reward then has run. An exactly on-policy step
+PF-PPO's redraw of the rows, and the truncated responses masked out of the actor's loss) -> update_critic ->
+update_actor, then validation every ``trainer.test_freq`` steps and a checkpoint every ``trainer.save_freq``
+steps (``dsrl.checkpoint``). With DAPO's dynamic sampling (``algorithm.filter_groups``) gen also scores,
+drops the groups whose metric does not vary and generates more rounds of prompts until the batch is full
+(``dsrl.dynamic_sampling``); reward then has run. An exactly on-policy step
 that needs the actor's log-probs only for metrics folds the old_log_prob pass into update_actor
 (``Trainer.folds_old_log_prob``); so does bypass mode (``algorithm.rollout_correction.bypass_mode``), where
 the rollout engine's log-probs are the old ones and the update records the actor's for the metrics. Tensor
@@ -46,6 +47,7 @@ from dsrl.algorithms import (
     RolloutCorrection,
     reads_policy,
     rollout_correction,
+    truncated_responses,
 )
 from dsrl.balance import balance_across_ranks, pf_ppo_resample
 from dsrl.checkpoint import HF_DIR, CheckpointError, export_hf_model, save_checkpoint, state_config, step_dir
@@ -75,6 +77,7 @@ from dsrl.rewards import (
     RewardScorer,
     check_reward_rules,
     numeric_extras,
+    overlong_penalties,
     reward_components,
 )
 from dsrl.rollout import HFRollout, SamplingParams, iter_full_parameters
@@ -445,10 +448,38 @@ class Trainer:
         none) and the counts."""
         responses = self._response_texts(batch)
         scores, extras, counts = self.scorer.score_batch(batch.data_sources, responses, batch.ground_truths, batch.extra_infos)
+        buffer = self.cfg.reward_model.reward_kwargs.overlong_buffer_cfg
+        if buffer.enable:  # the dapo reward manager (validated), as verl: training, validation and remax's baseline
+            max_resp_len = self.cfg.reward_model.reward_kwargs.max_resp_len
+            if max_resp_len is None:
+                max_resp_len = self.cfg.data.max_response_length
+            penalties = overlong_penalties(
+                batch.response_mask.sum(-1).tolist(),
+                max_resp_len=max_resp_len,
+                buffer_len=buffer.len,
+                penalty_factor=buffer.penalty_factor,
+            )
+            scores = [score + penalty for score, penalty in zip(scores, penalties)]
+            if buffer.log:
+                extras = {**extras, "overlong_reward": penalties, "overlong": [penalty < 0 for penalty in penalties]}
         token_level_scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)
         last = batch.response_mask.sum(-1).long() - 1
         token_level_scores[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=torch.float32)
         return token_level_scores, responses, extras, counts
+
+    def without_truncated(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """actor.mask_truncated_completions: ``batch`` with the response mask of every response cut at
+        data.max_response_length zeroed, so they leave the actor's loss and its normalisers, and
+        ``training/truncated_masked_ratio``, their share of the step's rows over all ranks (a collective)."""
+        cut = truncated_responses(
+            batch.response_ids,
+            batch.response_mask,
+            max_response_length=self.cfg.data.max_response_length,
+            eos_token_ids=self.rollout.eos_token_ids,
+        )  # [B]
+        masked, rows = all_reduce(torch.tensor([cut.sum().item(), len(cut)], dtype=torch.float64)).tolist()
+        ratio = {"training/truncated_masked_ratio": masked / rows}
+        return batch.replace(response_mask=batch.response_mask * ~cut.unsqueeze(-1)), ratio
 
     def _response_texts(self, batch: Batch) -> list[str]:
         return self.tokenizer.batch_decode(
@@ -498,6 +529,8 @@ class Trainer:
             and not (algo.rollout_correction.rollout_is or algo.rollout_correction.rollout_rs)
             and not actor_cfg.calculate_sum_pi_squared
             and not reads_policy(algo.adv_estimator)
+            # the update's forward sees no response tokens of a masked row, so could not record its log-probs
+            and not actor_cfg.mask_truncated_completions
         )
 
     def rewards_with_kl(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -691,16 +724,23 @@ class Trainer:
                 if algo.use_pf_ppo:  # as verl, right after the advantages: both updates see the redrawn rows
                     pf = algo.pf_ppo
                     batch = pf_ppo_resample(batch, pf.reweight_method, pf.weight_pow, seed=self.pf_ppo_seed())
+                # after the advantages (the group statistics still see the truncated responses, as TRL); the
+                # actor alone trains without them, the critic and the metrics keep every row
+                actor_batch = batch
+                if actor_cfg.mask_truncated_completions:
+                    actor_batch, masked_metrics = self.without_truncated(batch)
+                    metrics.update(masked_metrics)
             if self.critic is not None:
                 with timer("update_critic"):
                     metrics.update(self.critic.update(batch))
             if self.global_step + 1 >= cfg.trainer.critic_warmup:  # verl: the actor trains from step critic_warmup
                 with timer("update_actor"):
                     recorded = {} if fold else None
-                    metrics.update(self.actor.update(batch, temperature=rollout_cfg.temperature, recorded=recorded))
+                    metrics.update(self.actor.update(actor_batch, temperature=rollout_cfg.temperature, recorded=recorded))
                 if fold:
                     batch = batch.replace(**recorded)
-                    metrics.update(self.policy_metrics(batch, self.rollout_correction(batch)))
+                    trained = batch.replace(response_mask=actor_batch.response_mask)  # the rows it recorded
+                    metrics.update(self.policy_metrics(trained, self.rollout_correction(trained)))
         metrics.update(
             batch_metrics(batch, max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length)
         )

@@ -44,6 +44,7 @@ from dsrl.algorithms.tensor_ops import (
     masked_sum,
     masked_whiten,
     sum_pi_squared_from_logits,
+    truncated_responses,
 )
 
 __all__ = [
@@ -79,5 +80,6 @@ __all__ = [
     "register_policy_loss",
     "rollout_correction",
     "sum_pi_squared_from_logits",
+    "truncated_responses",
     "value_loss",
 ]

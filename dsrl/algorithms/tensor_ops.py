@@ -1,4 +1,4 @@
-"""Masked reductions and per-token quantities computed from logits.
+"""Masked reductions, per-token quantities computed from logits, and the responses the length cap cut.
 
 Every masked reduction in dsrl lives here. A mask is a `[B, T]` tensor of 0/1 (bool, integer or
 float) marking the response tokens that count; positions where it is 0 never influence a result,
@@ -25,6 +25,22 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None)
         dim: dimension to reduce; `None` reduces everything to a scalar.
     """
     return (torch.where(mask.bool(), values, 0.0) * mask).sum(dim=dim)
+
+
+def truncated_responses(
+    response_ids: torch.Tensor, response_mask: torch.Tensor, *, max_response_length: int, eos_token_ids: list[int]
+) -> torch.Tensor:
+    """Which responses the rollout cut at ``max_response_length`` tokens: `[B]` bool, true where the
+    response fills the whole budget and its last token is no EOS (the rollout's finish reason "length").
+
+    Args:
+        response_ids: `[B, T]`, right-padded.
+        response_mask: `[B, T]` 0/1, 1 on the generated tokens, EOS included.
+    """
+    lengths = response_mask.sum(-1).long()  # [B]
+    last = response_ids.gather(-1, (lengths - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B]
+    ended = torch.isin(last, torch.tensor(eos_token_ids, dtype=last.dtype, device=last.device))
+    return (lengths == max_response_length) & ~ended
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

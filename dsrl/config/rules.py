@@ -41,6 +41,7 @@ from dsrl.config.schema import (
     LR_SCHEDULES,
     MODEL_DTYPES,
     PF_PPO_METHODS,
+    REWARD_MANAGERS,
     POLICY_LOSS_MODES,
     POLICY_LOSS_PARAMS,
     PREPARED_TASKS,
@@ -128,6 +129,7 @@ def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset())
     _file_rules(cfg, need)
     _deepspeed_rules(cfg, world_size, need)
     _reward_rules(cfg, need)
+    _reward_manager_rules(cfg, need)
     _trainer_rules(cfg, need)
     return violations
 
@@ -1076,6 +1078,56 @@ def _reward_rules(cfg: Config, need: Need) -> None:
         "reward.math_verify_sources",
         "needs the math-verify package, which is not installed",
         "pip install 'dsrl[math]' (or pip install math-verify), or set it to []",
+    )
+
+
+def _reward_manager_rules(cfg: Config, need: Need) -> None:
+    """reward_model.*: the manager's name, and DAPO's overlong punishment set only where it applies, with a
+    buffer inside the length it ends at (verl asserts the same at start-up)."""
+    manager, kwargs = cfg.reward_model.reward_manager, cfg.reward_model.reward_kwargs
+    buffer, prefix = kwargs.overlong_buffer_cfg, "reward_model.reward_kwargs"
+    need(manager in REWARD_MANAGERS, "reward_model.reward_manager", "unknown reward manager", f"use one of {', '.join(REWARD_MANAGERS)}")
+    if not buffer.enable:
+        defaults = (("len", 0), ("penalty_factor", 0.0), ("log", False))
+        for name, default in defaults:
+            need(
+                OmegaConf.select(buffer, name) == default,
+                f"{prefix}.overlong_buffer_cfg.{name}",
+                f"has no effect while {prefix}.overlong_buffer_cfg.enable is false",
+                f"set {prefix}.overlong_buffer_cfg.enable=true, or remove it (the default is {_show(default)})",
+            )
+        need(
+            kwargs.max_resp_len is None,
+            f"{prefix}.max_resp_len",
+            f"is read only by the overlong punishment, and {prefix}.overlong_buffer_cfg.enable is false",
+            f"set {prefix}.overlong_buffer_cfg.enable=true, or remove it",
+        )
+        return
+    need(
+        manager == "dapo",
+        f"{prefix}.overlong_buffer_cfg.enable",
+        f"only the dapo reward manager applies the overlong punishment, and reward_model.reward_manager is {manager}",
+        "set reward_model.reward_manager=dapo, or overlong_buffer_cfg.enable=false",
+    )
+    max_len = cfg.data.max_response_length if kwargs.max_resp_len is None else kwargs.max_resp_len
+    need(
+        kwargs.max_resp_len is None or kwargs.max_resp_len >= 1,
+        f"{prefix}.max_resp_len",
+        "must be >= 1 tokens, or null for data.max_response_length",
+        "set it to null (data.max_response_length)",
+    )
+    need(
+        max_len < 1 or 0 < buffer.len <= max_len,  # a max_resp_len below 1 has its own violation
+        f"{prefix}.overlong_buffer_cfg.len",
+        f"the buffer must hold > 0 and <= max_resp_len ({max_len}) tokens: the punishment starts len tokens before "
+        "max_resp_len and grows by penalty_factor / len per token",
+        f"set it to e.g. {max(1, max_len // 5)} (DAPO: 4096 of 20480)",
+    )
+    need(
+        buffer.penalty_factor >= 0,
+        f"{prefix}.overlong_buffer_cfg.penalty_factor",
+        "must be >= 0: a negative factor would reward responses for running into the buffer",
+        "set it to 1.0 (DAPO's value)",
     )
 
 

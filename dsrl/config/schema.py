@@ -48,6 +48,7 @@ CRITIC_ESTIMATORS = ("gae",)
 # Estimators with the option algorithm.length_weighted_baseline (dsrl.algorithms.estimator_options).
 LENGTH_WEIGHTED_ESTIMATORS = ("rloo", "rloo_vectorized", "reinforce_plus_plus_baseline")
 PF_PPO_METHODS = ("pow", "max_min", "max_random")  # dsrl.algorithms.PF_PPO_METHODS
+REWARD_MANAGERS = ("naive", "dapo")  # verl's reward_model.reward_manager names dsrl has
 # Estimators whose token weights need sum_pi_squared = sum_v pi(v | s_t)^2 from the actor forward.
 SUM_PI_SQUARED_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 POLICY_LOSS_MODES = (
@@ -318,6 +319,12 @@ class ActorConfig:
         "how token losses become one number: token-mean (recommended) | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)",
     )
     entropy_coeff: float = _f(0.0, "weight of the entropy bonus; 0 is the usual choice for LLMs")
+    mask_truncated_completions: bool = _f(
+        False,
+        "leave responses cut at data.max_response_length (no EOS) out of the actor's loss, as TRL's option of this name "
+        "(DAPO's overlong filtering): their tokens leave the loss and its token and sequence counts; the advantages, "
+        "the critic and the metrics still see them; training/truncated_masked_ratio counts them (not in verl)",
+    )
     tau_pos: float = _f(1.0, "sapo: temperature of the gate for positive advantages (> 0; a higher one fades faster)")
     tau_neg: float = _f(1.05, "sapo: temperature of the gate for other advantages (> 0; above tau_pos damps negative updates more)")
     use_kl_loss: bool = _f(
@@ -656,6 +663,41 @@ class CustomRewardFunctionConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    enable: bool = _f(
+        False, "add DAPO's soft overlong punishment to each response's score (needs reward_model.reward_manager=dapo)"
+    )
+    len: int = _f(
+        0,
+        "the buffer L_cache: responses longer than max_resp_len - len tokens lose up to penalty_factor, linearly; "
+        "> 0 and <= max_resp_len (DAPO: 4096 of 20480)",
+    )
+    penalty_factor: float = _f(0.0, "the penalty at max_resp_len tokens; >= 0 (DAPO: 1.0, the score of a correct answer)")
+    log: bool = _f(
+        False,
+        "also return the reward extras overlong_reward (the penalty) and overlong (1 if penalised): reward/overlong_reward/mean, reward/overlong/mean",
+    )
+
+
+@dataclass
+class RewardKwargsConfig:
+    max_resp_len: Optional[int] = _f(
+        None, "dapo: L_max of the overlong punishment, in tokens; null = data.max_response_length (verl requires it set)"
+    )
+    overlong_buffer_cfg: OverlongBufferConfig = _f(OverlongBufferConfig, "dapo: DAPO's soft overlong punishment")
+
+
+@dataclass
+class RewardModelConfig:
+    reward_manager: str = _f(
+        "naive",
+        "how a response's score is made: naive (the reward function's score) | dapo (plus, with "
+        "reward_kwargs.overlong_buffer_cfg.enable, DAPO's soft overlong punishment, in training and validation)",
+    )
+    reward_kwargs: RewardKwargsConfig = _f(RewardKwargsConfig, "the reward manager's options (verl's names)")
+
+
+@dataclass
 class RewardConfig:
     num_workers: Optional[int] = _f(
         None, "reward worker processes per rank; null = the CPUs this process may run on, shared by the node's ranks, at most 16"
@@ -748,6 +790,7 @@ class Config:
     critic: CriticConfig = _f(CriticConfig, "value model (gae only)")
     algorithm: AlgorithmConfig = _f(AlgorithmConfig, "advantage estimator and in-reward KL")
     custom_reward_function: CustomRewardFunctionConfig = _f(CustomRewardFunctionConfig, "user reward function")
+    reward_model: RewardModelConfig = _f(RewardModelConfig, "the reward manager: naive, or dapo's overlong punishment")
     reward: RewardConfig = _f(RewardConfig, "reward worker processes, time limit and Math-Verify data sources")
     trainer: TrainerConfig = _f(TrainerConfig, "loop length, evaluation, checkpoints, logging")
 

@@ -145,6 +145,8 @@ def run_ppo_updates(
         for rows in order.split(rows_per_mini_batch):
             mini = batch.select(rows)
             num_tokens, num_seqs = global_counts(mini.response_mask)
+            # a mini-batch whose every row is masked (actor.mask_truncated_completions) trains on a zero loss, not 0/0
+            num_tokens, num_seqs = max(num_tokens, 1.0), max(num_seqs, 1.0)
             micro_rows = split(mini)
             sums: dict[str, torch.Tensor] = {}
             for j, idx in enumerate(micro_rows):

@@ -16,6 +16,7 @@ Public API (verl's signature, so a verl ``custom_reward_function`` works unchang
   workers' output goes to the scorer's log file (rotated at ``reward.log_max_mb``); each worker's memory
   is bounded by ``reward.memory_limit_mb`` and the processes a call starts are killed with its worker.
   With ``custom_reward_function.batch: true`` the function takes lists (verl's batch reward manager).
+- ``overlong_penalties(lengths, ...)``: DAPO's soft overlong punishment (``reward_model.reward_manager: dapo``).
 
 This package imports no torch, so a worker process starts in a fraction of a second.
 """
@@ -27,6 +28,7 @@ from dsrl.rewards import arithmetic, gsm8k
 from dsrl.rewards import math as math_answer
 from dsrl.rewards.custom import load_custom_reward_function
 from dsrl.rewards.failure_streak import FailureStreak
+from dsrl.rewards.overlong import overlong_penalties
 from dsrl.rewards.scorer import FAILURE_COUNTS, RewardScorer, default_num_workers, numeric_extras, reward_components
 
 _RULES: dict[str, Callable[[str, str], float]] = {
@@ -107,6 +109,7 @@ __all__ = [
     "load_custom_reward_function",
     "make_compute_score",
     "numeric_extras",
+    "overlong_penalties",
     "reward_components",
     "rule_sources",
 ]

@@ -421,3 +421,68 @@ def test_pf_ppo_redraws_the_batch_after_gae(
         assert all(math.isfinite(v) for v in metrics.values()), step
     assert changed_fraction(actor_before, actor_after) == 1.0
     assert changed_fraction(critic_before, critic_after) == 1.0
+
+
+def test_dapo_overlong_punishment_and_truncated_masking(
+    tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    """GRPO with DAPO's overlong punishment (max_response_length 16, a buffer of 8) and the truncated responses
+    masked out of the actor's loss: the score is the reward plus the penalty, logged as an extra in training and
+    validation, and the actor trains on the batch with exactly the cut responses' masks zeroed."""
+    buffer = "reward_model.reward_kwargs.overlong_buffer_cfg"
+    masked = []
+    trainer = trainer_for(
+        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
+        "reward_model.reward_manager=dapo", f"{buffer}.enable=true", f"{buffer}.len=8", f"{buffer}.penalty_factor=1.0",
+        f"{buffer}.log=true", "actor_rollout_ref.actor.mask_truncated_completions=true",
+    )
+    logged = []
+    trainer.tracker.log_metrics = lambda metrics, step: logged.append((step, metrics))
+    without_truncated = trainer.without_truncated
+
+    def spy(batch):
+        out, metrics = without_truncated(batch)
+        masked.append((batch, out, metrics))
+        return out, metrics
+
+    trainer.without_truncated = spy
+    trainer.fit()
+    assert [step for step, _ in logged] == [0, 1, 2]
+    for step, metrics in logged:
+        assert all(math.isfinite(v) for v in metrics.values()), step
+    for (_, metrics), (before, after, ratio) in zip(logged[1:], masked):
+        lengths = before.response_mask.sum(-1)
+        last = before.response_ids[torch.arange(len(before)), lengths - 1]
+        cut = (lengths == 16) & ~torch.isin(last, torch.tensor(trainer.rollout.eos_token_ids))
+        assert torch.equal(after.response_mask, before.response_mask * ~cut[:, None])
+        assert metrics["training/truncated_masked_ratio"] == ratio["training/truncated_masked_ratio"] == cut.double().mean().item()
+        penalties = (-(lengths.double() - 8) / 8).clamp(max=0)
+        assert metrics["reward/overlong_reward/mean"] == pytest.approx(penalties.mean().item())
+        assert metrics["reward/overlong/mean"] == pytest.approx((penalties < 0).double().mean().item())
+        # digits_reward scores digits / 4; the score adds the penalty
+        assert metrics["critic/score/mean"] == pytest.approx(metrics["reward/digits/mean"] / 4 + penalties.mean().item())
+        assert "timing_s/old_log_prob" in metrics  # masking keeps the separate old-log-prob pass
+    assert any(ratio["training/truncated_masked_ratio"] > 0 for _, _, ratio in masked)  # the untrained model runs long
+    for step in (0, 2):
+        assert {"val-aux/arithmetic/overlong_reward/mean@1", "val-aux/arithmetic/overlong/mean@1"} <= set(logged[step][1])
+
+
+def test_bypass_mode_with_truncated_masking_reads_the_rollout_gap_on_the_trained_rows(
+    tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    """Bypass mode records the actor's log-probs in the update, which sees no tokens of a masked (truncated)
+    row: the rollout-vs-actor gap is read over the rows it trained on, so the masked rows do not show as a
+    gap (the rollout-mismatch gate reads it). The HF rollout is the actor's own model: the gap stays small."""
+    trainer = trainer_for(
+        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
+        "data.max_response_length=16", "actor_rollout_ref.actor.mask_truncated_completions=true",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", "algorithm.rollout_correction.bypass_mode=true",
+    )
+    logged = []
+    trainer.tracker.log_metrics = lambda metrics, step: logged.append((step, metrics))
+    trainer.fit()
+    trained = [metrics for step, metrics in logged if "training/truncated_masked_ratio" in metrics]
+    assert trained and any(m["training/truncated_masked_ratio"] > 0 for m in trained)  # the untrained model runs long
+    for metrics in trained:
+        assert "timing_s/old_log_prob" not in metrics
+        assert metrics["training/rollout_probs_diff_max"] < 0.05, metrics["training/rollout_probs_diff_max"]
