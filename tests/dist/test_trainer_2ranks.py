@@ -147,7 +147,7 @@ def test_dynamic_sampling_ranks_agree_on_rounds_and_kept_groups(setup, tmp_path)
     """algorithm.filter_groups on two ranks: each generates its shard of every round, one collective per round
     gives both the same verdicts, so both run the same rounds and train on the same global batch of
     train_batch_size groups (every all-reduced metric equal on both ranks)."""
-    from tests.integration.test_dynamic_sampling import FILTERING, PARITY_REWARD
+    from tests.integration.test_trainer_dynamic_sampling import FILTERING, PARITY_REWARD
 
     (tmp_path / "parity_reward.py").write_text(PARITY_REWARD)
     overrides, env, launcher = setup

@@ -119,7 +119,7 @@ def test_second_signal_exits_at_once(signum, tmp_path):
 def test_resume_with_dynamic_sampling_is_bit_identical(overrides_for, free_port, deepspeed_cpu_ops, tmp_path):
     """algorithm.filter_groups draws extra prompt batches in a step; the checkpoint's sampler position counts
     them, so a run killed mid-step and resumed draws the same prompts as the uninterrupted one."""
-    from tests.integration.test_dynamic_sampling import FILTERING, PARITY_REWARD
+    from tests.integration.test_trainer_dynamic_sampling import FILTERING, PARITY_REWARD
 
     reward = tmp_path / "parity_reward.py"
     reward.write_text(PARITY_REWARD)
