@@ -42,7 +42,9 @@ FILTERING = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.met
 def build_inputs() -> None:
     """The tiny model and the arithmetic data at the CPU overlay's paths, when missing (scripts/quickstart.sh)."""
     if not (REPO / "outputs" / "tiny_model" / "config.json").is_file():
-        subprocess.run([sys.executable, "scripts/make_tiny_model.py", "--out", "outputs/tiny_model"], cwd=REPO, check=True)
+        subprocess.run(
+            [sys.executable, "scripts/make_tiny_model.py", "--out", "outputs/tiny_model"], cwd=REPO, check=True
+        )
     if not (REPO / "outputs" / "data" / "arithmetic" / "train.parquet").is_file():
         subprocess.run(
             [sys.executable, "scripts/prepare_data.py", "--task", "arithmetic", "--out", "outputs/data/arithmetic"],
@@ -51,11 +53,13 @@ def build_inputs() -> None:
 
 
 def zero_advantage_share(group_ids, scores) -> tuple[int, int]:
-    """(groups whose scores are all equal, groups) over rows ``group_ids`` [B] with ``scores`` [B]."""
+    """(groups of two or more responses whose scores are all equal, groups) over rows ``group_ids`` [B] with
+    ``scores`` [B]. A group of one is not counted: GRPO gives it mean 0, std 1, so its score is its advantage."""
     groups: dict[int, list[float]] = {}
     for gid, score in zip(group_ids.tolist(), scores.tolist(), strict=True):
         groups.setdefault(gid, []).append(score)
-    return sum(all(s == members[0] for s in members) for members in groups.values()), len(groups)
+    zero = sum(len(members) > 1 and all(s == members[0] for s in members) for members in groups.values())
+    return zero, len(groups)
 
 
 def run_arm(overrides: list[str], out: Path) -> dict:
@@ -108,7 +112,7 @@ def run_arm(overrides: list[str], out: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per arm (default 100, the quickstart's)")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per arm (the quickstart's 100)")
     parser.add_argument("--val-every", type=int, default=10, help="validate every N steps, and before training")
     parser.add_argument("--last", type=int, default=3, help="average the last K validations (default 3)")
     parser.add_argument("--max-rounds", type=int, default=10, help="algorithm.filter_groups.max_num_gen_batches")
@@ -129,7 +133,9 @@ def main() -> int:
     ]
     arms = {
         "grpo": common,
-        "grpo + dynamic sampling": [*common, *FILTERING, f"algorithm.filter_groups.max_num_gen_batches={args.max_rounds}"],
+        "grpo + dynamic sampling": [
+            *common, *FILTERING, f"algorithm.filter_groups.max_num_gen_batches={args.max_rounds}"
+        ],
     }
     try:
         for overrides in arms.values():
@@ -146,7 +152,10 @@ def main() -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     k = args.last
     print(f"\nquickstart, {args.steps} optimizer steps per arm, seed 1, validation every {args.val_every} steps")
-    header = f"{'arm':<26}{'zero-adv groups':>16}{'rounds/step':>12}{'gen tokens/step':>16}{'train score':>12}{f'val last {k}':>11}{'step s':>8}"
+    header = (
+        f"{'arm':<26}{'zero-adv groups':>16}{'rounds/step':>12}{'gen tokens/step':>16}{'train score':>12}"
+        f"{f'val last {k}':>11}{'step s':>8}"
+    )
     print(header)
     print("-" * len(header))
     for name, r in results.items():
