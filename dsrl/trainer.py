@@ -71,19 +71,12 @@ from dsrl.metrics import (
 )
 from dsrl.phases import in_phase
 from dsrl.resume import checkpoint_to_resume, check_settings, check_train_data, data_identity, restore, trainer_state
-from dsrl.rewards import (
-    FAILURE_COUNTS,
-    FailureStreak,
-    RewardScorer,
-    check_reward_rules,
-    numeric_extras,
-    overlong_penalties,
-    reward_components,
-)
+from dsrl.rewards import FAILURE_COUNTS, FailureStreak, RewardScorer, check_reward_rules, numeric_extras
 from dsrl.rollout import HFRollout, SamplingParams, iter_full_parameters
 from dsrl.rollout.colocation import colocated_generation
 from dsrl.rollout_mismatch import RolloutMismatch
 from dsrl.run_facts import final_facts, run_tags, startup_facts
+from dsrl.scoring import Scores, StepScorer
 from dsrl.signals import Interrupted, RunSignals, TrainingInterrupted
 from dsrl.tracking import Tracker, flatten
 
@@ -182,6 +175,7 @@ class Trainer:
                 # The run's folder holds the workers' prints and tracebacks: a chatty reward function floods no console.
                 log = self.checkpoint_root / f"reward_workers_rank{self.rank}.log"
                 self.scorer = RewardScorer.from_config(cfg, log_file=log)
+                self.scoring = StepScorer(cfg, self.scorer, self.tokenizer)
         except ConfigError as err:
             problems = err.violations
         except (ValueError, OSError) as err:
@@ -386,23 +380,16 @@ class Trainer:
         (a collective): the failure counts, and ``reward/<name>/mean`` for each numeric extra a reward
         function returned (over the rows that returned it). A row without a component stops the run on
         every rank."""
-        token_level_scores, components, extras, counts = self._score_with_components(batch)
-        return token_level_scores, components, reward_metrics(counts, numeric_extras(extras))
+        scores, components = self._score_with_components(batch)
+        return scores.token_level, components, reward_metrics(scores.counts, numeric_extras(scores.extras))
 
-    def _score_with_components(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, list], dict[str, float]]:
-        """``score`` without the metrics: scores, gdpo's components, the extras and the counts of this rank's
-        rows (a collective with gdpo only)."""
-        token_level_scores, _, extras, counts = self._score_rank_local(batch)
-        components, keys = None, self.cfg.algorithm.gdpo_reward_keys
-        if keys:
-            rows, problems = reward_components(
-                list(keys), {**extras, "score": token_level_scores.sum(-1).tolist()}, batch.data_sources
-            )
-            problems = gather_problems(problems)
-            if problems:
-                raise TrainingStopped(f"step {self.global_step + 1}: " + "; ".join(problems))
-            components = torch.tensor(rows, dtype=torch.float32)
-        return token_level_scores, components, extras, counts
+    def _score_with_components(self, batch: Batch) -> tuple[Scores, torch.Tensor | None]:
+        """``score`` without the metrics (a collective with gdpo only)."""
+        scores = self.scoring.score(batch)
+        components, problems = self.scoring.gdpo_components(batch, scores)
+        if problems:
+            raise TrainingStopped(f"step {self.global_step + 1}: " + "; ".join(problems))
+        return scores, components
 
     def dynamic_sampling(self, prompts: Batch, timer: PhaseTimer) -> tuple[Batch, dict[str, float]]:
         """DAPO's dynamic sampling (``algorithm.filter_groups``, ``dsrl.dynamic_sampling``): rounds of prompts
@@ -417,13 +404,13 @@ class Trainer:
             sampling = self._sampling(validation=False)
             batch = self.generate(round_prompts, sampling.replace(seed=sampling.seed + 1_000_003 * k))
             with timer("reward"):
-                scores, components, extras, counts = self._score_with_components(batch)
-            for name, values in extras.items():
+                scores, components = self._score_with_components(batch)
+            for name, values in scores.extras.items():
                 reward_extras.setdefault(name, []).extend(values)
-            for name, count in counts.items():
+            for name, count in scores.counts.items():
                 reward_counts[name] = reward_counts.get(name, 0) + count
-            values, problem = metric_values(fg.metric, scores.sum(-1), extras)
-            return batch.replace(token_level_scores=scores, reward_components=components), values, problem
+            values, problem = metric_values(fg.metric, scores.token_level.sum(-1), scores.extras)
+            return batch.replace(token_level_scores=scores.token_level, reward_components=components), values, problem
 
         def next_prompts(k: int) -> Batch:
             return self._prompt_batch(self._next_records(), first_group_id=k * cfg.data.train_batch_size + self._first_group_id())
@@ -442,31 +429,6 @@ class Trainer:
         metrics.update(reward_metrics(reward_counts, numeric_extras(reward_extras)))
         return batch, metrics
 
-    def _score_rank_local(self, batch: Batch) -> tuple[torch.Tensor, list[str], dict[str, list], dict[str, float]]:
-        """``score`` of this rank's rows alone (no collective): token-level scores, the decoded
-        responses, the reward functions' extras (a list of B values per name, None where a row gave
-        none) and the counts."""
-        responses = self._response_texts(batch)
-        scores, extras, counts = self.scorer.score_batch(batch.data_sources, responses, batch.ground_truths, batch.extra_infos)
-        buffer = self.cfg.reward_model.reward_kwargs.overlong_buffer_cfg
-        if buffer.enable:  # the dapo reward manager (validated), as verl: training, validation and remax's baseline
-            max_resp_len = self.cfg.reward_model.reward_kwargs.max_resp_len
-            if max_resp_len is None:
-                max_resp_len = self.cfg.data.max_response_length
-            penalties = overlong_penalties(
-                batch.response_mask.sum(-1).tolist(),
-                max_resp_len=max_resp_len,
-                buffer_len=buffer.len,
-                penalty_factor=buffer.penalty_factor,
-            )
-            scores = [score + penalty for score, penalty in zip(scores, penalties)]
-            if buffer.log:
-                extras = {**extras, "overlong_reward": penalties, "overlong": [penalty < 0 for penalty in penalties]}
-        token_level_scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)
-        last = batch.response_mask.sum(-1).long() - 1
-        token_level_scores[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=torch.float32)
-        return token_level_scores, responses, extras, counts
-
     def without_truncated(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """actor.mask_truncated_completions: ``batch`` with the response mask of every response cut at
         data.max_response_length zeroed, so they leave the actor's loss and its normalisers, and
@@ -481,22 +443,14 @@ class Trainer:
         ratio = {"training/truncated_masked_ratio": masked / rows}
         return batch.replace(response_mask=batch.response_mask * ~cut.unsqueeze(-1)), ratio
 
-    def _response_texts(self, batch: Batch) -> list[str]:
-        return self.tokenizer.batch_decode(
-            [ids[mask.bool()] for ids, mask in zip(batch.response_ids, batch.response_mask)], skip_special_tokens=True
-        )
-
-    def _prompt_text(self, batch: Batch, row: int) -> str:
-        return self.tokenizer.decode(batch.prompt_ids[row][batch.prompt_mask[row].bool()], skip_special_tokens=True)
-
     def log_samples(self, batch: Batch) -> None:
         """The first ``LOGGED_SAMPLES`` rollouts of rank 0's rows as an MLflow table (rank 0 only)."""
         if self.rank != 0:
             return
         sample = batch.select(torch.arange(min(LOGGED_SAMPLES, len(batch))))
-        responses = self._response_texts(sample)
+        responses = self.scoring.response_texts(sample)
         table = [
-            generation_row((self._prompt_text(sample, i), responses[i]), source, score, {})
+            generation_row((self.scoring.prompt_text(sample, i), responses[i]), source, score, {})
             for i, (source, score) in enumerate(zip(sample.data_sources, sample.token_level_scores.sum(-1).tolist()))
         ]
         self.tracker.log_table(table, f"generations/train_step_{self.global_step + 1}.json")
@@ -631,15 +585,15 @@ class Trainer:
             if not real_rows:
                 continue
             batch = batch.select(torch.arange(real_rows))
-            scores, responses, extras, counts = self._score_rank_local(batch)
-            for name, count in counts.items():
+            scores = self.scoring.score(batch)
+            for name, count in scores.counts.items():
                 failures[name] += count
             for i, (source, shard_row, score) in enumerate(
-                zip(batch.data_sources, batch.group_ids.tolist(), scores.sum(-1).tolist())
+                zip(batch.data_sources, batch.group_ids.tolist(), scores.token_level.sum(-1).tolist())
             ):
                 index = self.rank + self.world_size * shard_row
-                texts = (self._prompt_text(batch, i), responses[i]) if index < logged else None
-                rows.append((index, source, score, {name: values[i] for name, values in extras.items()}, texts))
+                texts = (self.scoring.prompt_text(batch, i), scores.responses[i]) if index < logged else None
+                rows.append((index, source, score, {name: values[i] for name, values in scores.extras.items()}, texts))
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, (rows, failures))
         rows = sorted((row for part, _ in gathered for row in part), key=lambda row: row[0])  # dataset order

@@ -1,0 +1,73 @@
+"""A step's rewards on one rank: responses decoded and scored by the reward functions, DAPO's overlong
+punishment added (``reward_model.reward_manager=dapo``), and gdpo's reward components picked out of the
+functions' extras. The trainer orders the calls and turns problems into a stop; the metrics over all
+ranks are ``dsrl.metrics.reward_metrics``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsrl.config import Config
+from dsrl.data.batch import Batch
+from dsrl.distributed import gather_problems
+from dsrl.rewards import RewardScorer, overlong_penalties, reward_components
+
+
+@dataclass
+class Scores:
+    """One batch's rewards on this rank."""
+
+    token_level: torch.Tensor  # [B, T] float32: each response's score at its last response token, 0 elsewhere
+    responses: list[str]  # the decoded responses
+    extras: dict[str, list]  # what the reward functions returned besides the score: B values per name, None where none
+    counts: dict[str, float]  # the scorer's failure counts
+
+
+class StepScorer:
+    """Scores batches for the trainer: training, validation and ReMax's greedy baseline alike."""
+
+    def __init__(self, cfg: Config, scorer: RewardScorer, tokenizer) -> None:
+        self.cfg, self.scorer, self.tokenizer = cfg, scorer, tokenizer
+
+    def response_texts(self, batch: Batch) -> list[str]:
+        return self.tokenizer.batch_decode(
+            [ids[mask.bool()] for ids, mask in zip(batch.response_ids, batch.response_mask)], skip_special_tokens=True
+        )
+
+    def prompt_text(self, batch: Batch, row: int) -> str:
+        return self.tokenizer.decode(batch.prompt_ids[row][batch.prompt_mask[row].bool()], skip_special_tokens=True)
+
+    def score(self, batch: Batch) -> Scores:
+        """This rank's rows alone (no collective)."""
+        responses = self.response_texts(batch)
+        scores, extras, counts = self.scorer.score_batch(batch.data_sources, responses, batch.ground_truths, batch.extra_infos)
+        kwargs = self.cfg.reward_model.reward_kwargs
+        buffer = kwargs.overlong_buffer_cfg
+        if buffer.enable:  # the dapo reward manager (validated), as verl: training, validation and remax's baseline
+            penalties = overlong_penalties(
+                batch.response_mask.sum(-1).tolist(),
+                max_resp_len=self.cfg.data.max_response_length if kwargs.max_resp_len is None else kwargs.max_resp_len,
+                buffer_len=buffer.len,
+                penalty_factor=buffer.penalty_factor,
+            )
+            scores = [score + penalty for score, penalty in zip(scores, penalties)]
+            if buffer.log:
+                extras = {**extras, "overlong_reward": penalties, "overlong": [penalty < 0 for penalty in penalties]}
+        token_level = torch.zeros_like(batch.response_mask, dtype=torch.float32)
+        last = batch.response_mask.sum(-1).long() - 1
+        token_level[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=torch.float32)
+        return Scores(token_level, responses, extras, counts)
+
+    def gdpo_components(self, batch: Batch, scores: Scores) -> tuple[torch.Tensor | None, list[str]]:
+        """gdpo's reward components ``[B, K]`` (``algorithm.gdpo_reward_keys``; None without) and the problems
+        of every rank (a collective when the keys are set): a row without a component."""
+        keys = self.cfg.algorithm.gdpo_reward_keys
+        if not keys:
+            return None, []
+        rows, problems = reward_components(
+            list(keys), {**scores.extras, "score": scores.token_level.sum(-1).tolist()}, batch.data_sources
+        )
+        problems = gather_problems(problems)
+        return (None if problems else torch.tensor(rows, dtype=torch.float32)), problems
