@@ -14,7 +14,7 @@ import torch
 
 from tests.conftest import recipe
 
-ALGORITHM_CONFIGS = ("ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb")
+ALGORITHM_CONFIGS = ("ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb", "dapo")
 # Recipes whose old-log-prob pass is read before the update (OTB's estimator, RLOO's in-reward KL); the
 # others are exactly on-policy under the CPU overlay and fold it into the update.
 SEPARATE_OLD_LOG_PROB = ("rloo", "otb")
@@ -90,6 +90,8 @@ def verl_step_metrics(name: str) -> list[str]:
         names += ["actor/kl_loss", "actor/kl_coef", "timing_s/ref", "timing_per_token_ms/ref"]
     if name in SEPARATE_OLD_LOG_PROB:
         names += ["timing_s/old_log_prob"]
+    if name == "dapo":  # verl's DAPO trainer: the step's generation rounds
+        names += ["train/num_gen_batches"]
     if name == "otb":  # compute_variance_proxy_metrics, with sum_pi_squared
         names += [f"variance_proxy/{k}" for k in ("proxy1_signal_strength", "proxy2_total_power", "proxy3_pure_noise",
                                                    "expected_a_squared", "expected_w")]
@@ -130,6 +132,8 @@ def test_config_trains_two_steps(
         assert "actor/kl_loss" in step_metrics and "timing_s/ref" in step_metrics
     if name == "otb":
         assert trainer.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
+    if name == "dapo":  # dynamic sampling filled the batch with groups whose score varies
+        assert step_metrics["dynamic_sampling/groups_kept"] == trainer.cfg.data.train_batch_size
     if name not in SEPARATE_OLD_LOG_PROB:
         assert "timing_s/old_log_prob" not in step_metrics
     # No checkpoint was asked for (save_freq -1), but the trained model is always exported.

@@ -140,7 +140,7 @@ def test_a_recipe_name_stands_for_the_shipped_file(files, tmp_path, monkeypatch)
     (tmp_path / "grpo").mkdir()  # a path that exists is a path, never a recipe name
     with pytest.raises(C.ConfigError, match=r"config file grpo: not a regular file \(a directory\)"):
         C.load_config(["grpo"], files)
-    with pytest.raises(C.ConfigError, match=r"config file nope: cannot be read .*shipped recipe \(cpu, grpo, "):
+    with pytest.raises(C.ConfigError, match=r"config file nope: cannot be read .*shipped recipe \(cpu, dapo, grpo, "):
         C.load_config(["nope"], files)
 
 
@@ -269,7 +269,7 @@ def test_bad_interpolation_is_a_violation():
 
 
 def test_every_algorithm_has_a_config():
-    assert set(CONFIGS) == {"ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb"}
+    assert set(CONFIGS) == {"ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb", "dapo"}
 
 
 @pytest.mark.parametrize("world_size", [8, 4, 2, 1])
@@ -386,6 +386,26 @@ RECOMMENDED = {
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 24576,
         "algorithm.use_kl_in_reward": False,
         "actor_rollout_ref.actor.use_fused_kernels": False,
+    },
+    "dapo": {  # the paper's and verl's DAPO script's numbers (the batch sizes are verl's, unscaled)
+        "algorithm.adv_estimator": "grpo",
+        "actor_rollout_ref.actor.clip_ratio_low": 0.2,
+        "actor_rollout_ref.actor.clip_ratio_high": 0.28,
+        "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
+        "actor_rollout_ref.actor.use_kl_loss": False,
+        "algorithm.use_kl_in_reward": False,
+        "actor_rollout_ref.actor.entropy_coeff": 0.0,
+        "actor_rollout_ref.rollout.n": 16,
+        "data.train_batch_size": 512,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 32,
+        "actor_rollout_ref.actor.optim.lr": 1e-6,
+        "actor_rollout_ref.actor.optim.lr_warmup_steps": 10,
+        "algorithm.filter_groups.enable": True,
+        "algorithm.filter_groups.max_num_gen_batches": 10,
+        "reward_model.reward_manager": "dapo",
+        "reward_model.reward_kwargs.overlong_buffer_cfg.enable": True,
+        "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": 1.0,
+        "critic.model.path": None,
     },
 }
 
