@@ -123,12 +123,10 @@ def leave_together(code: int) -> int:
     exits, which would cut rank 0 off while it reports. Collective."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        if dist.get_world_size() > 1:
-            dist.barrier()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
         # Torn down here, while every rank is alive: left to the interpreter's exit, a rank whose peer has
-        # already gone may abort ("terminate called without an active exception", exit code 250); so may a
-        # lone rank whose group's threads are still up (seen once in CI on a loaded machine, exit -6).
+        # already gone may abort ("terminate called without an active exception", exit code 250).
         dist.destroy_process_group()
     return code
 
