@@ -28,7 +28,7 @@ STEPS = 5
 
 
 # Every configuration dsrl ships, as the tests run it: each recipe under the CPU overlay, and the quickstart.
-SHIPPED = ("grpo", "ppo", "rloo", "reinforce_pp", "opo", "otb", "quickstart")
+SHIPPED = ("grpo", "ppo", "rloo", "reinforce_pp", "opo", "otb", "dapo", "quickstart")
 
 
 def shipped_files(name: str) -> list[str]:
