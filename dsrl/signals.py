@@ -4,7 +4,8 @@
 finish (``RunSignals.deferred``: the training loop, its validations and checkpoints), the first signal is only
 recorded: every rank finishes the step, a checkpoint is saved and the run ends with ``TrainingInterrupted``; a
 second signal exits at once. Anywhere else (start-up, the validation before training, ``trainer.val_only``, the
-final export) nothing is left to finish, so the signal raises ``Interrupted`` where the process is. Either way
+final export) nothing is left to finish, so the signal raises ``Interrupted`` where the process is; should
+library code swallow it (a bare ``except:`` in an import), it is raised again where training would begin. Either way
 the process ends with code 128 + the signal number (143 SIGTERM, 130 SIGINT, 129 SIGHUP), and what was
 registered with ``at_kill`` (the MLflow run marked KILLED) runs first.
 
@@ -58,6 +59,7 @@ class RunSignals:
     def __init__(self):
         self.signum = 0
         self.rank = 0
+        self._raised = 0  # the signal last raised as Interrupted: the process should be on its way out
         self._deferring = False
         self._at_kill: list[Callable[[], None]] = []
         self._previous: dict[int, object] = {}
@@ -80,14 +82,21 @@ class RunSignals:
     @contextmanager
     def deferred(self, rank: int) -> Iterator["RunSignals"]:
         """Within ``with``: the first signal is recorded in ``signum`` for the loop to act on; a second one exits."""
+        self.raise_swallowed()
         self.rank, self._deferring = rank, True
         try:
             yield self
         finally:
             self._deferring = False
 
+    def raise_swallowed(self) -> None:
+        """Raise again the ``Interrupted`` of a signal that library code caught and dropped."""
+        if self._raised:
+            raise Interrupted(self._raised, current_phase())
+
     def _handle(self, signum, frame) -> None:
         if not self._deferring:
+            self._raised = signum
             raise Interrupted(signum, current_phase())
         if self.signum:
             self._exit_now(signum)

@@ -746,6 +746,7 @@ class Trainer:
         return results
 
     def _fit(self, signals: RunSignals) -> dict[str, float]:
+        signals.raise_swallowed()  # one received while the roles were built, should a library have caught it
         cfg = self.cfg
         results: dict[str, float] = {}
         if self.val_prompts is not None and (cfg.trainer.val_before_train or cfg.trainer.val_only):
