@@ -233,5 +233,14 @@ def run_training(cfg, signals: RunSignals, where: str) -> int:
 
 
 def run() -> None:
-    """Entry point of the ``dsrl-train`` command and of ``python -m dsrl``."""
-    sys.exit(main(sys.argv[1:]))
+    """Entry point of the ``dsrl-train`` command, ``python -m dsrl`` and ``scripts/train.py``."""
+    code = main(sys.argv[1:])
+    if "torch" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() == 1:
+            # A lone rank's group left to the interpreter's exit aborted once on a loaded machine (exit code -6,
+            # "terminate called without an active exception"); several ranks tear theirs down in leave_together.
+            # Here and not there: in-process callers of main (the trainer tests) keep their group.
+            dist.destroy_process_group()
+    sys.exit(code)

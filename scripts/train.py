@@ -8,9 +8,7 @@
     python scripts/train.py --show-keys actor_rollout_ref.actor.optim                     # keys: type, default, meaning
 """
 
-import sys
-
-from dsrl.cli import main
+from dsrl.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run()
