@@ -8,7 +8,7 @@
     python scripts/train.py --show-keys actor_rollout_ref.actor.optim                     # keys: type, default, meaning
 """
 
-from dsrl.cli import run
+from dsrl.cli import main, run  # noqa: F401 -- main: what tests and embedders call
 
 if __name__ == "__main__":
     run()

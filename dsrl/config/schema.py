@@ -379,6 +379,36 @@ class ValKwargsConfig:
     do_sample: bool = _f(False, "sample during validation; false = greedy decoding")
 
 
+TOOL_FORMATS = ("hermes",)  # how the model writes a tool call: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+TRUNCATE_SIDES = ("left", "right", "middle")
+
+
+@dataclass
+class MultiTurnConfig:
+    enable: bool = _f(
+        False,
+        "multi-turn tool-integrated rollouts: the model calls tools while it answers; their outputs join the response "
+        "with response_mask 0 (in the context, out of the loss); dsrl.rollout.multi_turn",
+    )
+    max_assistant_turns: Optional[int] = _f(None, "assistant turns per response at most; null = until the length budget")
+    max_user_turns: Optional[int] = _f(
+        None, "rounds of tool outputs per response at most; null = until the length budget"
+    )
+    max_parallel_calls: int = _f(1, "tool calls of one turn that run; the turn's later calls are dropped")
+    max_tool_response_length: int = _f(256, "characters of one tool output the model sees; longer outputs are cut")
+    tool_response_truncate_side: str = _f("middle", "where a long tool output is cut: left | right | middle")
+    tool_config_path: Optional[str] = _f(
+        None,
+        "verl's tool YAML: tools: [{class_name, config, tool_schema}]; class_name 'dsrl:python' / 'dsrl:calculator' "
+        "are dsrl's built-ins, 'module.Class' a user tool class",
+    )
+    function_tool_path: Optional[str] = _f(
+        None, "a .py file whose public functions are tools; the schema comes from their signatures and docstrings"
+    )
+    format: str = _f("hermes", "how the model writes tool calls: hermes (<tool_call>{json}</tool_call>, Qwen2.5/Qwen3)")
+    tool_timeout: float = _f(10.0, "seconds one tool call may run before it is stopped and reported to the model")
+
+
 @dataclass
 class RolloutConfig:
     name: Optional[str] = _f(
@@ -444,6 +474,7 @@ class RolloutConfig:
         "1 = weights copied to pinned CPU memory and back (only needed where level 2 is broken for an architecture)",
     )
     val_kwargs: ValKwargsConfig = _f(ValKwargsConfig, "sampling for validation")
+    multi_turn: MultiTurnConfig = _f(MultiTurnConfig, "multi-turn rollouts with tool calls")
 
 
 @dataclass
