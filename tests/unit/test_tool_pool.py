@@ -53,6 +53,11 @@ def verl_style(text: str) -> str:
     return (text, 1.0, {"m": 1})
 
 
+def imported_torch() -> str:
+    """Whether this worker imported torch."""
+    return str("torch" in sys.modules)
+
+
 def hangs(pid_file: str) -> str:
     """Starts a child, then sleeps past the pool's limit."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -137,7 +142,11 @@ def call(tool, **arguments):
 def test_schemas_are_the_yaml_ones_then_the_functions(toolset):
     names = [schema["function"]["name"] for schema in toolset.schemas]
     assert names == ["calculator", "python", "greet", "respond", "add", "fails", "exits", "dies", "number",
-                     "verl_style", "hangs"]
+                     "verl_style", "imported_torch", "hangs"]
+
+
+def test_the_workers_import_no_torch(toolset):
+    assert toolset.run([call("imported_torch")])[0].text == "False"
 
 
 def test_each_failure_kind_gives_an_error_text_and_the_others_go_on(toolset):

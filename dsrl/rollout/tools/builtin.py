@@ -158,10 +158,11 @@ class PythonInterpreter:
         if self.memory_limit_mb:
             limit = self.memory_limit_mb * _MB
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: not in the child after fork
+_prctl = getattr(ctypes.CDLL(None), "prctl", None)  # Linux; looked up here, not in the child after fork
 
 
 def _read_bounded(fd: int, deadline: float) -> tuple[bytes, bool]:

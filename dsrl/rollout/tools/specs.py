@@ -115,6 +115,14 @@ def _yaml_tools(path: str, tool_timeout: float) -> tuple[list[ToolSpec], list[st
             if source == "dsrl:python":
                 # Its own limit ends the script (and counts a timeout) before the pool's kills the worker.
                 config = {"timeout": 0.8 * tool_timeout, **config}
+                timeout = config["timeout"]
+                if not (isinstance(timeout, (int, float)) and 0 < timeout < tool_timeout):
+                    problems.append(problem(
+                        line, f"dsrl:python config.timeout={timeout!r} must be a number of seconds below "
+                        f"multi_turn.tool_timeout={tool_timeout:g} (past that the worker is killed, not the script)",
+                        "lower it, or leave it out for 0.8 x tool_timeout",
+                    ))
+                    continue
         else:
             try:
                 _check_class(source, path)
