@@ -107,6 +107,10 @@ def _yaml_tools(path: str, tool_timeout: float) -> tuple[list[ToolSpec], list[st
             problems.append(problem(line, f"tool {i} has no class_name", f"write {shape}"))
             continue
         source, config, schema = entry["class_name"], entry.get("config") or {}, entry.get("tool_schema")
+        if not isinstance(config, dict):
+            problems.append(problem(line, f"tool {source!r}: config must be a mapping, got {type(config).__name__}",
+                                    "write config: {key: value, ...}, or leave it out"))
+            continue
         if source.startswith("dsrl:"):
             if source not in BUILTINS:
                 problems.append(problem(line, f"unknown built-in tool {source!r}", f"use one of {sorted(BUILTINS)}"))
