@@ -37,7 +37,8 @@ import random
 import time
 
 from dsrl.rewards import worker
-from dsrl.rewards.pool import WorkerPool, _WorkerContext, default_num_workers  # noqa: F401 -- re-exported
+# default_num_workers is dsrl.rewards's; _WorkerContext is imported from here by the containment tests
+from dsrl.rewards.pool import WorkerPool, _WorkerContext, default_num_workers  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
