@@ -43,6 +43,11 @@ def dies() -> str:
     os._exit(7)
 
 
+def hog() -> str:
+    """Allocates past the workers' memory limit."""
+    return str(len(bytearray(3 * 2**30)))
+
+
 def number() -> str:
     """Returns no text."""
     return 42
@@ -141,8 +146,8 @@ def call(tool, **arguments):
 
 def test_schemas_are_the_yaml_ones_then_the_functions(toolset):
     names = [schema["function"]["name"] for schema in toolset.schemas]
-    assert names == ["calculator", "python", "greet", "respond", "add", "fails", "exits", "dies", "number",
-                     "verl_style", "imported_torch", "hangs"]
+    assert names == ["calculator", "python", "greet", "respond", "add", "fails", "exits", "dies", "hog",
+                     "number", "verl_style", "imported_torch", "hangs"]
 
 
 def test_the_workers_import_no_torch(toolset):
@@ -158,10 +163,11 @@ def test_each_failure_kind_gives_an_error_text_and_the_others_go_on(toolset):
         call("exits"),
         call("number"),
         call("dies"),
+        call("hog"),
         call("add", a=40),
     ]
     results = toolset.run(requests)
-    assert [r.failure for r in results] == [None, "parse", "parse", "exception", "exception", "invalid", "crash", None]
+    assert [r.failure for r in results] == [None, "parse", "parse", "exception", "exception", "invalid", "crash", "exception", None]
     assert set(r.failure for r in results) - {None} <= set(TOOL_FAILURE_KINDS)
     assert results[0].text == "56088" and results[-1].text == "42"
     assert results[1].text.startswith("Unknown tool 'nope'; the tools are ['add', 'calculator', 'dies',")
@@ -172,6 +178,8 @@ def test_each_failure_kind_gives_an_error_text_and_the_others_go_on(toolset):
     assert results[4].text == "Error executing tool 'exits': called sys.exit(3)"
     assert results[5].text.startswith("Error executing tool 'number': tool 'number' returned int 42; it must return a str")
     assert results[6].text.startswith("Error executing tool 'dies': the tool worker died (exit code 7) in this call")
+    assert results[7].text.startswith("Error executing tool 'hog': MemoryError (at functions.py:")
+    assert results[7].text.endswith("(actor_rollout_ref.rollout.multi_turn.tool_memory_limit_mb=2048)")
     assert all(r.seconds >= 0 for r in results)
 
 

@@ -21,7 +21,7 @@ import yaml
 
 from dsrl.rollout.tools.builtin import BUILTINS
 
-_KEY = "actor_rollout_ref.rollout.multi_turn"
+MULTI_TURN_KEY = "actor_rollout_ref.rollout.multi_turn"
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 _ARGS_ENTRY = re.compile(r"^(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
 
@@ -67,7 +67,7 @@ def load_tool_specs(multi_turn) -> tuple[list[ToolSpec], list[str]]:
     for spec in specs:
         if spec.name in seen:
             problems.append(
-                f"{_KEY}: two tools are named {spec.name!r} ({seen[spec.name].source} and {spec.source}); "
+                f"{MULTI_TURN_KEY}: two tools are named {spec.name!r} ({seen[spec.name].source} and {spec.source}); "
                 "fix: rename one (tool_schema.function.name, or the function)"
             )
         seen[spec.name] = spec
@@ -76,7 +76,7 @@ def load_tool_specs(multi_turn) -> tuple[list[ToolSpec], list[str]]:
 
 def _problem(key: str, path: str, file: str, line: int | None, what: str, fix: str) -> str:
     where = f"{file}:{line}" if line else file
-    return f"{_KEY}.{key}={path}: {where}: {what}; fix: {fix}"
+    return f"{MULTI_TURN_KEY}.{key}={path}: {where}: {what}; fix: {fix}"
 
 
 # ---------------------------------------------------------------- tool_config_path

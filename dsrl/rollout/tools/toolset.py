@@ -11,12 +11,11 @@ from dataclasses import dataclass, field
 from dsrl.rewards.pool import WorkerPool, default_num_workers
 from dsrl.rollout.tools import worker
 from dsrl.rollout.tools.parse import TRUNCATE_SIDES, ToolCall
-from dsrl.rollout.tools.specs import ToolFileError, ToolSpec, argument_problem, load_tool_specs
+from dsrl.rollout.tools.specs import MULTI_TURN_KEY, ToolFileError, ToolSpec, argument_problem, load_tool_specs
 
 logger = logging.getLogger(__name__)
 
 TOOL_FAILURE_KINDS = ("parse", "timeout", "exception", "crash", "invalid")
-_KEY = "actor_rollout_ref.rollout.multi_turn"
 
 
 @dataclass(frozen=True)
@@ -60,15 +59,15 @@ class ToolSet:
         log_file: str | os.PathLike | None = None, log_max_mb: int = 64, memory_limit_mb: int = 4096,
     ):
         if not tool_timeout > 0:
-            raise ValueError(f"{_KEY}.tool_timeout={tool_timeout}: must be > 0 seconds")
+            raise ValueError(f"{MULTI_TURN_KEY}.tool_timeout={tool_timeout}: must be > 0 seconds")
         if max_tool_response_length < 1:
-            raise ValueError(f"{_KEY}.max_tool_response_length={max_tool_response_length}: must be >= 1 character")
+            raise ValueError(f"{MULTI_TURN_KEY}.max_tool_response_length={max_tool_response_length}: must be >= 1 character")
         if tool_response_truncate_side not in TRUNCATE_SIDES:
             raise ValueError(
-                f"{_KEY}.tool_response_truncate_side={tool_response_truncate_side!r}: must be one of {list(TRUNCATE_SIDES)}"
+                f"{MULTI_TURN_KEY}.tool_response_truncate_side={tool_response_truncate_side!r}: must be one of {list(TRUNCATE_SIDES)}"
             )
         if not specs:
-            raise ValueError(f"{_KEY}: no tools; set tool_config_path and/or function_tool_path")
+            raise ValueError(f"{MULTI_TURN_KEY}: no tools; set tool_config_path and/or function_tool_path")
         self.tool_timeout = float(tool_timeout)
         self._specs = {spec.name: spec for spec in specs}
         self.schemas = [spec.schema for spec in specs]
@@ -83,7 +82,7 @@ class ToolSet:
             (tuple(specs), yaml_path, max_tool_response_length, tool_response_truncate_side, os.getpid(), log_file,
              log_max_mb, memory_limit_mb),
             memory_limit_mb=memory_limit_mb,
-            memory_key=f"{_KEY}.tool_memory_limit_mb",
+            memory_key=worker.MEMORY_KEY,
         )
         self.startup_s = self._workers.start()
         logger.info("tools %s: %d worker processes ready in %.2f s", sorted(self._specs), self._workers.num_workers, self.startup_s)
@@ -172,7 +171,7 @@ class ToolSet:
             except RuntimeError as exc:  # the pool broke down while scheduling
                 futures.append(exc)
         wait([f for f in futures if not isinstance(f, Exception)])
-        timeout = f"ran past {_KEY}.tool_timeout={self.tool_timeout:g} s and was stopped"
+        timeout = f"ran past {MULTI_TURN_KEY}.tool_timeout={self.tool_timeout:g} s and was stopped"
         outcomes = []
         for future in futures:
             if isinstance(future, Exception):

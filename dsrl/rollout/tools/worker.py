@@ -16,10 +16,11 @@ import traceback
 from dsrl.rewards import worker as pool_worker
 from dsrl.rollout.tools.builtin import BUILTINS, ToolTimeout
 from dsrl.rollout.tools.parse import truncate
-from dsrl.rollout.tools.specs import ToolSpec, import_file, load_tool_class
+from dsrl.rollout.tools.specs import MULTI_TURN_KEY, ToolSpec, import_file, load_tool_class
 
 # name -> (call(arguments, create_kwargs), the user's function a traceback should point into; None: a built-in)
 _tools: dict[str, tuple] = {}
+MEMORY_KEY = f"{MULTI_TURN_KEY}.tool_memory_limit_mb"
 _max_length, _side = 0, "middle"
 
 
@@ -31,7 +32,7 @@ def initialize(
     global _max_length, _side
     pool_worker.setup(
         parent_pid, log_file, log_max_mb, memory_limit_mb, ready,
-        what="tool", memory_key="actor_rollout_ref.rollout.multi_turn.tool_memory_limit_mb",
+        what="tool", memory_key=MEMORY_KEY,
     )
     _max_length, _side = max_length, side
     for spec in specs:
