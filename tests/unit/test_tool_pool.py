@@ -225,6 +225,10 @@ def test_python_prints_and_exit_status(toolset):
     assert result.failure is None and "ZeroDivisionError" in result.text and result.text.endswith("(exit status 1)")
 
 
+def test_python_sees_none_of_the_trainers_environment(toolset):
+    assert python(toolset, "import os; print(sorted(os.environ))").text == "['HOME', 'LANG', 'PATH']\n"
+
+
 def test_python_runs_in_a_fresh_directory_removed_afterwards(toolset):
     first = python(toolset, "import os; open('x', 'w').write('1'); print(os.getcwd())").text.strip()
     second = python(toolset, "import os; print(os.getcwd(), os.listdir('.'))").text.strip()
@@ -237,7 +241,7 @@ def test_python_past_its_limit_is_killed_with_its_children(toolset):
     result = python(toolset, """
         import subprocess, sys, os, time
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-        print(os.getpid(), child.pid, flush=True)
+        print(os.getpid(), child.pid)
         time.sleep(600)
     """)
     assert time.monotonic() - start < TOOL_TIMEOUT

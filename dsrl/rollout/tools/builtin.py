@@ -104,7 +104,8 @@ class PythonInterpreter:
     """``python(code)``: runs ``code`` as a script in a new ``python -I`` process and returns what it printed
     (stdout and stderr together), with the exit status when it is not 0.
 
-    Each run has a fresh temporary working directory, removed afterwards, a wall-time limit
+    Each run has a fresh temporary working directory (also its ``HOME``), removed afterwards, an
+    environment of ``PATH`` and ``LANG`` only, a wall-time limit
     (``config.timeout`` seconds: a run past it is killed and counted as a timeout) and a memory limit
     (``config.memory_limit_mb``, ``RLIMIT_AS``; default 1024). The process leads a process group of its
     own, killed when the run ends, so what the code starts goes with it; it also dies with its worker
@@ -134,8 +135,10 @@ class PythonInterpreter:
             with open(os.path.join(workdir, "main.py"), "w") as script:
                 script.write(parameters["code"])
             process = subprocess.Popen(
-                [sys.executable, "-I", "main.py"],
+                [sys.executable, "-I", "-u", "main.py"],  # unbuffered: what it printed before a kill is kept
                 cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                # None of the trainer's environment (tokens, credentials) for code a model wrote.
+                env={"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8", "HOME": workdir},
                 process_group=0, preexec_fn=self._limit_child,
             )
             try:
