@@ -407,6 +407,11 @@ class MultiTurnConfig:
     )
     format: str = _f("hermes", "how the model writes tool calls: hermes (<tool_call>{json}</tool_call>, Qwen2.5/Qwen3)")
     tool_timeout: float = _f(10.0, "seconds one tool call may run before it is stopped and reported to the model")
+    tool_memory_limit_mb: int = _f(
+        4096,
+        "memory bound of each tool worker process in MB (RLIMIT_DATA, inherited by what a tool starts); a call past it "
+        "fails (tool/fail_exception or tool/fail_crash); 0 = no limit",
+    )
 
 
 @dataclass
