@@ -26,7 +26,6 @@ from dsrl.config.loading import (
     secret_notes,
 )
 from dsrl.config.user_code import import_user_modules, registered_names, registered_policy_loss_params
-from dsrl.config.tool_files import tool_file_problems
 from dsrl.config.schema import (
     ADV_ESTIMATORS,
     BYPASS_LOSS_TYPES,
@@ -129,7 +128,7 @@ def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset())
     _rollout_correction_rules(cfg, need)
     _rollout_mismatch_rules(cfg, need)
     _filter_groups_rules(cfg, need)
-    violations += _multi_turn_rules(cfg, given, need)
+    _multi_turn_rules(cfg, given, need)
     _file_rules(cfg, need)
     _deepspeed_rules(cfg, world_size, need)
     _reward_rules(cfg, need)
@@ -863,14 +862,15 @@ def _rollout_mismatch_rules(cfg: Config, need: Need) -> None:
     )
 
 
-def _multi_turn_rules(cfg: Config, given: Collection[str], need: Need) -> list[str]:
-    """Multi-turn rollouts: bounds, names, and tools to call; the problems of the tool files (read here, before any
-    model loads) are returned. With enable false a multi-turn key set is refused: nothing would read it."""
+def _multi_turn_rules(cfg: Config, given: Collection[str], need: Need) -> None:
+    """Multi-turn rollouts: bounds, names, and tools to call (what is in the tool files is read by the command,
+    ``dsrl.rollout.tools.check_tool_files``, and at start-up). With enable false a multi-turn key set is refused:
+    nothing would read it."""
     mt, prefix = cfg.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
     if not mt.enable:
         for key in sorted(k for k in given if k.startswith(prefix + ".") and k != prefix + ".enable"):
             need(False, key, f"{prefix}.enable=false: nothing reads it", f"set {prefix}.enable=true, or drop {key}")
-        return []
+        return
     need(
         mt.tool_config_path or mt.function_tool_path,
         f"{prefix}.tool_config_path",
@@ -896,7 +896,6 @@ def _multi_turn_rules(cfg: Config, given: Collection[str], need: Need) -> list[s
         "conversations take their own number of turns",
         "set actor_rollout_ref.rollout.tensor_model_parallel_size=1 (one engine per rank)",
     )
-    return tool_file_problems(cfg)
 
 
 def _file_rules(cfg: Config, need: Need) -> None:

@@ -169,13 +169,13 @@ def test_several_calls_in_one_turn_run_up_to_max_parallel_calls_and_a_bad_one_is
             return CALL.format("2+3") + CALL.format("4*5") + "<tool_call>\n{not json}\n</tool_call>"
         return "done"
 
-    out, loop, _, _, _ = run(tokenizer, tools, ["What is 2+3?"], reply=two_calls_and_a_broken_one, max_parallel_calls=3)
+    out, loop, _, _, _ = run(tokenizer, tools, ["What is 2+3?"], reply=two_calls_and_a_broken_one, max_parallel_calls=3, budget=400)
     messages = out.conversations[0]["messages"]
     assert [m["content"] for m in messages[1:3]] == ["5", "20"]
     assert messages[3]["role"] == "tool" and messages[3]["content"] and "5" != messages[3]["content"]
     stats = loop.take_stats()
     assert stats.calls["calculator"] == 2 and stats.failures["parse"] == 1 and out.conversations[0]["num_tool_calls"] == 3
-    out, loop, _, _, _ = run(tokenizer, tools, ["What is 2+3?"], reply=two_calls_and_a_broken_one, max_parallel_calls=1)
+    out, loop, _, _, _ = run(tokenizer, tools, ["What is 2+3?"], reply=two_calls_and_a_broken_one, max_parallel_calls=1, budget=400)
     assert [m["role"] for m in out.conversations[0]["messages"]] == ["assistant", "tool", "assistant"]
     assert loop.take_stats().calls["calculator"] == 1
 
@@ -185,7 +185,7 @@ def test_the_turn_limits_end_a_conversation_without_running_its_last_calls(token
         return CALL.format("1+1")
 
     for key in ("max_assistant_turns", "max_user_turns"):
-        out, loop, _, _, _ = run(tokenizer, tools, ["What is 1+1?"], reply=always_call, **{key: 2})
+        out, loop, _, _, _ = run(tokenizer, tools, ["What is 1+1?"], reply=always_call, budget=400, **{key: 2})
         talk = out.conversations[0]
         turns = 2 if key == "max_assistant_turns" else 3  # two rounds of tool outputs, then a third turn
         assert (talk["num_turns"], talk["stop"]) == (turns, "turn_limit")
