@@ -128,7 +128,7 @@ def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset())
     _rollout_correction_rules(cfg, need)
     _rollout_mismatch_rules(cfg, need)
     _filter_groups_rules(cfg, need)
-    _multi_turn_rules(cfg, given, need)
+    _multi_turn_rules(cfg, need)
     _file_rules(cfg, need)
     _deepspeed_rules(cfg, world_size, need)
     _reward_rules(cfg, need)
@@ -862,14 +862,12 @@ def _rollout_mismatch_rules(cfg: Config, need: Need) -> None:
     )
 
 
-def _multi_turn_rules(cfg: Config, given: Collection[str], need: Need) -> None:
+def _multi_turn_rules(cfg: Config, need: Need) -> None:
     """Multi-turn rollouts: bounds, names, and tools to call (what is in the tool files is read by the command,
-    ``dsrl.rollout.tools.check_tool_files``, and at start-up). With enable false a multi-turn key set is refused:
-    nothing would read it."""
+    ``dsrl.rollout.tools.check_tool_files``, and at start-up). With enable false the other keys are accepted
+    unread, as with algorithm.filter_groups: a recipe with tools stays usable without them (enable=false)."""
     mt, prefix = cfg.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
     if not mt.enable:
-        for key in sorted(k for k in given if k.startswith(prefix + ".") and k != prefix + ".enable"):
-            need(False, key, f"{prefix}.enable=false: nothing reads it", f"set {prefix}.enable=true, or drop {key}")
         return
     need(
         mt.tool_config_path or mt.function_tool_path,

@@ -388,7 +388,8 @@ class MultiTurnConfig:
     enable: bool = _f(
         False,
         "multi-turn tool-integrated rollouts: the model calls tools while it answers; their outputs join the response "
-        "with response_mask 0 (in the context, out of the loss); dsrl.rollout.multi_turn",
+        "with response_mask 0 (in the context, out of the loss); dsrl.rollout.multi_turn; false: the other "
+        "multi_turn keys are not read",
     )
     max_assistant_turns: Optional[int] = _f(None, "assistant turns per response at most; null = until the length budget")
     max_user_turns: Optional[int] = _f(
