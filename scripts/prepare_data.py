@@ -1,6 +1,7 @@
 """Write prompt datasets in verl's parquet schema: DIR/train.parquet and DIR/test.parquet.
 
     python scripts/prepare_data.py --task arithmetic                       # synthetic, offline
+    python scripts/prepare_data.py --task calculator                       # synthetic, for tool calls
     python scripts/prepare_data.py --task gsm8k --local-path ~/gsm8k       # or from the hub when online
     python scripts/prepare_data.py --task math --out outputs/data/math
 
@@ -10,6 +11,8 @@ ground_truth}), ``extra_info`` ({split, index, ...}), as verl's examples/data_pr
 
 - arithmetic: ``"a+b="`` -> ``"a+b"`` as an integer string (see ``dsrl.data.arithmetic``);
   ``--train-size``/``--test-size`` default to 5000/200, ``--seed`` picks the problems.
+- calculator: ``"What is a*b?"`` (3-digit operands) -> ``"a*b"`` as an integer string, the task of
+  tool-integrated rollouts (see ``dsrl.data.calculator``); sizes and seed as for arithmetic.
 - gsm8k (``openai/gsm8k``, config ``main``): question + the ``####`` instruction; ground truth
   = the number after ``####`` without commas.
 - math (``DigitalLearningGmbH/MATH-lighteval``): problem + the ``\\boxed{}`` instruction; ground
@@ -30,7 +33,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dsrl.data import arithmetic
+from dsrl.data import arithmetic, calculator
 from dsrl.rewards.gsm8k import extract_answer
 from dsrl.rewards.math import last_boxed_answer
 
@@ -40,6 +43,7 @@ SOURCES = {
     "math": ("DigitalLearningGmbH/MATH-lighteval", None, "problem", "solution"),
 }
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+SYNTHETIC = {"arithmetic": arithmetic, "calculator": calculator}  # generated offline, no source files
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
 
@@ -126,24 +130,25 @@ def _subset(rows: list[dict], size: int | None, seed: int, split: str) -> list[d
 
 def build_split(task: str, split: str, size: int | None, seed: int, local_path: str | None) -> list[dict]:
     """The rows of one split of ``task``."""
-    if task == "arithmetic":
-        default = arithmetic.DEFAULT_TRAIN_SIZE if split == "train" else arithmetic.DEFAULT_TEST_SIZE
-        return arithmetic.rows(split, default if size is None else size, seed)
+    if task in SYNTHETIC:
+        module = SYNTHETIC[task]
+        default = module.DEFAULT_TRAIN_SIZE if split == "train" else module.DEFAULT_TEST_SIZE
+        return module.rows(split, default if size is None else size, seed)
     examples = _read_local_split(Path(local_path).expanduser(), split) if local_path else _read_hub_split(task, split)
     return _subset(_convert(task, examples, split), size, seed, split)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", required=True, choices=["arithmetic", "gsm8k", "math"])
+    parser.add_argument("--task", required=True, choices=["arithmetic", "calculator", "gsm8k", "math"])
     parser.add_argument("--out", help="output directory (default: outputs/data/<task>)")
-    parser.add_argument("--train-size", type=int, help="rows in train.parquet (arithmetic: 5000; else all)")
-    parser.add_argument("--test-size", type=int, help="rows in test.parquet (arithmetic: 200; else all)")
+    parser.add_argument("--train-size", type=int, help="rows in train.parquet (arithmetic, calculator: 5000; else all)")
+    parser.add_argument("--test-size", type=int, help="rows in test.parquet (arithmetic, calculator: 200; else all)")
     parser.add_argument("--seed", type=int, default=arithmetic.DEFAULT_SEED, help="picks the rows (default 0)")
     parser.add_argument("--local-path", help="gsm8k/math: directory with a local copy of the hub dataset")
     args = parser.parse_args(argv)
-    if args.local_path and args.task == "arithmetic":
-        parser.error("--local-path applies to gsm8k and math; arithmetic is generated")
+    if args.local_path and args.task in SYNTHETIC:
+        parser.error(f"--local-path applies to gsm8k and math; {args.task} is generated")
 
     out = Path(args.out or f"outputs/data/{args.task}")
     splits = {

@@ -114,7 +114,7 @@ OLDER_NAMES = {
 FINAL_MODEL_DIR = "huggingface"
 LR_SCHEDULES = ("constant", "cosine")
 MODEL_DTYPES = ("bfloat16", "float32")
-PREPARED_TASKS = ("gsm8k", "math", "arithmetic")  # scripts/prepare_data.py --task, and the folder it writes
+PREPARED_TASKS = ("gsm8k", "math", "arithmetic", "calculator")  # scripts/prepare_data.py --task, and the folder it writes
 
 
 

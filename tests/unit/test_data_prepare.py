@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dsrl.data import arithmetic
+from dsrl.data import arithmetic, calculator
 from dsrl.data.datasets import load_prompts
 from dsrl.rewards import compute_score
 
@@ -46,6 +46,36 @@ def test_arithmetic_test_problems_never_appear_in_any_train_split():
     assert arithmetic.problems("train", 10, 1) != arithmetic.problems("train", 10, 2)
     with pytest.raises(ValueError, match="choose 1..1000"):
         arithmetic.problems("test", 1001, 0)
+
+
+def test_calculator_is_deterministic_and_in_verl_schema(tmp_path):
+    for name in ("a", "b"):
+        prepare_data.main(["--task", "calculator", "--out", str(tmp_path / name), "--train-size", "50", "--test-size", "20"])
+    for split in ("train", "test"):
+        assert (tmp_path / "a" / f"{split}.parquet").read_bytes() == (tmp_path / "b" / f"{split}.parquet").read_bytes()
+    rows = read(tmp_path / "a" / "train.parquet")
+    assert len(rows) == 50 and len(read(tmp_path / "a" / "test.parquet")) == 20
+    assert rows[0]["data_source"] == "calculator" and rows[0]["reward_model"]["style"] == "rule"
+    assert rows[0]["extra_info"] == {"split": "train", "index": 0}  # no tools_kwargs: parquet has no empty struct
+    for r in rows:
+        [message] = r["prompt"]
+        a, b = map(int, message["content"].removeprefix("What is ").removesuffix("?").split("*"))
+        assert message["role"] == "user" and 100 <= a <= 999 and 100 <= b <= 999
+        assert r["reward_model"]["ground_truth"] == str(a * b)
+        assert compute_score("calculator", f"so {a * b}", r["reward_model"]["ground_truth"]) == 1.0
+
+
+def test_calculator_test_problems_never_appear_in_any_train_split():
+    test = set(calculator.problems("test", calculator.TEST_POOL_SIZE, 0))
+    assert len(test) == calculator.TEST_POOL_SIZE
+    for seed in (0, 1):
+        train = calculator.problems("train", 20000, seed)
+        assert len(set(train)) == 20000 and not test & set(train)
+    assert calculator.problems("train", 10, 1) != calculator.problems("train", 10, 2)
+    with pytest.raises(ValueError, match="choose 1..1000"):
+        calculator.problems("test", 1001, 0)
+    with pytest.raises(SystemExit):  # argparse: calculator is generated
+        prepare_data.main(["--task", "calculator", "--local-path", "x"])
 
 
 def write_jsonl(path, rows):

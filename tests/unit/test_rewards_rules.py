@@ -2,7 +2,7 @@
 
 import pytest
 
-from dsrl.rewards import arithmetic, compute_score, gsm8k
+from dsrl.rewards import arithmetic, calculator, compute_score, gsm8k
 from dsrl.rewards import math as math_answer
 
 
@@ -88,8 +88,40 @@ def test_arithmetic(response, score):
     assert arithmetic.compute_score(response, "82") == score
 
 
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*456"}}\n</tool_call>'
+TOOL = "user\n<tool_response>\n56088\n</tool_response>\nassistant\n"  # decoded without special tokens
+
+
+@pytest.mark.parametrize(
+    "response, score",
+    [
+        (CALL + TOOL + "56088", 1.0),  # called, then copied the result
+        (CALL + TOOL + "The answer is 56,088? No: 56088.", 1.0),  # the last integer counts
+        ("56088", 1.0),  # no call: the whole response is the answer
+        ("It is 56088\n", 1.0),
+        (CALL + TOOL, 0.0),  # ended on the tool output: nothing after it
+        (CALL + TOOL + "56089", 0.0),
+        (CALL + TOOL + "56088 or 1", 0.0),
+        (CALL + TOOL.replace("56088", "1") + "1" + TOOL + "56088", 1.0),  # after the last tool output
+        (CALL + TOOL + "56088" + TOOL, 0.0),
+        ("56088" + TOOL + "no number", 0.0),
+        (CALL, 0.0),  # a call alone: its last integer is 456
+        ("", 0.0),
+        ("-56088", 0.0),
+    ],
+)
+def test_calculator(response, score):
+    assert calculator.compute_score(response, "56088") == score
+
+
+def test_calculator_final_answer_is_after_the_last_tool_output():
+    assert calculator.final_answer("a</tool_response>b</tool_response>c") == "c"
+    assert calculator.final_answer("no tools") == "no tools"
+
+
 def test_dispatch_by_data_source():
     assert compute_score("arithmetic", "7", "7") == 1.0
+    assert compute_score("calculator", CALL + TOOL + "56088", "56088") == 1.0
     assert compute_score("openai/gsm8k", "#### 7", "7", extra_info={"split": "test"}) == 1.0
     for source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"):
         assert compute_score(source, "\\boxed{7}", "7") == 1.0
