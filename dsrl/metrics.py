@@ -353,14 +353,15 @@ def reward_metrics(counts: Mapping[str, float], extras: Mapping[str, list[float]
 def multi_turn_metrics(stats) -> dict[str, float]:
     """Multi-turn rollouts over every rank's conversations since the last count (``stats``: the rollout's
     ``MultiTurnRollout.take_stats``): turns and tool calls per response (mean, max), the shares ended by the turn
-    limit and by the length budget, tool calls by tool and failures by kind (counts), the calls' summed seconds."""
+    limit and by the length budget, tool calls by tool and failures by kind (counts); and this rank's own
+    ``timing_s/tool_calls``, its calls' summed seconds (a rank-local timing, as the other ``timing_s/``)."""
     turns = torch.tensor(stats.turns, dtype=torch.float64)
     calls = torch.tensor(stats.calls_per_row, dtype=torch.float64)
     turns_mean, turns_max, _ = global_stats(turns)
     calls_mean, calls_max, _ = global_stats(calls)
     counts = {f"tool/calls/{name}": count for name, count in stats.calls.items()}
     counts |= {f"tool/fail_{kind}": count for kind, count in stats.failures.items()}
-    counts |= {"tool/seconds": stats.seconds, "rows": len(stats.turns)}
+    counts["rows"] = len(stats.turns)
     counts |= {f"stop/{reason}": count for reason, count in stats.stops.items()}
     totals = dict(zip(counts, all_reduce(torch.tensor(list(counts.values()), dtype=torch.float64)).tolist()))
     rows = max(totals.pop("rows"), 1.0)
@@ -372,4 +373,5 @@ def multi_turn_metrics(stats) -> dict[str, float]:
         "multi_turn/stopped_by_turn_limit": totals.pop("stop/turn_limit") / rows,
         "multi_turn/stopped_by_length": totals.pop("stop/length") / rows,
         "multi_turn/answered": totals.pop("stop/answered") / rows,
+        "timing_s/tool_calls": stats.seconds,
     } | totals

@@ -634,7 +634,7 @@ class Trainer:
             self.tracker.log_table(table, f"generations/val_step_{self.global_step}.json")
         metrics = validation_metrics([row[1] for row in rows], [row[0] for row in rows], variables, preds)  # verl's seed
         metrics.update({f"val-aux/{name}": float(sum(part[name] for _, part in gathered)) for name in FAILURE_COUNTS})
-        metrics.update({f"val-aux/{name}": value for name, value in turns.items()})
+        metrics.update({f"val-aux/{name}": value for name, value in turns.items() if not name.startswith("timing_s/")})
         return metrics
 
     # ---- the step ----------------------------------------------------------------------------

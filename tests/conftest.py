@@ -7,9 +7,11 @@ so that ZeRO-3 partitions even the tiny model's small tensors.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -217,13 +219,25 @@ def arithmetic_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tool_model_dir(tmp_path_factory) -> Path:
     """The tiny model warm-started to call the calculator on some products (``make_tiny_model.py --task
-    calculator``), built once per session."""
-    out = tmp_path_factory.mktemp("tiny_tool_model")
-    subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--task", "calculator", "--out", str(out)],
-        check=True,
-        capture_output=True,
-    )
+    calculator``: minutes of CPU). The build is deterministic, so it is kept in ``$DSRL_TEST_CACHE`` (default
+    ~/.cache/dsrl/test_models) under a digest of the code that makes it: the main tests and the vLLM tier's
+    environment share one build, and a changed script builds a new one."""
+    sources = [REPO / "scripts" / "make_tiny_model.py", REPO / "dsrl" / "data" / "calculator.py",
+               REPO / "dsrl" / "data" / "arithmetic.py"]
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:16]
+    cache = Path(os.environ.get("DSRL_TEST_CACHE", Path.home() / ".cache" / "dsrl" / "test_models"))
+    out = cache / f"tiny_tool_model-{digest}"
+    if not (out / "config.json").exists():
+        building = tmp_path_factory.mktemp("tiny_tool_model")
+        subprocess.run(
+            [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--task", "calculator", "--out", str(building)],
+            check=True,
+            capture_output=True,
+        )
+        cache.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(out, ignore_errors=True)  # a build interrupted while it was copied
+        shutil.copytree(building, out.with_suffix(".partial"), dirs_exist_ok=True)
+        out.with_suffix(".partial").rename(out)
     return out
 
 

@@ -133,3 +133,28 @@ def test_resume_with_dynamic_sampling_is_bit_identical(overrides_for, free_port,
     resume_chain("grpo", baseline / "ckpt" / f"global_step_{RESUME_AT}", [("update@4", 3)], out=chain,
                  overrides=overrides_for("grpo", chain / "ckpt") + extra, world=1, free_port=free_port)
     assert assert_same_run(baseline, chain, first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
+
+
+def test_resume_with_tool_calls_is_bit_identical(tool_model_dir, calculator_data, ds_test_config, free_port,
+                                                 deepspeed_cpu_ops, tmp_path):
+    """TIR-OTB with the calculator (configs/tir_otb.yaml, the tool task's CPU overlay): every turn of a
+    conversation is seeded from the step, and the calculator gives the same outputs, so a run killed mid-step
+    and resumed generates the same conversations as the uninterrupted one."""
+    from tests.conftest import REPO
+
+    ds_config = ds_test_config("zero3_offload")
+
+    def overrides(ckpt):
+        return [str(REPO / "configs" / "calculator_cpu.yaml"), *resume_overrides(
+            "tir_otb", model=tool_model_dir, data=calculator_data, ds_config=ds_config, ckpt=ckpt
+        ), "custom_reward_function.path=null"]
+
+    baseline = tmp_path / "baseline"
+    code, output = run_worker("tir_otb", overrides(baseline / "ckpt"), baseline, port=free_port())
+    assert code == 0, output[-4000:]
+    calls = [e["metrics"]["tool/calls/calculator"] for e in logged_steps(baseline) if "tool/calls/calculator" in e["metrics"]]
+    assert len(calls) >= STEPS and sum(calls) > 0
+    chain = tmp_path / "chain"
+    resume_chain("tir_otb", baseline / "ckpt" / f"global_step_{RESUME_AT}", [("update@4", 3)], out=chain,
+                 overrides=overrides(chain / "ckpt"), world=1, free_port=free_port)
+    assert assert_same_run(baseline, chain, first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1

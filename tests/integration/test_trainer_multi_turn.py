@@ -30,7 +30,7 @@ def multi_turn_overrides(model, data, reward):
         f"data.train_files={data / 'train.parquet'}",
         f"data.val_files={data / 'test.parquet'}",
         f"custom_reward_function.path={reward}",
-        "data.max_prompt_length=32",
+        "data.max_prompt_length=40",
         "data.max_response_length=160",
         "actor_rollout_ref.rollout.multi_turn.enable=true",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={REPO / 'configs' / 'tools' / 'calculator.yaml'}",
@@ -77,6 +77,8 @@ def test_each_estimator_family_trains_on_multi_turn_responses(
         assert metrics["multi_turn/calls_per_response/mean"] > 0 and metrics["tool/calls/calculator"] > 0
         assert metrics["reward/turns/mean"] == metrics["multi_turn/turns_per_response/mean"]
         assert metrics["reward/calls/mean"] == metrics["multi_turn/calls_per_response/mean"]
+        # The actor reads the model's tokens with the tool outputs in its context as the rollout generated them.
+        assert metrics["training/rollout_probs_diff_max"] < 1e-4, metrics["training/rollout_probs_diff_max"]
     validation = [m for _, m in logged if "val-aux/multi_turn/calls_per_response/mean" in m]
     assert validation, "validation runs the tool loop too"
     holes = 0

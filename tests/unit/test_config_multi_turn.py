@@ -16,7 +16,7 @@ def test_enabling_multi_turn_needs_tools_and_sane_limits(tmp_path):
     assert any(p.startswith(f"{MT}.tool_config_path=null: {MT}.enable=true needs tools") for p in problems)
     assert any(p.startswith(f"{MT}.max_user_turns=0: must be >= 1 or null") for p in problems)
     assert any(p.startswith(f"{MT}.tool_response_truncate_side=top: must be one of left, right, middle") for p in problems)
-    assert any(p.startswith(f"{MT}.tool_timeout=0: must be > 0 seconds") for p in problems)
+    assert any(p.startswith(f"{MT}.tool_timeout=0.0: must be > 0 seconds") for p in problems)
 
 
 def test_tensor_parallel_engines_are_refused_with_multi_turn(tmp_path):
