@@ -169,8 +169,7 @@ def test_multi_turn_ranks_each_run_their_own_turns(setup, tool_model_dir, calcul
     the all-reduced metrics agree."""
     overrides, env, launcher = setup
     data = calculator_data
-    run([*launcher(), str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides,
-         str(REPO / "configs" / "calculator_cpu.yaml"),
+    run([*launcher(), str(WORKER), "--out", str(tmp_path), *QUICKSTART, str(REPO / "configs" / "calculator_cpu.yaml"), *overrides,
          f"actor_rollout_ref.model.path={tool_model_dir}",
          f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
          "custom_reward_function.path=null",

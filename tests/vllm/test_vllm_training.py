@@ -129,8 +129,7 @@ def test_multi_turn_with_tools_on_vllm(overrides, tool_model_dir, calculator_dat
     """The tool loop around the vLLM engine: each turn one generate call with each conversation's own token cap;
     the actor's log-probs on the model's tokens, read with the tool outputs in the context, are vLLM's."""
     data = calculator_data
-    run([sys.executable, str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides,
-         str(REPO / "configs" / "calculator_cpu.yaml"),
+    run([sys.executable, str(WORKER), "--out", str(tmp_path), *QUICKSTART, str(REPO / "configs" / "calculator_cpu.yaml"), *overrides,
          f"actor_rollout_ref.model.path={tool_model_dir}",
          f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
          "custom_reward_function.path=null",
