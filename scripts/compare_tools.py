@@ -7,10 +7,10 @@ Each arm trains the tiny tool model (scripts/make_tiny_model.py --task calculato
 numbers (scripts/prepare_data.py --task calculator), in this process, with the same seed, prompts and number of
 optimizer steps (one per step), under configs/cpu.yaml and configs/calculator_cpu.yaml:
 
-- grpo + tools: configs/grpo.yaml, multi-turn rollouts with the calculator (a call's result comes back as a
+- grpo-tools: configs/grpo.yaml, multi-turn rollouts with the calculator (a call's result comes back as a
   tool message, the model answers in a second turn);
-- tir-otb + tools: configs/tir_otb.yaml (algorithm.adv_estimator=tir_optimal_token_baseline), the same tools;
-- grpo, no tools: configs/grpo.yaml with actor_rollout_ref.rollout.multi_turn.enable=false: a call ends the
+- tir-otb-tools: configs/tir_otb.yaml (algorithm.adv_estimator=tir_optimal_token_baseline), the same tools;
+- grpo-no-tools: configs/grpo.yaml with actor_rollout_ref.rollout.multi_turn.enable=false: a call ends the
   response unanswered, so only a direct product can score, and the tiny model cannot multiply.
 
 The GRPO arms drop the reference KL (actor_rollout_ref.actor.use_kl_loss=false) as TIR-OTB does, so the arms differ
@@ -47,9 +47,9 @@ from dsrl.config import ConfigError, load_and_validate  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 CPU = [str(REPO / "configs" / name) for name in ("cpu.yaml", "calculator_cpu.yaml")]
 ARMS = {  # name: (recipe, overrides)
-    "grpo + tools": ("grpo.yaml", []),
-    "tir-otb + tools": ("tir_otb.yaml", []),
-    "grpo, no tools": ("grpo.yaml", ["actor_rollout_ref.rollout.multi_turn.enable=false"]),
+    "grpo-tools": ("grpo.yaml", []),
+    "tir-otb-tools": ("tir_otb.yaml", []),
+    "grpo-no-tools": ("grpo.yaml", ["actor_rollout_ref.rollout.multi_turn.enable=false"]),
 }
 # What the agent loop logs per training step (dsrl.rollout.multi_turn); the table counts calls itself without it.
 CALLS_METRIC = "multi_turn/calls_per_response/mean"
@@ -78,6 +78,16 @@ def call_counts(responses: list[str]) -> tuple[float, float]:
     """(share of responses with a tool call, tool calls per response) of decoded responses."""
     calls = [text.count(CALL_MARK) for text in responses]
     return sum(c > 0 for c in calls) / len(calls), sum(calls) / len(calls)
+
+
+def response_tokens(response_ids, response_mask, pad_id: int) -> int:
+    """Tokens of right-padded responses ``[B, T]``, tool outputs included: each row up to its last token that is
+    generated (``response_mask`` 1, so a generated pad id counts) or not a pad."""
+    import torch
+
+    valid = (response_ids != pad_id) | response_mask.bool()  # [B, T]
+    positions = torch.arange(1, valid.shape[1] + 1)
+    return int((valid * positions).amax(dim=1).sum())
 
 
 def arm_overrides(args: argparse.Namespace, name: str) -> tuple[list[str], list[str]]:
@@ -122,7 +132,7 @@ def run_arm(files: list[str], overrides: list[str], out: Path) -> dict:
         if in_step[0]:
             train[-1]["texts"] += texts
             train[-1]["gen_tokens"] += int(batch.response_mask.sum())
-            train[-1]["resp_tokens"] += int((batch.response_ids != pad).sum())
+            train[-1]["resp_tokens"] += response_tokens(batch.response_ids, batch.response_mask, pad)
         else:
             val[-1] += texts
         return batch
@@ -164,13 +174,13 @@ def run_arm(files: list[str], overrides: list[str], out: Path) -> dict:
 def format_table(results: dict[str, dict]) -> list[str]:
     """The table's lines: a header, a rule and a row per arm (before -> after where there are two values)."""
     header = (
-        f"{'arm':<18}{'val acc':>15}{'val calls':>15}{'train calls':>15}{'gen tok/step':>14}{'resp tok/step':>15}"
+        f"{'arm':<16}{'val acc':>15}{'val calls':>15}{'train calls':>15}{'gen tok/step':>14}{'resp tok/step':>15}"
         f"{'train score':>13}{'step s':>8}"
     )
     lines = [header, "-" * len(header)]
     for name, r in results.items():
         lines.append(
-            f"{name:<18}{'{:.3f} -> {:.3f}'.format(*r['val_acc']):>15}{'{:.0%} -> {:.0%}'.format(*r['val_calls']):>15}"
+            f"{name:<16}{'{:.3f} -> {:.3f}'.format(*r['val_acc']):>15}{'{:.0%} -> {:.0%}'.format(*r['val_calls']):>15}"
             f"{'{:.2f} -> {:.2f}'.format(*r['train_calls']):>15}{r['gen_tokens']:>14.0f}{r['resp_tokens']:>15.0f}"
             f"{r['score']:>13.3f}{r['step_s']:>8.2f}"
         )

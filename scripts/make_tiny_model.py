@@ -26,7 +26,7 @@ Offline and deterministic (same ``--seed`` and ``--sft-steps`` give byte-identic
   with the product rendered by the chat template, an assistant turn copying it), 60% answer directly
   (the true product, which the tiny model cannot compute); loss on the assistant turns only. It stops
   when forced calls (first token ``<``), sampled at temperature 1 on 64 held-out train-pool problems,
-  are well formed and copied back for 60% of them (checked every 10 steps; ~300 steps, ~4 min on one
+  are well formed and copied back for 60% of them (checked every 10 steps; ~300 steps, 4-5 min on one
   core). At temperature 1 the model then makes a well-formed call for ~25% of the problems (and a
   broken one for some more), and ~85% of its well-formed calls end in the right answer: a start that RL
   with tools improves, and that GRPO without tools cannot (a direct product is almost always wrong).

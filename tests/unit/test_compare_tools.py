@@ -13,9 +13,9 @@ script = runpy.run_path(str(REPO / "scripts" / "compare_tools.py"))
 def test_arguments_default_to_all_arms_and_refuse_sizes_below_one(capsys):
     args = script["parse_args"]([])
     assert (args.steps, args.batch, args.n, args.val_size) == (30, 4, 8, 32)
-    assert args.arms == ["grpo + tools", "tir-otb + tools", "grpo, no tools"] and args.overrides == []
-    args = script["parse_args"](["--steps", "2", "--arms", "grpo, no tools", "--", "trainer.seed=3"])
-    assert args.steps == 2 and args.arms == ["grpo, no tools"] and args.overrides == ["trainer.seed=3"]
+    assert args.arms == ["grpo-tools", "tir-otb-tools", "grpo-no-tools"] and args.overrides == []
+    args = script["parse_args"](["--steps", "2", "--arms", "grpo-no-tools", "--", "trainer.seed=3"])
+    assert args.steps == 2 and args.arms == ["grpo-no-tools"] and args.overrides == ["trainer.seed=3"]
     with pytest.raises(SystemExit):
         script["parse_args"](["--val-size", "0"])
     assert "--val-size 0: must be >= 1" in capsys.readouterr().err
@@ -24,9 +24,9 @@ def test_arguments_default_to_all_arms_and_refuse_sizes_below_one(capsys):
 def test_the_arms_differ_in_estimator_and_tools_only():
     args = script["parse_args"](["--steps", "5", "--batch", "2"])
     configs = {name: script["arm_overrides"](args, name) for name in args.arms}
-    grpo_files, grpo = configs["grpo + tools"]
-    assert configs["tir-otb + tools"][0][0].endswith("tir_otb.yaml") and grpo_files[0].endswith("grpo.yaml")
-    assert configs["grpo, no tools"] == (grpo_files, [*grpo, "actor_rollout_ref.rollout.multi_turn.enable=false"])
+    grpo_files, grpo = configs["grpo-tools"]
+    assert configs["tir-otb-tools"][0][0].endswith("tir_otb.yaml") and grpo_files[0].endswith("grpo.yaml")
+    assert configs["grpo-no-tools"] == (grpo_files, [*grpo, "actor_rollout_ref.rollout.multi_turn.enable=false"])
     assert {
         "data.train_batch_size=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
@@ -53,8 +53,16 @@ def test_table_has_one_aligned_row_per_arm():
         "score": 0.25,
         "step_s": 3.5,
     }
-    lines = script["format_table"]({"grpo + tools": row, "grpo, no tools": row})
+    lines = script["format_table"]({"grpo-tools": row, "grpo-no-tools": row})
     assert len(lines) == 4 and len({len(line) for line in lines}) == 1  # header, rule, two rows
     assert lines[0].split()[:3] == ["arm", "val", "acc"]
-    assert lines[2].startswith("grpo + tools ") and "0.100 -> 0.550" in lines[2] and "40% -> 90%" in lines[2]
+    assert lines[2].startswith("grpo-tools ") and "0.100 -> 0.550" in lines[2] and "40% -> 90%" in lines[2]
     assert "0.45 -> 1.00" in lines[2] and " 1809 " in lines[2] and lines[2].endswith("0.250    3.50")
+
+
+def test_response_tokens_count_tool_outputs_and_generated_pads_but_not_padding():
+    import torch
+
+    ids = torch.tensor([[5, 6, 7, 0, 0], [5, 0, 0, 0, 0], [5, 9, 9, 6, 0]])  # 0 = pad
+    mask = torch.tensor([[1, 0, 1, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 1, 0]])  # 0 inside: a tool output
+    assert script["response_tokens"](ids, mask, 0) == 3 + 2 + 4
