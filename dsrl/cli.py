@@ -175,6 +175,11 @@ def main(argv: list[str]) -> int:
         cfg, notes = load_and_validate(files, overrides, int(world_size))
     except ConfigError as err:
         problems = err.violations  # the rules that depend on the world size name it in their own lines
+    if cfg is not None and cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        from dsrl.rollout.tools import check_tool_files  # imports no torch
+
+        problems = check_tool_files(cfg)
+        cfg = None if problems else cfg
     launched = not args.validate_only and int(world_size) > 1
     if problems and not launched:
         return refuse(f"{where}: {len(problems)} problem(s) in the configuration", problems)

@@ -78,7 +78,7 @@ def batch_metrics(batch: Batch, *, max_prompt_length: int, max_response_length: 
     over response tokens; a clip ratio is the fraction of rows whose length equals its maximum.
     """
     mask = batch.response_mask.bool()
-    response_length = mask.sum(-1).double()
+    response_length = batch.response_attention.sum(-1).double()  # tool outputs included, as verl (its attention mask)
     prompt_length = batch.prompt_mask.sum(-1).double()
     finished = response_length > 0
     triples = {
@@ -348,3 +348,28 @@ def reward_metrics(counts: Mapping[str, float], extras: Mapping[str, list[float]
     for name, total, size in zip(extra_names, totals[len(counts) : len(counts) + k], totals[len(counts) + k :]):
         metrics[f"reward/{name}/mean"] = total / size
     return metrics
+
+
+def multi_turn_metrics(stats) -> dict[str, float]:
+    """Multi-turn rollouts over every rank's conversations since the last count (``stats``: the rollout's
+    ``MultiTurnRollout.take_stats``): turns and tool calls per response (mean, max), the shares ended by the turn
+    limit and by the length budget, tool calls by tool and failures by kind (counts), the calls' summed seconds."""
+    turns = torch.tensor(stats.turns, dtype=torch.float64)
+    calls = torch.tensor(stats.calls_per_row, dtype=torch.float64)
+    turns_mean, turns_max, _ = global_stats(turns)
+    calls_mean, calls_max, _ = global_stats(calls)
+    counts = {f"tool/calls/{name}": count for name, count in stats.calls.items()}
+    counts |= {f"tool/fail_{kind}": count for kind, count in stats.failures.items()}
+    counts |= {"tool/seconds": stats.seconds, "rows": len(stats.turns)}
+    counts |= {f"stop/{reason}": count for reason, count in stats.stops.items()}
+    totals = dict(zip(counts, all_reduce(torch.tensor(list(counts.values()), dtype=torch.float64)).tolist()))
+    rows = max(totals.pop("rows"), 1.0)
+    return {
+        "multi_turn/turns_per_response/mean": turns_mean,
+        "multi_turn/turns_per_response/max": turns_max,
+        "multi_turn/calls_per_response/mean": calls_mean,
+        "multi_turn/calls_per_response/max": calls_max,
+        "multi_turn/stopped_by_turn_limit": totals.pop("stop/turn_limit") / rows,
+        "multi_turn/stopped_by_length": totals.pop("stop/length") / rows,
+        "multi_turn/answered": totals.pop("stop/answered") / rows,
+    } | totals

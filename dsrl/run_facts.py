@@ -16,11 +16,17 @@ from deepspeed.accelerator import get_accelerator
 from dsrl.config import Config
 
 
-def rollout_engine_name(cfg: Config) -> str:
+def rollout_engine_name(cfg: Config, tool_names: list[str] | None = None) -> str:
+    """The engine, and with multi-turn (``tool_names``) the tools and the turn limit."""
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.name == "vllm":
-        return f"vllm (tensor parallel {rollout.tensor_model_parallel_size}, sleep level {rollout.sleep_level})"
-    return "hf (transformers generate)"
+        name = f"vllm (tensor parallel {rollout.tensor_model_parallel_size}, sleep level {rollout.sleep_level})"
+    else:
+        name = "hf (transformers generate)"
+    if tool_names is None:
+        return name
+    turns = rollout.multi_turn.max_assistant_turns
+    return f"{name}, multi-turn with tools {', '.join(tool_names)}, {turns or 'unlimited'} turns at most"
 
 
 def engine_facts(role, dtype: str) -> dict:
@@ -79,7 +85,7 @@ def startup_facts(trainer) -> dict[str, Any]:
         "device": device,
         "roles": {name: None if role is None else engine_facts(role, cfg.actor_rollout_ref.model.dtype)
                   for name, role in roles.items()},
-        "rollout": rollout_engine_name(cfg),
+        "rollout": rollout_engine_name(cfg, None if trainer.tools is None else trainer.rollout.tool_names),
         "estimator": algo.adv_estimator,
         "policy_loss": actor.policy_loss.loss_mode,
         "loss_agg_mode": actor.loss_agg_mode,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from dsrl.config import Config
-from dsrl.data.batch import Batch
+from dsrl.data.batch import Batch, last_response_token
 from dsrl.distributed import gather_problems
 from dsrl.rewards import RewardScorer, overlong_penalties, reward_components
 
@@ -33,7 +33,7 @@ class StepScorer:
 
     def response_texts(self, batch: Batch) -> list[str]:
         return self.tokenizer.batch_decode(
-            [ids[mask.bool()] for ids, mask in zip(batch.response_ids, batch.response_mask)], skip_special_tokens=True
+            [ids[mask.bool()] for ids, mask in zip(batch.response_ids, batch.response_attention)], skip_special_tokens=True
         )
 
     def prompt_text(self, batch: Batch, row: int) -> str:
@@ -47,7 +47,7 @@ class StepScorer:
         buffer = kwargs.overlong_buffer_cfg
         if buffer.enable:  # the dapo reward manager (validated), as verl: training, validation and remax's baseline
             penalties = overlong_penalties(
-                batch.response_mask.sum(-1).tolist(),
+                batch.response_attention.sum(-1).tolist(),
                 max_resp_len=self.cfg.data.max_response_length if kwargs.max_resp_len is None else kwargs.max_resp_len,
                 buffer_len=buffer.len,
                 penalty_factor=buffer.penalty_factor,
@@ -56,7 +56,7 @@ class StepScorer:
             if buffer.log:
                 extras = {**extras, "overlong_reward": penalties, "overlong": [penalty < 0 for penalty in penalties]}
         token_level = torch.zeros_like(batch.response_mask, dtype=torch.float32)
-        last = batch.response_mask.sum(-1).long() - 1
+        last = last_response_token(batch.response_mask)
         token_level[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=torch.float32)
         return Scores(token_level, responses, extras, counts)
 

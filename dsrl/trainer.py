@@ -62,6 +62,7 @@ from dsrl.engines.training import global_counts
 from dsrl.metrics import (
     batch_metrics,
     memory_metrics,
+    multi_turn_metrics,
     reward_metrics,
     rollout_correction_metrics,
     rollout_logprob_metrics,
@@ -74,6 +75,8 @@ from dsrl.resume import checkpoint_to_resume, check_settings, check_train_data, 
 from dsrl.rewards import FAILURE_COUNTS, FailureStreak, RewardScorer, check_reward_rules, numeric_extras
 from dsrl.rollout import HFRollout, SamplingParams, iter_full_parameters
 from dsrl.rollout.colocation import colocated_generation
+from dsrl.rollout.multi_turn import MultiTurnRollout
+from dsrl.rollout.tools import ToolSet
 from dsrl.rollout_mismatch import RolloutMismatch
 from dsrl.run_facts import final_facts, run_tags, startup_facts
 from dsrl.scoring import Scores, StepScorer
@@ -123,7 +126,7 @@ class Trainer:
         setup_logging(self.rank)
         set_seed(cfg.trainer.seed + self.rank)  # python, numpy, torch and the accelerator
         self.checkpoint_root = Path(cfg.trainer.default_local_dir)
-        self.scorer = self.tracker = None
+        self.scorer = self.tracker = self.tools = None
         self._take_run_folder()
         try:
             self._build()
@@ -162,6 +165,9 @@ class Trainer:
             problems = import_user_modules(algo.import_modules)
             if not problems:
                 self.tokenizer = load_tokenizer(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
+                if cfg.actor_rollout_ref.rollout.multi_turn.enable:  # before the prompts: their template lists the tools
+                    log = self.checkpoint_root / f"tool_workers_rank{self.rank}.log"
+                    self.tools = ToolSet.from_config(cfg, log_file=log)
                 self.train_prompts, train_stats = self._load_prompts(cfg.data.train_files, cfg.data.train_max_samples)
                 self.val_prompts, val_stats = (
                     self._load_prompts(cfg.data.val_files, cfg.data.val_max_samples) if cfg.data.val_files else (None, None)
@@ -217,6 +223,8 @@ class Trainer:
         self.critic = CriticEngine(cfg, total_training_steps=schedule_steps) if algo.adv_estimator == "gae" else None
         if not uses_vllm:
             self.rollout = HFRollout.from_config(cfg)
+        if self.tools is not None:
+            self.rollout = MultiTurnRollout.from_config(self.rollout, self.tokenizer, self.tools, cfg)
         self.reward_failures = FailureStreak(cfg)  # reward.max_failed_steps
         self.rollout_mismatch = RolloutMismatch(cfg)  # algorithm.rollout_mismatch
 
@@ -259,6 +267,8 @@ class Trainer:
             self.tracker.finish(status)
         if self.scorer is not None:
             self.scorer.close()
+        if self.tools is not None:
+            self.tools.close()
         if self._locked:
             run_folder.release(self.checkpoint_root)
             self._locked = False
@@ -322,7 +332,9 @@ class Trainer:
             filter_overlong_prompts=data.filter_overlong_prompts,
             truncation=data.truncation,
             max_samples=max_samples,
-            chat_template_kwargs=dict(data.apply_chat_template_kwargs),
+            chat_template_kwargs={
+                **({"tools": self.tools.schemas} if self.tools is not None else {}), **data.apply_chat_template_kwargs
+            },
         )
 
     def _first_group_id(self) -> int:
@@ -365,14 +377,27 @@ class Trainer:
         )
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
-        """Sample ``sampling.n`` responses per prompt; rows of one prompt are contiguous."""
-        out = self.rollout.generate(prompts.prompt_ids, prompts.prompt_mask, sampling)
+        """Sample ``sampling.n`` responses per prompt; rows of one prompt are contiguous. With multi-turn, each
+        row's ``extra_info`` gains its ``num_turns`` and ``num_tool_calls`` for the reward functions."""
+        if self.tools is None:
+            out = self.rollout.generate(prompts.prompt_ids, prompts.prompt_mask, sampling)
+        else:
+            tools_kwargs = [info.get("tools_kwargs") or {} for info in prompts.extra_infos] or [{}] * len(prompts)
+            out = self.rollout.generate(prompts.prompt_ids, prompts.prompt_mask, sampling, tools_kwargs=tools_kwargs)
         repeat = torch.arange(len(prompts)).repeat_interleave(sampling.n)
-        return prompts.select(repeat).replace(
+        batch = prompts.select(repeat).replace(
             response_ids=out.response_ids,
             response_mask=out.response_mask,
             rollout_log_probs=out.log_probs,
+            response_attention_mask=out.attention_mask,
         )
+        if out.conversations is not None:
+            infos = batch.extra_infos or [{}] * len(batch)
+            batch = batch.replace(extra_infos=[
+                {**info, "num_turns": talk["num_turns"], "num_tool_calls": talk["num_tool_calls"]}
+                for info, talk in zip(infos, out.conversations)
+            ])
+        return batch
 
     def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
         """Token-level scores [B, T] (each response's score at its last response token), gdpo's reward
@@ -435,7 +460,7 @@ class Trainer:
         ``training/truncated_masked_ratio``, their share of the step's rows over all ranks (a collective)."""
         cut = truncated_responses(
             batch.response_ids,
-            batch.response_mask,
+            batch.response_attention,
             max_response_length=self.cfg.data.max_response_length,
             eos_token_ids=self.rollout.eos_token_ids,
         )  # [B]
@@ -576,6 +601,7 @@ class Trainer:
                 records = shard[start : start + chunk]
                 prompts = self._prompt_batch(records or self.val_prompts[:1], first_group_id=start)
                 batches.append((self.generate(prompts, sampling), len(records) * sampling.n))
+        turns = {} if self.tools is None else multi_turn_metrics(self.rollout.take_stats())  # fillers' rows too
         # (prompt's row in the validation files, data source, score, extras, texts), one per response;
         # the texts (prompt, response) only for the trainer.log_val_generations first rows.
         rows = []
@@ -608,6 +634,7 @@ class Trainer:
             self.tracker.log_table(table, f"generations/val_step_{self.global_step}.json")
         metrics = validation_metrics([row[1] for row in rows], [row[0] for row in rows], variables, preds)  # verl's seed
         metrics.update({f"val-aux/{name}": float(sum(part[name] for _, part in gathered)) for name in FAILURE_COUNTS})
+        metrics.update({f"val-aux/{name}": value for name, value in turns.items()})
         return metrics
 
     # ---- the step ----------------------------------------------------------------------------
@@ -627,6 +654,8 @@ class Trainer:
                     batch = self.generate(prompts, self._sampling(validation=False))
                 if algo.adv_estimator == "remax":
                     greedy = self.generate(prompts, self._sampling(validation=False).replace(n=1, do_sample=False))
+            if self.tools is not None:  # every conversation generated this step, ReMax's greedy ones too
+                metrics.update(multi_turn_metrics(self.rollout.take_stats()))
             with timer("reward"):
                 if algo.adv_estimator == "remax":  # scored before the rows move, like the responses below
                     greedy_scores, _, _ = self.score(greedy)
@@ -701,7 +730,7 @@ class Trainer:
         metrics.update(variance_proxy_metrics(batch, metrics.get("actor/grad_norm")))
         metrics.update(timer.seconds)
         prompt_tokens, response_tokens = all_reduce(
-            torch.stack([batch.prompt_mask.sum(), batch.response_mask.sum()]).double()
+            torch.stack([batch.prompt_mask.sum(), batch.response_attention.sum()]).double()
         ).tolist()
         metrics.update(
             throughput_metrics(

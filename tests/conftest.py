@@ -214,6 +214,32 @@ def arithmetic_data(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory) -> Path:
+    """The tiny model warm-started to call the calculator on some products (``make_tiny_model.py --task
+    calculator``), built once per session."""
+    out = tmp_path_factory.mktemp("tiny_tool_model")
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--task", "calculator", "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def calculator_data(tmp_path_factory) -> Path:
+    """The calculator task (products of 3-digit numbers): 64 train / 8 test prompts."""
+    out = tmp_path_factory.mktemp("calculator")
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--task", "calculator", "--out", str(out),
+         "--train-size", "64", "--test-size", "8"],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
 @pytest.fixture
 def gsm8k_checkout(tmp_path, monkeypatch):
     """A checkout where ``python scripts/prepare_data.py --task gsm8k`` has run (its default paths), as cwd."""

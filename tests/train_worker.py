@@ -2,7 +2,8 @@
 to ``<out>/rank<N>.json`` at the end and, as they happen, to ``<out>/metrics_rank<N>.jsonl`` (so a
 killed run keeps what it logged). Runs alone (a world of one) or under the deepspeed launcher.
 
-With a vLLM rollout, ``generator_states`` in the report lists, for every ``LLM.generate`` call, a digest of
+``engine_calls`` lists the rows of every generate call of the rollout engine (a multi-turn rollout calls it
+once per turn). With a vLLM rollout, ``generator_states`` in the report lists, for every ``LLM.generate`` call, a digest of
 the global generators (python, numpy, torch) the call started with: the ranks of a tensor-parallel group
 must start every call alike, whichever model runner draws from which.
 
@@ -70,8 +71,21 @@ def recording_states(generate):
     return wrapped
 
 
-if hasattr(trainer.rollout, "llm"):
-    trainer.rollout.llm.generate = recording_states(trainer.rollout.llm.generate)
+engine = getattr(trainer.rollout, "engine", trainer.rollout)  # a multi-turn rollout wraps the engine
+if hasattr(engine, "llm"):
+    engine.llm.generate = recording_states(engine.llm.generate)
+engine_calls = []  # per engine generate call: the rows it generated for (multi-turn: one call per turn)
+
+
+def counting_rows(generate):
+    def wrapped(prompt_ids, *a, **kw):
+        engine_calls.append(len(prompt_ids))
+        return generate(prompt_ids, *a, **kw)
+
+    return wrapped
+
+
+engine.generate = counting_rows(engine.generate)
 
 
 def kill_after(fn, at_global_step):
@@ -105,11 +119,13 @@ except TrainingStopped as err:  # every rank raised it at the same step; rank 0 
     if trainer.rank == 0:
         print(f"dsrl: {err}", file=sys.stderr, flush=True)
     code = 1
-llm = getattr(trainer.rollout, "llm", None)
+llm = getattr(engine, "llm", None)
 tp = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size if llm is not None else None
 report = {
     "world": trainer.world_size,
-    "rollout": type(trainer.rollout).__name__,
+    "rollout": type(engine).__name__,
+    "multi_turn": engine is not trainer.rollout,
+    "engine_calls": engine_calls,
     "tp": tp,
     "logged": logged,
     "generator_states": generator_states,

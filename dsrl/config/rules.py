@@ -53,6 +53,8 @@ from dsrl.config.schema import (
     SCHEMA,
     SLEEP_LEVELS,
     SUM_PI_SQUARED_ESTIMATORS,
+    TOOL_FORMATS,
+    TRUNCATE_SIDES,
     TRUNCATION_MODES,
     _LEAF_KEYS,
     BypassCorrectionConfig,
@@ -126,6 +128,7 @@ def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset())
     _rollout_correction_rules(cfg, need)
     _rollout_mismatch_rules(cfg, need)
     _filter_groups_rules(cfg, need)
+    _multi_turn_rules(cfg, need)
     _file_rules(cfg, need)
     _deepspeed_rules(cfg, world_size, need)
     _reward_rules(cfg, need)
@@ -856,6 +859,40 @@ def _rollout_mismatch_rules(cfg: Config, need: Need) -> None:
         f"{prefix}.patience",
         "must be >= 1 (training steps in a row above max_probs_diff that stop the run)",
         "set it to 3",
+    )
+
+
+def _multi_turn_rules(cfg: Config, need: Need) -> None:
+    """Multi-turn rollouts: bounds, names, and tools to call (what is in the tool files is read by the command,
+    ``dsrl.rollout.tools.check_tool_files``, and at start-up). With enable false the other keys are accepted
+    unread, as with algorithm.filter_groups: a recipe with tools stays usable without them (enable=false)."""
+    mt, prefix = cfg.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
+    if not mt.enable:
+        return
+    need(
+        mt.tool_config_path or mt.function_tool_path,
+        f"{prefix}.tool_config_path",
+        f"{prefix}.enable=true needs tools for the model to call",
+        f"set {prefix}.tool_config_path (verl's tool YAML, e.g. configs/tools/calculator.yaml) or "
+        f"{prefix}.function_tool_path (a .py of functions)",
+    )
+    for key in ("max_assistant_turns", "max_user_turns"):
+        value = getattr(mt, key)
+        need(value is None or value >= 1, f"{prefix}.{key}", "must be >= 1 or null (no limit)", f"set {prefix}.{key}=5, or null")
+    for key in ("max_parallel_calls", "max_tool_response_length"):
+        need(getattr(mt, key) >= 1, f"{prefix}.{key}", "must be >= 1", f"set {prefix}.{key} to a positive count")
+    need(mt.tool_timeout > 0, f"{prefix}.tool_timeout", "must be > 0 seconds", f"set {prefix}.tool_timeout=10")
+    need(
+        mt.tool_response_truncate_side in TRUNCATE_SIDES, f"{prefix}.tool_response_truncate_side",
+        f"must be one of {', '.join(TRUNCATE_SIDES)}", f"set {prefix}.tool_response_truncate_side=middle",
+    )
+    need(mt.format in TOOL_FORMATS, f"{prefix}.format", f"must be one of {', '.join(TOOL_FORMATS)}", f"set {prefix}.format=hermes")
+    need(
+        cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 1,
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        f"{prefix}.enable=true: the ranks sharing a tensor-parallel engine generate together, but each rank's "
+        "conversations take their own number of turns",
+        "set actor_rollout_ref.rollout.tensor_model_parallel_size=1 (one engine per rank)",
     )
 
 

@@ -388,7 +388,8 @@ class MultiTurnConfig:
     enable: bool = _f(
         False,
         "multi-turn tool-integrated rollouts: the model calls tools while it answers; their outputs join the response "
-        "with response_mask 0 (in the context, out of the loss); dsrl.rollout.multi_turn",
+        "with response_mask 0 (in the context, out of the loss); dsrl.rollout.multi_turn; false: the other "
+        "multi_turn keys are not read",
     )
     max_assistant_turns: Optional[int] = _f(None, "assistant turns per response at most; null = until the length budget")
     max_user_turns: Optional[int] = _f(
@@ -407,6 +408,11 @@ class MultiTurnConfig:
     )
     format: str = _f("hermes", "how the model writes tool calls: hermes (<tool_call>{json}</tool_call>, Qwen2.5/Qwen3)")
     tool_timeout: float = _f(10.0, "seconds one tool call may run before it is stopped and reported to the model")
+    tool_memory_limit_mb: int = _f(
+        4096,
+        "memory bound of each tool worker process in MB (RLIMIT_DATA, inherited by what a tool starts); a call past it "
+        "fails (tool/fail_exception or tool/fail_crash); 0 = no limit",
+    )
 
 
 @dataclass

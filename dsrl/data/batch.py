@@ -35,7 +35,7 @@ class Batch:
     prompt_ids: torch.Tensor  # [B, P] int64, left-padded
     prompt_mask: torch.Tensor  # [B, P] int64, 1 on prompt tokens
     response_ids: torch.Tensor  # [B, T] int64, right-padded
-    response_mask: torch.Tensor  # [B, T] int64, 1 on generated tokens incl. EOS
+    response_mask: torch.Tensor  # [B, T] int64, 1 on generated tokens incl. EOS (the loss mask)
     group_ids: torch.Tensor  # [B] int64, same id = same prompt
     data_sources: list[str] = field(default_factory=list)  # [B] reward dispatch key
     ground_truths: list[Any] = field(default_factory=list)  # [B]
@@ -53,6 +53,9 @@ class Batch:
     rollout_is_weights: torch.Tensor | None = None
     reward_baselines: torch.Tensor | None = None  # [B] float32, ReMax: the score of the prompt's greedy response
     reward_components: torch.Tensor | None = None  # [B, K] float32, gdpo: the reward's algorithm.gdpo_reward_keys values
+    # [B, T] int64, multi-turn: 1 on every response token the model sees -- its turns and the tool outputs between
+    # them (response_mask 0 there) -- 0 on padding; None = response_mask (one turn). Always ends on a response_mask 1.
+    response_attention_mask: torch.Tensor | None = None
 
     @classmethod
     def of_responses(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, out: Any, n: int) -> Batch:
@@ -66,6 +69,7 @@ class Batch:
             response_mask=out.response_mask,
             group_ids=rows,
             rollout_log_probs=out.log_probs,
+            response_attention_mask=out.attention_mask,
         )
 
     def __len__(self) -> int:
@@ -79,8 +83,12 @@ class Batch:
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
     @property
+    def response_attention(self) -> torch.Tensor:  # [B, T]: every response token in the context (tool outputs too)
+        return self.response_mask if self.response_attention_mask is None else self.response_attention_mask
+
+    @property
     def attention_mask(self) -> torch.Tensor:  # [B, P + T]
-        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
+        return torch.cat([self.prompt_mask, self.response_attention.to(self.prompt_mask.dtype)], dim=1)
 
     @property
     def position_ids(self) -> torch.Tensor:  # [B, P + T]; left padding shifts positions
@@ -129,3 +137,10 @@ class Batch:
             else:
                 fields[f.name] = torch.cat([F.pad(v, (0, T - v.shape[1])) for v in values])
         return Batch(**fields)
+
+
+def last_response_token(response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] int64: each row's last position with ``response_mask`` 1 (after a multi-turn response's holes);
+    -1 for an empty response."""
+    positions = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
+    return (positions * (response_mask != 0)).amax(-1) - 1

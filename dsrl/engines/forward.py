@@ -125,6 +125,7 @@ def model_inputs(micro: Batch, device: torch.device) -> tuple[dict[str, torch.Te
         prompt_mask=micro.prompt_mask[:, first:],
         response_ids=micro.response_ids[:, :width],
         response_mask=micro.response_mask[:, :width],
+        response_attention_mask=None if micro.response_attention_mask is None else micro.response_attention_mask[:, :width],
     )
     inputs = {
         "input_ids": trimmed.input_ids.to(device),

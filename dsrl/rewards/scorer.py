@@ -23,141 +23,32 @@ rotated to ``<log_file>.1`` (``dsrl.rewards.worker``). Memory: each worker, and 
 is bounded by ``memory_limit_mb`` (``RLIMIT_DATA``); a call past it fails and is counted (a
 ``MemoryError`` as an exception, a worker that dies of it as a crash), both messages naming the key.
 
-Start method: ``spawn`` (no ``fork`` of a process holding CUDA, DeepSpeed and NCCL state), but without
-the part of ``spawn`` that re-runs the parent's ``__main__`` script in every child as ``__mp_main__``
-(for ``scripts/train.py`` that would import torch and the trainer in each worker): the pool's own
-multiprocessing context drops the main-module entries from the preparation data of the processes it
-starts, and only those (a thread-local flag around ``multiprocessing.spawn.get_preparation_data``). A
-worker imports dsrl.rewards, pebble and the user's reward file (once, in the pool initializer): about
-0.3 s of start-up, paid at construction and again only for a worker that replaces a killed one.
-
-Life of the workers: ``close()`` (also via the context manager, garbage collection and ``atexit``)
-stops the pool. A SIGKILLed trainer runs no atexit handler: pebble's idle workers then exit on the end
-of file of their task pipe, but a worker inside a hanging call would live on (checked: it is reparented
-to init); so every worker also sets ``PR_SET_PDEATHSIG`` (SIGKILL) on Linux, a ``getppid`` watchdog
-thread elsewhere (``dsrl.rewards.worker.die_with_parent``). The kernel sends that signal when the
-*thread* that started the worker ends: the pool's first workers are started by the thread that builds
-the scorer (build it on the trainer's main thread; a pool replaced after a hang or a breakdown, by the
-thread that calls ``score_batch``), replacements by pebble's pool thread. A worker is stopped with
-SIGKILL (to its process group, below), not pebble's SIGTERM, whose Python handler could not run inside a
-C call holding the GIL (pebble would wait 3 s, then SIGKILL): a timed-out call is ended at once.
-
-What a reward function starts (``subprocess``, ``os.fork``, a shell pipeline: a code-execution reward)
-goes with its worker: each worker leads a process group of its own (``os.setpgrp`` before the user's
-file is imported), and the group is SIGKILLed whenever the worker is stopped: on a timeout and when the
-pool closes (pebble calls :meth:`_WorkerProcess.terminate`), and when a worker dies in a call (the group
-of ``ProcessExpired.pid``). Not covered: a descendant that starts a session or group of its own
-(``start_new_session=True``, ``setsid``), and the descendants of a worker killed with a SIGKILLed
-trainer (``PR_SET_PDEATHSIG`` ends the worker alone).
+The pool itself (spawn without the training script, process groups killed with their worker, workers
+that die with the trainer) is ``dsrl.rewards.pool``, shared with the rollout's tools.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import multiprocessing
-import multiprocessing.context
-import multiprocessing.spawn
 import os
 import queue
 import random
-import signal
-import threading
 import time
-import weakref
-from concurrent.futures import TimeoutError as FutureTimeoutError
-from concurrent.futures.process import BrokenProcessPool
-
-import pebble
 
 from dsrl.rewards import worker
+# default_num_workers is dsrl.rewards's; _WorkerContext is imported from here by the containment tests
+from dsrl.rewards.pool import WorkerPool, _WorkerContext, default_num_workers  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
 # Failure kinds, in the order the counts are returned (every rank returns the same keys in the same order).
 FAILURE_KINDS = ("exception", "timeout", "invalid", "crash")
 FAILURE_COUNTS = tuple(f"reward/fail_{kind}" for kind in FAILURE_KINDS)
-MAX_DEFAULT_WORKERS = 16
-# Python start-up plus loading the user's file; a pool whose first worker is not ready by then is broken.
-_STARTUP_TIMEOUT_S = 120.0
 # Calls in a row that ran past the limit, none scoring, that cut a batch short (at least one per worker):
 # with the tasks shuffled, a batch in which half the rows hang is cut short with probability 1/256.
 _HANG_EVIDENCE_CALLS = 8
 _SLOW_BATCH_REPORT_S = 30.0  # a batch running this long says how far it got, and again every as long
-
-
-def default_num_workers() -> int:
-    """The CPUs this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``), shared by
-    the ranks of this node (``LOCAL_SIZE`` from the deepspeed launcher, ``LOCAL_WORLD_SIZE`` from
-    torchrun), at most 16: every rank has its own pool, so 8 ranks do not start 8 x 16 workers."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1")
-    return max(1, min(MAX_DEFAULT_WORKERS, cpus // max(local_ranks, 1)))
-
-
-# ---------------------------------------------------------------- spawn without re-running __main__
-
-_launching = threading.local()
-
-
-def _preparation_data(name: str) -> dict:
-    data = _stdlib_preparation_data(name)
-    if getattr(_launching, "reward_worker", False):
-        data.pop("init_main_from_path", None)
-        data.pop("init_main_from_name", None)
-    return data
-
-
-_stdlib_preparation_data = getattr(
-    multiprocessing.spawn.get_preparation_data, "__wrapped__", multiprocessing.spawn.get_preparation_data
-)
-_preparation_data.__wrapped__ = _stdlib_preparation_data
-
-
-def _install_preparation_hook() -> None:
-    """Route ``spawn.get_preparation_data`` through ``_preparation_data``: unchanged for every process
-    but those :class:`_WorkerProcess` starts on this thread at this moment."""
-    if multiprocessing.spawn.get_preparation_data is not _preparation_data:
-        multiprocessing.spawn.get_preparation_data = _preparation_data
-
-
-def _kill_process_group(pid: int) -> bool:
-    """SIGKILL the process group that the worker ``pid`` leads: the worker and every process it started.
-    False when there is no such group (the worker had not called ``setpgrp`` yet, or it and all it
-    started are gone) or only processes this one may not signal (setuid programs) are left."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
-class _WorkerProcess(multiprocessing.context.SpawnProcess):
-    """A reward worker: started without the parent's ``__main__``; stopping it kills its process group."""
-
-    def terminate(self) -> None:
-        # pebble stops a worker (a timeout, the pool's end, exit) with terminate(), then SIGKILL to the pid.
-        if not _kill_process_group(self.pid):
-            super().kill()  # not yet a group leader: the worker alone
-
-    kill = terminate
-
-    @staticmethod
-    def _Popen(process_obj):
-        _launching.reward_worker = True
-        try:
-            return multiprocessing.context.SpawnProcess._Popen(process_obj)
-        finally:
-            _launching.reward_worker = False
-
-
-class _WorkerContext(multiprocessing.context.SpawnContext):
-    """The ``spawn`` context, its processes started without the parent's ``__main__``."""
-
-    Process = _WorkerProcess
 
 
 # ---------------------------------------------------------------- the scorer
@@ -230,13 +121,18 @@ class RewardScorer:
             open(self.log_file, "a").close()
         # The message of the first failure (in time) of the last score_batch; None when every row scored.
         self.first_failure: str | None = None
-        self._initargs = (
-            custom_path, custom_name, self.batch, tuple(math_verify_sources), os.getpid(), self.log_file,
-            log_max_mb, memory_limit_mb,
+        self._workers = WorkerPool(
+            "reward",
+            self.num_workers,
+            worker.initialize,
+            (
+                custom_path, custom_name, self.batch, tuple(math_verify_sources), os.getpid(), self.log_file,
+                log_max_mb, memory_limit_mb,
+            ),
+            memory_limit_mb=memory_limit_mb,
+            memory_key="reward.memory_limit_mb",
         )
-        self._pool: pebble.ProcessPool | None = None
-        self._finalizer: weakref.finalize | None = None
-        self.startup_s = self._start_pool()
+        self.startup_s = self._workers.start()
         output = f"; their output goes to {self.log_file}" if self.log_file else ""
         logger.info("reward: %d worker processes ready in %.2f s%s", self.num_workers, self.startup_s, output)
 
@@ -259,44 +155,14 @@ class RewardScorer:
             memory_limit_mb=reward.memory_limit_mb,
         )
 
-    def _start_pool(self) -> float:
-        """Start the workers and wait until every one has loaded the reward function; seconds it took."""
-        _install_preparation_hook()
-        start = time.perf_counter()
-        context = _WorkerContext()
-        # Lives as long as the pool: replacement workers unpickle it from the initializer's arguments too.
-        self._ready = context.Barrier(self.num_workers)
-        pool = pebble.ProcessPool(
-            max_workers=self.num_workers,
-            initializer=worker.initialize,
-            initargs=(*self._initargs, self._ready),
-            context=context,
-        )
-        self._pool = pool
-        self._finalizer = weakref.finalize(self, _stop_pool, pool)
-        probes = [pool.schedule(worker.probe, (_STARTUP_TIMEOUT_S,)) for _ in range(self.num_workers)]
-        try:
-            answers = [probe.result(timeout=_STARTUP_TIMEOUT_S + 10) for probe in probes]
-        except FutureTimeoutError:
-            self.close()
-            raise RuntimeError(
-                f"the reward workers did not start within {_STARTUP_TIMEOUT_S:.0f} s "
-                "(does importing custom_reward_function.path hang?)"
-            ) from None
-        except Exception as exc:
-            self.close()
-            raise RuntimeError(f"the reward workers failed to start: {type(exc).__name__}: {exc}") from exc
-        errors = [error for error, _ in answers if error is not None]
-        if errors:
-            self.close()
-            raise ValueError(errors[0])
-        return time.perf_counter() - start
+    @property
+    def _pool(self):
+        """The pebble pool; None after :meth:`close`."""
+        return self._workers.pebble
 
     def close(self) -> None:
         """Stop the workers (idempotent)."""
-        if self._finalizer is not None:
-            self._finalizer()
-        self._pool, self._finalizer = None, None
+        self._workers.close()
 
     def __enter__(self) -> "RewardScorer":
         return self
@@ -306,9 +172,7 @@ class RewardScorer:
 
     def worker_pids(self) -> list[int]:
         """The pids of the live workers (for tests and diagnostics)."""
-        manager = getattr(self._pool, "_pool_manager", None)  # pebble's bookkeeping (5.x)
-        workers = getattr(getattr(manager, "worker_manager", None), "workers", {})
-        return [pid for pid in tuple(workers) if pid is not None]
+        return self._workers.worker_pids()
 
     def score_batch(
         self, data_sources: list[str], responses: list[str], ground_truths: list, extra_infos: list[dict | None]
@@ -363,10 +227,7 @@ class RewardScorer:
         return scores, extras, {name: len(failures[kind]) for name, kind in zip(FAILURE_COUNTS, FAILURE_KINDS)}
 
     def _replace_broken_pool(self) -> None:
-        if not self._pool.active:
-            logger.warning("reward: the worker pool broke down; starting a new one")
-            self._finalizer()
-            self._start_pool()
+        self._workers.replace_if_broken()
 
     def _run(self, rows: list[tuple]) -> tuple[list[tuple], str | None]:
         """One outcome per row (see ``dsrl.rewards.worker``), ``("timeout" | "crash" | "broken", message)`` added
@@ -415,8 +276,7 @@ class RewardScorer:
                 for i in pending.values():
                     results[i] = [("timeout", message)] * (spans[i][1] - spans[i][0])
                 # A new pool: pebble would hand each queued call to a worker, then kill that worker.
-                self._finalizer()
-                self._start_pool()
+                self._workers.start()
                 break
             if pending and time.monotonic() >= report_at:
                 logger.info(
@@ -429,43 +289,13 @@ class RewardScorer:
         return [outcome for i in range(len(spans)) for outcome in results[i]], first_failure
 
     def _outcomes(self, future, size: int) -> list[tuple]:
-        if isinstance(future, Exception):
+        if isinstance(future, Exception):  # refused at scheduling
             return [("broken", f"the reward worker pool broke down: {future}")] * size
         try:
-            outcomes = future.result()
-        except FutureTimeoutError:
-            return [("timeout", f"the call ran past reward.timeout_s={self.timeout_s:g} s and was killed")] * size
-        except pebble.ProcessExpired as exc:
-            _kill_process_group(exc.pid)  # what the call started, left behind by its worker
-            memory = (
-                f" (if it ran out of memory: reward.memory_limit_mb={self.memory_limit_mb} bounds each worker)"
-                if self.memory_limit_mb else ""
-            )
-            return [("crash", f"the reward worker died ({_exit_reason(exc.exitcode)}) in this call{memory}")] * size
-        except (BrokenProcessPool, RuntimeError) as exc:
-            return [("broken", f"the reward worker pool broke down: {type(exc).__name__}: {exc}")] * size
-        except Exception as exc:  # noqa: BLE001 -- e.g. arguments pebble could not pickle
-            return [("exception", f"{type(exc).__name__}: {exc}")] * size
-        return outcomes
-
-
-def _exit_reason(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
-
-
-def _stop_pool(pool: pebble.ProcessPool) -> None:
-    """Stop a pool's workers now (each with its process group: :meth:`_WorkerProcess.terminate`) and its
-    threads."""
-    pool.stop()
-    try:
-        pool.join(timeout=30)
-    except Exception as exc:  # noqa: BLE001 -- stopping must not raise at exit
-        logger.warning("reward: stopping the worker pool: %s: %s", type(exc).__name__, exc)
+            return future.result()
+        except Exception as exc:  # noqa: BLE001 -- every way a task can fail is an outcome
+            timeout = f"the call ran past reward.timeout_s={self.timeout_s:g} s and was killed"
+            return [self._workers.failure(exc, timeout)] * size
 
 
 def numeric_extras(extras: dict[str, list]) -> dict[str, list[float]]:

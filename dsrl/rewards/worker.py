@@ -1,14 +1,16 @@
-"""What runs inside a reward worker process of :class:`dsrl.rewards.RewardScorer` (a pebble pool worker).
+"""What runs inside a worker process of :class:`dsrl.rewards.pool.WorkerPool` (a pebble pool worker):
+:func:`setup` and :func:`probe` for every pool, and the reward scorer's tasks (the tools' are in
+``dsrl.rollout.tools.worker``).
 
 The pool starts each worker with the ``spawn`` method and without re-running the training script (see
-``dsrl.rewards.scorer``), so a worker imports only this package, pebble and the user's reward file: no
-torch. :func:`initialize` runs once per worker (and once per replacement of a killed one): it makes the
-worker the leader of a process group of its own (the scorer kills the group, so what a reward function
-starts goes with its worker), ties the worker's life to the trainer's, bounds its memory
-(``reward.memory_limit_mb``), sends its output to the scorer's log file (rotated at
-``reward.log_max_mb``) and loads the reward function once. A loading error is kept, not raised (pebble
-would restart a worker whose initializer fails, forever); :func:`probe` reports it so the scorer fails at
-construction.
+``dsrl.rewards.pool``), so a worker imports only this package, pebble and the user's file: no torch. A
+pool's initializer (:func:`initialize` for rewards) runs once per worker (and once per replacement of a
+killed one): :func:`setup` makes the worker the leader of a process group of its own (the pool kills the
+group, so what a user's function starts goes with its worker), ties the worker's life to the trainer's,
+bounds its memory (``reward.memory_limit_mb``), sends its output to the pool's log file (rotated at
+``reward.log_max_mb``); then the initializer loads the user's function once. A loading error is kept
+(:func:`keep_load_error`), not raised (pebble would restart a worker whose initializer fails, forever);
+:func:`probe` reports it so the pool fails at construction.
 
 The log is shared by all the workers of a rank, each appending through its own descriptor. Each checks
 it after every task and once a second from a daemon thread (one long, chatty call cannot fill the disk):
@@ -55,6 +57,8 @@ _fn: Callable | None = None
 _batch = False
 _load_error: str | None = None
 _ready = None  # the multiprocessing.Barrier every worker of a new pool meets in probe()
+_what = "reward"  # the pool's name and config keys, for messages
+_memory_key = "reward.memory_limit_mb"
 _memory_limit_mb = 0
 _log_file: str | None = None
 _log_max_mb = 0
@@ -83,10 +87,45 @@ def die_with_parent(parent_pid: int) -> str:
                 time.sleep(_WATCHDOG_PERIOD_S)
             os._exit(1)
 
-        threading.Thread(target=watch, name="dsrl-reward-watchdog", daemon=True).start()
+        threading.Thread(target=watch, name="dsrl-worker-watchdog", daemon=True).start()
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
         os._exit(1)
     return how
+
+
+def setup(
+    parent_pid: int, log_file: str | None, log_max_mb: int, memory_limit_mb: int, ready, *,
+    what: str = "reward", memory_key: str = "reward.memory_limit_mb",
+) -> None:
+    """Every pool initializer's first step: a process group of its own, tied to the trainer, memory
+    bounded, output to ``log_file`` (None: the trainer's stdout and stderr) rotated at ``log_max_mb`` (0:
+    never), ``ready`` kept for :func:`probe`. ``what`` and ``memory_key`` name the pool in messages."""
+    global _ready, _what, _memory_key, _memory_limit_mb, _log_file, _log_max_mb
+    # Before the user's file runs, so that every process it or a call starts joins the group the pool
+    # kills with this worker (the group's id is this pid).
+    os.setpgrp()
+    die_with_parent(parent_pid)
+    limit_memory(memory_limit_mb)
+    _ready, _what, _memory_key, _memory_limit_mb = ready, what, memory_key, memory_limit_mb
+    if log_file is not None:
+        redirect_output(log_file)
+        if log_max_mb:
+            _log_file, _log_max_mb = log_file, log_max_mb
+            threading.Thread(target=_watch_log, name="dsrl-worker-log", daemon=True).start()
+
+
+def keep_load_error(message: str) -> None:
+    """What :func:`probe` reports: this worker could not load what it runs."""
+    global _load_error
+    _load_error = message
+
+
+def memory_hint() -> str:
+    """``under reward.memory_limit_mb=4096: raise it, or set it to 0 for no limit`` (empty without a
+    limit): what a MemoryError while loading adds to its message."""
+    if not _memory_limit_mb:
+        return ""
+    return f"under {_memory_key}={_memory_limit_mb}: raise it, or set it to 0 for no limit"
 
 
 def initialize(
@@ -100,30 +139,17 @@ def initialize(
     memory_limit_mb: int,
     ready,
 ) -> None:
-    """pebble's initializer: a process group of its own, tied to the trainer, memory bounded, output to
-    ``log_file`` (None: the trainer's stdout and stderr) rotated at ``log_max_mb`` (0: never), then the
-    reward function loaded once."""
-    global _fn, _batch, _load_error, _ready, _memory_limit_mb, _log_file, _log_max_mb
-    # Before the user's file runs, so that every process it or a reward call starts joins the group the
-    # scorer kills with this worker (the group's id is this pid).
-    os.setpgrp()
-    die_with_parent(parent_pid)
-    limit_memory(memory_limit_mb)
-    _memory_limit_mb = memory_limit_mb
-    if log_file is not None:
-        redirect_output(log_file)
-        if log_max_mb:
-            _log_file, _log_max_mb = log_file, log_max_mb
-            threading.Thread(target=_watch_log, name="dsrl-reward-log", daemon=True).start()
-    _batch, _ready = batch, ready
+    """The reward pool's initializer: :func:`setup`, then the reward function loaded once."""
+    global _fn, _batch
+    setup(parent_pid, log_file, log_max_mb, memory_limit_mb, ready)
+    _batch = batch
     try:
         _fn = load_reward_function(custom_path, custom_name, batch, math_verify_sources)
     except ValueError as exc:
-        _load_error = str(exc)
+        keep_load_error(str(exc))
     except BaseException as exc:  # noqa: BLE001 -- anything the user's module does on import, SystemExit included
-        _load_error = f"custom_reward_function.path={custom_path!r}: importing it raised\n{traceback.format_exc()}"
-        if isinstance(exc, MemoryError) and memory_limit_mb:
-            _load_error += f"under reward.memory_limit_mb={memory_limit_mb}: raise it, or set it to 0 for no limit"
+        message = f"custom_reward_function.path={custom_path!r}: importing it raised\n{traceback.format_exc()}"
+        keep_load_error(message + (memory_hint() if isinstance(exc, MemoryError) else ""))
 
 
 def limit_memory(limit_mb: int) -> None:
@@ -182,12 +208,12 @@ def bound_log() -> None:
             _point_output_at(_log_file)
             if rotated:
                 print(
-                    f"[dsrl reward worker {os.getpid()}] the log reached {size / _MB:.1f} MB "
+                    f"[dsrl {_what} worker {os.getpid()}] the log reached {size / _MB:.1f} MB "
                     f"(reward.log_max_mb={_log_max_mb}): the earlier output is in {_log_file}.1"
                 )
         except OSError as exc:
             with contextlib.suppress(OSError):  # a full disk may refuse this line too
-                print(f"[dsrl reward worker {os.getpid()}] could not rotate {_log_file}: {exc}", file=sys.stderr)
+                print(f"[dsrl {_what} worker {os.getpid()}] could not rotate {_log_file}: {exc}", file=sys.stderr)
 
 
 def _writes_to(path: str) -> bool:
@@ -303,24 +329,24 @@ def score_chunk(rows: list[tuple]) -> list[Outcome]:
     return [as_outcome(result) for result in results]
 
 
-def describe(exc: BaseException) -> str:
-    """What a reward function did, for the failure counts and the stop message: ``called sys.exit(3)``,
-    ``raised KeyboardInterrupt``, or ``ZeroDivisionError: division by zero (at my_reward.py:12 in
-    compute_score)``: the innermost line in the reward function's file, else the innermost frame. A
-    ``MemoryError`` under a memory limit names it: ``... (reward.memory_limit_mb=4096)``."""
+def describe(exc: BaseException, fn: Callable | None = None) -> str:
+    """What a user's function (``fn``, default the reward function) did, for the failure counts and the
+    stop message: ``called sys.exit(3)``, ``raised KeyboardInterrupt``, or ``ZeroDivisionError: division
+    by zero (at my_reward.py:12 in compute_score)``: the innermost line in the function's file, else the
+    innermost frame. A ``MemoryError`` under a memory limit names it: ``... (reward.memory_limit_mb=4096)``."""
     if isinstance(exc, SystemExit):
         return f"called sys.exit({exc.code!r})" if exc.code is not None else "called sys.exit()"
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if isinstance(exc, KeyboardInterrupt):
         return f"raised {text}"
     frames = traceback.extract_tb(exc.__traceback__)[1:]  # the first frame is the call in this file
-    fn_file = getattr(getattr(_fn, "__code__", None), "co_filename", None)
+    fn_file = getattr(getattr(fn or _fn, "__code__", None), "co_filename", None)
     frames = [f for f in frames if f.filename == fn_file] or frames  # the user's line over a library's
     if frames:
         frame = frames[-1]
         text += f" (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"
     if isinstance(exc, MemoryError) and _memory_limit_mb:
-        text += f" (reward.memory_limit_mb={_memory_limit_mb})"
+        text += f" ({_memory_key}={_memory_limit_mb})"
     return text
 
 

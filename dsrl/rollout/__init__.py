@@ -1,8 +1,24 @@
 """Rollout engines: the protocol (``base``), transformers ``generate`` (``hf``) and the weight
-stream from the ZeRO actor (``weight_sync``)."""
+stream from the ZeRO actor (``weight_sync``); the tools of multi-turn rollouts (``tools``).
 
-from dsrl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
-from dsrl.rollout.hf import HFRollout
-from dsrl.rollout.weight_sync import iter_full_parameters
+The engines are imported on first use (PEP 562), so that ``dsrl.rollout.tools`` imports no torch: its
+worker processes and the config check load it."""
+
+import importlib
+
+_EXPORTS = {
+    "RolloutEngine": "dsrl.rollout.base",
+    "RolloutOutput": "dsrl.rollout.base",
+    "SamplingParams": "dsrl.rollout.base",
+    "HFRollout": "dsrl.rollout.hf",
+    "iter_full_parameters": "dsrl.rollout.weight_sync",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dsrl.rollout' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
 
 __all__ = ["HFRollout", "RolloutEngine", "RolloutOutput", "SamplingParams", "iter_full_parameters"]

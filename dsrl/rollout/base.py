@@ -30,6 +30,9 @@ class SamplingParams:
     max_tokens: int = 512  # response length cap (data.max_response_length)
     do_sample: bool = True  # False = greedy decoding (validation)
     seed: int | None = None  # per-call seed: the same seed and inputs give the same samples
+    # One cap per prompt, each <= max_tokens (multi-turn: each conversation's room left); None = max_tokens for all.
+    # vLLM stops each request at its own; HF generates up to max_tokens and the caller cuts.
+    row_max_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.n < 1:
@@ -43,6 +46,8 @@ class SamplingParams:
             raise ValueError(f"rollout.top_p={self.top_p}: must be in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"rollout.top_k={self.top_k}: must be -1 (off) or a positive count")
+        if self.row_max_tokens is not None and (self.n != 1 or not all(0 < m <= self.max_tokens for m in self.row_max_tokens)):
+            raise ValueError(f"row_max_tokens={self.row_max_tokens}: needs n=1 and caps in 1..max_tokens={self.max_tokens}")
         if not self.do_sample and self.n > 1:
             raise ValueError(f"rollout n={self.n} with do_sample=False: greedy decoding gives n identical responses; set n=1")
 
@@ -58,6 +63,10 @@ class RolloutOutput:
     response_mask: torch.Tensor  # [B*n, T] int64, 1 on generated tokens up to and including EOS
     log_probs: torch.Tensor  # [B*n, T] float32, log-prob of each token under the sampling distribution, 0 on padding
     finish_reasons: list[str]  # [B*n] "stop" (ended with EOS) or "length" (hit max_tokens)
+    # Multi-turn (dsrl.rollout.multi_turn): [B*n, T] int64, 1 on every response token, tool outputs too (response_mask
+    # is 0 on those); and per row the conversation: messages, num_turns, num_tool_calls, stop. None for one turn.
+    attention_mask: torch.Tensor | None = None
+    conversations: list[dict] | None = None
 
 
 def stop_and_pad_ids(tokenizer, generation_eos, model_path: str) -> tuple[list[int], int]:

@@ -294,14 +294,14 @@ class VLLMRollout:
     # ---- generation --------------------------------------------------------------------------
 
     def _group_requests(
-        self, prompts: list[list[int]], seed: int | None
-    ) -> tuple[list[list[int]], list, slice, int | None]:
-        """This rank's prompts and per-prompt seeds (None each without ``per_prompt_seeds``) joined with
-        those of its tensor-parallel group (rank order); returns all prompts, all seeds, the slice of them
-        that is this rank's, and the seed of the call (the group's first rank's ``seed``)."""
-        mine = (prompts, _prompt_seeds(seed if self.per_prompt_seeds else None, len(prompts)), seed)
+        self, prompts: list[list[int]], seed: int | None, max_tokens: list[int]
+    ) -> tuple[list[list[int]], list, list[int], slice, int | None]:
+        """This rank's prompts, per-prompt seeds (None each without ``per_prompt_seeds``) and per-prompt token caps
+        joined with those of its tensor-parallel group (rank order); returns all prompts, all seeds, all caps, the
+        slice of them that is this rank's, and the seed of the call (the group's first rank's ``seed``)."""
+        mine = (prompts, _prompt_seeds(seed if self.per_prompt_seeds else None, len(prompts)), seed, max_tokens)
         if self.tp_group is None:
-            return mine[0], mine[1], slice(0, len(prompts)), seed
+            return mine[0], mine[1], max_tokens, slice(0, len(prompts)), seed
         parts: list[Any] = [None] * self.tensor_parallel_size
         dist.all_gather_object(parts, mine, group=self.tp_group)
         position = self.rank % self.tensor_parallel_size
@@ -309,6 +309,7 @@ class VLLMRollout:
         return (
             [prompt for part in parts for prompt in part[0]],
             [s for part in parts for s in part[1]],
+            [m for part in parts for m in part[3]],
             slice(start, start + len(prompts)),
             parts[0][2],
         )
@@ -328,7 +329,8 @@ class VLLMRollout:
         from vllm.inputs import TokensPrompt
 
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
-        all_prompts, seeds, mine, call_seed = self._group_requests(prompts, sampling.seed)
+        caps = list(sampling.row_max_tokens or [sampling.max_tokens] * len(prompts))
+        all_prompts, seeds, all_caps, mine, call_seed = self._group_requests(prompts, sampling.seed, caps)
         greedy = not sampling.do_sample
         params = [
             VLLMSamplingParams(
@@ -336,13 +338,13 @@ class VLLMRollout:
                 temperature=0.0 if greedy else sampling.temperature,
                 top_p=1.0 if greedy else sampling.top_p,
                 top_k=0 if greedy or sampling.top_k == -1 else sampling.top_k,
-                max_tokens=sampling.max_tokens,
+                max_tokens=cap,
                 seed=seed,
                 logprobs=0,
                 stop_token_ids=self.eos_token_ids,
                 detokenize=False,
             )
-            for seed in seeds
+            for seed, cap in zip(seeds, all_caps)
         ]
         if call_seed is None:  # as the same on every rank of the group as a given seed
             call_seed = int(np.random.SeedSequence([self.engine_seed, self.generate_calls]).generate_state(1)[0])

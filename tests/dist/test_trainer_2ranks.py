@@ -162,3 +162,29 @@ def test_dynamic_sampling_ranks_agree_on_rounds_and_kept_groups(setup, tmp_path)
     assert len(steps) == 2 and sum(m["train/num_gen_batches"] for m in steps) > 2
     for metrics in steps:
         assert metrics["dynamic_sampling/groups_kept"] == 8 and metrics["actor/grad_norm"] > 0
+
+
+def test_multi_turn_ranks_each_run_their_own_turns(setup, tool_model_dir, calculator_data, tmp_path):
+    """Tool calls on two ranks: each rank's conversations take their own turns (the loop has no collective), and
+    the all-reduced metrics agree."""
+    overrides, env, launcher = setup
+    data = calculator_data
+    run([*launcher(), str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides,
+         str(REPO / "configs" / "calculator_cpu.yaml"),
+         f"actor_rollout_ref.model.path={tool_model_dir}",
+         f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
+         "custom_reward_function.path=null",
+         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={REPO / 'configs' / 'tools' / 'calculator.yaml'}"], env)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(report["multi_turn"] for report in reports)
+    steps = [[e["metrics"] for e in report["logged"] if "actor/grad_norm" in e["metrics"]] for report in reports]
+    assert len(steps[0]) == len(steps[1]) == 2
+    for metrics0, metrics1 in zip(*steps):
+        assert metrics0["tool/calls/calculator"] > 0
+        shared = lambda m: {k: v for k, v in m.items() if not k.startswith(RANK_LOCAL)}  # noqa: E731
+        assert shared(metrics0) == shared(metrics1)
+    # The first turn of a step generates for all of a rank's prompts, each later one for the conversations
+    # still going: 2 steps and a validation of 4 prompts a rank, each with as many turns as its rows needed.
+    for report in reports:
+        first_turns = [rows for rows in report["engine_calls"] if rows == 4]
+        assert len(first_turns) >= 3 and len(report["engine_calls"]) > len(first_turns)

@@ -145,10 +145,11 @@ def test_without_sleep_mode_nothing_sleeps_and_the_memory_is_static():
 
 def test_requests_carry_seeds_only_with_per_prompt_seeds():
     prompts = [[1, 2], [3], [4, 5, 6]]
-    _, seeds, mine, call_seed = rollout(NewWorker())._group_requests(prompts, seed=7)
+    _, seeds, caps, mine, call_seed = rollout(NewWorker())._group_requests(prompts, seed=7, max_tokens=[4, 2, 3])
     assert seeds == [None, None, None] and mine == slice(0, 3) and call_seed == 7  # the call is seeded instead
-    _, seeds, _, _ = rollout(NewWorker(), per_prompt_seeds=True)._group_requests(prompts, seed=7)
-    _, again, _, _ = rollout(NewWorker(), per_prompt_seeds=True)._group_requests(prompts, seed=7)
+    assert caps == [4, 2, 3]  # multi-turn: each conversation's own room
+    _, seeds, _, _, _ = rollout(NewWorker(), per_prompt_seeds=True)._group_requests(prompts, seed=7, max_tokens=[4] * 3)
+    _, again, _, _, _ = rollout(NewWorker(), per_prompt_seeds=True)._group_requests(prompts, seed=7, max_tokens=[4] * 3)
     assert seeds == again and len(set(seeds)) == 3 and all(isinstance(s, int) for s in seeds)
 
 

@@ -123,3 +123,24 @@ def test_a_push_that_never_reaches_vllm_stops_the_run(overrides, tmp_path, free_
     assert (step1["training/rollout_mismatch_streak"], step2["training/rollout_mismatch_streak"]) == (0, 1)
     assert "dsrl: step 3: the rollout's token probabilities left the actor's in 2 steps in a row" in result.stderr
     assert "stale rollout weights: a weight push that failed or was skipped" in result.stderr
+
+
+def test_multi_turn_with_tools_on_vllm(overrides, tool_model_dir, calculator_data, tmp_path, free_port):
+    """The tool loop around the vLLM engine: each turn one generate call with each conversation's own token cap;
+    the actor's log-probs on the model's tokens, read with the tool outputs in the context, are vLLM's."""
+    data = calculator_data
+    run([sys.executable, str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides,
+         str(REPO / "configs" / "calculator_cpu.yaml"),
+         f"actor_rollout_ref.model.path={tool_model_dir}",
+         f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
+         "custom_reward_function.path=null",
+         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={REPO / 'configs' / 'tools' / 'calculator.yaml'}"],
+        free_port())
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    assert report["rollout"] == "VLLMRollout" and report["multi_turn"]
+    steps = [e["metrics"] for e in report["logged"] if "actor/grad_norm" in e["metrics"]]
+    assert len(steps) == 3
+    for metrics in steps:
+        assert metrics["tool/calls/calculator"] > 0 and metrics["multi_turn/turns_per_response/max"] >= 2
+        assert metrics["training/rollout_probs_diff_max"] < FP32_ATOL, metrics["training/rollout_probs_diff_max"]
+    assert len(report["engine_calls"]) > 4  # later turns: calls of their own

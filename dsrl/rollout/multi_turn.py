@@ -1,0 +1,263 @@
+"""Multi-turn rollouts with tool calls (``actor_rollout_ref.rollout.multi_turn``): the model calls tools while
+it answers, and the tools' outputs join its response.
+
+``MultiTurnRollout`` wraps any rollout engine (HF, vLLM). Each turn generates for every conversation still
+going in one batched ``generate`` call -- the first turn n samples per prompt, the later ones one per
+conversation -- until the model's end-of-turn token. A turn with tool calls (``dsrl.rollout.tools``: hermes
+``<tool_call>{json}</tool_call>`` blocks, several per turn) has them run, all conversations' calls of the turn
+together in the tool worker pool; the results become ``tool`` messages rendered by the model's own chat
+template, and the next turn starts after them. A conversation ends when a turn has no call, at
+``max_assistant_turns`` / ``max_user_turns`` (the calls of the last allowed turn are not run), or at the
+length budget.
+
+The response of a row is all its turns and the tool outputs between them, ``data.max_response_length``
+tokens at most: ``response_mask`` is 1 on the model's tokens (end-of-turn tokens included) and 0 on the tool
+outputs and the template's text around them, which stay in the context (``attention_mask``). Rollout
+log-probs are the model's on its tokens, 0 elsewhere. A turn cut by the budget ends the conversation
+(finish reason "length"); tool outputs that would leave no room for another turn's first token are not
+appended -- so every response ends on a token of the model's, and the score sits there.
+
+What the template renders between turns is found by rendering once without and once with the tool
+messages: the text after the model's end-of-turn token up to the next assistant header. The concatenation
+of the prompt, the turns and these pieces is then what the template renders for the whole conversation
+(``tests/unit/test_multi_turn.py`` checks it on the tiny model's template).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dsrl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+from dsrl.rollout.tools import TOOL_FAILURE_KINDS, ToolRequest, ToolResult, ToolSet, parse_tool_calls
+
+TURN_SEED_STRIDE = 7_000_003  # seeds of a batch's successive turns
+STOP_REASONS = ("answered", "turn_limit", "length")  # why a conversation ended
+_MARK = "\x00dsrl-turn\x00"  # an assistant message's content while finding what the template puts after it
+
+
+@dataclass
+class Conversation:
+    """One row of a multi-turn batch while it is generated."""
+
+    context: list[int]  # the prompt's tokens, then the response so far: what the next turn is generated from
+    tools_kwargs: dict  # the row's extra_info["tools_kwargs"]
+    response: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)  # response_mask
+    log_probs: list[float] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)  # the turns and tool messages, as the chat template takes them
+    turns: int = 0  # assistant turns
+    tool_rounds: int = 0  # rounds of tool messages (user turns)
+    calls: int = 0  # tool calls run or answered with a parse error
+    stop: str | None = None  # one of STOP_REASONS once ended
+    pending: list = field(default_factory=list)  # this turn's calls (ToolCall) and unparsable blocks (their message)
+
+    def add(self, tokens: Sequence[int], *, model: bool, log_probs: Sequence[float] | None = None) -> None:
+        self.context.extend(tokens)
+        self.response.extend(tokens)
+        self.mask.extend([int(model)] * len(tokens))
+        self.log_probs.extend(log_probs if log_probs is not None else [0.0] * len(tokens))
+
+
+@dataclass
+class TurnStats:
+    """What the conversations generated on this rank since the last ``take_stats`` did."""
+
+    calls: dict[str, int]  # tool calls by tool name (a call that did not parse has none)
+    failures: dict[str, int]  # by TOOL_FAILURE_KINDS
+    seconds: float = 0.0  # the tool calls' own wall time, summed
+    turns: list[int] = field(default_factory=list)  # per conversation: assistant turns
+    calls_per_row: list[int] = field(default_factory=list)  # per conversation: tool calls
+    stops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STOP_REASONS, 0))
+
+    def record(self, name: str, result: ToolResult) -> None:
+        if name in self.calls:
+            self.calls[name] += 1
+        if result.failure is not None:
+            self.failures[result.failure] += 1
+        self.seconds += result.seconds
+
+    def finished(self, row: Conversation) -> None:
+        self.turns.append(row.turns)
+        self.calls_per_row.append(row.calls)
+        self.stops[row.stop] += 1
+
+
+class MultiTurnRollout:
+    """``engine`` with the tool loop around its ``generate`` (see the module doc); the rest is the engine's."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer, tools: ToolSet, cfg, *, chat_template_kwargs: dict | None = None):
+        self.engine, self.tokenizer, self.tools = engine, tokenizer, tools
+        self.cfg = cfg  # actor_rollout_ref.rollout.multi_turn
+        self.template_kwargs = {"tools": tools.schemas, **(chat_template_kwargs or {})}
+        self.eos_token_ids = engine.eos_token_ids
+        self.static_memory = engine.static_memory
+        self.tool_names = [schema["function"]["name"] for schema in tools.schemas]
+        self.stats = self._new_stats()
+
+    @classmethod
+    def from_config(cls, engine: RolloutEngine, tokenizer, tools: ToolSet, cfg) -> MultiTurnRollout:
+        return cls(
+            engine, tokenizer, tools, cfg.actor_rollout_ref.rollout.multi_turn,
+            chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs),
+        )
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.engine.update_weights(named_tensors)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self.engine.wake_up(tags)
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams, *, tools_kwargs: list[dict]
+    ) -> RolloutOutput:
+        """``sampling.n`` conversations per left-padded prompt ``[B, P]`` (``tools_kwargs``: each prompt's
+        ``extra_info["tools_kwargs"]``); a ``RolloutOutput`` with ``attention_mask`` and ``conversations`` set.
+        Its counts are added to ``stats`` (``take_stats``)."""
+        budget = sampling.max_tokens
+        rows = [
+            Conversation(ids[mask.bool()].tolist(), tools_kwargs[i // sampling.n])
+            for i, (ids, mask) in enumerate(zip(prompt_ids.repeat_interleave(sampling.n, 0), prompt_mask.repeat_interleave(sampling.n, 0)))
+        ]
+        stats = self.stats
+        out = self.engine.generate(prompt_ids, prompt_mask, sampling)
+        active = list(range(len(rows)))
+        turn = 0
+        while active:
+            wanting = [i for k, i in enumerate(active) if self._take_turn(rows[i], out, k, budget)]
+            self._answer_calls([rows[i] for i in wanting], budget, stats)
+            active = [i for i in wanting if rows[i].stop is None]
+            if not active:
+                break
+            turn += 1
+            room = [budget - len(rows[i].response) for i in active]
+            ids, mask = self._left_padded([rows[i].context for i in active])
+            seed = None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE
+            out = self.engine.generate(
+                ids, mask, sampling.replace(n=1, max_tokens=max(room), row_max_tokens=tuple(room), seed=seed)
+            )
+        for row in rows:
+            stats.finished(row)
+        return self._output(rows, budget)
+
+    def _new_stats(self) -> TurnStats:
+        return TurnStats(dict.fromkeys(self.tool_names, 0), dict.fromkeys(TOOL_FAILURE_KINDS, 0))
+
+    def take_stats(self) -> TurnStats:
+        """The counts of the conversations generated since the last call (``dsrl.metrics.multi_turn_metrics``)."""
+        stats, self.stats = self.stats, self._new_stats()
+        return stats
+
+    def _take_turn(self, row: Conversation, out: RolloutOutput, index: int, budget: int) -> bool:
+        """Append row ``index`` of ``out`` to ``row`` as its next turn; whether it asks for tools and may have them."""
+        length = int(out.response_mask[index].sum())
+        room = budget - len(row.response)
+        tokens = out.response_ids[index, : min(length, room)].tolist()
+        row.add(tokens, model=True, log_probs=out.log_probs[index, : len(tokens)].tolist())
+        row.turns += 1
+        ended = bool(tokens) and tokens[-1] in self.eos_token_ids
+        text = self.tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
+        row.messages.append({"role": "assistant", "content": text})
+        if not ended:  # the budget, or the engine's max_tokens, cut the turn
+            row.stop = "length"
+            return False
+        calls, errors = parse_tool_calls(text, self.cfg.format)
+        if not calls and not errors:
+            row.stop = "answered"
+            return False
+        turns, rounds = self.cfg.max_assistant_turns, self.cfg.max_user_turns
+        if (turns is not None and row.turns >= turns) or (rounds is not None and row.tool_rounds >= rounds):
+            row.stop = "turn_limit"
+            return False
+        row.pending = ([*calls, *errors])[: self.cfg.max_parallel_calls]
+        return True
+
+    def _answer_calls(self, rows: list[Conversation], budget: int, stats: TurnStats) -> None:
+        """Run the pending calls of ``rows`` together; append each row's tool messages, or end it at the budget."""
+        requests, where = [], []
+        results: dict[tuple[int, int], ToolResult] = {}
+        for r, row in enumerate(rows):
+            for c, item in enumerate(row.pending):
+                if isinstance(item, str):  # a block that did not parse: its message goes back to the model
+                    results[(r, c)] = ToolResult(item, "parse", 0.0)
+                else:
+                    requests.append(ToolRequest(item, row.tools_kwargs))
+                    where.append((r, c))
+        for key, result in zip(where, self.tools.run(requests) if requests else []):
+            results[key] = result
+        for r, row in enumerate(rows):
+            messages = []
+            for c, item in enumerate(row.pending):
+                result = results[(r, c)]
+                stats.record("" if isinstance(item, str) else item.name, result)
+                messages.append({"role": "tool", "content": result.text})
+            row.calls += len(messages)
+            row.pending = []
+            piece = self.tool_turn_ids(messages)
+            if len(row.response) + len(piece) >= budget:  # no room for the next turn's first token
+                row.stop = "length"
+                continue
+            row.add(piece, model=False)
+            row.messages.extend(messages)
+            row.tool_rounds += 1
+
+    def tool_turn_ids(self, messages: list[dict]) -> list[int]:
+        """The tokens between an assistant turn's end-of-turn token and the next turn: what the chat template
+        renders after the turn, the tool ``messages``, and the next assistant header."""
+        base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+        closed = self._render(base, add_generation_prompt=False)
+        opened = self._render(base + messages, add_generation_prompt=True)
+        if not opened.startswith(closed):
+            raise ValueError(
+                "multi_turn: the chat template renders a conversation differently once tool messages follow it; "
+                "dsrl appends tool outputs to the tokens generated so far and needs a template that only appends"
+            )
+        after_turn = closed[closed.index(_MARK) + len(_MARK):]
+        end = self.tokenizer.decode(self.eos_token_ids[:1])
+        after_turn = after_turn[len(end):] if after_turn.startswith(end) else after_turn
+        return self.tokenizer.encode(after_turn + opened[len(closed):], add_special_tokens=False)
+
+    def _render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **self.template_kwargs
+        )
+
+    def _left_padded(self, contexts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(contexts), width), dtype=torch.long)
+        for i, context in enumerate(contexts):
+            ids[i, width - len(context):] = torch.tensor(context, dtype=torch.long)
+            mask[i, width - len(context):] = 1
+        return ids, mask
+
+    def _output(self, rows: list[Conversation], budget: int) -> RolloutOutput:
+        ids = torch.full((len(rows), budget), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), budget), dtype=torch.long)
+        attention = torch.zeros((len(rows), budget), dtype=torch.long)
+        log_probs = torch.zeros((len(rows), budget), dtype=torch.float32)
+        for i, row in enumerate(rows):
+            L = len(row.response)
+            ids[i, :L] = torch.tensor(row.response, dtype=torch.long)
+            mask[i, :L] = torch.tensor(row.mask, dtype=torch.long)
+            attention[i, :L] = 1
+            log_probs[i, :L] = torch.tensor(row.log_probs, dtype=torch.float32)
+        return RolloutOutput(
+            ids, mask, log_probs,
+            finish_reasons=["length" if row.stop == "length" else "stop" for row in rows],
+            attention_mask=attention,
+            conversations=[
+                {"messages": row.messages, "num_turns": row.turns, "num_tool_calls": row.calls, "stop": row.stop}
+                for row in rows
+            ],
+        )

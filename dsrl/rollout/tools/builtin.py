@@ -1,0 +1,195 @@
+"""dsrl's built-in tools, named ``dsrl:calculator`` and ``dsrl:python`` in the tool YAML.
+
+Both follow the protocol of user tool classes (``dsrl.rollout.tools``): ``Tool(config, tool_schema)``
+and ``execute(parameters) -> str``. They run in the tool workers, so they import no torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import operator
+import os
+import resource
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from dsrl.rewards.pool import kill_process_group
+
+_MAX_INT_BITS = 10_000  # about 3,000 digits: far past any answer, well short of a number that stalls the worker
+_KEEP_BYTES = 2**20  # of the python tool's output, the first and the last MiB are kept
+_MB = 2**20
+_PR_SET_PDEATHSIG = 1
+
+
+class ToolTimeout(Exception):
+    """A built-in stopped its own work at its time limit: counted as a ``timeout``, not an ``exception``."""
+
+
+# ---------------------------------------------------------------- calculator
+
+_BINARY = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+class Calculator:
+    """``calculator(expression)``: the value of an arithmetic expression, computed from its syntax tree
+    (numbers, ``+ - * / // % **``, unary ``+``/``-``, parentheses; no names, no calls, no ``eval``). An
+    integer result prints as an integer (``56088``), a float as Python's ``repr`` (``0.5``)."""
+
+    SCHEMA = {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string", "description": "the expression, e.g. 123*456"}},
+                "required": ["expression"],
+            },
+        },
+    }
+
+    def __init__(self, config: dict, tool_schema: dict):
+        pass  # nothing to configure
+
+    def execute(self, parameters: dict, **kwargs) -> str:
+        expression = parameters["expression"]
+        try:
+            tree = ast.parse(expression.strip(), mode="eval")
+        except SyntaxError as exc:
+            raise ValueError(f"not an arithmetic expression: {exc.msg}") from None
+        value = _evaluate(tree.body)
+        return str(value) if isinstance(value, int) else repr(value)
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        _check_size(type(node.op), left, right)
+        return _BINARY[type(node.op)](left, right)
+    raise ValueError(f"{ast.unparse(node)[:60]!r} is not allowed; use only numbers, + - * / // % ** and parentheses")
+
+
+def _check_size(op: type, left, right) -> None:
+    """Refuse an integer result past ``_MAX_INT_BITS`` before computing it (``9**9**9`` would take
+    minutes and gigabytes); float results overflow on their own (OverflowError)."""
+    if not (isinstance(left, int) and isinstance(right, int)):
+        return
+    if op is ast.Pow and right > 0:
+        bits = max(left.bit_length() - 1, 0) * right  # 1 ** n and (-1) ** n stay small
+    elif op is ast.Mult:
+        bits = left.bit_length() + right.bit_length()
+    else:
+        return
+    if bits > _MAX_INT_BITS:
+        raise ValueError(f"the result would have about {int(bits * 0.30103)} digits; at most {int(_MAX_INT_BITS * 0.30103)} are allowed")
+
+
+# ---------------------------------------------------------------- python
+
+
+class PythonInterpreter:
+    """``python(code)``: runs ``code`` as a script in a new ``python -I`` process and returns what it printed
+    (stdout and stderr together), with the exit status when it is not 0.
+
+    Each run has a fresh temporary working directory (also its ``HOME``), removed afterwards, an
+    environment of ``PATH`` and ``LANG`` only, a wall-time limit
+    (``config.timeout`` seconds: a run past it is killed and counted as a timeout) and a memory limit
+    (``config.memory_limit_mb``, ``RLIMIT_AS``; default 1024). The process leads a process group of its
+    own, killed when the run ends, so what the code starts goes with it; it also dies with its worker
+    (``PR_SET_PDEATHSIG``). Of a long output the first and the last MiB are read; the rest is skipped, not
+    held in memory.
+    """
+
+    SCHEMA = {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run a Python script and return what it prints. Use print() to see results.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string", "description": "the Python code to run"}},
+                "required": ["code"],
+            },
+        },
+    }
+
+    def __init__(self, config: dict, tool_schema: dict):
+        self.timeout_s = float(config["timeout"])
+        self.memory_limit_mb = int(config.get("memory_limit_mb", 1024))
+
+    def execute(self, parameters: dict, **kwargs) -> str:
+        with tempfile.TemporaryDirectory(prefix="dsrl_python_tool_") as workdir:
+            with open(os.path.join(workdir, "main.py"), "w") as script:
+                script.write(parameters["code"])
+            process = subprocess.Popen(
+                [sys.executable, "-I", "-u", "main.py"],  # unbuffered: what it printed before a kill is kept
+                cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                # None of the trainer's environment (tokens, credentials) for code a model wrote.
+                env={"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8", "HOME": workdir},
+                process_group=0, preexec_fn=self._limit_child,
+            )
+            try:
+                output, timed_out = _read_bounded(process.stdout.fileno(), time.monotonic() + self.timeout_s)
+            finally:
+                kill_process_group(process.pid)  # at once, on a timeout; else what the code left running
+                process.wait()
+                process.stdout.close()
+        text = output.decode("utf-8", errors="replace")
+        if timed_out:
+            raise ToolTimeout(f"the code ran past {self.timeout_s:g} s and was killed; its output until then:\n{text}")
+        if process.returncode < 0:
+            return f"{text}\n(killed by {signal.Signals(-process.returncode).name})"
+        if process.returncode:
+            return f"{text}\n(exit status {process.returncode})"
+        return text
+
+    def _limit_child(self) -> None:
+        # In the child, between fork and exec: plain system calls only.
+        if self.memory_limit_mb:
+            limit = self.memory_limit_mb * _MB
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+_prctl = getattr(ctypes.CDLL(None), "prctl", None)  # Linux; looked up here, not in the child after fork
+
+
+def _read_bounded(fd: int, deadline: float) -> tuple[bytes, bool]:
+    """``(output, timed_out)``: what ``fd`` gives until its end of file or ``deadline``; past
+    2 x ``_KEEP_BYTES`` the middle is dropped (and marked) as it is read."""
+    head, tail, skipped = bytearray(), bytearray(), 0
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return _joined(head, tail, skipped), True
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return _joined(head, tail, skipped), False
+        room = _KEEP_BYTES - len(head)
+        head += chunk[:room]
+        tail += chunk[room:] if room > 0 else chunk
+        if len(tail) > _KEEP_BYTES:
+            skipped += len(tail) - _KEEP_BYTES
+            del tail[: len(tail) - _KEEP_BYTES]
+
+
+def _joined(head: bytearray, tail: bytearray, skipped: int) -> bytes:
+    middle = f"\n...({skipped} bytes of output skipped)...\n".encode() if skipped else b""
+    return bytes(head + middle + tail)
+
+
+BUILTINS = {"dsrl:calculator": Calculator, "dsrl:python": PythonInterpreter}
