@@ -20,10 +20,10 @@ in the estimator and the tools only. The model and data are built first when mis
   configs/calculator_cpu.yaml sets) before and after training;
 - val calls: the share of validation responses with a tool call (a ``<tool_call>`` in the decoded response,
   counted here from the generated batches, so it also counts the unanswered calls of the no-tools arm);
-- train calls: calls per response in the first and the last step (the loop's ``CALLS_METRIC`` when logged, else
-  counted like val calls);
-- gen tokens/step: tokens the model generated per step (response_mask: tool outputs left out), and resp
-  tokens/step: the responses' tokens, tool outputs included (validation's left out);
+- train calls: tool calls per response in the first and the last step (the loop's ``CALLS_METRIC``; counted
+  like val calls where the loop is off);
+- gen tok/step: tokens the model generated per step (response_mask: tool outputs left out); resp tok/step: the
+  responses' tokens, tool outputs included (response_attention); validation's left out of both;
 - train score: the updates' mean score (critic/score/mean); step s: seconds per step.
 
 One process only. Extra arguments are dotted config overrides for every arm.
@@ -51,7 +51,7 @@ ARMS = {  # name: (recipe, overrides)
     "tir-otb-tools": ("tir_otb.yaml", []),
     "grpo-no-tools": ("grpo.yaml", ["actor_rollout_ref.rollout.multi_turn.enable=false"]),
 }
-# What the agent loop logs per training step (dsrl.rollout.multi_turn); the table counts calls itself without it.
+# What the agent loop logs per training step (dsrl.metrics); without the loop the table counts the calls itself.
 CALLS_METRIC = "multi_turn/calls_per_response/mean"
 CALL_MARK = "<tool_call>"
 MODEL = Path("outputs") / "tiny_tool_model"
@@ -78,16 +78,6 @@ def call_counts(responses: list[str]) -> tuple[float, float]:
     """(share of responses with a tool call, tool calls per response) of decoded responses."""
     calls = [text.count(CALL_MARK) for text in responses]
     return sum(c > 0 for c in calls) / len(calls), sum(calls) / len(calls)
-
-
-def response_tokens(response_ids, response_mask, pad_id: int) -> int:
-    """Tokens of right-padded responses ``[B, T]``, tool outputs included: each row up to its last token that is
-    generated (``response_mask`` 1, so a generated pad id counts) or not a pad."""
-    import torch
-
-    valid = (response_ids != pad_id) | response_mask.bool()  # [B, T]
-    positions = torch.arange(1, valid.shape[1] + 1)
-    return int((valid * positions).amax(dim=1).sum())
 
 
 def arm_overrides(args: argparse.Namespace, name: str) -> tuple[list[str], list[str]]:
@@ -119,7 +109,6 @@ def run_arm(files: list[str], overrides: list[str], out: Path) -> dict:
     trainer = Trainer(cfg)
     logged: list[tuple[int, dict[str, float]]] = []
     trainer.tracker.log_metrics = lambda metrics, step: logged.append((step, metrics))
-    pad = trainer.tokenizer.pad_token_id
     # per step / per validation: decoded responses, generated tokens, response tokens (tool outputs included)
     train: list[dict] = []
     val: list[list[str]] = []
@@ -132,7 +121,7 @@ def run_arm(files: list[str], overrides: list[str], out: Path) -> dict:
         if in_step[0]:
             train[-1]["texts"] += texts
             train[-1]["gen_tokens"] += int(batch.response_mask.sum())
-            train[-1]["resp_tokens"] += response_tokens(batch.response_ids, batch.response_mask, pad)
+            train[-1]["resp_tokens"] += int(batch.response_attention.sum())
         else:
             val[-1] += texts
         return batch

@@ -220,18 +220,25 @@ def text_ids(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def tool_turn_ids(tokenizer: PreTrainedTokenizerFast, content: str) -> list[int]:
+    """The tokens between a call turn's ``<|im_end|>`` and the next assistant turn, as the agent loop
+    (``dsrl.rollout.multi_turn``) appends them and as the chat template renders the whole conversation: the
+    newline that closes the turn, the tool message with ``content``, and the next assistant header."""
+    return text_ids(tokenizer, "\n") + chat_ids(tokenizer, [{"role": "tool", "content": content}])
+
+
 def tool_trace(tokenizer: PreTrainedTokenizerFast, a: int, b: int, call: bool) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` of one warm-start trace of problem ``a*b``, built as the agent loop builds a
     rollout: the prompt; an assistant turn ending on ``<|im_end|>``; with ``call``, that turn is the tool call,
-    followed by the tool message rendered alone with the chat template (generation prompt included) and an
-    assistant turn with the product. Labels are -100 except on the assistant turns' tokens."""
+    followed by the tool message with the product (``tool_turn_ids``) and an assistant turn with the product.
+    Labels are -100 except on the assistant turns' tokens."""
     eos = [tokenizer.eos_token_id]
     prompt = chat_ids(tokenizer, [{"role": "user", "content": calculator.question(a, b)}])
     answer = text_ids(tokenizer, calculator.answer(a, b)) + eos
     if not call:
         return prompt + answer, [-100] * len(prompt) + answer
     turn = text_ids(tokenizer, tool_call_text(calculator.expression(a, b))) + eos
-    tool = chat_ids(tokenizer, [{"role": "tool", "content": calculator.answer(a, b)}])
+    tool = tool_turn_ids(tokenizer, calculator.answer(a, b))
     ids = prompt + turn + tool + answer
     return ids, [-100] * len(prompt) + turn + [-100] * len(tool) + answer
 
@@ -293,7 +300,7 @@ def tool_rollouts(
     model, tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[int, int]], do_sample: bool, first: str = ""
 ) -> list[dict]:
     """The agent loop, simulated for two assistant turns: generate a turn; when it holds a well-formed call, run
-    the calculator, append the tool message rendered with the chat template and generate a second turn.
+    the calculator, append its output as the loop does (``tool_turn_ids``) and generate a second turn.
     ``first`` is forced as the start of the first turn (``"<"`` forces a call). Per problem: ``attempted`` (the
     first turn has a ``<tool_call>``), ``called`` (it is a well-formed call), ``correct_call`` (of this problem's
     product), ``score`` (the ``dsrl.rewards.calculator`` score of the response decoded as the reward sees it) and
@@ -304,7 +311,7 @@ def tool_rollouts(
     prompts = [chat_ids(tokenizer, [{"role": "user", "content": calculator.question(a, b)}]) + forced for a, b in pairs]
     turns = [forced + t for t in generate_turns(model, tokenizer, prompts, TOOL_CALL_MAX_NEW_TOKENS, do_sample)]
     expressions = [parse_call(tokenizer.decode(t, skip_special_tokens=True)) for t in turns]
-    tools = [chat_ids(tokenizer, [{"role": "tool", "content": run_calculator(e)}]) if e else [] for e in expressions]
+    tools = [tool_turn_ids(tokenizer, run_calculator(e)) if e else [] for e in expressions]
     second = [i for i, e in enumerate(expressions) if e is not None]
     answers = dict(
         zip(

@@ -59,10 +59,3 @@ def test_table_has_one_aligned_row_per_arm():
     assert lines[2].startswith("grpo-tools ") and "0.100 -> 0.550" in lines[2] and "40% -> 90%" in lines[2]
     assert "0.45 -> 1.00" in lines[2] and " 1809 " in lines[2] and lines[2].endswith("0.250    3.50")
 
-
-def test_response_tokens_count_tool_outputs_and_generated_pads_but_not_padding():
-    import torch
-
-    ids = torch.tensor([[5, 6, 7, 0, 0], [5, 0, 0, 0, 0], [5, 9, 9, 6, 0]])  # 0 = pad
-    mask = torch.tensor([[1, 0, 1, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 1, 0]])  # 0 inside: a tool output
-    assert script["response_tokens"](ids, mask, 0) == 3 + 2 + 4

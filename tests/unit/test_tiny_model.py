@@ -3,9 +3,12 @@
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dsrl.rollout.multi_turn import MultiTurnRollout
 
 _spec = importlib.util.spec_from_file_location(
     "make_tiny_model", Path(__file__).parents[2] / "scripts" / "make_tiny_model.py"
@@ -107,11 +110,21 @@ def test_tool_traces_train_on_the_assistant_turns_only_and_fit_the_positions():
 
     ids, labels = make_tiny_model.tool_trace(tokenizer, 999, 999, call=True)
     assert len(ids) == len(labels) <= 200 < make_tiny_model.MAX_POSITIONS
-    assert tokenizer.decode(ids) == (
-        "<|im_start|>user\nWhat is 999*999?<|im_end|>\n<|im_start|>assistant\n" + call + "<|im_end|>"
-        "<|im_start|>user\n<tool_response>\n998001\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-        "998001<|im_end|>"
+    conversation = [
+        {"role": "user", "content": "What is 999*999?"},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": "998001"},
+        {"role": "assistant", "content": "998001"},
+    ]  # the whole conversation as the template renders it, less the newline after the last turn
+    assert tokenizer.decode(ids) + "\n" == tokenizer.apply_chat_template(conversation, tokenize=False)
+    # ... and the tool output as the agent loop appends it after the call turn
+    loop = MultiTurnRollout(
+        SimpleNamespace(eos_token_ids=[tokenizer.eos_token_id], static_memory=None),
+        tokenizer,
+        SimpleNamespace(schemas=[]),
+        None,
     )
+    assert make_tiny_model.tool_turn_ids(tokenizer, "998001") == loop.tool_turn_ids([conversation[2]])
     assert tokenizer.decode([i for i, label in zip(ids, labels) if label != -100]) == (
         call + "<|im_end|>998001<|im_end|>"
     )
