@@ -27,9 +27,10 @@ Offline and deterministic (same ``--seed`` and ``--sft-steps`` give byte-identic
   (the true product, which the tiny model cannot compute); loss on the assistant turns only. It stops
   when forced calls (first token ``<``), sampled at temperature 1 on 64 held-out train-pool problems,
   are well formed and copied back for 60% of them (checked every 10 steps; ~300 steps, 4-5 min on one
-  core). At temperature 1 the model then makes a well-formed call for ~25% of the problems (and a
-  broken one for some more), and ~85% of its well-formed calls end in the right answer: a start that RL
-  with tools improves, and that GRPO without tools cannot (a direct product is almost always wrong).
+  core). At temperature 1 the model then makes a well-formed call for ~1/3 of the problems (a broken one
+  for ~8% more), ~85% of them of the right product, and ~2/3 of its well-formed calls end in the right
+  answer (accuracy ~22%): a start that RL with tools improves, and that GRPO without tools cannot (a
+  direct product is almost always wrong). Greedy decoding calls for ~70% of the problems.
 
 Prints the parameter count, the time taken and the greedy exact-match accuracy of the saved model; for
 ``--task calculator``, the call rate and accuracy, greedy and sampled, of a simulated agent loop (two
