@@ -1,6 +1,6 @@
 """GRPO with tools, TIR-OTB with tools and GRPO without tools on the calculator task, on CPU: a table.
 
-    OMP_NUM_THREADS=1 python scripts/compare_tools.py                   # 30 steps an arm (~6-8 min on 2 cores)
+    OMP_NUM_THREADS=1 python scripts/compare_tools.py                   # 30 steps an arm (~5 min on 2 cores)
     OMP_NUM_THREADS=1 python scripts/compare_tools.py --steps 5 --val-size 8
 
 Each arm trains the tiny tool model (scripts/make_tiny_model.py --task calculator) on products of two 3-digit
