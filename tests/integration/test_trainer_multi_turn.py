@@ -30,7 +30,7 @@ def multi_turn_overrides(model, data, reward):
         f"data.train_files={data / 'train.parquet'}",
         f"data.val_files={data / 'test.parquet'}",
         f"custom_reward_function.path={reward}",
-        "data.max_prompt_length=32",
+        "data.max_prompt_length=40",  # "What is 999*999?" is 35 tokens
         "data.max_response_length=160",
         "actor_rollout_ref.rollout.multi_turn.enable=true",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={REPO / 'configs' / 'tools' / 'calculator.yaml'}",
