@@ -38,7 +38,9 @@ def problems(split: str, size: int, seed: int) -> list[tuple[int, int]]:
     if pool_size is None:
         raise ValueError(f"split={split!r}: must be 'train' or 'test'")
     if not 0 < size <= pool_size:
-        raise ValueError(f"{split} size={size}: the calculator {split} pool holds {pool_size} problems; choose 1..{pool_size}")
+        raise ValueError(
+            f"{split} size={size}: the calculator {split} pool holds {pool_size} problems; choose 1..{pool_size}"
+        )
     rng = random.Random(f"dsrl-calculator/{split}/{seed}")
     if split == "test":
         return [_pair(i) for i in rng.sample(test_pool, size)]

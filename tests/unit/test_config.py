@@ -21,7 +21,7 @@ from dsrl.config.schema import BypassCorrectionConfig
 from tests.conftest import QUICKSTART, recipe, run_train_without_torch, stub_file_overrides, write_parquet_stub
 
 REPO = Path(__file__).resolve().parents[2]
-OVERLAYS = ("cpu", "quickstart")  # applied on top of a recipe
+OVERLAYS = ("cpu", "quickstart", "calculator_cpu")  # applied on top of a recipe
 CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if p.stem not in OVERLAYS)
 TRAIN = str(REPO / "scripts" / "train.py")
 
@@ -140,7 +140,8 @@ def test_a_recipe_name_stands_for_the_shipped_file(files, tmp_path, monkeypatch)
     (tmp_path / "grpo").mkdir()  # a path that exists is a path, never a recipe name
     with pytest.raises(C.ConfigError, match=r"config file grpo: not a regular file \(a directory\)"):
         C.load_config(["grpo"], files)
-    with pytest.raises(C.ConfigError, match=r"config file nope: cannot be read .*shipped recipe \(cpu, dapo, grpo, "):
+    shipped = r"shipped recipe \(calculator_cpu, cpu, dapo, grpo, "
+    with pytest.raises(C.ConfigError, match=r"config file nope: cannot be read .*" + shipped):
         C.load_config(["nope"], files)
 
 
@@ -269,7 +270,7 @@ def test_bad_interpolation_is_a_violation():
 
 
 def test_every_algorithm_has_a_config():
-    assert set(CONFIGS) == {"ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb", "dapo"}
+    assert set(CONFIGS) == {"ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb", "tir_otb", "dapo"}
 
 
 @pytest.mark.parametrize("world_size", [8, 4, 2, 1])

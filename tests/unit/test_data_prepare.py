@@ -50,7 +50,8 @@ def test_arithmetic_test_problems_never_appear_in_any_train_split():
 
 def test_calculator_is_deterministic_and_in_verl_schema(tmp_path):
     for name in ("a", "b"):
-        prepare_data.main(["--task", "calculator", "--out", str(tmp_path / name), "--train-size", "50", "--test-size", "20"])
+        out = str(tmp_path / name)
+        prepare_data.main(["--task", "calculator", "--out", out, "--train-size", "50", "--test-size", "20"])
     for split in ("train", "test"):
         assert (tmp_path / "a" / f"{split}.parquet").read_bytes() == (tmp_path / "b" / f"{split}.parquet").read_bytes()
     rows = read(tmp_path / "a" / "train.parquet")

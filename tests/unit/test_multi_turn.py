@@ -147,7 +147,9 @@ def test_the_model_tokens_are_in_the_loss_and_the_tool_outputs_only_in_the_conte
     assert attention.tolist() == [1] * length + [0] * (len(attention) - length)
     assert torch.equal(log_probs[:length], LOG_PROB * mask[:length].float()) and not log_probs[length:].any()
     assert int(last_response_token(out.response_mask)[0]) == length - 1  # the score's token: the model's last
-    assert tokenizer.decode(out.response_ids[0, first : first + len(piece)]) == "\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(out.response_ids[0, first : first + len(piece)]) == (
+        "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_every_conversation_of_a_turn_is_generated_in_one_call_with_its_own_room(tokenizer, tools):
@@ -169,7 +171,8 @@ def test_several_calls_in_one_turn_run_up_to_max_parallel_calls_and_a_bad_one_is
             return CALL.format("2+3") + CALL.format("4*5") + "<tool_call>\n{not json}\n</tool_call>"
         return "done"
 
-    out, loop, _, _, _ = run(tokenizer, tools, ["What is 2+3?"], reply=two_calls_and_a_broken_one, max_parallel_calls=3, budget=400)
+    # budget: three <tool_response> blocks, one with the parse error's message, must fit
+    out, loop, _, _, _ = run(tokenizer, tools, ["What is 2+3?"], reply=two_calls_and_a_broken_one, max_parallel_calls=3, budget=800)
     messages = out.conversations[0]["messages"]
     assert [m["content"] for m in messages[1:3]] == ["5", "20"]
     assert messages[3]["role"] == "tool" and messages[3]["content"] and "5" != messages[3]["content"]

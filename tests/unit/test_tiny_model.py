@@ -3,9 +3,12 @@
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dsrl.rollout.multi_turn import MultiTurnRollout
 
 _spec = importlib.util.spec_from_file_location(
     "make_tiny_model", Path(__file__).parents[2] / "scripts" / "make_tiny_model.py"
@@ -65,3 +68,78 @@ def test_saved_model_and_tokenizer_reload_as_a_chat_model(tmp_path):
     with torch.no_grad():
         logits = model(**batch).logits
     assert logits.shape == (2, batch["input_ids"].shape[1], 100)
+
+
+def test_chat_template_renders_tool_messages_as_qwen2_5_and_other_roles_as_before():
+    tokenizer = make_tiny_model.build_tokenizer()
+
+    def render(messages, add_generation_prompt=False):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+    ]
+    assert render(messages, True) == (
+        "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    # Alone, as the agent loop renders a tool output to append it.
+    assert render([{"role": "tool", "content": "56088"}], True) == (
+        "<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    # Consecutive tool messages share one user turn; a tool message after another role opens a new one.
+    tools = [{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
+    assert render([*messages, *tools, {"role": "assistant", "content": "3"}, tools[0]]) == (
+        render(messages) + "<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n3<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n1\n</tool_response><|im_end|>\n"
+    )
+
+
+def test_tool_traces_train_on_the_assistant_turns_only_and_fit_the_positions():
+    tokenizer = make_tiny_model.build_tokenizer()
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "999*999"}}\n</tool_call>'
+    assert make_tiny_model.tool_call_text("999*999") == call
+    assert make_tiny_model.parse_call("x" + call + "y") == "999*999"
+    for broken in (call.replace("}}", "}"), call.replace("calculator", "python"), call.replace("\n", " "), "998001"):
+        assert make_tiny_model.parse_call(broken) is None
+    assert make_tiny_model.run_calculator("999*999") == "998001"
+    assert make_tiny_model.run_calculator("999+1").startswith("Error")
+
+    ids, labels = make_tiny_model.tool_trace(tokenizer, 999, 999, call=True)
+    assert len(ids) == len(labels) <= 200 < make_tiny_model.MAX_POSITIONS
+    conversation = [
+        {"role": "user", "content": "What is 999*999?"},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": "998001"},
+        {"role": "assistant", "content": "998001"},
+    ]  # the whole conversation as the template renders it, less the newline after the last turn
+    assert tokenizer.decode(ids) + "\n" == tokenizer.apply_chat_template(conversation, tokenize=False)
+    # ... and the tool output as the agent loop appends it after the call turn
+    loop = MultiTurnRollout(
+        SimpleNamespace(eos_token_ids=[tokenizer.eos_token_id], static_memory=None),
+        tokenizer,
+        SimpleNamespace(schemas=[]),
+        None,
+    )
+    assert make_tiny_model.tool_turn_ids(tokenizer, "998001") == loop.tool_turn_ids([conversation[2]])
+    assert tokenizer.decode([i for i, label in zip(ids, labels) if label != -100]) == (
+        call + "<|im_end|>998001<|im_end|>"
+    )
+    ids, labels = make_tiny_model.tool_trace(tokenizer, 999, 999, call=False)
+    assert tokenizer.decode([i for i, label in zip(ids, labels) if label != -100]) == "998001<|im_end|>"
+
+
+def test_calculator_task_is_deterministic_and_reports_its_tool_use(tmp_path, capsys):
+    for name in "ab":
+        accuracy = make_tiny_model.main(["--task", "calculator", "--out", str(tmp_path / name), "--sft-steps", "2"])
+        assert 0.0 <= accuracy <= 1.0
+    assert files(tmp_path / "a") == files(tmp_path / "b")
+    out = capsys.readouterr().out
+    assert "2 SFT steps" in out and "calculator validation problems, greedy: well-formed calls" in out
+    rendered = AutoTokenizer.from_pretrained(tmp_path / "a").apply_chat_template(
+        [{"role": "tool", "content": "1"}], tokenize=False
+    )
+    assert rendered == "<|im_start|>user\n<tool_response>\n1\n</tool_response><|im_end|>\n"
