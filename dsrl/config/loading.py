@@ -94,6 +94,13 @@ def config_file_path(name: str) -> Path:
     return recipe if not path.exists() and path.suffix == "" and recipe.is_file() else path
 
 
+def tool_config_file(name: str) -> str:
+    """The tool YAML ``actor_rollout_ref.rollout.multi_turn.tool_config_path`` stands for: a path, or the name of a
+    shipped one (``calculator``: configs/tools/calculator.yaml, found from any directory)."""
+    shipped = RECIPE_DIR / "tools" / f"{name}.yaml"
+    return str(shipped) if not Path(name).expanduser().exists() and Path(name).suffix == "" and shipped.is_file() else name
+
+
 def _read_layer(name: str, violations: list[str]) -> Optional[DictConfig]:
     path = config_file_path(name)
     recipes = ", ".join(sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")))

@@ -401,7 +401,7 @@ class MultiTurnConfig:
     tool_config_path: Optional[str] = _f(
         None,
         "verl's tool YAML: tools: [{class_name, config, tool_schema}]; class_name 'dsrl:python' / 'dsrl:calculator' "
-        "are dsrl's built-ins, 'module.Class' a user tool class",
+        "are dsrl's built-ins, 'module.Class' a user tool class; a path, or a shipped file's name (calculator)",
     )
     function_tool_path: Optional[str] = _f(
         None, "a .py file whose public functions are tools; the schema comes from their signatures and docstrings"

@@ -55,13 +55,18 @@ def answer(a: int, b: int) -> str:
 
 def rows(split: str, size: int, seed: int) -> list[dict]:
     """verl-schema rows (data_source, prompt, ability, reward_model, extra_info) of a split."""
+    return verl_rows(split, problems(split, size, seed), DATA_SOURCE, question, answer)
+
+
+def verl_rows(split: str, pairs, data_source: str, question, answer) -> list[dict]:
+    """verl-schema rows of the problems ``pairs`` (a, b): ``question(a, b)`` asked, ``answer(a, b)`` the ground truth."""
     return [
         {
-            "data_source": DATA_SOURCE,
+            "data_source": data_source,
             "prompt": [{"role": "user", "content": question(a, b)}],
             "ability": "arithmetic",
             "reward_model": {"style": "rule", "ground_truth": answer(a, b)},
             "extra_info": {"split": split, "index": index},
         }
-        for index, (a, b) in enumerate(problems(split, size, seed))
+        for index, (a, b) in enumerate(pairs)
     ]

@@ -13,6 +13,8 @@ of a pool a split holds, so no seed puts a test problem in a training set.
 
 import random
 
+from dsrl.data import arithmetic
+
 DATA_SOURCE = "calculator"
 LOW, HIGH = 100, 999
 NUM_PROBLEMS = (HIGH - LOW + 1) ** 2
@@ -74,13 +76,4 @@ def rows(split: str, size: int, seed: int) -> list[dict]:
 
     extra_info has no ``tools_kwargs``: the calculator needs no per-row arguments, and parquet cannot store
     the empty struct ``{}``; a missing ``tools_kwargs`` means ``{}`` (as verl's dataset reads it)."""
-    return [
-        {
-            "data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": question(a, b)}],
-            "ability": "arithmetic",
-            "reward_model": {"style": "rule", "ground_truth": answer(a, b)},
-            "extra_info": {"split": split, "index": index},
-        }
-        for index, (a, b) in enumerate(problems(split, size, seed))
-    ]
+    return arithmetic.verl_rows(split, problems(split, size, seed), DATA_SOURCE, question, answer)

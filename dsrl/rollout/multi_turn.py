@@ -25,6 +25,7 @@ of the prompt, the turns and these pieces is then what the template renders for 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -131,15 +132,13 @@ class MultiTurnRollout:
         ]
         stats = self.stats
         out = self.engine.generate(prompt_ids, prompt_mask, sampling)
-        active = list(range(len(rows)))
-        turn = 0
-        while active:
+        active = list(range(len(rows)))  # the rows of out, in order
+        for turn in itertools.count(1):
             wanting = [i for k, i in enumerate(active) if self._take_turn(rows[i], out, k, budget)]
             self._answer_calls([rows[i] for i in wanting], budget, stats)
             active = [i for i in wanting if rows[i].stop is None]
             if not active:
                 break
-            turn += 1
             room = [budget - len(rows[i].response) for i in active]
             ids, mask = self._left_padded([rows[i].context for i in active])
             seed = None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE

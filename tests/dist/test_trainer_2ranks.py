@@ -172,8 +172,7 @@ def test_multi_turn_ranks_each_run_their_own_turns(setup, tool_model_dir, calcul
     run([*launcher(), str(WORKER), "--out", str(tmp_path), *QUICKSTART, str(REPO / "configs" / "calculator_cpu.yaml"), *overrides,
          f"actor_rollout_ref.model.path={tool_model_dir}",
          f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
-         "custom_reward_function.path=null",
-         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={REPO / 'configs' / 'tools' / 'calculator.yaml'}"], env)
+         "custom_reward_function.path=null"], env)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(report["multi_turn"] for report in reports)
     steps = [[e["metrics"] for e in report["logged"] if "actor/grad_norm" in e["metrics"]] for report in reports]

@@ -48,6 +48,8 @@ def test_the_wheel_ships_the_recipes_and_the_deepspeed_configs(installed):
     names = set(zipfile.ZipFile(wheel).namelist())
     for recipe in (REPO / "configs").glob("*.yaml"):
         assert f"dsrl/configs/{recipe.name}" in names
+    for tools in (REPO / "configs" / "tools").glob("*.yaml"):  # tool_config_path=<name>, from any directory
+        assert f"dsrl/configs/tools/{tools.name}" in names
     for ds_config in (REPO / "ds_configs").glob("*.json"):
         assert f"dsrl/ds_configs/{ds_config.name}" in names
     assert "dsrl/__main__.py" in names

@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 
-from tests.conftest import REPO
 from tests.integration.test_trainer import changed_fraction, run_config
 
 TURNS_REWARD = """
@@ -33,7 +32,7 @@ def multi_turn_overrides(model, data, reward):
         "data.max_prompt_length=40",
         "data.max_response_length=160",
         "actor_rollout_ref.rollout.multi_turn.enable=true",
-        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={REPO / 'configs' / 'tools' / 'calculator.yaml'}",
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path=calculator",  # the shipped configs/tools/calculator.yaml
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
     ]
 

@@ -132,8 +132,7 @@ def test_multi_turn_with_tools_on_vllm(overrides, tool_model_dir, calculator_dat
     run([sys.executable, str(WORKER), "--out", str(tmp_path), *QUICKSTART, str(REPO / "configs" / "calculator_cpu.yaml"), *overrides,
          f"actor_rollout_ref.model.path={tool_model_dir}",
          f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
-         "custom_reward_function.path=null",
-         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={REPO / 'configs' / 'tools' / 'calculator.yaml'}"],
+         "custom_reward_function.path=null"],
         free_port())
     report = json.loads((tmp_path / "rank0.json").read_text())
     assert report["rollout"] == "VLLMRollout" and report["multi_turn"]

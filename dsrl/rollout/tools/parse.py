@@ -6,8 +6,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-FORMATS = ("hermes",)
-TRUNCATE_SIDES = ("left", "right", "middle")
+from dsrl.config.schema import TOOL_FORMATS
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
 
@@ -28,8 +27,8 @@ def parse_tool_calls(text: str, format: str = "hermes") -> tuple[list[ToolCall],
     that are not an object (absent = ``{}``), or the block is not closed; the message says which, for the
     model to read. verl drops such blocks with a log line; they are answered here so the model learns.
     """
-    if format not in FORMATS:
-        raise ValueError(f"actor_rollout_ref.rollout.multi_turn.format={format!r}: known formats: {list(FORMATS)}")
+    if format not in TOOL_FORMATS:
+        raise ValueError(f"actor_rollout_ref.rollout.multi_turn.format={format!r}: known formats: {list(TOOL_FORMATS)}")
     calls, errors = [], []
     for match in _HERMES_BLOCK.finditer(text):
         body, closed = match.group(1).strip(), bool(match.group(2))

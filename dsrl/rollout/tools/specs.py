@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from dsrl.config.loading import tool_config_file
 from dsrl.rollout.tools.builtin import BUILTINS
 
 MULTI_TURN_KEY = "actor_rollout_ref.rollout.multi_turn"
@@ -57,7 +58,7 @@ def load_tool_specs(multi_turn) -> tuple[list[ToolSpec], list[str]]:
     """The tools of ``multi_turn`` (a MultiTurnConfig) in file order, YAML first, and the problems."""
     specs, problems = [], []
     if multi_turn.tool_config_path:
-        found, problems = _yaml_tools(multi_turn.tool_config_path, multi_turn.tool_timeout)
+        found, problems = _yaml_tools(tool_config_file(multi_turn.tool_config_path), multi_turn.tool_timeout)
         specs += found
     if multi_turn.function_tool_path:
         found, more = _function_tools(multi_turn.function_tool_path)

@@ -8,9 +8,11 @@ import time
 from concurrent.futures import wait
 from dataclasses import dataclass, field
 
+from dsrl.config.loading import tool_config_file
+from dsrl.config.schema import TRUNCATE_SIDES
 from dsrl.rewards.pool import WorkerPool, default_num_workers
 from dsrl.rollout.tools import worker
-from dsrl.rollout.tools.parse import TRUNCATE_SIDES, ToolCall
+from dsrl.rollout.tools.parse import ToolCall
 from dsrl.rollout.tools.specs import MULTI_TURN_KEY, ToolFileError, ToolSpec, argument_problem, load_tool_specs
 
 logger = logging.getLogger(__name__)
@@ -100,7 +102,7 @@ class ToolSet:
             tool_timeout=multi_turn.tool_timeout,
             max_tool_response_length=multi_turn.max_tool_response_length,
             tool_response_truncate_side=multi_turn.tool_response_truncate_side,
-            yaml_path=multi_turn.tool_config_path,
+            yaml_path=multi_turn.tool_config_path and tool_config_file(multi_turn.tool_config_path),
             log_file=log_file,
             log_max_mb=cfg.reward.log_max_mb,
             memory_limit_mb=multi_turn.tool_memory_limit_mb,
