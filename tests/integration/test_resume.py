@@ -57,7 +57,10 @@ def baselines(tmp_path_factory, overrides_for, free_port, deepspeed_cpu_ops):
     return Baselines(tmp_path_factory.mktemp("baselines"), overrides_for, free_port, world=1)
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+# REINFORCE++ and OPO resume through the same outcome-estimator path as RLOO and GRPO: slow variants.
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=pytest.mark.slow) if name in ("reinforce_pp", "opo") else name for name in SHIPPED]
+)
 def test_killed_and_resumed_run_is_bit_identical(name, baselines, overrides_for, free_port, tmp_path):
     start = baselines.checkpoint(name, RESUME_AT)  # the chain runs beside the rest of the uninterrupted run
     resume_chain(name, start, KILLS.get(name, []), out=tmp_path, overrides=overrides_for(name, tmp_path / "ckpt"),
