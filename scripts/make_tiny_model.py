@@ -161,29 +161,40 @@ def sft_batch(tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[int, int]]) 
     }
 
 
-def supervised_warm_start(
-    model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, max_steps: int, seed: int
-) -> tuple[int, float]:
-    """AdamW on random train-pool problems (linear warm-up, then constant lr) until greedy accuracy
-    on a held-out probe of the train pool reaches ``SFT_TARGET_ACCURACY``; returns ``(steps, last loss)``."""
-    pool = arithmetic.problems("train", arithmetic.TRAIN_POOL_SIZE, seed)
-    probe, pool = pool[:SFT_PROBE_SIZE], pool[SFT_PROBE_SIZE:]
-    rng = random.Random(seed)
+def train_until(model: torch.nn.Module, max_steps: int, step_loss, reached) -> tuple[int, float]:
+    """AdamW (linear warm-up, then constant lr, gradients clipped at 1) on ``step_loss()`` each step until
+    ``reached(step, loss)`` (asked in eval mode) or ``max_steps``; returns ``(steps, last loss)``."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / SFT_WARMUP_STEPS))
     loss = torch.tensor(float("nan"))
     for step in range(1, max_steps + 1):
         model.train()
-        loss = model(**sft_batch(tokenizer, rng.sample(pool, SFT_BATCH_SIZE))).loss
+        loss = step_loss()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         model.eval()
-        if step % SFT_CHECK_EVERY == 0 and greedy_accuracy(model, tokenizer, probe) >= SFT_TARGET_ACCURACY:
+        if reached(step, loss):
             return step, loss.item()
     return max_steps, loss.item()
+
+
+def supervised_warm_start(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, max_steps: int, seed: int
+) -> tuple[int, float]:
+    """``train_until`` on random train-pool problems until greedy accuracy on a held-out probe of the train pool
+    reaches ``SFT_TARGET_ACCURACY``; returns ``(steps, last loss)``."""
+    pool = arithmetic.problems("train", arithmetic.TRAIN_POOL_SIZE, seed)
+    probe, pool = pool[:SFT_PROBE_SIZE], pool[SFT_PROBE_SIZE:]
+    rng = random.Random(seed)
+    return train_until(
+        model,
+        max_steps,
+        lambda: model(**sft_batch(tokenizer, rng.sample(pool, SFT_BATCH_SIZE))).loss,
+        lambda step, loss: step % SFT_CHECK_EVERY == 0 and greedy_accuracy(model, tokenizer, probe) >= SFT_TARGET_ACCURACY,
+    )
 
 
 @torch.no_grad()
@@ -342,17 +353,14 @@ def tool_rollouts(
 def tool_warm_start(
     model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, max_steps: int, seed: int
 ) -> tuple[int, float]:
-    """AdamW on traces of random calculator train-pool problems, ``TOOL_CALL_SHARE`` of them with a call, until
-    forced calls on a held-out probe (first token ``<``, sampled) score ``TOOL_TARGET_SUCCESS``; returns
+    """``train_until`` on traces of random calculator train-pool problems, ``TOOL_CALL_SHARE`` of them with a call,
+    until forced calls on a held-out probe (first token ``<``, sampled) score ``TOOL_TARGET_SUCCESS``; returns
     ``(steps, last loss)``."""
     pool = calculator.problems("train", TOOL_SFT_POOL_SIZE, seed)
     probe, pool = pool[:TOOL_PROBE_SIZE], pool[TOOL_PROBE_SIZE:]
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR, betas=(0.9, 0.98), weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / SFT_WARMUP_STEPS))
-    loss = torch.tensor(float("nan"))
-    for step in range(1, max_steps + 1):
-        model.train()
+
+    def step_loss() -> torch.Tensor:
         pairs = rng.sample(pool, SFT_BATCH_SIZE)
         calls = [rng.random() < TOOL_CALL_SHARE for _ in pairs]
         # Calls (~190 tokens) and direct answers (~40) in separate forwards: padding the direct answers to the
@@ -363,22 +371,18 @@ def tool_warm_start(
         ]
         batches = [tool_sft_batch(tokenizer, part) for part in parts if part]
         counts = [int((batch["labels"][:, 1:] != -100).sum()) for batch in batches]
-        loss = sum(model(**batch).loss * count for batch, count in zip(batches, counts, strict=True)) / sum(counts)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        model.eval()
-        if step % TOOL_CHECK_EVERY == 0:
-            greedy = sum(r["score"] for r in tool_rollouts(model, tokenizer, probe, False, "<")) / len(probe)
-            torch.manual_seed(seed)
-            sampled = sum(r["score"] for r in tool_rollouts(model, tokenizer, probe, True, "<")) / len(probe)
-            scoring = f"forced calls scoring: greedy {greedy:.1%}, sampled {sampled:.1%}"
-            print(f"step {step}: loss {loss.item():.3f}, {scoring}", flush=True)
-            if sampled >= TOOL_TARGET_SUCCESS:
-                return step, loss.item()
-    return max_steps, loss.item()
+        return sum(model(**batch).loss * count for batch, count in zip(batches, counts, strict=True)) / sum(counts)
+
+    def reached(step: int, loss: torch.Tensor) -> bool:
+        if step % TOOL_CHECK_EVERY:
+            return False
+        greedy = sum(r["score"] for r in tool_rollouts(model, tokenizer, probe, False, "<")) / len(probe)
+        torch.manual_seed(seed)
+        sampled = sum(r["score"] for r in tool_rollouts(model, tokenizer, probe, True, "<")) / len(probe)
+        print(f"step {step}: loss {loss.item():.3f}, forced calls scoring: greedy {greedy:.1%}, sampled {sampled:.1%}", flush=True)
+        return sampled >= TOOL_TARGET_SUCCESS
+
+    return train_until(model, max_steps, step_loss, reached)
 
 
 def tool_report(model, tokenizer: PreTrainedTokenizerFast, seed: int) -> tuple[float, str]:

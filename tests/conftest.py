@@ -200,18 +200,23 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
+def prepared(task: str, out: Path) -> Path:
+    """``scripts/prepare_data.py --task <task>`` into ``out``, 64 train and 8 test prompts."""
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--task", task, "--out", str(out),
+         "--train-size", "64", "--test-size", "8"],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
 @pytest.fixture(scope="session")
 def arithmetic_data(tmp_path_factory) -> Path:
     """A small arithmetic task (64 train / 8 test prompts) and ``digits_reward.py``: a custom reward
     paying for digits, so that even an untrained model's samples differ in reward within a group; it
     also returns the digit count as an extra (``reward/digits/mean``)."""
-    out = tmp_path_factory.mktemp("arithmetic")
-    subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--task", "arithmetic", "--out", str(out),
-         "--train-size", "64", "--test-size", "8"],
-        check=True,
-        capture_output=True,
-    )
+    out = prepared("arithmetic", tmp_path_factory.mktemp("arithmetic"))
     (out / "digits_reward.py").write_text(DIGITS_REWARD)
     return out
 
@@ -244,14 +249,7 @@ def tool_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def calculator_data(tmp_path_factory) -> Path:
     """The calculator task (products of 3-digit numbers): 64 train / 8 test prompts."""
-    out = tmp_path_factory.mktemp("calculator")
-    subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--task", "calculator", "--out", str(out),
-         "--train-size", "64", "--test-size", "8"],
-        check=True,
-        capture_output=True,
-    )
-    return out
+    return prepared("calculator", tmp_path_factory.mktemp("calculator"))
 
 
 @pytest.fixture

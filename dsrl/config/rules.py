@@ -873,7 +873,7 @@ def _multi_turn_rules(cfg: Config, need: Need) -> None:
         mt.tool_config_path or mt.function_tool_path,
         f"{prefix}.tool_config_path",
         f"{prefix}.enable=true needs tools for the model to call",
-        f"set {prefix}.tool_config_path (verl's tool YAML, e.g. configs/tools/calculator.yaml) or "
+        f"set {prefix}.tool_config_path (verl's tool YAML, or a shipped one's name: calculator) or "
         f"{prefix}.function_tool_path (a .py of functions)",
     )
     for key in ("max_assistant_turns", "max_user_turns"):

@@ -46,18 +46,9 @@ def _import(entry: str) -> Optional[str]:
             return f"{path} is {problem}"
         if not path.exists():
             return f"no such file {path}"
-        # One module per file, named after its path: a second import in this process (validation, then the
-        # trainer) finds it in sys.modules instead of registering its names twice.
-        name = f"dsrl_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-        if name in sys.modules:
-            return None
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
         try:
-            spec.loader.exec_module(module)
+            import_file_once(path, f"dsrl_user_{path.stem}_")
         except (Exception, SystemExit) as err:  # noqa: BLE001  (user code: reported, not raised)
-            del sys.modules[name]
             return _failure(err)
         return None
     try:
@@ -65,6 +56,24 @@ def _import(entry: str) -> Optional[str]:
     except (Exception, SystemExit) as err:  # noqa: BLE001
         return _failure(err)
     return None
+
+
+def import_file_once(path: Path, prefix: str):
+    """The module of the .py file at ``path`` (absolute), executed once per process under a name of its own,
+    ``prefix`` + a digest of the path: a second import (validation, then the trainer) finds it in sys.modules
+    instead of running the file, and registering its names, twice. An import that raises leaves no module."""
+    name = f"{prefix}{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it: dataclasses and pickling inside the file look it up
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def _failure(err: BaseException) -> str:

@@ -32,7 +32,7 @@ from dsrl.algorithms import (
     logprobs_from_logits,
     sum_pi_squared_from_logits,
 )
-from dsrl.data.batch import Batch
+from dsrl.data.batch import Batch, last_response_token
 from dsrl.distributed import accelerator_device, all_reduce
 
 # Float32 elements of one chunk of logits (2**26 * 4 bytes = 256 MiB): a few such temporaries live at once.
@@ -42,9 +42,9 @@ CHUNK_ELEMENTS = 2**26
 def _padded_lengths(batch: Batch) -> tuple[list[int], list[int]]:
     """Per row: prompt columns from its first valid token to the end (prompts are left-padded), and
     response columns up to its last valid token (right-padded; mask holes count as columns)."""
-    P, T = batch.prompt_mask.shape[1], batch.response_mask.shape[1]
+    P = batch.prompt_mask.shape[1]
     prompt = (torch.arange(P, 0, -1) * (batch.prompt_mask.cpu() != 0)).amax(-1)
-    response = (torch.arange(1, T + 1) * (batch.response_mask.cpu() != 0)).amax(-1)
+    response = last_response_token(batch.response_mask.cpu()) + 1
     return prompt.tolist(), response.tolist()
 
 

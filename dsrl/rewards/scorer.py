@@ -37,8 +37,7 @@ import random
 import time
 
 from dsrl.rewards import worker
-# default_num_workers is dsrl.rewards's; _WorkerContext is imported from here by the containment tests
-from dsrl.rewards.pool import WorkerPool, _WorkerContext, default_num_workers  # noqa: F401
+from dsrl.rewards.pool import WorkerPool, default_num_workers
 
 logger = logging.getLogger(__name__)
 

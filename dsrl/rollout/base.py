@@ -111,6 +111,7 @@ class RolloutEngine(Protocol):
     # training states around generation would free nothing it can use.
     static_memory: bool
     eos_token_ids: list[int]  # the ids that end a response (stop_and_pad_ids)
+    pad_token_id: int  # the id that pads one (stop_and_pad_ids)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full tensors, named as in the policy's HF state dict, into the engine's model."""

@@ -31,12 +31,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsrl.data.datasets import left_pad
 from dsrl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from dsrl.rollout.tools import TOOL_FAILURE_KINDS, ToolRequest, ToolResult, ToolSet, parse_tool_calls
 
 TURN_SEED_STRIDE = 7_000_003  # seeds of a batch's successive turns
 STOP_REASONS = ("answered", "turn_limit", "length")  # why a conversation ended
 _MARK = "\x00dsrl-turn\x00"  # an assistant message's content while finding what the template puts after it
+_TURN = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
 
 
 @dataclass
@@ -93,9 +95,14 @@ class MultiTurnRollout:
         self.engine, self.tokenizer, self.tools = engine, tokenizer, tools
         self.cfg = cfg  # actor_rollout_ref.rollout.multi_turn
         self.template_kwargs = {"tools": tools.schemas, **(chat_template_kwargs or {})}
-        self.eos_token_ids = engine.eos_token_ids
+        self.eos_token_ids, self.pad_token_id = engine.eos_token_ids, engine.pad_token_id
         self.static_memory = engine.static_memory
         self.tool_names = [schema["function"]["name"] for schema in tools.schemas]
+        # What the template renders after an assistant turn's end-of-turn token, found once (tool_turn_ids).
+        self._closed = self._render(_TURN, add_generation_prompt=False)
+        after_turn = self._closed[self._closed.index(_MARK) + len(_MARK):]
+        end = tokenizer.decode(self.eos_token_ids[:1])
+        self._after_turn = after_turn[len(end):] if after_turn.startswith(end) else after_turn
         self.stats = self._new_stats()
 
     @classmethod
@@ -113,10 +120,6 @@ class MultiTurnRollout:
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         self.engine.wake_up(tags)
-
-    @property
-    def pad_token_id(self) -> int:
-        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
 
     @torch.no_grad()
     def generate(
@@ -140,7 +143,7 @@ class MultiTurnRollout:
             if not active:
                 break
             room = [budget - len(rows[i].response) for i in active]
-            ids, mask = self._left_padded([rows[i].context for i in active])
+            ids, mask = left_pad([rows[i].context for i in active], self.pad_token_id)
             seed = None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE
             out = self.engine.generate(
                 ids, mask, sampling.replace(n=1, max_tokens=max(room), row_max_tokens=tuple(room), seed=seed)
@@ -183,21 +186,15 @@ class MultiTurnRollout:
 
     def _answer_calls(self, rows: list[Conversation], budget: int, stats: TurnStats) -> None:
         """Run the pending calls of ``rows`` together; append each row's tool messages, or end it at the budget."""
-        requests, where = [], []
-        results: dict[tuple[int, int], ToolResult] = {}
-        for r, row in enumerate(rows):
-            for c, item in enumerate(row.pending):
-                if isinstance(item, str):  # a block that did not parse: its message goes back to the model
-                    results[(r, c)] = ToolResult(item, "parse", 0.0)
-                else:
-                    requests.append(ToolRequest(item, row.tools_kwargs))
-                    where.append((r, c))
-        for key, result in zip(where, self.tools.run(requests) if requests else []):
-            results[key] = result
-        for r, row in enumerate(rows):
+        items = [(row, item) for row in rows for item in row.pending]
+        requests = [ToolRequest(item, row.tools_kwargs) for row, item in items if not isinstance(item, str)]
+        ran = iter(self.tools.run(requests) if requests else [])
+        # A block that did not parse (a str: its message) goes back to the model without running anything.
+        results = iter([ToolResult(item, "parse", 0.0) if isinstance(item, str) else next(ran) for _, item in items])
+        for row in rows:
             messages = []
-            for c, item in enumerate(row.pending):
-                result = results[(r, c)]
+            for item in row.pending:
+                result = next(results)
                 stats.record("" if isinstance(item, str) else item.name, result)
                 messages.append({"role": "tool", "content": result.text})
             row.calls += len(messages)
@@ -213,32 +210,18 @@ class MultiTurnRollout:
     def tool_turn_ids(self, messages: list[dict]) -> list[int]:
         """The tokens between an assistant turn's end-of-turn token and the next turn: what the chat template
         renders after the turn, the tool ``messages``, and the next assistant header."""
-        base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
-        closed = self._render(base, add_generation_prompt=False)
-        opened = self._render(base + messages, add_generation_prompt=True)
-        if not opened.startswith(closed):
+        opened = self._render([*_TURN, *messages], add_generation_prompt=True)
+        if not opened.startswith(self._closed):
             raise ValueError(
                 "multi_turn: the chat template renders a conversation differently once tool messages follow it; "
                 "dsrl appends tool outputs to the tokens generated so far and needs a template that only appends"
             )
-        after_turn = closed[closed.index(_MARK) + len(_MARK):]
-        end = self.tokenizer.decode(self.eos_token_ids[:1])
-        after_turn = after_turn[len(end):] if after_turn.startswith(end) else after_turn
-        return self.tokenizer.encode(after_turn + opened[len(closed):], add_special_tokens=False)
+        return self.tokenizer.encode(self._after_turn + opened[len(self._closed):], add_special_tokens=False)
 
     def _render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False, **self.template_kwargs
         )
-
-    def _left_padded(self, contexts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(c) for c in contexts)
-        ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(contexts), width), dtype=torch.long)
-        for i, context in enumerate(contexts):
-            ids[i, width - len(context):] = torch.tensor(context, dtype=torch.long)
-            mask[i, width - len(context):] = 1
-        return ids, mask
 
     def _output(self, rows: list[Conversation], budget: int) -> RolloutOutput:
         ids = torch.full((len(rows), budget), self.pad_token_id, dtype=torch.long)

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from dsrl.data.batch import last_response_token
+from dsrl.data.datasets import left_pad
 from dsrl.rollout.base import RolloutOutput, SamplingParams
 from dsrl.rollout.multi_turn import MultiTurnRollout
 from dsrl.rollout.tools import ToolSet
@@ -45,6 +46,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer, reply):
         self.tokenizer, self.reply = tokenizer, reply
         self.eos_token_ids = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        self.pad_token_id = tokenizer.pad_token_id
         self.calls: list[SamplingParams] = []
 
     def generate(self, prompt_ids, prompt_mask, sampling: SamplingParams) -> RolloutOutput:
@@ -100,11 +102,7 @@ def prompts(tokenizer, questions: list[str], template_kwargs: dict | None = None
         tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
         for q in questions
     ]
-    encoded = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    width = max(map(len, encoded))
-    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(e)) + e for e in encoded])
-    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
-    return ids, mask
+    return left_pad([tokenizer.encode(t, add_special_tokens=False) for t in texts], tokenizer.pad_token_id)
 
 
 def run(tokenizer, tools, questions, *, reply=calculator_first, budget=200, n=1, template=None, **settings):

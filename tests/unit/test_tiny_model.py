@@ -119,7 +119,7 @@ def test_tool_traces_train_on_the_assistant_turns_only_and_fit_the_positions():
     assert tokenizer.decode(ids) + "\n" == tokenizer.apply_chat_template(conversation, tokenize=False)
     # ... and the tool output as the agent loop appends it after the call turn
     loop = MultiTurnRollout(
-        SimpleNamespace(eos_token_ids=[tokenizer.eos_token_id], static_memory=None),
+        SimpleNamespace(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, static_memory=None),
         tokenizer,
         SimpleNamespace(schemas=[]),
         None,

@@ -4,22 +4,22 @@ signature and docstring; the arguments of a call checked against a schema."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import inspect
 import json
 import os
 import re
-import sys
 import traceback
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import yaml
 
 from dsrl.config.loading import tool_config_file
+from dsrl.config.user_code import import_file_once
 from dsrl.rollout.tools.builtin import BUILTINS
 
 MULTI_TURN_KEY = "actor_rollout_ref.rollout.multi_turn"
@@ -217,20 +217,12 @@ def _module_file(module_name: str) -> str | None:
 def import_file(path: str) -> types.ModuleType:
     """The module of the .py file ``path``, imported once per process under a name of its own."""
     path = os.path.abspath(path)
-    name = "_dsrl_tools_" + hashlib.sha1(path.encode()).hexdigest()[:12]
-    if name in sys.modules:
-        return sys.modules[name]
     if not os.path.isfile(path):
         raise _UserCodeError(f"no such file {path}", "correct the path")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        return import_file_once(Path(path), "_dsrl_tools_")
     except BaseException as exc:  # noqa: BLE001 -- SystemExit included
-        del sys.modules[name]
         raise _import_error(exc, path) from None
-    return module
 
 
 def _import_error(exc: BaseException, path: str | None) -> _UserCodeError:
