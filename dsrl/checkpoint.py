@@ -50,7 +50,7 @@ from safetensors.torch import save_file
 
 from dsrl.config import RESUME_HARMLESS_KEYS, Config, to_dict
 from dsrl.config.schema import FINAL_MODEL_DIR
-from dsrl.rollout.weight_sync import iter_full_parameters
+from dsrl.engines.weight_sync import iter_full_parameters
 from dsrl.tracking import flatten
 
 STATE_FILE = "trainer_state.json"

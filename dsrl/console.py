@@ -336,6 +336,8 @@ def _na(value: Any) -> str:
 def _role(role: dict | None) -> str:
     if not role:
         return "none"
+    if role.get("adapters_off"):
+        return "the actor with its LoRA adapters off (no reference engine)"
     offload = [name for name in ("params", "optimizer") if role.get(f"offload_{name}")]
     parts = [
         f"ZeRO-{_na(role.get('zero_stage'))}",
@@ -345,6 +347,9 @@ def _role(role: dict | None) -> str:
     ]
     if "gradient_checkpointing" in role:
         parts.append("gradient checkpointing" if role["gradient_checkpointing"] else "no gradient checkpointing")
+    if role.get("lora"):
+        lora = role["lora"]
+        parts.append(f"LoRA rank {lora['rank']} alpha {lora['alpha']}, {format_count(lora['trainable'])} trainable")
     return ", ".join(parts)
 
 
@@ -383,7 +388,8 @@ def startup_summary(facts: dict[str, Any]) -> str:
     - ``world_size`` (int), ``device`` (str: ``"cpu"``, ``"cuda (NVIDIA H200)"``)
     - ``roles``: {``"actor"``, ``"reference"``, ``"critic"``: a dict or None (absent)}, each dict with
       ``zero_stage`` (int), ``offload_params``, ``offload_optimizer`` (bool), ``dtype`` (str),
-      ``params`` (int), ``gradient_checkpointing`` (bool; omit for a role without backward)
+      ``params`` (int), ``gradient_checkpointing`` (bool; omit for a role without backward), ``lora`` ({``rank``,
+      ``alpha``, ``trainable``}; a LoRA actor only); or {``adapters_off``: True} for a LoRA run's reference
     - ``rollout`` (str: the engine, e.g. ``"vllm (tp 2)"``)
     - ``estimator``, ``policy_loss``, ``loss_agg_mode`` (str)
     - ``kl_loss``: None or {``type``, ``coef``}; ``kl_in_reward``: None or {``penalty``, ``coef``, ``ctrl``}

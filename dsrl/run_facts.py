@@ -14,6 +14,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from dsrl.config import Config
+from dsrl.engines.lora import ADAPTER, trainable_parameter_count
 
 
 def rollout_engine_name(cfg: Config, tool_names: list[str] | None = None) -> str:
@@ -30,7 +31,10 @@ def rollout_engine_name(cfg: Config, tool_names: list[str] | None = None) -> str
 
 
 def engine_facts(role, dtype: str) -> dict:
-    """ZeRO stage, offload, dtype, parameter count and activation checkpointing of a DeepSpeed role."""
+    """ZeRO stage, offload, dtype, parameter count and activation checkpointing of a DeepSpeed role; LoRA's
+    rank, alpha and trainable parameters for a LoRA actor; ``adapters_off`` for the reference that is one."""
+    if not hasattr(role, "ds_config"):  # AdapterOffReference: no engine of its own
+        return {"adapters_off": True}
     zero = role.ds_config.get("zero_optimization", {})
     offloaded = lambda section: zero.get(section, {}).get("device", "none") not in ("none", None)  # noqa: E731
     module = role.engine.module
@@ -44,6 +48,9 @@ def engine_facts(role, dtype: str) -> dict:
     if hasattr(role, "lr_scheduler"):  # a trained role
         backbone = getattr(module, "backbone", module)
         facts["gradient_checkpointing"] = bool(getattr(backbone, "is_gradient_checkpointing", False))
+    if getattr(role, "lora", False):
+        settings = module.peft_config[ADAPTER]
+        facts["lora"] = {"rank": settings.r, "alpha": settings.lora_alpha, "trainable": trainable_parameter_count(module)}
     return facts
 
 

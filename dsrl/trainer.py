@@ -57,7 +57,7 @@ from dsrl.data.batch import Batch
 from dsrl.data.datasets import PromptSampler, collate_prompts, load_prompts, load_tokenizer
 from dsrl.dynamic_sampling import fill_batch, metric_values
 from dsrl.distributed import all_gather_rows, all_reduce, gather_problems, global_mean
-from dsrl.engines import ActorEngine, CriticEngine, ReferenceEngine, init_distributed
+from dsrl.engines import ActorEngine, AdapterOffReference, CriticEngine, ReferenceEngine, init_distributed
 from dsrl.engines.training import global_counts
 from dsrl.metrics import (
     batch_metrics,
@@ -73,7 +73,7 @@ from dsrl.metrics import (
 from dsrl.phases import in_phase
 from dsrl.resume import checkpoint_to_resume, check_settings, check_train_data, data_identity, restore, trainer_state
 from dsrl.rewards import FAILURE_COUNTS, FailureStreak, RewardScorer, check_reward_rules, numeric_extras
-from dsrl.rollout import HFRollout, SamplingParams, iter_full_parameters
+from dsrl.rollout import HFRollout, SamplingParams
 from dsrl.rollout.colocation import colocated_generation
 from dsrl.rollout.multi_turn import MultiTurnRollout
 from dsrl.rollout.tools import ToolSet
@@ -219,7 +219,9 @@ class Trainer:
             # generate call seeds the ranks of a tensor-parallel group alike: dsrl.rollout.base.seeded).
             set_seed(cfg.trainer.seed + self.rank)
         self.actor = ActorEngine(cfg, total_training_steps=schedule_steps)
-        self.ref = ReferenceEngine(cfg) if needs_ref else None
+        self.ref = None
+        if needs_ref:  # a LoRA actor is its own reference, with the adapters off
+            self.ref = AdapterOffReference(cfg, self.actor) if self.actor.lora else ReferenceEngine(cfg)
         self.critic = CriticEngine(cfg, total_training_steps=schedule_steps) if algo.adv_estimator == "gae" else None
         if not uses_vllm:
             self.rollout = HFRollout.from_config(cfg)
@@ -253,7 +255,7 @@ class Trainer:
             self.tracker.log_params(flatten(to_dict(cfg)))
         self.tracker.log_text(to_yaml(cfg), "config/resolved.yaml")
         for name, role in (("actor", self.actor), ("reference", self.ref), ("critic", self.critic)):
-            if role is not None:
+            if hasattr(role, "ds_config"):  # an engine of its own
                 self.tracker.log_dict(role.ds_config, f"config/deepspeed_{name}.json")
         self.last_checkpoint = self.resume_from
         self.model_dir = None
@@ -368,10 +370,10 @@ class Trainer:
     def colocated(self, metrics: dict[str, float]):
         """The rollout engine awake with the actor's current weights, the DeepSpeed engines' device
         memory released around it (``dsrl.rollout.colocation``; a collective on every rank)."""
-        engines = [role.engine for role in (self.actor, self.critic, self.ref) if role is not None]
+        engines = [role.engine for role in (self.actor, self.critic, self.ref) if hasattr(role, "engine")]
         return colocated_generation(
             self.rollout,
-            weights=lambda: iter_full_parameters(self.actor.module),
+            weights=self.actor.rollout_weights,
             trainer_engines=engines,
             metrics=metrics,
         )

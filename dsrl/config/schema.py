@@ -173,6 +173,15 @@ class DataConfig:
 
 
 @dataclass
+class LoraPushConfig:
+    merge: bool = _f(
+        False,
+        "push base + B·A merged into full weights to the rollout engine (every push as large as the model); false = "
+        "push only the adapters (vLLM's LoRA support; the HF rollout's PEFT copy), the base weights once",
+    )
+
+
+@dataclass
 class ModelConfig:
     path: str = _f(MISSING, "policy model: a local directory (start it with / or ./) or a hub id owner/name")
     trust_remote_code: bool = _f(False, "run model code shipped with the checkpoint; only for checkpoints you trust")
@@ -188,6 +197,19 @@ class ModelConfig:
         "(n responses per prompt: (n-1)/n fewer prompt tokens; same values up to float rounding); needs "
         "enable_gradient_checkpointing=false, and under ZeRO-3 gathers each layer twice per micro-batch",
     )
+    lora_rank: int = _f(
+        0, "LoRA rank of the actor's adapters (PEFT); 0 = full fine-tuning. With LoRA the reference is the actor with its "
+        "adapters off (no reference engine) and checkpoints hold the adapters and their optimizer state only",
+    )
+    lora_alpha: int = _f(16, "LoRA alpha: the adapters' update is scaled by lora_alpha / lora_rank")
+    target_modules: Any = _f(
+        "all-linear", "modules that get adapters: all-linear (every linear layer but the output layer) or a list of names"
+    )
+    exclude_modules: Any = _f(None, "modules never adapted: a name list or a regex (PEFT's exclude_modules); null = none")
+    lora_adapter_path: Optional[str] = _f(
+        None, "a saved PEFT adapter directory (adapter_config.json) to start from; turns LoRA on with its rank and alpha"
+    )
+    lora: LoraPushConfig = _f(LoraPushConfig, "how the LoRA policy reaches the rollout engine")
 
 
 @dataclass

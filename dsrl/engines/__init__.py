@@ -3,6 +3,6 @@
 from dsrl.engines.actor import ActorEngine
 from dsrl.engines.critic import CriticEngine
 from dsrl.engines.deepspeed_setup import init_distributed
-from dsrl.engines.reference import ReferenceEngine
+from dsrl.engines.reference import AdapterOffReference, ReferenceEngine
 
-__all__ = ["ActorEngine", "CriticEngine", "ReferenceEngine", "init_distributed"]
+__all__ = ["ActorEngine", "AdapterOffReference", "CriticEngine", "ReferenceEngine", "init_distributed"]

@@ -10,6 +10,7 @@ sequence counts (see ``training.py`` for how that survives DeepSpeed's gradient 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,11 +36,14 @@ from dsrl.engines.forward import (
     policy_logits,
     response_stats,
 )
+from dsrl.engines.lora import add_adapters, iter_adapter_parameters, iter_merged_parameters, lora_enabled
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
+from dsrl.engines.weight_sync import iter_full_parameters
 
 
 class ActorEngine:
-    """The policy under DeepSpeed; ``module`` is the (ZeRO-partitioned) transformers model.
+    """The policy under DeepSpeed; ``module`` is the (ZeRO-partitioned) transformers model, a ``PeftModel``
+    with LoRA adapters when ``actor_rollout_ref.model.lora_rank`` > 0 (``dsrl.engines.lora``).
 
     ``cfg`` is the run config (``dsrl.config``); reads ``actor_rollout_ref.{model,actor,rollout}``
     and ``trainer.seed`` (the shuffling of mini-batches). ``total_training_steps`` (the run's) is
@@ -77,6 +81,9 @@ class ActorEngine:
         )
         if model_cfg.enable_gradient_checkpointing:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.lora = lora_enabled(model_cfg)
+        if self.lora:
+            module = add_adapters(module, model_cfg)
         self.engine = initialize_trained(module, self.ds_config)
         self.lr_scheduler = lr_scheduler(
             self.engine.basic_optimizer, actor.optim, total_training_steps=total_training_steps, prefix=self.prefix
@@ -89,6 +96,15 @@ class ActorEngine:
     def module(self) -> torch.nn.Module:
         """The transformers model inside the engine (parameters partitioned under ZeRO-3)."""
         return self.engine.module
+
+    def rollout_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What the rollout engine receives: the full parameters; with LoRA the merged ones
+        (``actor_rollout_ref.model.lora.merge``) or the adapters alone. Collective under ZeRO-3."""
+        if not self.lora:
+            return iter_full_parameters(self.module)
+        if self.cfg.actor_rollout_ref.model.lora.merge:
+            return iter_merged_parameters(self.module)
+        return iter_adapter_parameters(self.module)
 
     def compute_log_probs(
         self, batch: Batch, *, temperature: float, with_entropy: bool = False, with_sum_pi_squared: bool = False

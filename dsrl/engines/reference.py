@@ -1,7 +1,8 @@
 """The reference policy: a frozen copy of the initial actor under DeepSpeed, forward only.
 
 Built from ``actor_rollout_ref.model.path`` with ``actor_rollout_ref.ref.deepspeed_config``
-(default ``zero3_offload_inference``: ZeRO-3 with parameters offloaded to CPU, no optimizer).
+(default ``zero3_offload_inference``: ZeRO-3 with parameters offloaded to CPU, no optimizer). A LoRA run
+needs no copy: its reference is the actor with the adapters off (``AdapterOffReference``).
 """
 
 from __future__ import annotations
@@ -48,17 +49,36 @@ class ReferenceEngine:
         self.engine.eval()
 
     def compute_log_probs(self, batch: Batch, *, temperature: float) -> torch.Tensor:
-        """``ref_log_probs`` ``[B, T]`` float32, 0 on padding. Micro-batches of
-        ``ref.log_prob_micro_batch_size_per_gpu`` rows, or of ``ref.log_prob_max_token_len_per_gpu``
-        tokens with ``ref.log_prob_use_dynamic_bsz`` (both default to the actor's, as in verl). Collective."""
-        ref = self.cfg.actor_rollout_ref.ref
-        stats = compute_response_stats(
-            self.engine,
-            batch,
-            temperature=temperature,
-            micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
-            max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
-            budget_key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-            share_prompts=self.cfg.actor_rollout_ref.model.shared_prompt_forward,
-        )
-        return stats["old_log_probs"]
+        """``ref_log_probs`` ``[B, T]`` float32, 0 on padding (``reference_log_probs``). Collective."""
+        return reference_log_probs(self.engine, batch, self.cfg, temperature=temperature)
+
+
+class AdapterOffReference:
+    """The reference of a LoRA run: the actor's own network with its adapters off (verl's ``ref_in_actor``),
+    so no second model is loaded. ``compute_log_probs`` as ``ReferenceEngine``'s."""
+
+    def __init__(self, cfg: Any, actor: Any):
+        self.cfg = cfg
+        self.actor = actor
+
+    def compute_log_probs(self, batch: Batch, *, temperature: float) -> torch.Tensor:
+        self.actor.engine.eval()
+        with self.actor.module.disable_adapter():
+            return reference_log_probs(self.actor.engine, batch, self.cfg, temperature=temperature)
+
+
+def reference_log_probs(engine: Any, batch: Batch, cfg: Any, *, temperature: float) -> torch.Tensor:
+    """``ref_log_probs`` ``[B, T]`` float32, 0 on padding, of ``engine``'s model. Micro-batches of
+    ``ref.log_prob_micro_batch_size_per_gpu`` rows, or of ``ref.log_prob_max_token_len_per_gpu`` tokens with
+    ``ref.log_prob_use_dynamic_bsz`` (both default to the actor's, as in verl). Collective."""
+    ref = cfg.actor_rollout_ref.ref
+    stats = compute_response_stats(
+        engine,
+        batch,
+        temperature=temperature,
+        micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
+        max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
+        budget_key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        share_prompts=cfg.actor_rollout_ref.model.shared_prompt_forward,
+    )
+    return stats["old_log_probs"]

@@ -1,5 +1,5 @@
-"""Rollout engines: the protocol (``base``), transformers ``generate`` (``hf``) and the weight
-stream from the ZeRO actor (``weight_sync``); the tools of multi-turn rollouts (``tools``).
+"""Rollout engines: the protocol (``base``), transformers ``generate`` (``hf``), vLLM (``vllm``), multi-turn
+rollouts (``multi_turn``) and their tools (``tools``).
 
 The engines are imported on first use (PEP 562), so that ``dsrl.rollout.tools`` imports no torch: its
 worker processes and the config check load it."""
@@ -11,7 +11,6 @@ _EXPORTS = {
     "RolloutOutput": "dsrl.rollout.base",
     "SamplingParams": "dsrl.rollout.base",
     "HFRollout": "dsrl.rollout.hf",
-    "iter_full_parameters": "dsrl.rollout.weight_sync",
 }
 
 
@@ -21,4 +20,4 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 
-__all__ = ["HFRollout", "RolloutEngine", "RolloutOutput", "SamplingParams", "iter_full_parameters"]
+__all__ = ["HFRollout", "RolloutEngine", "RolloutOutput", "SamplingParams"]

@@ -5,6 +5,7 @@ rank-local; the copy is not a ZeRO-3 module, so no rank waits for another), left
 KV cache on. A batch is generated in calls of as many prompts as ``kv_cache_max_gb`` holds the KV cache
 of -- n rows of prompt + response tokens each, at the model's KV bytes per token -- and at most
 ``micro_batch_size``: a prompt count alone would run out of memory with a large model or long responses.
+With LoRA the copy takes the merged weights, or is itself a PEFT model whose adapters each push replaces.
 
 Memory. On a device the copy lives there only while generating: ``sleep`` moves it to CPU memory and
 ``wake_up(["weights"])`` brings it back, so training has the device to itself. On a CPU both do nothing.
@@ -24,7 +25,8 @@ prompts give the same samples, and the caller's global RNG streams are left unto
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -42,6 +44,7 @@ from transformers import (
 
 from dsrl.algorithms import logprobs_from_logits
 from dsrl.engines.forward import kv_cache
+from dsrl.engines.lora import add_adapters, lora_enabled
 from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded, stop_and_pad_ids
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -98,6 +101,7 @@ class HFRollout:
         trust_remote_code: bool = False,
         micro_batch_size: int = 64,
         kv_cache_max_gb: float | None = None,
+        adapters: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     ):
         if micro_batch_size < 1:
             raise ValueError(f"actor_rollout_ref.rollout.micro_batch_size={micro_batch_size}: must be >= 1")
@@ -114,24 +118,31 @@ class HFRollout:
         self.model.generation_config = GenerationConfig(
             eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id, bos_token_id=tokenizer.bos_token_id
         )
+        if adapters is not None:  # a PEFT copy: pushes bring its adapters only
+            self.model = adapters(self.model).eval().requires_grad_(False)
+        self.pushed = {name: p for name, p in self.model.named_parameters() if adapters is None or ".lora_" in name}
 
     @classmethod
     def from_config(cls, cfg: Any) -> HFRollout:
-        """Built from the run config (``actor_rollout_ref.{model,rollout}``): the actor's model and dtype."""
+        """Built from the run config (``actor_rollout_ref.{model,rollout}``): the actor's model and dtype; a PEFT
+        copy with the actor's adapters when LoRA pushes adapters (``model.lora.merge=false``)."""
         model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
+        pushes_adapters = lora_enabled(model) and not model.lora.merge
         return cls(
             model.path,
             dtype=model.dtype,
             trust_remote_code=model.trust_remote_code,
             micro_batch_size=rollout.micro_batch_size,
             kv_cache_max_gb=rollout.kv_cache_max_gb,
+            adapters=partial(add_adapters, model_cfg=model) if pushes_adapters else None,
         )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full tensors into the model's parameters in place (names as in ``named_parameters``;
-        a tied LM head is updated through its embedding). Consumes the whole iterator even when a
-        name is wrong, since producing it is a collective on every rank, then raises."""
-        params = dict(self.model.named_parameters())
+        a tied LM head is updated through its embedding); a PEFT copy takes its adapters only. Consumes
+        the whole iterator even when a name is wrong, since producing it is a collective on every rank,
+        then raises."""
+        params = self.pushed
         unknown, seen = [], set()
         with torch.no_grad():
             for name, tensor in named_tensors:

@@ -25,7 +25,7 @@ from dsrl.checkpoint import (
     write_state,
 )
 from dsrl.engines import ActorEngine
-from dsrl.rollout import iter_full_parameters
+from dsrl.engines.weight_sync import iter_full_parameters
 from tests.conftest import recipe
 from tests.integration.test_engines import ACTOR_TRAINING, make_batch, training_batch
 from tests.integration.test_trainer import trainer_for

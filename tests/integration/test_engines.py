@@ -22,7 +22,7 @@ from dsrl.data.batch import Batch
 from dsrl.engines import ActorEngine, CriticEngine, ReferenceEngine
 from dsrl.engines.deepspeed_setup import build_ds_config
 from dsrl.engines.forward import micro_batch_indices, model_inputs
-from dsrl.rollout import iter_full_parameters
+from dsrl.engines.weight_sync import iter_full_parameters
 
 N_PROMPTS, N, P, T = 2, 4, 6, 8  # 8 sequences; prompts up to 6 tokens, responses up to 8
 TEMPERATURE = 0.7

@@ -85,7 +85,7 @@ def test_two_grpo_steps_under_zero3(smollm2_dir, arithmetic_data, ds_test_config
     KL loss) on the imported model, rewarded for digits (the ``arithmetic_data`` fixture: SmolLM2's prose
     answers hold varying numbers of digits, so groups have reward spread)."""
     from dsrl.config import load_and_validate
-    from dsrl.rollout import iter_full_parameters
+    from dsrl.engines.weight_sync import iter_full_parameters
     from dsrl.trainer import Trainer
 
     cfg, _ = load_and_validate(

@@ -47,7 +47,7 @@ def trainer_for(name, tiny_model_dir, data, ds_test_config, out, *overrides):
 
 
 def run_config(name, tiny_model_dir, data, ds_test_config, out, *overrides):
-    from dsrl.rollout import iter_full_parameters
+    from dsrl.engines.weight_sync import iter_full_parameters
 
     trainer = trainer_for(name, tiny_model_dir, data, ds_test_config, out, *overrides)
     logged = []
@@ -176,7 +176,7 @@ def test_folding_the_old_log_prob_pass_changes_no_number(
     """GRPO (with the reference's KL loss) on-policy: the update's forward stands in for the old-log-prob
     pass. The same two steps with the separate pass give bit-identical parameters and losses, and the
     pass's metrics (entropy, rollout-vs-actor gaps) to float rounding."""
-    from dsrl.rollout import iter_full_parameters
+    from dsrl.engines.weight_sync import iter_full_parameters
 
     runs = {}
     for fold in (True, False):
@@ -215,7 +215,7 @@ def test_bypass_mode_trains_without_the_old_log_prob_pass(
     trainer.actor.compute_log_probs = lambda *a, **kw: pytest.fail("bypass mode ran the old-log-prob pass")
     seen, update = [], trainer.actor.update
     trainer.actor.update = lambda batch, **kw: seen.append(batch.old_log_probs.equal(batch.rollout_log_probs)) or update(batch, **kw)
-    from dsrl.rollout import iter_full_parameters
+    from dsrl.engines.weight_sync import iter_full_parameters
 
     before = {name: tensor.clone() for name, tensor in iter_full_parameters(trainer.actor.module)}
     logged = []

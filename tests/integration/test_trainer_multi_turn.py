@@ -91,6 +91,6 @@ def test_each_estimator_family_trains_on_multi_turn_responses(
 
 
 def trainer_parameters(trainer):
-    from dsrl.rollout import iter_full_parameters
+    from dsrl.engines.weight_sync import iter_full_parameters
 
     return iter_full_parameters(trainer.actor.module)

@@ -17,7 +17,8 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
-from dsrl.rollout import SamplingParams, colocation, iter_full_parameters
+from dsrl.rollout import SamplingParams, colocation
+from dsrl.engines.weight_sync import iter_full_parameters
 
 pytestmark = pytest.mark.vllm
 

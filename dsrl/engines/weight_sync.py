@@ -13,7 +13,7 @@ tying updates the head).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import deepspeed
 import torch
@@ -32,17 +32,17 @@ def _gather_bucket(bucket: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[s
         return [(name, p.data.detach().clone()) for name, p in bucket]
 
 
-def iter_full_parameters(
-    module: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+def iter_gathered(
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, full tensor)`` for every parameter of ``module`` (an engine's ``.module``).
+    """Yield ``(name, full tensor)`` for each of ``named_parameters``, gathered a bucket at a time.
 
     Tensors keep the engine's dtype and device (CPU under parameter offload). A parameter larger
     than ``bucket_bytes`` forms a bucket of its own. Collective under ZeRO-3.
     """
     bucket: list[tuple[str, torch.nn.Parameter]] = []
     size = 0
-    for name, param in module.named_parameters():
+    for name, param in named_parameters:
         nbytes = _full_numel(param) * param.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield from _gather_bucket(bucket)
@@ -51,3 +51,11 @@ def iter_full_parameters(
         size += nbytes
     if bucket:
         yield from _gather_bucket(bucket)
+
+
+def iter_full_parameters(
+    module: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, full tensor)`` for every parameter of ``module`` (an engine's ``.module``). Collective
+    under ZeRO-3."""
+    yield from iter_gathered(module.named_parameters(), bucket_bytes=bucket_bytes)

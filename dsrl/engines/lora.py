@@ -1,0 +1,166 @@
+"""LoRA on the actor: PEFT adapters on a frozen base model under DeepSpeed ZeRO (verl's
+``actor_rollout_ref.model.{lora_rank, lora_alpha, target_modules, exclude_modules, lora_adapter_path}``).
+
+- ``add_adapters`` wraps the loaded model (partitioned already under ZeRO-3) in a ``PeftModel``: the base
+  weights stay in the run's dtype and are frozen; the adapters are the only parameters handed to DeepSpeed,
+  so gradients, the optimizer's states and its fp32 master weights exist for them alone. DeepSpeed
+  partitions the adapters when it wraps the model (they are created outside ``zero.Init``).
+- The reference policy is the same network with its adapters off (``PeftModel.disable_adapter``), as in
+  verl (its ``ref_in_actor``): no second model is loaded.
+- The rollout engine gets either the merged weights (``iter_merged_parameters``: ``W + (alpha / r) B A`` for
+  every adapted layer, under the base model's names, a bucket at a time as for full fine-tuning) or the
+  adapters alone (``iter_adapter_parameters``, under the actor's own parameter names).
+
+Only linear layers take adapters here (``target_modules: all-linear`` never adapts the output layer); an
+embedding or convolution named in ``target_modules`` is refused at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora import LoraLayer
+
+from dsrl.engines.weight_sync import DEFAULT_BUCKET_BYTES, iter_gathered
+
+ADAPTER = "default"  # PEFT's name of the one adapter
+PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's parameter names
+
+
+def lora_enabled(model_cfg: Any) -> bool:
+    """Whether the actor trains adapters: a rank above 0, or an adapter to start from (as verl decides)."""
+    return model_cfg.lora_rank > 0 or model_cfg.lora_adapter_path is not None
+
+
+def _plain(value: Any) -> Any:
+    """An OmegaConf list as a Python list (PEFT checks ``isinstance(..., list)``)."""
+    return [str(v) for v in value] if value is not None and not isinstance(value, str) else value
+
+
+def lora_config(model_cfg: Any) -> LoraConfig:
+    """The adapters of a run that starts without an adapter: verl's settings (no bias, no dropout)."""
+    return LoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        r=model_cfg.lora_rank,
+        lora_alpha=model_cfg.lora_alpha,
+        target_modules=_plain(model_cfg.target_modules),
+        exclude_modules=_plain(model_cfg.exclude_modules),
+        bias="none",
+    )
+
+
+def saved_adapter_settings(path: str) -> dict[str, Any]:
+    """``adapter_config.json`` of a saved PEFT adapter directory; ValueError naming the key and the fix."""
+    file = Path(path) / "adapter_config.json"
+    try:
+        settings = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"actor_rollout_ref.model.lora_adapter_path={path!r}: no readable adapter_config.json ({err}); "
+            "point it at a PEFT adapter directory (PeftModel.save_pretrained writes one)"
+        ) from err
+    if settings.get("peft_type") != "LORA":
+        raise ValueError(
+            f"actor_rollout_ref.model.lora_adapter_path={path!r}: a {settings.get('peft_type')!r} adapter, not LoRA; "
+            "point it at a LoRA adapter directory"
+        )
+    return settings
+
+
+def add_adapters(module: torch.nn.Module, model_cfg: Any) -> PeftModel:
+    """``module`` with trainable LoRA adapters (from ``lora_adapter_path`` when set) and its base frozen."""
+    if model_cfg.lora_adapter_path is not None:
+        settings = saved_adapter_settings(model_cfg.lora_adapter_path)
+        if model_cfg.lora_rank not in (0, settings["r"]):
+            raise ValueError(
+                f"actor_rollout_ref.model.lora_rank={model_cfg.lora_rank} but the adapter at lora_adapter_path has rank "
+                f"{settings['r']}; set lora_rank={settings['r']} (or 0: the adapter's rank is used)"
+            )
+        peft_model = PeftModel.from_pretrained(module, model_cfg.lora_adapter_path, is_trainable=True)
+    else:
+        peft_model = get_peft_model(module, lora_config(model_cfg))
+    layers = lora_layers(peft_model)
+    other = sorted(name for name, layer in layers.items() if not isinstance(layer, LoraLinear))
+    if other:
+        raise ValueError(
+            f"actor_rollout_ref.model.target_modules adapts {other[:3]}, which are not linear layers; dsrl trains "
+            "LoRA on linear layers only: name linear modules (or all-linear), or exclude these with exclude_modules"
+        )
+    if not layers:
+        raise ValueError(
+            f"actor_rollout_ref.model.target_modules={model_cfg.target_modules!r} matched no module of the model; "
+            "use all-linear or names from the model's modules (q_proj, v_proj, ...)"
+        )
+    return peft_model
+
+
+def lora_layers(module: torch.nn.Module) -> dict[str, LoraLayer]:
+    """The adapted layers of a ``PeftModel`` by their module name."""
+    return {name: layer for name, layer in module.named_modules() if isinstance(layer, LoraLayer)}
+
+
+def trainable_parameter_count(module: torch.nn.Module) -> int:
+    """Elements of the parameters that train (full sizes under ZeRO-3)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad)
+
+
+def base_name(peft_name: str) -> str:
+    """The base model's name of a parameter of the wrapped model (``...q_proj.base_layer.weight`` ->
+    ``...q_proj.weight``)."""
+    return peft_name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def iter_merged_parameters(
+    module: PeftModel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(base model name, full tensor)`` of the policy with its adapters merged: ``W + s * (B @ A)``
+    (``s`` the layer's scaling, computed in float32, cast to ``W``'s dtype) for every adapted layer, every
+    other parameter as it is. Gathered a bucket at a time (``iter_gathered``); a layer's weight waits for
+    its two adapter matrices, which follow it in parameter order. Collective under ZeRO-3."""
+    layers = lora_layers(module)
+    parts: dict[str, dict[str, torch.Tensor]] = {}  # adapted layer -> what of it was gathered so far
+    for name, tensor in iter_gathered(module.named_parameters(), bucket_bytes=bucket_bytes):
+        layer_name, part = _layer_part(name, layers)
+        if layer_name is None:
+            yield base_name(name), tensor
+            continue
+        held = parts.setdefault(layer_name, {})
+        held[part] = tensor
+        if len(held) == len(_PARTS):
+            del parts[layer_name]
+            weight = held["weight"]
+            delta = held["lora_B"].float() @ held["lora_A"].float() * layers[layer_name].scaling[ADAPTER]
+            yield base_name(f"{layer_name}.weight"), (weight.float() + delta).to(weight.dtype)
+    if parts:
+        raise RuntimeError(f"iter_merged_parameters: adapted layers missing a part: {sorted(parts)[:3]}")
+
+
+_PARTS = {".base_layer.weight": "weight", f".lora_A.{ADAPTER}.weight": "lora_A", f".lora_B.{ADAPTER}.weight": "lora_B"}
+
+
+def _layer_part(name: str, layers: dict[str, LoraLayer]) -> tuple[str | None, str]:
+    """(adapted layer, ``weight`` | ``lora_A`` | ``lora_B``) of a parameter that merges; (None, "") for any
+    other parameter (a base layer's bias included)."""
+    for suffix, part in _PARTS.items():
+        if name.endswith(suffix) and name[: -len(suffix)] in layers:
+            return name[: -len(suffix)], part
+    return None, ""
+
+
+def adapter_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The adapters' ``(name, parameter)`` pairs, in parameter order."""
+    return [(name, p) for name, p in module.named_parameters() if ".lora_A." in name or ".lora_B." in name]
+
+
+def iter_adapter_parameters(
+    module: PeftModel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, full tensor)`` of the adapters only (the actor's own names,
+    ``base_model.model....lora_A.default.weight``). Collective under ZeRO-3."""
+    yield from iter_gathered(adapter_parameters(module), bucket_bytes=bucket_bytes)
