@@ -129,6 +129,7 @@ def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset())
     _rollout_mismatch_rules(cfg, need)
     _filter_groups_rules(cfg, need)
     _multi_turn_rules(cfg, need)
+    _lora_rules(cfg, given, need)
     _file_rules(cfg, need)
     _deepspeed_rules(cfg, world_size, need)
     _reward_rules(cfg, need)
@@ -894,6 +895,32 @@ def _multi_turn_rules(cfg: Config, need: Need) -> None:
         "conversations take their own number of turns",
         "set actor_rollout_ref.rollout.tensor_model_parallel_size=1 (one engine per rank)",
     )
+
+
+def _lora_rules(cfg: Config, given: Collection[str], need: Need) -> None:
+    """LoRA on the actor (``dsrl.engines.lora``): its settings, the adapter to start from, and the reference's
+    DeepSpeed setup, which a LoRA run never uses (its reference is the actor with the adapters off)."""
+    model, prefix = cfg.actor_rollout_ref.model, "actor_rollout_ref.model"
+    need(model.lora_rank >= 0, f"{prefix}.lora_rank", "must be >= 0 (0 = full fine-tuning)", f"set {prefix}.lora_rank=32")
+    if model.lora_rank == 0 and model.lora_adapter_path is None:
+        return
+    need(model.lora_alpha > 0, f"{prefix}.lora_alpha", "must be > 0 (the update is scaled by alpha / rank)",
+         f"set {prefix}.lora_alpha to the rank or twice it")
+    for key, allow_none in (("target_modules", False), ("exclude_modules", True)):
+        value = getattr(model, key)
+        names = list(value) if isinstance(value, ListConfig) else None
+        ok = (value is None and allow_none) or (isinstance(value, str) and value != "") or (
+            bool(names) and all(isinstance(name, str) and name for name in names))
+        need(ok, f"{prefix}.{key}", "must be all-linear, a module name pattern, or a list of module names",
+             f"set {prefix}.{key}=all-linear or [q_proj,v_proj]" + (" (or null)" if allow_none else ""))
+    if model.lora_adapter_path is not None:
+        adapter = Path(model.lora_adapter_path).expanduser()
+        need((adapter / "adapter_config.json").is_file(), f"{prefix}.lora_adapter_path",
+             "not a PEFT adapter directory (no adapter_config.json in it)",
+             "point it at a folder PeftModel.save_pretrained wrote (dsrl exports one beside its final model), or null")
+    key = "actor_rollout_ref.ref.deepspeed_config"
+    need(key not in given, key, "a LoRA run builds no reference engine: its reference is the actor with its "
+         "adapters off, so this setup would go unused", f"remove it (or set {prefix}.lora_rank=0 for full fine-tuning)")
 
 
 def _file_rules(cfg: Config, need: Need) -> None:

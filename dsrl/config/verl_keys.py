@@ -19,6 +19,10 @@ def _ds_config_key(key: str) -> str:
     return "actor_rollout_ref.actor.deepspeed_config"
 
 
+# verl's LoRA keys of a model section (dsrl reads them on the actor's)
+LORA_KEYS = ("lora_rank", "lora_alpha", "target_modules", "exclude_modules", "lora_adapter_path")
+
+
 def _verl_only_key(key: str) -> Optional[tuple[str, str]]:
     """(rule, fix) for a verl key that dsrl replaces or does not need; None for other keys."""
     ds = _ds_config_key(key)
@@ -76,6 +80,11 @@ def _verl_only_key(key: str) -> Optional[tuple[str, str]]:
         return (
             "dsrl has no model-based reward (of verl's reward_model keys it reads reward_manager and reward_kwargs)",
             "remove it; a custom_reward_function may call a reward model",
+        )
+    if key.startswith("critic.model.") and key.rpartition(".")[2] in LORA_KEYS:
+        return (
+            "the critic trains in full (LoRA is on the actor only: actor_rollout_ref.model.lora_rank)",
+            "remove it; GRPO-family estimators need no critic at all",
         )
     if key == "actor_rollout_ref.model.use_remove_padding":
         return ("dsrl always runs padded batches", "remove it")
