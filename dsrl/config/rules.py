@@ -540,7 +540,8 @@ def _rollout_rules(cfg: Config, world_size: int, need: Need) -> None:
 
 
 def _vllm_rules(cfg: Config, need: Need) -> None:
-    """The vllm-only keys: sleep mode needs a colocated vLLM; the engine must hold a whole sequence."""
+    """The vllm-only keys: sleep mode needs a colocated vLLM, and level 1 with LoRA adapter pushes; the engine must
+    hold a whole sequence."""
     rollout, data, name = cfg.actor_rollout_ref.rollout, cfg.data, rollout_name(cfg)
     prefix = "actor_rollout_ref.rollout"
     need(
@@ -574,6 +575,16 @@ def _vllm_rules(cfg: Config, need: Need) -> None:
         "set it to the device memory generation may use beside the model's weights, or null for micro_batch_size prompts",
     )
     if name == "vllm":
+        model = cfg.actor_rollout_ref.model
+        # LoRA on (dsrl.engines.lora.lora_enabled, which this package cannot import) with adapter pushes.
+        pushes_adapters = (model.lora_rank > 0 or model.lora_adapter_path is not None) and not model.lora.merge
+        need(
+            not (pushes_adapters and rollout.sleep_level == 2 and rollout.enable_sleep_mode is not False),
+            f"{prefix}.sleep_level",
+            "a level-2 sleep drops vLLM's base weights, and LoRA adapter pushes (actor_rollout_ref.model.lora.merge=false) "
+            "never bring them back",
+            f"set {prefix}.sleep_level=1 (base weights kept in CPU memory), or actor_rollout_ref.model.lora.merge=true",
+        )
         for key in (f"{prefix}.temperature", f"{prefix}.val_kwargs.temperature"):
             need(
                 OmegaConf.select(cfg, key) <= 2,

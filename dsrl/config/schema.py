@@ -177,7 +177,8 @@ class LoraPushConfig:
     merge: bool = _f(
         False,
         "push base + B·A merged into full weights to the rollout engine (every push as large as the model); false = "
-        "push only the adapters (vLLM's LoRA support; the HF rollout's PEFT copy), the base weights once",
+        "push only the adapters (vLLM's LoRA support, which needs rollout.sleep_level=1 where vLLM sleeps; the HF rollout's "
+        "PEFT copy), the base weights once",
     )
 
 

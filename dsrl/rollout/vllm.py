@@ -38,6 +38,14 @@ input embedding) is processed again here. Older releases get the tensors through
 gate/up and shards for tensor parallelism. Then ``reset_prefix_cache()``: cached KV blocks were
 computed by the old weights.
 
+LoRA adapters (``actor_rollout_ref.model.lora.merge=false``). Built with ``lora`` (the actor's adapter settings),
+the engine serves one adapter (``enable_lora``, ``max_loras=1``, ``max_lora_rank`` the smallest vLLM allows that
+holds the rank) over the base weights it reads from the model directory, which are never pushed. A push brings
+the adapters alone: they are written as a PEFT directory and loaded under a new id
+(``dsrl.rollout.vllm_lora``), which every later ``generate`` request names; the previous adapter is evicted.
+Until the first push the engine generates with the base weights alone. A level-2 sleep would drop base weights
+that no push brings back, so adapter pushes need level 1 (``_vllm_rules`` refuses level 2).
+
 Memory. With sleep mode (GPUs), the engine sleeps right after it is built (so the DeepSpeed
 engines built next find the device free) and around every generation (see
 ``dsrl.rollout.colocation``): level 2 drops weights and KV cache (the push after the weights' wake
@@ -51,13 +59,16 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from peft import LoraConfig
 
+from dsrl.engines.lora import lora_enabled
 from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded, stop_and_pad_ids
+from dsrl.rollout.vllm_lora import AdapterDirectory, actor_adapter_config, vllm_max_lora_rank
 
 _SEED_RANGE = 2**62  # per-prompt seeds; + n stays far inside int64
 
@@ -139,6 +150,7 @@ class VLLMRollout:
 
     Build it after ``torch.distributed`` is initialised and before the DeepSpeed engines take
     device memory. ``enable_sleep_mode=None`` turns sleep mode on where vLLM supports it (GPUs).
+    ``lora``: the actor's adapter settings when pushes bring LoRA adapters alone; None for full weights.
     """
 
     def __init__(
@@ -155,6 +167,7 @@ class VLLMRollout:
         sleep_level: int = 2,
         seed: int = 0,
         per_prompt_seeds: bool = False,
+        lora: LoraConfig | None = None,
     ):
         from transformers import AutoTokenizer, GenerationConfig
         import vllm
@@ -170,6 +183,11 @@ class VLLMRollout:
                 f"({current_platform.device_name}); set it to null (on where supported) or false"
             )
         self.sleep_mode = supported if enable_sleep_mode is None else enable_sleep_mode
+        if lora is not None and self.sleep_mode and sleep_level == 2:
+            raise ValueError(
+                "actor_rollout_ref.rollout.sleep_level=2 drops the base weights, which LoRA adapter pushes never bring "
+                "back; set it to 1, or actor_rollout_ref.model.lora.merge=true"
+            )
         if self.sleep_mode:
             check_allocator_for_sleep_mode(vllm.__version__)
         self.sleep_level = sleep_level
@@ -208,6 +226,14 @@ class VLLMRollout:
         # offset), which vLLM does when a prompt's prefill is split over steps: "CPU Generator does
         # not use offset". Unsplit prefills avoid it.
         cpu_only = {"enable_chunked_prefill": False} if current_platform.is_cpu() else {}
+        adapters = {}
+        self.adapters, self.lora_request = None, None  # the adapter directory; the request of the last push
+        if lora is not None:
+            from vllm.config.lora import MaxLoRARanks
+
+            self.adapters = AdapterDirectory(lora)
+            rank = vllm_max_lora_rank(lora.r, get_args(MaxLoRARanks))
+            adapters = {"enable_lora": True, "max_loras": 1, "max_lora_rank": rank}
         self.llm = LLM(
             model=model_path,
             tokenizer=model_path,
@@ -223,6 +249,7 @@ class VLLMRollout:
             generation_config="vllm",
             seed=self.engine_seed,
             **cpu_only,
+            **adapters,
         )
         if self.llm.llm_engine.model_config.get_vocab_size() > self.vocab_size:
             self.llm.collective_rpc(_mask_padded_vocab, args=(self.vocab_size,))
@@ -235,6 +262,7 @@ class VLLMRollout:
     def from_config(cls, cfg: Any) -> VLLMRollout:
         """Built from the run config (``actor_rollout_ref.{model,rollout}``, ``data``, ``trainer.seed``)."""
         model, rollout, data = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout, cfg.data
+        pushes_adapters = lora_enabled(model) and not model.lora.merge
         return cls(
             model.path,
             dtype=rollout.dtype or model.dtype,
@@ -247,6 +275,7 @@ class VLLMRollout:
             sleep_level=rollout.sleep_level,
             seed=cfg.trainer.seed,
             per_prompt_seeds=rollout.per_prompt_seeds,
+            lora=actor_adapter_config(model) if pushes_adapters else None,
         )
 
     # ---- weights -----------------------------------------------------------------------------
@@ -258,13 +287,22 @@ class VLLMRollout:
         return not self.sleep_mode
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full tensors (HF names) into the engine (see the module docstring), then drop the prefix cache.
+        """Load full tensors (HF names) into the engine (see the module docstring), then drop the prefix cache;
+        with ``lora``, the adapters (the actor's names) instead.
 
         The iterator is consumed inside vLLM's loader, one tensor at a time, so a ZeRO-3 stream
         (``iter_full_parameters``) never holds more than its bucket. Every rank of a
         tensor-parallel group must pass the same full tensors (vLLM shards them)."""
         if "weights" in self.asleep:
             raise RuntimeError("VLLMRollout.update_weights while the weights sleep: call wake_up(['weights']) first")
+        if self.adapters is not None:
+            from vllm.lora.request import LoRARequest
+
+            push = self.adapters.write(named_tensors)
+            self.lora_request = LoRARequest("dsrl-policy", push, self.adapters.path)
+            self.llm.llm_engine.add_lora(self.lora_request)  # read now; the previous push's adapter is evicted (max_loras=1)
+            self.llm.reset_prefix_cache()  # cached blocks are keyed by the adapter's name and path, which stay
+            return
         if self.reload_in_place:
             self.llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
@@ -351,7 +389,10 @@ class VLLMRollout:
         self.generate_calls += 1
         with seeded(call_seed, self.device):
             outputs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=p) for p in all_prompts], params, use_tqdm=False
+                [TokensPrompt(prompt_token_ids=p) for p in all_prompts],
+                params,
+                use_tqdm=False,
+                lora_request=self.lora_request,
             )[mine]
         return self._to_rollout_output(outputs, sampling)
 

@@ -94,6 +94,7 @@ def rollout(worker, *, sleep_mode=False, sleep_level=2, per_prompt_seeds=False):
     engine.llm.calls.clear()
     engine.sleep_mode, engine.sleep_level, engine.per_prompt_seeds = sleep_mode, sleep_level, per_prompt_seeds
     engine.asleep, engine.weights_valid, engine.tp_group = set(), True, None
+    engine.adapters, engine.lora_request = None, None  # full-weight pushes
     return engine
 
 

@@ -273,3 +273,9 @@ def test_an_untied_output_head_is_pushed(reference_model, tmp_path, free_port):
     # The perturbed head makes larger logits and a larger float gap (1.2e-5 measured on this machine, just
     # over FP32_ATOL); a head that was not pushed is off by O(1).
     assert vllm_logprob_gap(untied, free_port(), "--perturb-head") < 1e-4
+
+
+def test_lora_adapter_pushes_replace_the_served_adapter(tiny_model_dir, free_port):
+    """An engine built for LoRA adapter pushes scores like the PEFT model after each of two pushes of different
+    adapters (a stale engine is ~1 nat off)."""
+    assert vllm_logprob_gap(tiny_model_dir, free_port(), "--lora") < 1e-4

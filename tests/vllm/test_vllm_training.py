@@ -142,3 +142,25 @@ def test_multi_turn_with_tools_on_vllm(overrides, tool_model_dir, calculator_dat
         assert metrics["tool/calls/calculator"] > 0 and metrics["multi_turn/turns_per_response/max"] >= 2
         assert metrics["training/rollout_probs_diff_max"] < FP32_ATOL, metrics["training/rollout_probs_diff_max"]
     assert len(report["engine_calls"]) > 4  # later turns: calls of their own
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "adapters"])
+def test_lora_pushes(overrides, tmp_path, free_port, merge):
+    """LoRA with either push (actor_rollout_ref.model.lora.merge): the merged weights streamed as for full
+    fine-tuning, or the adapters alone over the base weights vLLM read at start-up (sleep level 1: level 2 would
+    drop those). After each step's update vLLM scores as the actor does, within fp32 numerics."""
+    result = run([sys.executable, str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides,
+                  "actor_rollout_ref.model.lora_rank=8", f"actor_rollout_ref.model.lora.merge={str(merge).lower()}",
+                  "actor_rollout_ref.rollout.sleep_level=1", "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                  "trainer.val_before_train=false"],
+                 free_port())
+    # vLLM logs the LoRA kernels it picks when built with LoRA (enable_lora): adapter pushes only.
+    assert ("Using PunicaWrapper" in result.stdout + result.stderr) == (not merge)
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    assert report["rollout"] == "VLLMRollout"
+    assert [entry["step"] for entry in report["logged"]] == [1, 2]
+    for entry in report["logged"]:
+        metrics = entry["metrics"]
+        assert metrics["actor/grad_norm"] > 0 and "timing_s/update_weights" in metrics
+        # Step 2 samples from the adapters of step 1's update, pushed (without the push, --skip-push: 8e-4 off).
+        assert metrics["training/rollout_probs_diff_max"] < FP32_ATOL, metrics["training/rollout_probs_diff_max"]
