@@ -1075,13 +1075,14 @@ def test_sleep_mode_needs_the_vllm_rollout(files):
 
 def test_lora_adapter_pushes_to_vllm_need_sleep_level_1(files):
     """A level-2 sleep drops the base weights; adapter pushes (lora.merge=false) never bring them back."""
-    adapters = files + ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.lora_rank=8"]
+    adapters = files + ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.lora_rank=8",
+                        "actor_rollout_ref.model.lora.merge=false"]
     [v] = problems("grpo", adapters)  # sleep mode null (on where vLLM has it), level 2 by default
     assert v.startswith("actor_rollout_ref.rollout.sleep_level=2: a level-2 sleep drops vLLM's base weights")
     assert "set actor_rollout_ref.rollout.sleep_level=1" in v and "actor_rollout_ref.model.lora.merge=true" in v
     assert problems("grpo", adapters + ["actor_rollout_ref.rollout.sleep_level=1"]) == []
     assert problems("grpo", adapters + ["actor_rollout_ref.rollout.enable_sleep_mode=false"]) == []
-    assert problems("grpo", adapters + ["actor_rollout_ref.model.lora.merge=true"]) == []  # the push refills them
+    assert problems("grpo", adapters[:-1]) == []  # merged pushes (the default) refill them
     assert problems("grpo", files + ["actor_rollout_ref.rollout.name=vllm"]) == []  # no LoRA
     assert problems("grpo", files + ["actor_rollout_ref.model.lora_rank=8"]) == []  # the HF rollout has no sleep
 
