@@ -1,6 +1,6 @@
 """One rank of the engine checks in ``test_engines_2ranks.py`` (also runs alone as a world of one).
 
-    deepspeed --num_gpus 2 --master_port PORT tests/dist/engines_2ranks_worker.py --out DIR --model DIR --ds-config JSON
+    deepspeed --num_gpus 2 --master_port PORT tests/dist/engines_2ranks_worker.py --out DIR --model DIR --ds-config JSON [--lora-rank R]
 
 Each rank: builds a ZeRO-3 + offload actor and a transformers rollout copy; pushes the weights and
 samples its own prompts (rank-local generation) and checks the actor scores them as the rollout
@@ -8,7 +8,8 @@ did; trains on its shard of a fixed global batch with token-budget micro-batches
 would need 4 and rank 1 only 2: without agreeing on a count, ZeRO-3's collective forwards would
 hang); pushes again and re-checks the agreement. Writes
 ``rank<R>.json`` (metrics, agreements, timings) and, on rank 0, ``params_world<W>.pt`` (the gathered
-parameters after the update) to compare a 2-rank run with a 1-rank run on the whole batch.
+parameters after the update) to compare a 2-rank run with a 1-rank run on the whole batch. With
+``--lora-rank`` the actor trains LoRA adapters and pushes its merged weights to the rollout copy.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--ds-config", required=True)
+    parser.add_argument("--lora-rank", type=int, default=0)
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -91,12 +93,16 @@ def main() -> None:
             "actor_rollout_ref.actor.grad_clip=100.0",
             "actor_rollout_ref.actor.optim.lr=0.01",
             "actor_rollout_ref.actor.optim.weight_decay=0.0",
+            f"actor_rollout_ref.model.lora_rank={args.lora_rank}",
+            "actor_rollout_ref.model.lora.merge=true",
         ],
     )
+    # Each rank draws its own initial adapters (the trainer seeds per rank): DeepSpeed must start all from rank 0's.
+    torch.manual_seed(rank)
     actor = ActorEngine(cfg)
     rollout = HFRollout(args.model, dtype="float32")
     timings: dict[str, float] = {}
-    _, timings["sync_s"] = timed(lambda: rollout.update_weights(iter_full_parameters(actor.module)))
+    _, timings["sync_s"] = timed(lambda: rollout.update_weights(actor.rollout_weights()))
 
     # Rank-local generation on this rank's own prompts, scored by the actor.
     g = torch.Generator().manual_seed(100 + rank)
@@ -137,7 +143,7 @@ def main() -> None:
     if rank == 0:
         torch.save(params, Path(args.out) / f"params_world{world}.pt")
 
-    _, timings["sync_after_update_s"] = timed(lambda: rollout.update_weights(iter_full_parameters(actor.module)))
+    _, timings["sync_after_update_s"] = timed(lambda: rollout.update_weights(actor.rollout_weights()))
     resampled = generate()
     rescored = actor.compute_log_probs(resampled, temperature=TEMPERATURE)["old_log_probs"]
     report = {

@@ -29,10 +29,10 @@ def run(command: list[str], env: dict[str, str], out: Path) -> None:
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, deepspeed_cpu_ops, tiny_model_dir, ds_test_config, free_port):
+def launch(tmp_path_factory, tiny_model_dir, ds_test_config, free_port, *extra: str) -> tuple[Path, Path]:
+    """The worker on 2 ranks, then alone on the whole batch: the two output folders."""
     ds_config = ds_test_config("zero3_offload", optimizer={"eps": 1.0})
-    args = ["--model", str(tiny_model_dir), "--ds-config", ds_config]
+    args = ["--model", str(tiny_model_dir), "--ds-config", ds_config, *extra]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "2"}
     two = tmp_path_factory.mktemp("two_ranks")
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
@@ -41,6 +41,11 @@ def runs(tmp_path_factory, deepspeed_cpu_ops, tiny_model_dir, ds_test_config, fr
     alone = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     run([sys.executable, str(WORKER), "--out", str(one), *args], {**env, **alone}, one)
     return two, one
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, deepspeed_cpu_ops, tiny_model_dir, ds_test_config, free_port):
+    return launch(tmp_path_factory, tiny_model_dir, ds_test_config, free_port)
 
 
 def test_ranks_agree_and_rollout_copies_score_like_the_actor(runs):
@@ -69,3 +74,20 @@ def test_two_ranks_train_exactly_like_one_rank_on_the_whole_batch(runs):
     assert metrics_two.keys() == metrics_one.keys()
     for key, value in metrics_one.items():
         assert math.isclose(metrics_two[key], value, rel_tol=1e-5, abs_tol=1e-6), key
+
+
+def test_a_lora_update_on_two_ranks_equals_one_rank_on_the_whole_batch(
+    tmp_path_factory, deepspeed_cpu_ops, tiny_model_dir, ds_test_config, free_port
+):
+    """LoRA adapters (rank 4): the ranks agree (DeepSpeed broadcasts rank 0's initial adapters), the merged
+    weights reach the rollout copies, and 2 ranks train the adapters as 1 rank does."""
+    two, one = launch(tmp_path_factory, tiny_model_dir, ds_test_config, free_port, "--lora-rank", "4")
+    reports = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert reports[0]["metrics"] == reports[1]["metrics"] and reports[0]["param_sum"] == reports[1]["param_sum"]
+    for report in reports:
+        assert report["logprob_diff_before_update"] < 1e-5 and report["logprob_diff_after_update"] < 1e-5
+        assert report["actor_change_on_first_samples"] > 1e-3
+    params_two, params_one = torch.load(two / "params_world2.pt"), torch.load(one / "params_world1.pt")
+    assert params_two.keys() == params_one.keys() and any(".lora_B." in k for k in params_one)
+    worst = max((params_two[k] - params_one[k]).abs().max().item() for k in params_one)
+    assert worst < 1e-6, worst

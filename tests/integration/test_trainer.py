@@ -141,6 +141,66 @@ def test_config_trains_two_steps(
     assert (trainer.model_dir / "model.safetensors.index.json").is_file()
 
 
+# Every recipe trains LoRA adapters with the KL loss against the adapter-off reference; RLOO keeps its in-reward
+# KL too (its recipe's k1, and k3, k2); ReMax adds its greedy rollout. GRPO in the default run, the rest with -m slow.
+LORA_RUNS = {
+    **{name: (name, []) for name in ALGORITHM_CONFIGS},
+    **{f"rloo-{kl}": ("rloo", [f"algorithm.kl_penalty={kl}"]) for kl in ("low_var_kl", "mse")},
+    "remax": ("grpo", ["algorithm.adv_estimator=remax"]),
+}
+
+
+@pytest.mark.parametrize("run", [run if run == "grpo" else pytest.param(run, marks=pytest.mark.slow) for run in LORA_RUNS])
+def test_config_trains_lora_adapters_two_steps(
+    run, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    """``actor_rollout_ref.model.lora_rank``: the base weights stay bit-identical, every adapter moves (PPO's critic
+    trains in full), the metrics are finite, and the reference (the actor with its adapters off) scores every
+    step's batch as a plain ``ReferenceEngine`` of the initial weights, after an update too."""
+    from dsrl.engines import ReferenceEngine
+    from dsrl.engines.lora import adapter_parameters
+    from dsrl.engines.weight_sync import iter_full_parameters
+
+    # No lr warm-up (DAPO's would run the first step at lr 0): A moves only once B has left 0, so both steps train.
+    overrides = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.actor.use_kl_loss=true",
+                 "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
+                 "trainer.val_before_train=false", "trainer.test_freq=-1"]
+    name, settings = LORA_RUNS[run]
+    overrides += settings
+    if name == "ppo":
+        overrides += [f"critic.model.path={tiny_model_dir}", f"critic.deepspeed_config={ds_test_config('zero3_offload')}",
+                      "critic.optim.weight_decay=0"]
+    trainer = trainer_for(name, tiny_model_dir, arithmetic_data, ds_test_config, tmp_path, *overrides)
+    kl_in_reward = trainer.cfg.algorithm.use_kl_in_reward
+    assert trainer.actor.lora and kl_in_reward == (name == "rloo")
+    scored, compute_ref = [], trainer.ref.compute_log_probs
+    trainer.ref.compute_log_probs = lambda batch, **kw: scored.append((batch, kw, compute_ref(batch, **kw))) or scored[-1][2]
+    logged = []
+    trainer.tracker.log_metrics = lambda metrics, step: logged.append(metrics)
+    snapshot = lambda module: {k: v.clone() for k, v in iter_full_parameters(module)}  # noqa: E731
+    actor_before = snapshot(trainer.actor.module)
+    critic_before = snapshot(trainer.critic.module) if trainer.critic else None
+    trainer.fit()
+    actor_after = snapshot(trainer.actor.module)
+
+    adapters = {k for k, _ in adapter_parameters(trainer.actor.module)}
+    assert adapters and all(torch.equal(actor_after[k], actor_before[k]) for k in actor_before.keys() - adapters)
+    assert changed_fraction({k: actor_before[k] for k in adapters}, {k: actor_after[k] for k in adapters}) == 1.0
+    if trainer.critic:
+        assert changed_fraction(critic_before, snapshot(trainer.critic.module)) == 1.0
+    assert len(logged) == 2 and len(scored) == 2
+    for metrics in logged:
+        bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
+        assert not bad, bad
+        assert metrics["actor/grad_norm"] > 0 and metrics["actor/kl_loss"] >= 0
+    assert logged[1]["actor/kl_loss"] > 0  # the policy left its reference at the first step
+    if kl_in_reward:
+        assert logged[1]["actor/reward_kl_penalty"] != 0
+    plain = ReferenceEngine(trainer.cfg)
+    for batch, kw, ref_log_probs in scored:
+        torch.testing.assert_close(ref_log_probs, plain.compute_log_probs(batch, **kw), atol=1e-5, rtol=1e-5)
+
+
 # verl's other policy losses; sapo (its own parameters, its own aggregation) in the default run, the rest with -m slow
 NEW_LOSSES = ("sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "geo_mean", "dro")
 LOSS_SETTINGS = {"sapo": ["actor_rollout_ref.actor.tau_neg=2.0"], "dro": ["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"]}
