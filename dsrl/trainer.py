@@ -78,7 +78,7 @@ from dsrl.rollout.colocation import colocated_generation
 from dsrl.rollout.multi_turn import MultiTurnRollout
 from dsrl.rollout.tools import ToolSet
 from dsrl.rollout_mismatch import RolloutMismatch
-from dsrl.run_facts import final_facts, run_tags, startup_facts
+from dsrl.run_facts import final_facts, lora_facts, run_tags, startup_facts
 from dsrl.scoring import Scores, StepScorer
 from dsrl.signals import Interrupted, RunSignals, TrainingInterrupted
 from dsrl.tracking import Tracker, flatten
@@ -252,7 +252,8 @@ class Trainer:
             initial_step=self.global_step,
         )
         if self.resume_from is None:  # a resumed run has them (MLflow refuses to change a param)
-            self.tracker.log_params(flatten(to_dict(cfg)))
+            lora = {"lora": lora_facts(self.actor.module)} if self.actor.lora else {}  # the adapter as PEFT made it
+            self.tracker.log_params(flatten({**to_dict(cfg), **lora}))
         self.tracker.log_text(to_yaml(cfg), "config/resolved.yaml")
         for name, role in (("actor", self.actor), ("reference", self.ref), ("critic", self.critic)):
             if hasattr(role, "ds_config"):  # an engine of its own
@@ -304,8 +305,8 @@ class Trainer:
         )
 
     def export_final_model(self) -> Path:
-        """The actor as a Hugging Face model: the last checkpoint's copy when it has one, else
-        ``default_local_dir/huggingface``. Collective."""
+        """The actor as a Hugging Face model (a LoRA actor's merged, its adapter in ``lora_adapter/`` inside): the
+        last checkpoint's copy when it has one, else ``default_local_dir/huggingface``. Collective."""
         in_checkpoint = step_dir(self.checkpoint_root, self.global_step) / "actor" / HF_DIR
         if in_checkpoint.is_dir():
             return in_checkpoint

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from dsrl.config.schema import ADAPTER_DIR
 from tests.conftest import QUICKSTART, RANK_LOCAL, recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -271,4 +272,9 @@ def assert_same_run(baseline: Path, chain: Path, *, first_step: int, ranks=(0,))
     assert shards and shards == sorted(p.name for p in (baseline / "ckpt" / "huggingface").glob("*.safetensors"))
     for shard in shards:
         assert _differences(load_file(baseline / "ckpt" / "huggingface" / shard), load_file(model_dir / shard), shard) == []
+    adapter = Path(ADAPTER_DIR) / "adapter_model.safetensors"  # a LoRA run's adapter, exported with the merged model
+    assert (model_dir / adapter).is_file() == (baseline / "ckpt" / "huggingface" / adapter).is_file()
+    if (model_dir / adapter).is_file():
+        assert _differences(load_file(baseline / "ckpt" / "huggingface" / adapter), load_file(model_dir / adapter),
+                            str(adapter)) == []
     return len(written)

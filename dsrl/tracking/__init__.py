@@ -150,7 +150,8 @@ class Tracker:
         self._each("log_table", rows, artifact_file)
 
     def log_model_dir(self, path, *, upload: bool) -> None:
-        """Tag ``dsrl.model_dir`` = the directory; with ``upload``, its files as artifacts under ``model/``."""
+        """Tag ``dsrl.model_dir`` = the directory (and ``dsrl.adapter_dir`` = its ``lora_adapter`` folder, a LoRA
+        actor's adapter, when there is one); with ``upload``, its files as artifacts under ``model/``."""
         self._each("log_model_dir", path, upload=upload)
 
     def finish(self, status: str = "FINISHED") -> None:

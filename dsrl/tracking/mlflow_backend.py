@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
+from dsrl.config.schema import ADAPTER_DIR
 from dsrl.redaction import redact, redact_text
 
 DEFAULT_DB = "mlflow.db"
@@ -358,8 +359,10 @@ class MLflowBackend:
 
     def log_model_dir(self, path, *, upload: bool) -> None:
         local = os.path.abspath(os.fspath(path))
-        [(key, value)] = self._tags({"dsrl.model_dir": local}).items()
-        self._submit("log_model_dir", lambda: self.client.set_tag(self.run_id, key, value))
+        adapter = Path(local) / ADAPTER_DIR  # a LoRA actor's adapter, exported with its merged model
+        tags = {"dsrl.model_dir": local, **({"dsrl.adapter_dir": str(adapter)} if adapter.is_dir() else {})}
+        for key, value in self._tags(tags).items():
+            self._submit("log_model_dir", lambda key=key, value=value: self.client.set_tag(self.run_id, key, value))
         if upload:
             if not Path(local).is_dir():
                 self.report("log_model_dir", FileNotFoundError(f"no model directory {local}"), 0)
