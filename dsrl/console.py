@@ -389,7 +389,8 @@ def startup_summary(facts: dict[str, Any]) -> str:
     - ``roles``: {``"actor"``, ``"reference"``, ``"critic"``: a dict or None (absent)}, each dict with
       ``zero_stage`` (int), ``offload_params``, ``offload_optimizer`` (bool), ``dtype`` (str),
       ``params`` (int), ``gradient_checkpointing`` (bool; omit for a role without backward), ``lora`` ({``rank``,
-      ``alpha``, ``target_modules``, ``trainable``}; a LoRA actor only); or {``adapters_off``: True} for a LoRA run's reference
+      ``alpha``, ``target_modules``, ``trainable``}; a LoRA actor only); or {``adapters_off``: True} for a LoRA
+      run's reference
     - ``rollout`` (str: the engine, e.g. ``"vllm (tp 2)"``)
     - ``estimator``, ``policy_loss``, ``loss_agg_mode`` (str)
     - ``kl_loss``: None or {``type``, ``coef``}; ``kl_in_reward``: None or {``penalty``, ``coef``, ``ctrl``}

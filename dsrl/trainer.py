@@ -50,7 +50,15 @@ from dsrl.algorithms import (
     truncated_responses,
 )
 from dsrl.balance import balance_across_ranks, pf_ppo_resample
-from dsrl.checkpoint import HF_DIR, CheckpointError, export_hf_model, save_checkpoint, state_config, step_dir
+from dsrl.checkpoint import (
+    HF_DIR,
+    CheckpointError,
+    adapter_dir,
+    export_hf_model,
+    save_checkpoint,
+    state_config,
+    step_dir,
+)
 from dsrl.config import LOGGED_SAMPLES, Config, ConfigError, import_user_modules, to_dict, to_yaml
 from dsrl.console import final_summary, logger, setup_logging, startup_summary
 from dsrl.data.batch import Batch
@@ -821,7 +829,9 @@ class Trainer:
             results["after"] = validation_score(val)
         with in_phase("export"):
             self.model_dir = self.export_final_model()
-        self.tracker.log_model_dir(self.model_dir, upload=cfg.trainer.log_model)
+        self.tracker.log_model_dir(
+            self.model_dir, upload=cfg.trainer.log_model, adapter_dir=adapter_dir(self.model_dir)
+        )
         return results
 
 

@@ -170,7 +170,8 @@ def checkpoint_differences(a: Path, b: Path) -> list[str]:
     for name in files:
         x = torch.load(a / name, weights_only=False, map_location="cpu")
         y = torch.load(b / name, weights_only=False, map_location="cpu")
-        if "fp32_flat_groups" in x.get("optimizer_state_dict", {}):  # ZeRO-3 pads each parameter's partition; padding is garbage
+        # ZeRO-3 pads each parameter's partition; padding is garbage
+        if "fp32_flat_groups" in x.get("optimizer_state_dict", {}):
             valid = _zero3_valid_masks(a / name)
             for state in (x, y):
                 flat = state["optimizer_state_dict"]["fp32_flat_groups"]

@@ -33,7 +33,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
-from dsrl.config.schema import ADAPTER_DIR
 from dsrl.redaction import redact, redact_text
 
 DEFAULT_DB = "mlflow.db"
@@ -357,10 +356,9 @@ class MLflowBackend:
                 values.append(row.get(key))
         self._submit("log_table", lambda: self.client.log_table(self.run_id, columns, artifact_file))
 
-    def log_model_dir(self, path, *, upload: bool) -> None:
+    def log_model_dir(self, path, *, upload: bool, adapter_dir=None) -> None:
         local = os.path.abspath(os.fspath(path))
-        adapter = Path(local) / ADAPTER_DIR  # a LoRA actor's adapter, exported with its merged model
-        tags = {"dsrl.model_dir": local, **({"dsrl.adapter_dir": str(adapter)} if adapter.is_dir() else {})}
+        tags = {"dsrl.model_dir": local, **({"dsrl.adapter_dir": os.path.abspath(adapter_dir)} if adapter_dir else {})}
         for key, value in self._tags(tags).items():
             self._submit("log_model_dir", lambda key=key, value=value: self.client.set_tag(self.run_id, key, value))
         if upload:

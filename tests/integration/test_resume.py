@@ -89,7 +89,8 @@ def test_killed_and_resumed_lora_run_is_bit_identical(zero, tiny_model_dir, arit
     baseline = lora.result("grpo")
     assert assert_same_run(baseline, tmp_path / "chain", first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
     engine_files = list((start / "actor" / "ds").rglob("*.pt"))
-    module = torch.load(next(f for f in engine_files if f.name.endswith("model_states.pt")), weights_only=False)["module"]
+    states = next(f for f in engine_files if f.name.endswith("model_states.pt"))
+    module = torch.load(states, weights_only=False)["module"]
     assert module and all(".lora_A." in name or ".lora_B." in name for name in module)  # the tied output layer too
     base_bytes = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
     assert sum(f.stat().st_size for f in engine_files) < base_bytes / 2
