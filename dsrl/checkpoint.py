@@ -5,13 +5,16 @@ Layout (verl's names)::
     default_local_dir/
       latest_checkpointed_iteration.txt   N of the newest complete checkpoint (replaced atomically)
       global_step_N/
-        actor/ds/...             DeepSpeed checkpoint: partitioned weights, optimizer, LR scheduler
-        actor/huggingface/       with hf_model in actor.checkpoint.save_contents
+        actor/ds/...             DeepSpeed checkpoint: partitioned weights, optimizer, LR scheduler (a LoRA
+                                 actor's: the adapters only; its frozen base is loaded from model.path)
+        actor/huggingface/       with hf_model in actor.checkpoint.save_contents (LoRA: the merged model,
+                                 and the adapter as a PEFT directory in huggingface/lora_adapter/)
         critic/ds/...            (gae)
         rng/rank_R.pt            RNG states of rank R (python, numpy, torch, accelerator)
         trainer_state.json       written last: step, sampler position, KL coefficient, skip counters,
                                  MLflow run id, state-relevant config and its hash, the training data's
-                                 identity, the manifest, and a checksum of the state itself
+                                 identity, the frozen parameters' checksum, the manifest, and a checksum
+                                 of the state itself
 
 Every rank writes into ``.tmp_global_step_N``; after a barrier the ranks hash the files (each a share
 of them), rank 0 records the manifest (each file's size and SHA-256) in ``trainer_state.json``, syncs
@@ -37,7 +40,7 @@ import random
 import re
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -46,10 +49,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from peft import PeftModel
 from safetensors.torch import save_file
 
 from dsrl.config import RESUME_HARMLESS_KEYS, Config, to_dict
-from dsrl.config.schema import FINAL_MODEL_DIR
+from dsrl.config.schema import ADAPTER_DIR, FINAL_MODEL_DIR
+from dsrl.engines.lora import ADAPTER, iter_adapter_parameters, iter_merged_parameters
 from dsrl.engines.weight_sync import iter_full_parameters
 from dsrl.tracking import flatten
 
@@ -58,7 +63,9 @@ STATE_CHECKSUM = "state_sha256"  # the state's own checksum, over every other fi
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 DS_TAG = "ds"  # DeepSpeed's tag: engine files live in <role>/ds/
 HF_DIR = FINAL_MODEL_DIR  # the Hugging Face model: the run folder's final one, and a checkpoint's actor/ one
-FORMAT = 2  # 2: the manifest holds each file's size and SHA-256 (1: sizes only), the state its own checksum
+# 3: the state holds each role's frozen parameters' checksum; 2: the manifest holds each file's size and SHA-256
+# (1: sizes only), the state its own checksum
+FORMAT = 3
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 MAX_SHARD_BYTES = 5 * 2**30
 
@@ -97,6 +104,38 @@ def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         for key in sorted(set(saved) | set(now))
         if saved.get(key, unset) != now.get(key, unset)
     ]
+
+
+def _has_frozen(module: torch.nn.Module) -> bool:
+    """Whether part of ``module`` is frozen (a LoRA actor's base): its checkpoints hold the trained part only."""
+    return any(not p.requires_grad for p in module.parameters())
+
+
+def frozen_checksum(module: torch.nn.Module, chunk: int = 1 << 24) -> int | None:
+    """A checksum of ``module``'s frozen parameters, None when none is: the sum, modulo 2**64, of their elements'
+    bit patterns as integers. Integer sums do not depend on order, so it is exact whatever the ZeRO stage, world
+    size or device, and it costs one pass over this rank's share of the weights (no file is read). The checkpoint
+    of a LoRA actor holds the adapters alone; a resume checks with it that the base they were trained on is the
+    one loaded from ``model.path``. Collective under ZeRO-3 (each rank sums its partitions)."""
+    frozen = [p for p in module.parameters() if not p.requires_grad]
+    if not frozen:
+        return None
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    partitioned = hasattr(frozen[0], "ds_tensor")  # ZeRO-3: the same on every rank
+    total = torch.zeros((), dtype=torch.int64)
+    for p in frozen:
+        if partitioned:  # this rank's flat partition, less the padding that ends the last ranks'
+            part = p.ds_tensor.numel()
+            flat = p.ds_tensor.narrow(0, 0, min(max(p.ds_numel - dist.get_rank() * part, 0), part))
+        else:
+            flat = p.detach().reshape(-1)
+        ints = flat.view(bits[flat.element_size()])
+        for start in range(0, ints.numel(), chunk):
+            total += ints[start:start + chunk].sum(dtype=torch.int64).cpu()
+    if partitioned:
+        total = total.to(get_accelerator().current_device_name())
+        dist.all_reduce(total)
+    return int(total)
 
 
 def rng_state() -> dict[str, Any]:
@@ -176,9 +215,31 @@ def state_checksum(state: dict[str, Any]) -> str:
 
 
 def save_engines(directory: Path, engines: dict[str, Any]) -> None:
-    """Each engine's DeepSpeed checkpoint under ``directory/<role>/ds``. Collective."""
+    """Each engine's DeepSpeed checkpoint under ``directory/<role>/ds``; of an engine with frozen parameters
+    (LoRA), the trained ones and their optimizer state only. Collective."""
     for role, engine in engines.items():
-        engine.save_checkpoint(str(directory / role), tag=DS_TAG, save_latest=False)
+        partial = _has_frozen(engine.module)
+        with _frozen_left_out(engine.module) if partial else nullcontext():
+            engine.save_checkpoint(str(directory / role), tag=DS_TAG, save_latest=False,
+                                   exclude_frozen_parameters=partial)
+
+
+@contextmanager
+def _frozen_left_out(module: torch.nn.Module) -> Iterator[None]:
+    """``module.state_dict()`` without its frozen tensors under any of their names. DeepSpeed's
+    ``exclude_frozen_parameters`` drops each under one name, so a tied one (an output layer that is the
+    embedding) stayed under the other: the whole embedding in every ZeRO-2 checkpoint of a LoRA actor."""
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+    def leave_out(_module, state_dict, _prefix, _metadata):
+        for name in frozen & state_dict.keys():
+            del state_dict[name]
+
+    handle = module.register_state_dict_post_hook(leave_out)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def save_rng(directory: Path, rank: int) -> None:
@@ -303,20 +364,25 @@ def export_hf_model(
     module: torch.nn.Module, tokenizer: Any, out: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES
 ) -> Path:
     """The actor as a Hugging Face model directory: safetensors shards with an index, ``config.json``,
-    ``generation_config.json`` and the tokenizer. Collective.
+    ``generation_config.json`` and the tokenizer; a LoRA actor (a ``PeftModel``) as its merged model
+    (``iter_merged_parameters``: the base model's names) and, in ``out/lora_adapter``, its adapter as a
+    PEFT directory (``save_adapter``). Collective.
 
-    Parameters are gathered from ZeRO-3 a bucket at a time (``iter_full_parameters``); rank 0 keeps
-    at most one shard and one bucket of full tensors, the other ranks one bucket. Written to a
-    temporary directory renamed to ``out`` when complete (an older ``out`` is replaced).
+    Parameters are gathered from ZeRO-3 a bucket at a time; rank 0 keeps at most one shard and one
+    bucket of full tensors, the other ranks one bucket. Written to a temporary directory renamed to
+    ``out`` when complete (an older ``out`` is replaced).
     """
     rank = dist.get_rank()
-    named = iter_full_parameters(module)
+    lora = isinstance(module, PeftModel)
+    named = iter_merged_parameters(module) if lora else iter_full_parameters(module)
+    tmp = out.with_name(f".tmp_{out.name}")
     if rank != 0:
         for _ in named:  # the gathers are collectives; only rank 0 writes
             pass
+        if lora:
+            save_adapter(module, tmp / ADAPTER_DIR)
         dist.barrier()
         return out
-    tmp = out.with_name(f".tmp_{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     weight_map: dict[str, str] = {}
@@ -333,15 +399,37 @@ def export_hf_model(
         os.replace(tmp / old, tmp / new)
     index = {"metadata": {"total_size": total}, "weight_map": {k: renamed[v] for k, v in sorted(weight_map.items())}}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    module.config.save_pretrained(tmp)
-    if getattr(module, "generation_config", None) is not None:
-        module.generation_config.save_pretrained(tmp)
+    base = module.get_base_model() if lora else module
+    base.config.save_pretrained(tmp)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    if lora:
+        save_adapter(module, tmp / ADAPTER_DIR)
     if out.exists():
         _remove(out)
     os.replace(tmp, out)
     dist.barrier()
     return out
+
+
+def save_adapter(module: PeftModel, out: Path) -> None:
+    """A LoRA actor's adapter as a PEFT directory (``adapter_config.json``, ``adapter_model.safetensors``) that
+    ``PeftModel.from_pretrained(base, out)`` and ``actor_rollout_ref.model.lora_adapter_path`` load. Gathered
+    from ZeRO-3 (``iter_adapter_parameters``); rank 0 writes. Collective."""
+    # PEFT's files name a weight without the adapter's name: ``...q_proj.lora_A.weight``.
+    tensors = {name.replace(f".{ADAPTER}.", "."): tensor.cpu().contiguous()
+               for name, tensor in iter_adapter_parameters(module)}
+    if dist.get_rank() != 0:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    module.peft_config[ADAPTER].save_pretrained(out)
+
+
+def adapter_dir(model_dir: Path | None) -> Path | None:
+    """The adapter exported with a LoRA actor's model (``model_dir/lora_adapter``), None without one."""
+    return model_dir / ADAPTER_DIR if model_dir is not None and (model_dir / ADAPTER_DIR).is_dir() else None
 
 
 # ---- resuming --------------------------------------------------------------------------------
@@ -401,7 +489,9 @@ def file_problems(directory: Path, files: dict[str, dict], rank: int, world: int
 def load_checkpoint(directory: Path, engines: dict[str, Any], rank: int) -> None:
     """Restore every engine (weights, optimizer, LR scheduler, step counters) and this rank's RNG. Collective."""
     for role, engine in engines.items():
-        path, _ = engine.load_checkpoint(str(directory / role), tag=DS_TAG)
+        # A LoRA actor's checkpoint lacks the frozen base (loaded from model.path; frozen_checksum checked it).
+        path, _ = engine.load_checkpoint(str(directory / role), tag=DS_TAG,
+                                         load_module_strict=not _has_frozen(engine.module))
         if path is None:
             raise CheckpointError(f"{directory / role}: DeepSpeed found no {role} checkpoint to load")
     set_rng_state(torch.load(directory / "rng" / f"rank_{rank}.pt", weights_only=True))

@@ -389,7 +389,8 @@ def startup_summary(facts: dict[str, Any]) -> str:
     - ``roles``: {``"actor"``, ``"reference"``, ``"critic"``: a dict or None (absent)}, each dict with
       ``zero_stage`` (int), ``offload_params``, ``offload_optimizer`` (bool), ``dtype`` (str),
       ``params`` (int), ``gradient_checkpointing`` (bool; omit for a role without backward), ``lora`` ({``rank``,
-      ``alpha``, ``trainable``}; a LoRA actor only); or {``adapters_off``: True} for a LoRA run's reference
+      ``alpha``, ``target_modules``, ``trainable``}; a LoRA actor only); or {``adapters_off``: True} for a LoRA
+      run's reference
     - ``rollout`` (str: the engine, e.g. ``"vllm (tp 2)"``)
     - ``estimator``, ``policy_loss``, ``loss_agg_mode`` (str)
     - ``kl_loss``: None or {``type``, ``coef``}; ``kl_in_reward``: None or {``penalty``, ``coef``, ``ctrl``}
@@ -464,8 +465,8 @@ def final_summary(facts: dict[str, Any]) -> str:
     - ``tokens`` (int: prompt + response tokens processed), ``last_step`` (int)
     - ``total_steps``, ``initial_step`` (int: the step this run started at)
     - ``wall_time_s`` (float), ``status`` (str, default ``"finished"``, e.g. ``"stopped by SIGTERM"``)
-    - ``model_dir`` (str or None: the exported model), ``checkpoint_dir`` (str),
-      ``last_checkpoint`` (str or None)
+    - ``model_dir`` (str or None: the exported model), ``adapter_dir`` (str or None: a LoRA actor's adapter,
+      exported with the merged model), ``checkpoint_dir`` (str), ``last_checkpoint`` (str or None)
     - ``mlflow``: None (off) or {``tracking_uri``, ``experiment_id``, ``run_id``}
     - ``cwd`` (str, default the current directory: where a relative sqlite/file store lies)
     """
@@ -489,6 +490,7 @@ def final_summary(facts: dict[str, Any]) -> str:
         ("wall time", format_duration(wall) if wall is not None else "n/a"),
         ("tokens", f"{tokens:,} ({format_count(tokens)})" if tokens is not None else "n/a"),
         ("model", facts.get("model_dir") or "not exported"),
+        *([("LoRA adapter", facts["adapter_dir"])] if facts.get("adapter_dir") else []),
         ("checkpoints", f"{_na(facts.get('checkpoint_dir'))} (last: {facts.get('last_checkpoint') or 'none'})"),
         ("mlflow", _mlflow(facts.get("mlflow"))),
     ]

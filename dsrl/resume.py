@@ -15,7 +15,9 @@ blindly:
   saved sampler position means other prompts in other data; checked once the prompts have loaded, still
   before any model.
 - ``trainer_state`` and ``restore``: the trainer's part of a checkpoint (sampler position, KL coefficient,
-  skip counters, LR schedules, MLflow run, config and data identity) and putting it back.
+  skip counters, LR schedules, MLflow run, config and data identity, the frozen parameters' checksum) and
+  putting it back; a LoRA actor's checkpoint holds its adapters alone, so ``restore`` first checks that the
+  base loaded from ``actor_rollout_ref.model.path`` is the one they were trained on.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dsrl.checkpoint import (
     config_differences,
     config_hash,
     file_problems,
+    frozen_checksum,
     load_checkpoint,
     sha256_file,
     state_config,
@@ -60,12 +63,14 @@ def data_identity(files) -> list[dict[str, Any]]:
 
 def trainer_state(*, sampler, kl_coef: float, roles: dict, mlflow_run_id, save_contents: list[str],
                   config: dict[str, Any], train_data: list[dict[str, Any]]) -> dict[str, Any]:
-    """The trainer's fields of a checkpoint state (``dsrl.checkpoint.save_checkpoint`` adds the rest)."""
+    """The trainer's fields of a checkpoint state (``dsrl.checkpoint.save_checkpoint`` adds the rest). Collective
+    (``frozen_checksum``)."""
     return {
         "sampler": sampler.state_dict(),
         "kl_coef": kl_coef,
         "skips": {name: role.skips.state_dict() for name, role in roles.items()},
         "lr_schedulers": {name: role.lr_scheduler.state_dict() for name, role in roles.items()},
+        "frozen_checksums": {name: frozen_checksum(role.engine.module) for name, role in roles.items()},
         "mlflow_run_id": mlflow_run_id,
         "save_contents": save_contents,
         "config": config,
@@ -92,6 +97,9 @@ _FIELDS = {
         isinstance(s, dict) and _count(0)(s.get("total")) and _count(0)(s.get("consecutive")) for s in v.values()
     ),
     "lr_schedulers": lambda v: isinstance(v, dict) and all(isinstance(s, dict) for s in v.values()),
+    "frozen_checksums": lambda v: isinstance(v, dict) and all(
+        s is None or (isinstance(s, int) and not isinstance(s, bool)) for s in v.values()
+    ),
     "mlflow_run_id": lambda v: v is None or isinstance(v, str),
     "save_contents": lambda v: isinstance(v, list) and all(isinstance(item, str) for item in v),
     "config": lambda v: isinstance(v, dict),
@@ -116,7 +124,7 @@ def fields_problem(state: dict[str, Any], roles: Sequence[str]) -> str | None:
                 return f"trainer_state.json: {shown} is missing or not what dsrl writes there ({part!r})"
     if config_hash(state["config"]) != state["config_hash"]:
         return "trainer_state.json: config does not match its config_hash"
-    for field in ("skips", "lr_schedulers"):
+    for field in ("skips", "lr_schedulers", "frozen_checksums"):
         missing = [role for role in roles if role not in state[field]]
         if missing:
             return f"trainer_state.json: {field} has no state of {', '.join(missing)}"
@@ -127,6 +135,15 @@ def restore(directory: Path, state: dict[str, Any], *, roles: dict, sampler, kl_
     """Load every trained role's engine (weights, optimizer, LR scheduler, step counters) and this rank's RNG,
     then the trainer's state: sampler position, KL coefficient, skip counters and LR schedules. Collective."""
     start = time.perf_counter()
+    for name, role in roles.items():
+        saved, now = state["frozen_checksums"][name], frozen_checksum(role.engine.module)
+        if saved != now:
+            raise CheckpointError(
+                f"{directory}: the {name}'s frozen weights (the base model under its LoRA adapters, loaded from "
+                f"actor_rollout_ref.model.path) are not those the checkpoint was trained on (checksum {saved} then, "
+                f"{now} now), and its checkpoint holds the adapters alone; fix: point actor_rollout_ref.model.path at "
+                "the model the run started from (the same files), or trainer.resume_mode=disable to start over"
+            )
     load_checkpoint(directory, {name: role.engine for name, role in roles.items()}, rank)
     sampler.load_state_dict(state["sampler"])
     kl_ctrl.value = state["kl_coef"]

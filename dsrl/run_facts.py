@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from dsrl.checkpoint import adapter_dir
 from dsrl.config import Config
 from dsrl.engines.lora import ADAPTER, trainable_parameter_count
 
@@ -49,9 +50,21 @@ def engine_facts(role, dtype: str) -> dict:
         backbone = getattr(module, "backbone", module)
         facts["gradient_checkpointing"] = bool(getattr(backbone, "is_gradient_checkpointing", False))
     if getattr(role, "lora", False):
-        settings = module.peft_config[ADAPTER]
-        facts["lora"] = {"rank": settings.r, "alpha": settings.lora_alpha, "trainable": trainable_parameter_count(module)}
+        facts["lora"] = lora_facts(module)
     return facts
+
+
+def lora_facts(module) -> dict[str, Any]:
+    """A LoRA actor's adapter (a ``PeftModel``) as PEFT resolved it: rank, alpha, the adapted module names
+    (``all-linear`` expanded) and the number of trainable parameters. Shown at start-up, logged as MLflow params."""
+    settings = module.peft_config[ADAPTER]
+    targets = settings.target_modules
+    return {
+        "rank": settings.r,
+        "alpha": settings.lora_alpha,
+        "target_modules": targets if isinstance(targets, str) else ",".join(sorted(targets)),
+        "trainable": trainable_parameter_count(module),
+    }
 
 
 def run_tags(cfg: Config, world_size: int) -> dict[str, str]:
@@ -123,6 +136,7 @@ def final_facts(trainer, *, status: str, wall_time_s: float) -> dict[str, Any]:
         "wall_time_s": wall_time_s,
         "status": status,
         "model_dir": str(trainer.model_dir) if trainer.model_dir else None,
+        "adapter_dir": str(adapter) if (adapter := adapter_dir(trainer.model_dir)) else None,
         "checkpoint_dir": str(trainer.checkpoint_root),
         "last_checkpoint": str(trainer.last_checkpoint) if trainer.last_checkpoint else None,
         "mlflow": trainer.tracker.mlflow_facts(),

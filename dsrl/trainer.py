@@ -50,7 +50,15 @@ from dsrl.algorithms import (
     truncated_responses,
 )
 from dsrl.balance import balance_across_ranks, pf_ppo_resample
-from dsrl.checkpoint import HF_DIR, CheckpointError, export_hf_model, save_checkpoint, state_config, step_dir
+from dsrl.checkpoint import (
+    HF_DIR,
+    CheckpointError,
+    adapter_dir,
+    export_hf_model,
+    save_checkpoint,
+    state_config,
+    step_dir,
+)
 from dsrl.config import LOGGED_SAMPLES, Config, ConfigError, import_user_modules, to_dict, to_yaml
 from dsrl.console import final_summary, logger, setup_logging, startup_summary
 from dsrl.data.batch import Batch
@@ -78,7 +86,7 @@ from dsrl.rollout.colocation import colocated_generation
 from dsrl.rollout.multi_turn import MultiTurnRollout
 from dsrl.rollout.tools import ToolSet
 from dsrl.rollout_mismatch import RolloutMismatch
-from dsrl.run_facts import final_facts, run_tags, startup_facts
+from dsrl.run_facts import final_facts, lora_facts, run_tags, startup_facts
 from dsrl.scoring import Scores, StepScorer
 from dsrl.signals import Interrupted, RunSignals, TrainingInterrupted
 from dsrl.tracking import Tracker, flatten
@@ -252,7 +260,8 @@ class Trainer:
             initial_step=self.global_step,
         )
         if self.resume_from is None:  # a resumed run has them (MLflow refuses to change a param)
-            self.tracker.log_params(flatten(to_dict(cfg)))
+            lora = {"lora": lora_facts(self.actor.module)} if self.actor.lora else {}  # the adapter as PEFT made it
+            self.tracker.log_params(flatten({**to_dict(cfg), **lora}))
         self.tracker.log_text(to_yaml(cfg), "config/resolved.yaml")
         for name, role in (("actor", self.actor), ("reference", self.ref), ("critic", self.critic)):
             if hasattr(role, "ds_config"):  # an engine of its own
@@ -304,8 +313,8 @@ class Trainer:
         )
 
     def export_final_model(self) -> Path:
-        """The actor as a Hugging Face model: the last checkpoint's copy when it has one, else
-        ``default_local_dir/huggingface``. Collective."""
+        """The actor as a Hugging Face model (a LoRA actor's merged, its adapter in ``lora_adapter/`` inside): the
+        last checkpoint's copy when it has one, else ``default_local_dir/huggingface``. Collective."""
         in_checkpoint = step_dir(self.checkpoint_root, self.global_step) / "actor" / HF_DIR
         if in_checkpoint.is_dir():
             return in_checkpoint
@@ -820,7 +829,9 @@ class Trainer:
             results["after"] = validation_score(val)
         with in_phase("export"):
             self.model_dir = self.export_final_model()
-        self.tracker.log_model_dir(self.model_dir, upload=cfg.trainer.log_model)
+        self.tracker.log_model_dir(
+            self.model_dir, upload=cfg.trainer.log_model, adapter_dir=adapter_dir(self.model_dir)
+        )
         return results
 
 

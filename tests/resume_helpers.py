@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from dsrl.config.schema import ADAPTER_DIR
 from tests.conftest import QUICKSTART, RANK_LOCAL, recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,7 +170,8 @@ def checkpoint_differences(a: Path, b: Path) -> list[str]:
     for name in files:
         x = torch.load(a / name, weights_only=False, map_location="cpu")
         y = torch.load(b / name, weights_only=False, map_location="cpu")
-        if name.name.endswith("optim_states.pt"):  # ZeRO-3 pads each parameter's partition; padding is garbage
+        # ZeRO-3 pads each parameter's partition; padding is garbage
+        if "fp32_flat_groups" in x.get("optimizer_state_dict", {}):
             valid = _zero3_valid_masks(a / name)
             for state in (x, y):
                 flat = state["optimizer_state_dict"]["fp32_flat_groups"]
@@ -271,4 +273,9 @@ def assert_same_run(baseline: Path, chain: Path, *, first_step: int, ranks=(0,))
     assert shards and shards == sorted(p.name for p in (baseline / "ckpt" / "huggingface").glob("*.safetensors"))
     for shard in shards:
         assert _differences(load_file(baseline / "ckpt" / "huggingface" / shard), load_file(model_dir / shard), shard) == []
+    adapter = Path(ADAPTER_DIR) / "adapter_model.safetensors"  # a LoRA run's adapter, exported with the merged model
+    assert (model_dir / adapter).is_file() == (baseline / "ckpt" / "huggingface" / adapter).is_file()
+    if (model_dir / adapter).is_file():
+        assert _differences(load_file(baseline / "ckpt" / "huggingface" / adapter), load_file(model_dir / adapter),
+                            str(adapter)) == []
     return len(written)

@@ -112,6 +112,8 @@ OLDER_NAMES = {
 }
 # The final model's folder in trainer.default_local_dir (validation checks what is there; dsrl.checkpoint writes it).
 FINAL_MODEL_DIR = "huggingface"
+# A LoRA actor's adapter as a PEFT directory, inside each exported model's folder (verl's name for it).
+ADAPTER_DIR = "lora_adapter"
 LR_SCHEDULES = ("constant", "cosine")
 MODEL_DTYPES = ("bfloat16", "float32")
 PREPARED_TASKS = ("gsm8k", "math", "arithmetic", "calculator")  # scripts/prepare_data.py --task, and the folder it writes

@@ -149,9 +149,10 @@ class Tracker:
         """Rows of dicts (prompt, response, score, ...) as an MLflow table artifact (``.json``)."""
         self._each("log_table", rows, artifact_file)
 
-    def log_model_dir(self, path, *, upload: bool) -> None:
-        """Tag ``dsrl.model_dir`` = the directory; with ``upload``, its files as artifacts under ``model/``."""
-        self._each("log_model_dir", path, upload=upload)
+    def log_model_dir(self, path, *, upload: bool, adapter_dir=None) -> None:
+        """Tag ``dsrl.model_dir`` = the directory (and ``dsrl.adapter_dir`` = ``adapter_dir``, a LoRA actor's
+        exported adapter, when given); with ``upload``, its files as artifacts under ``model/``."""
+        self._each("log_model_dir", path, upload=upload, adapter_dir=adapter_dir)
 
     def finish(self, status: str = "FINISHED") -> None:
         """Drain pending calls (bounded wait), stop system metrics, end the run as FINISHED, FAILED or

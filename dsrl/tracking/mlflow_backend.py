@@ -356,10 +356,11 @@ class MLflowBackend:
                 values.append(row.get(key))
         self._submit("log_table", lambda: self.client.log_table(self.run_id, columns, artifact_file))
 
-    def log_model_dir(self, path, *, upload: bool) -> None:
+    def log_model_dir(self, path, *, upload: bool, adapter_dir=None) -> None:
         local = os.path.abspath(os.fspath(path))
-        [(key, value)] = self._tags({"dsrl.model_dir": local}).items()
-        self._submit("log_model_dir", lambda: self.client.set_tag(self.run_id, key, value))
+        tags = {"dsrl.model_dir": local, **({"dsrl.adapter_dir": os.path.abspath(adapter_dir)} if adapter_dir else {})}
+        for key, value in self._tags(tags).items():
+            self._submit("log_model_dir", lambda key=key, value=value: self.client.set_tag(self.run_id, key, value))
         if upload:
             if not Path(local).is_dir():
                 self.report("log_model_dir", FileNotFoundError(f"no model directory {local}"), 0)

@@ -24,6 +24,7 @@ from dsrl.checkpoint import (
     step_dir,
     write_state,
 )
+from dsrl.config.schema import ADAPTER_DIR
 from dsrl.engines import ActorEngine
 from dsrl.engines.weight_sync import iter_full_parameters
 from tests.conftest import recipe
@@ -70,6 +71,85 @@ def test_exported_model_loads_and_its_logits_equal_the_actors(actor, tiny_model_
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         assert (original(input_ids=ids, attention_mask=mask).logits - expected).abs().max().item() > 1e-3
+
+
+LORA = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+        "actor_rollout_ref.model.target_modules=all-linear")
+
+
+@pytest.fixture(scope="module")
+def lora_actor(world_of_one, make_cfg, ds_test_config):
+    return ActorEngine(make_cfg(*ACTOR_TRAINING, *LORA,
+                                f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}"))
+
+
+def test_lora_export_is_the_merged_model_and_a_peft_adapter_both_giving_the_actors_logits(
+    lora_actor, tiny_model_dir, tmp_path
+):
+    """A LoRA actor on ZeRO-3 + offload exports the merged model under the base model's names (config.json
+    as the base's: no PEFT key) and, in lora_adapter/, the adapter that PEFT loads onto the base. Float32
+    throughout: the merged weights W + s B A reassociate the actor's x W^T + s (x A^T) B^T, rounding at
+    float32's ~1e-7 relative error, so 1e-5 on logits of order 1 bounds the merged model; the PEFT model
+    computes as the actor does."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    actor = lora_actor
+    adapters = [p for p in actor.module.parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters(adapters, modifier_rank=0), torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for p in adapters:  # lora_B starts at zero: the adapters must change the model for the test to tell
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    out = export_hf_model(actor.module, AutoTokenizer.from_pretrained(tiny_model_dir), tmp_path / "hf",
+                          max_shard_bytes=400_000)
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {name for name, _ in base.named_parameters()}
+    config = json.loads((out / "config.json").read_text())
+    assert config == json.loads((tiny_model_dir / "config.json").read_text())
+    adapter_files = sorted(p.name for p in (out / ADAPTER_DIR).iterdir())
+    assert adapter_files == ["adapter_config.json", "adapter_model.safetensors"]
+
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(base, out / ADAPTER_DIR).eval()
+    batch = make_batch()
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
+    mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)
+    actor.engine.eval()
+    with torch.no_grad():
+        expected = actor.engine(input_ids=ids, attention_mask=mask).logits
+        with peft.disable_adapter():
+            plain = peft(input_ids=ids, attention_mask=mask).logits
+        assert (plain - expected).abs().max().item() > 1e-2  # the adapters change the model
+        assert (peft(input_ids=ids, attention_mask=mask).logits - expected).abs().max().item() <= 1e-6
+        assert (merged(input_ids=ids, attention_mask=mask).logits - expected).abs().max().item() <= 1e-5
+
+
+def test_a_lora_resume_onto_another_base_model_is_refused(lora_actor, tiny_model_dir, tmp_path):
+    """A LoRA checkpoint holds the adapters alone: the frozen base's checksum, the same on ZeRO-3 partitions as
+    on the whole model, tells a resume whether model.path holds the weights they were trained on."""
+    from types import SimpleNamespace
+
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from dsrl.checkpoint import frozen_checksum
+    from dsrl.engines.lora import lora_config
+    from dsrl.resume import restore
+
+    checksum = frozen_checksum(lora_actor.module)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert frozen_checksum(base) is None  # nothing frozen: a full fine-tuning's checkpoint holds every weight
+    whole = get_peft_model(base, lora_config(lora_actor.cfg.actor_rollout_ref.model))
+    assert frozen_checksum(whole) == checksum
+    with torch.no_grad():
+        whole.get_base_model().model.norm.weight[0] += 1e-6  # one element, one ulp or so
+    assert frozen_checksum(whole) != checksum
+    state = {"frozen_checksums": {"actor": checksum + 1}}
+    with pytest.raises(CheckpointError, match="actor_rollout_ref.model.path"):
+        restore(tmp_path, state, roles={"actor": SimpleNamespace(engine=lora_actor.engine)}, sampler=None,
+                kl_ctrl=None, rank=0)
 
 
 def optimizer_state(actor):
@@ -216,7 +296,7 @@ def write_checkpoint(directory, cfg, *, world_size=1, train_data=(), garbage_in=
         "format": FORMAT, "dsrl_version": "0.1.0", "global_step": step, "world_size": world_size,
         "sampler": {"epoch": 0, "index": step}, "kl_coef": 0.001,
         "skips": {"actor": {"total": 0, "consecutive": 0, "last_bad": {}}}, "lr_schedulers": {"actor": {}},
-        "mlflow_run_id": None, "save_contents": ["model", "optimizer", "extra"],
+        "frozen_checksums": {"actor": None}, "mlflow_run_id": None, "save_contents": ["model", "optimizer", "extra"],
         "config": config, "config_hash": config_hash(config), "train_data": list(train_data),
     }
     digests = {name: sha256_file(directory / name) for name in _files(directory)}
@@ -335,6 +415,8 @@ def test_auto_resume_falls_back_past_damaged_checkpoints_saying_why(resume_setup
         ("train_data", [{"path": "a"}], "train_data is missing"),
         ("config_hash", "0" * 64, "config does not match its config_hash"),
         ("lr_schedulers", {}, "lr_schedulers has no state of actor"),
+        ("frozen_checksums", {"actor": "12"}, "frozen_checksums is missing"),
+        ("frozen_checksums", {}, "frozen_checksums has no state of actor"),
     ],
 )
 def test_a_state_whose_fields_dsrl_would_not_write_is_refused(field, value, why):
@@ -343,7 +425,7 @@ def test_a_state_whose_fields_dsrl_would_not_write_is_refused(field, value, why)
     state = {
         "global_step": 2, "world_size": 1, "sampler": {"epoch": 0, "index": 2}, "kl_coef": 0.1,
         "skips": {"actor": {"total": 0, "consecutive": 0, "last_bad": {}}}, "lr_schedulers": {"actor": {}},
-        "mlflow_run_id": None, "save_contents": ["model"], "config": {"a": 1}, "config_hash": config_hash({"a": 1}),
+        "frozen_checksums": {"actor": -3}, "mlflow_run_id": None, "save_contents": ["model"], "config": {"a": 1}, "config_hash": config_hash({"a": 1}),
         "train_data": [],
     }
     assert fields_problem(state, ["actor"]) is None

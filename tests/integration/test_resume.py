@@ -18,6 +18,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from tests.resume_helpers import (
     SHIPPED,
@@ -66,6 +67,33 @@ def test_killed_and_resumed_run_is_bit_identical(name, baselines, overrides_for,
     resume_chain(name, start, KILLS.get(name, []), out=tmp_path, overrides=overrides_for(name, tmp_path / "ckpt"),
                  world=1, free_port=free_port)
     assert assert_same_run(baselines.result(name), tmp_path, first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
+
+
+LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+        "actor_rollout_ref.model.target_modules=all-linear"]
+
+
+# GRPO's recipe has a KL loss: the reference log-probs are the LoRA actor's with its adapters off.
+@pytest.mark.parametrize("zero", ["zero3_offload", pytest.param("zero2", marks=pytest.mark.slow)])
+def test_killed_and_resumed_lora_run_is_bit_identical(zero, tiny_model_dir, arithmetic_data, ds_test_config,
+                                                      free_port, deepspeed_cpu_ops, tmp_path):
+    """A LoRA actor's checkpoints hold its adapters and their optimizer state, not the frozen base (loaded from
+    model.path again on resume); a run killed while saving and resumed is the uninterrupted one, its merged
+    model and adapter export included."""
+    ds_config = ds_test_config(zero)
+    lora = Baselines(tmp_path / "baseline", lambda name, ckpt: resume_overrides(
+        name, model=tiny_model_dir, data=arithmetic_data, ds_config=ds_config, ckpt=ckpt) + LORA, free_port, world=1)
+    start = lora.checkpoint("grpo", RESUME_AT)
+    resume_chain("grpo", start, KILLS["grpo"], out=tmp_path / "chain",
+                 overrides=lora.overrides_for("grpo", tmp_path / "chain" / "ckpt"), world=1, free_port=free_port)
+    baseline = lora.result("grpo")
+    assert assert_same_run(baseline, tmp_path / "chain", first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
+    engine_files = list((start / "actor" / "ds").rglob("*.pt"))
+    states = next(f for f in engine_files if f.name.endswith("model_states.pt"))
+    module = torch.load(states, weights_only=False)["module"]
+    assert module and all(".lora_A." in name or ".lora_B." in name for name in module)  # the tied output layer too
+    base_bytes = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
+    assert sum(f.stat().st_size for f in engine_files) < base_bytes / 2
 
 
 def test_sigterm_saves_exits_143_and_resumes_exactly(baselines, overrides_for, free_port, tmp_path):

@@ -151,3 +151,27 @@ def test_a_resumed_run_continues_its_mlflow_run(store, tiny_model_dir, arithmeti
     run = the_run(store)  # still one run
     assert run.info.run_id == first and run.info.status == "FINISHED"
     assert [m.step for m in store.get_metric_history(first, "critic/score/mean")] == [1, 2]
+
+
+def test_a_lora_run_logs_its_adapter_settings_and_where_its_adapter_is(
+    store, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    """A LoRA run's params hold the adapter as PEFT resolved it (all-linear expanded to module names) and its
+    trainable parameter count; the exported adapter's folder is tagged, and named in the final summary."""
+    from dsrl.console import final_summary
+    from dsrl.engines.lora import trainable_parameter_count
+    from dsrl.run_facts import final_facts
+
+    trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out",
+                          "trainer.logger=[console,mlflow]", "trainer.val_before_train=false",
+                          "trainer.total_training_steps=1", "actor_rollout_ref.model.lora_rank=4",
+                          "actor_rollout_ref.model.lora_alpha=8", "actor_rollout_ref.model.target_modules=all-linear")
+    trainer.fit()
+    params, tags = the_run(store).data.params, the_run(store).data.tags
+    assert params["lora.rank"] == "4" and params["lora.alpha"] == "8"
+    assert params["lora.target_modules"] == "down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj"
+    assert params["lora.trainable"] == str(trainable_parameter_count(trainer.actor.module)) != "0"
+    adapter = trainer.model_dir / "lora_adapter"
+    assert tags["dsrl.adapter_dir"] == str(adapter) and (adapter / "adapter_model.safetensors").is_file()
+    facts = final_facts(trainer, status="finished", wall_time_s=1.0)
+    assert facts["adapter_dir"] == str(adapter) and str(adapter) in final_summary(facts)
