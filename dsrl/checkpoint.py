@@ -54,7 +54,7 @@ from safetensors.torch import save_file
 
 from dsrl.config import RESUME_HARMLESS_KEYS, Config, to_dict
 from dsrl.config.schema import ADAPTER_DIR, FINAL_MODEL_DIR
-from dsrl.engines.lora import ADAPTER, iter_adapter_parameters, iter_merged_parameters
+from dsrl.engines.lora import ADAPTER, ADAPTER_FILE, iter_adapter_parameters, iter_merged_parameters, saved_adapter_tensors
 from dsrl.engines.weight_sync import iter_full_parameters
 from dsrl.tracking import flatten
 
@@ -417,13 +417,11 @@ def save_adapter(module: PeftModel, out: Path) -> None:
     """A LoRA actor's adapter as a PEFT directory (``adapter_config.json``, ``adapter_model.safetensors``) that
     ``PeftModel.from_pretrained(base, out)`` and ``actor_rollout_ref.model.lora_adapter_path`` load. Gathered
     from ZeRO-3 (``iter_adapter_parameters``); rank 0 writes. Collective."""
-    # PEFT's files name a weight without the adapter's name: ``...q_proj.lora_A.weight``.
-    tensors = {name.replace(f".{ADAPTER}.", "."): tensor.cpu().contiguous()
-               for name, tensor in iter_adapter_parameters(module)}
+    tensors = saved_adapter_tensors(iter_adapter_parameters(module))
     if dist.get_rank() != 0:
         return
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(out / ADAPTER_FILE), metadata={"format": "pt"})
     module.peft_config[ADAPTER].save_pretrained(out)
 
 

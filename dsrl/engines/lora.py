@@ -18,7 +18,7 @@ embedding or convolution named in ``target_modules`` is refused at start-up.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from peft.tuners.lora import LoraLayer
 from dsrl.engines.weight_sync import DEFAULT_BUCKET_BYTES, iter_gathered
 
 ADAPTER = "default"  # PEFT's name of the one adapter
+ADAPTER_FILE = "adapter_model.safetensors"  # the file PEFT saves adapter weights in (vLLM reads it too)
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's parameter names
 
 
@@ -164,3 +165,9 @@ def iter_adapter_parameters(
     """Yield ``(name, full tensor)`` of the adapters only (the actor's own names,
     ``base_model.model....lora_A.default.weight``). Collective under ZeRO-3."""
     yield from iter_gathered(adapter_parameters(module), bucket_bytes=bucket_bytes)
+
+
+def saved_adapter_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Adapter tensors as PEFT saves them: on CPU, contiguous, named without the adapter's name
+    (``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``)."""
+    return {name.replace(f".{ADAPTER}.", "."): tensor.detach().cpu().contiguous() for name, tensor in named_tensors}

@@ -21,9 +21,8 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import save_file
 
-from dsrl.engines.lora import ADAPTER, lora_config, saved_adapter_settings
+from dsrl.engines.lora import ADAPTER_FILE, lora_config, saved_adapter_settings, saved_adapter_tensors
 
-ADAPTER_FILE = "adapter_model.safetensors"  # the name PEFT saves adapter weights under, and vLLM reads
 
 
 def vllm_max_lora_rank(rank: int, allowed: Sequence[int]) -> int:
@@ -45,11 +44,6 @@ def actor_adapter_config(model_cfg: Any) -> LoraConfig:
     return lora_config(model_cfg)
 
 
-def saved_name(name: str) -> str:
-    """PEFT's saved name of an adapter parameter (``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``)."""
-    return name.replace(f".{ADAPTER}.", ".")
-
-
 class AdapterDirectory:
     """A temporary PEFT adapter directory that each push rewrites; removed with this object (or at exit)."""
 
@@ -61,7 +55,7 @@ class AdapterDirectory:
 
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Save the adapters (the actor's names, full tensors) under PEFT's names; returns the push's number (1, 2, ...)."""
-        tensors = {saved_name(name): tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}
+        tensors = saved_adapter_tensors(named_tensors)
         other = [name for name in tensors if ".lora_A." not in name and ".lora_B." not in name]
         if not tensors or other:
             raise ValueError(

@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from dsrl.engines.lora import iter_adapter_parameters, lora_config
-from dsrl.rollout.vllm_lora import AdapterDirectory, actor_adapter_config, saved_name, vllm_max_lora_rank
+from dsrl.engines.lora import iter_adapter_parameters, lora_config, saved_adapter_tensors
+from dsrl.rollout.vllm_lora import AdapterDirectory, actor_adapter_config, vllm_max_lora_rank
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks in vLLM 0.32
 
@@ -37,7 +37,9 @@ def test_a_rank_beyond_vllm_is_refused_naming_the_key():
 
 def test_peft_saved_names_leave_out_the_adapter_name():
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
-    assert saved_name(name) == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    [(saved, tensor)] = saved_adapter_tensors([(name, torch.ones(2, 3).t())]).items()
+    assert saved == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert tensor.is_contiguous() and tensor.device.type == "cpu"
 
 
 @pytest.fixture
