@@ -84,7 +84,7 @@ def lora_actor(world_of_one, make_cfg, ds_test_config):
 
 
 def test_lora_export_is_the_merged_model_and_a_peft_adapter_both_giving_the_actors_logits(
-    lora_actor, tiny_model_dir, tmp_path
+    lora_actor, tiny_model_dir, make_cfg, ds_test_config, tmp_path
 ):
     """A LoRA actor on ZeRO-3 + offload exports the merged model under the base model's names (config.json
     as the base's: no PEFT key) and, in lora_adapter/, the adapter that PEFT loads onto the base. Float32
@@ -124,6 +124,15 @@ def test_lora_export_is_the_merged_model_and_a_peft_adapter_both_giving_the_acto
         assert (plain - expected).abs().max().item() > 1e-2  # the adapters change the model
         assert (peft(input_ids=ids, attention_mask=mask).logits - expected).abs().max().item() <= 1e-6
         assert (merged(input_ids=ids, attention_mask=mask).logits - expected).abs().max().item() <= 1e-5
+
+    # The exported adapter starts another run (actor_rollout_ref.model.lora_adapter_path) at the same policy, its
+    # adapters trainable again; lora_rank 0 takes the adapter's own rank.
+    resumed = ActorEngine(make_cfg(*ACTOR_TRAINING, f"actor_rollout_ref.model.lora_adapter_path={out / ADAPTER_DIR}",
+                                   f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}"))
+    assert resumed.lora and sum(p.requires_grad for p in resumed.module.parameters()) == len(adapters)
+    resumed.engine.eval()
+    with torch.no_grad():
+        assert (resumed.engine(input_ids=ids, attention_mask=mask).logits - expected).abs().max().item() <= 1e-6
 
 
 def test_a_lora_resume_onto_another_base_model_is_refused(lora_actor, tiny_model_dir, tmp_path):
