@@ -8,7 +8,9 @@ import runpy
 from tests.conftest import REPO
 
 
-def test_the_full_and_lora_arms_fill_the_table(tiny_model_dir, arithmetic_data, deepspeed_cpu_ops, tmp_path):
+def test_the_full_and_lora_arms_fill_the_table(tiny_model_dir, arithmetic_data, deepspeed_cpu_ops, monkeypatch, tmp_path):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # an in-process world's, if any:
+        monkeypatch.delenv(name, raising=False)  # each arm is a run of its own, as from a shell
     script = runpy.run_path(str(REPO / "scripts" / "compare_lora.py"))
     overrides = [
         f"actor_rollout_ref.model.path={tiny_model_dir}",
