@@ -60,7 +60,16 @@ LONG = {
     "OMP_NUM_THREADS=1 python scripts/compare_dynamic_sampling.py": "trains the quickstart twice, 100 steps each (~3 min)",
     "bash bench/trl_grpo/sitting.sh s1": "builds a TRL venv (~1 GB, from the network) and runs 100 steps of each trainer",
 }
-TRAINS = {"python scripts/train.py configs/ppo.yaml configs/cpu.yaml", SMOLLM2_RUN}
+LORA_CPU = ("python scripts/train.py configs/grpo.yaml configs/cpu.yaml actor_rollout_ref.model.lora_rank=8 "
+            "actor_rollout_ref.actor.optim.lr=2e-3")
+LONG |= {
+    LORA_CPU: "trains a whole epoch on CPU (minutes); tests/integration/test_trainer.py trains every recipe with LoRA",
+    "OMP_NUM_THREADS=1 python scripts/compare_lora.py": "trains the quickstart three times, 100 steps each (~6 min); "
+    "tests/integration/test_compare_lora.py runs two arms for a step",
+    "OMP_NUM_THREADS=1 python scripts/compare_lora.py --model wide --steps 2 --arms full,lora": "builds a 97M model and "
+    "trains it twice (~6 min)",
+}
+TRAINS = {"python scripts/train.py configs/ppo.yaml configs/cpu.yaml", SMOLLM2_RUN, LORA_CPU}
 GSM8K_HUB = "python scripts/prepare_data.py --task gsm8k"
 # README commands run with a change, and why.
 REWRITTEN = {
