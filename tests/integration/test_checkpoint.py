@@ -38,6 +38,12 @@ def actor(world_of_one, make_cfg, ds_test_config):
     return ActorEngine(make_cfg(*ACTOR_TRAINING, f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}"))
 
 
+
+def sequences() -> tuple[torch.Tensor, torch.Tensor]:
+    """The test batch's prompt + response ids and attention mask."""
+    batch = make_batch()
+    return torch.cat([batch.prompt_ids, batch.response_ids], 1), torch.cat([batch.prompt_mask, batch.response_mask], 1)
+
 def test_exported_model_loads_and_its_logits_equal_the_actors(actor, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -60,9 +66,7 @@ def test_exported_model_loads_and_its_logits_equal_the_actors(actor, tiny_model_
     assert AutoTokenizer.from_pretrained(out).encode("12+34=") == tokenizer.encode("12+34=")
 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    batch = make_batch()
-    ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
-    mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)
+    ids, mask = sequences()
     actor.engine.eval()
     with torch.no_grad():
         expected = actor.engine(input_ids=ids, attention_mask=mask).logits
@@ -113,9 +117,7 @@ def test_lora_export_is_the_merged_model_and_a_peft_adapter_both_giving_the_acto
 
     merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     peft = PeftModel.from_pretrained(base, out / ADAPTER_DIR).eval()
-    batch = make_batch()
-    ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
-    mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)
+    ids, mask = sequences()
     actor.engine.eval()
     with torch.no_grad():
         expected = actor.engine(input_ids=ids, attention_mask=mask).logits
