@@ -2,7 +2,7 @@
 seconds per push and per generate call.
 
     python bench/lora_push.py MODEL_DIR [--rank 8] [--steps 5] [--prompts 8] [--n 4] [--max-tokens 32]
-    python bench/lora_push.py --build-wide DIR [--from TOKENIZER_DIR]   # a random ~85M-parameter Qwen3
+    python scripts/make_tiny_model.py --wide --sft-steps 0 --out outputs/wide_model   # a random 97M Qwen3 to measure
 
 Run it with vLLM installed (the vllm tier's environment on CPU). Each mode runs in a process of its own (one vLLM
 engine per process), float32, eager, no sleep mode: a PEFT model of MODEL_DIR (adapters on all linear layers),
@@ -28,26 +28,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 MODES = ("merged", "adapters")
-WIDE = {"hidden_size": 768, "intermediate_size": 2304, "num_hidden_layers": 12, "num_attention_heads": 12,
-        "num_key_value_heads": 4, "head_dim": 64}  # ~85M parameters with a 100-token vocabulary
-
-
-def build_wide(out: str, tokenizer_dir: str) -> None:
-    """A Qwen3 of WIDE's shape with random weights (float32) and TOKENIZER_DIR's tokenizer, saved to ``out``."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    config = AutoConfig.from_pretrained(tokenizer_dir)
-    for key, value in WIDE.items():
-        setattr(config, key, value)
-    config.layer_types = ["full_attention"] * WIDE["num_hidden_layers"]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
-    print(f"{out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
-
-
 def measure(args: argparse.Namespace) -> dict:
     """One mode's medians (in this process: it builds the vLLM engine)."""
     import torch
@@ -93,7 +73,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", nargs="?")
+    parser.add_argument("model")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=8)
@@ -101,12 +81,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--mode", choices=MODES, help="measure one mode in this process (the parent's child runs)")
-    parser.add_argument("--build-wide", metavar="DIR")
-    parser.add_argument("--from", dest="tokenizer_dir", default=str(REPO / "outputs" / "tiny_model"))
     args = parser.parse_args()
-    if args.build_wide:
-        build_wide(args.build_wide, args.tokenizer_dir)
-        return
     if args.mode:
         print("RESULT", json.dumps(measure(args)))
         return

@@ -13,7 +13,7 @@ steps; the model and data are built first when missing (scripts/quickstart.sh's 
   parameters and is usually run at ~10x the learning rate of full fine-tuning);
 - lora-same-lr: the same adapters at the full arm's 2e-4.
 
-``--model wide`` runs the arms on a 96M-parameter Qwen3 instead (the tiny model's tokenizer and vocabulary; hidden
+``--model wide`` runs the arms on a 97M-parameter Qwen3 instead (the tiny model's tokenizer and vocabulary; hidden
 1,024, 8 layers; random weights, built into outputs/wide_model), 8 prompts a step in micro-batches of 16 rows: its
 validation scores mean nothing, its memory and checkpoint sizes show what the base weights' gradients and optimizer
 states cost at a size where they dominate.
@@ -62,20 +62,11 @@ def build_inputs() -> None:
 
 
 def build_wide_model() -> Path:
-    """outputs/wide_model: the tiny model scaled to 96M parameters, randomly initialised (for memory, not learning)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
+    """outputs/wide_model: make_tiny_model.py --wide, 97M parameters, untrained (for memory, not learning)."""
     out = REPO / "outputs" / "wide_model"
     if not (out / "config.json").is_file():
-        tiny = REPO / "outputs" / "tiny_model"
-        config = AutoConfig.from_pretrained(tiny)
-        config.update({"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8,
-                       "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
-                       "layer_types": ["full_attention"] * 8})
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-        AutoTokenizer.from_pretrained(tiny).save_pretrained(out)
+        subprocess.run([sys.executable, "scripts/make_tiny_model.py", "--wide", "--sft-steps", "0", "--out", str(out)],
+                       cwd=REPO, check=True)
     return out
 
 
@@ -128,7 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
-    parser.add_argument("--model", choices=["tiny", "wide"], default="tiny", help="the quickstart's, or a 96M one")
+    parser.add_argument("--model", choices=["tiny", "wide"], default="tiny", help="the quickstart's, or a 97M one")
     parser.add_argument("--keep", type=Path, help="keep the runs (logs, checkpoints) in this folder")
     args, overrides = parser.parse_known_args()
     arms = args.arms.split(",")

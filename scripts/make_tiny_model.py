@@ -2,6 +2,7 @@
 
     python scripts/make_tiny_model.py                     # writes outputs/tiny_model, where configs/cpu.yaml looks
     python scripts/make_tiny_model.py --task calculator   # outputs/tiny_tool_model (configs/calculator_cpu.yaml)
+    python scripts/make_tiny_model.py --wide --sft-steps 0 --out outputs/wide_model   # 97M, untrained (measurements)
 
 Offline and deterministic (same ``--seed`` and ``--sft-steps`` give byte-identical files). Writes a
 ``transformers`` model directory that every dsrl tier loads like a hub checkpoint:
@@ -113,16 +114,20 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> torch.nn.Module:
-    """A randomly initialised tiny Qwen3 (float32) whose special-token ids match ``tokenizer``."""
+# The tiny model's shape, and --wide's: the weights dominate memory and time (LoRA's and the pushes' measurements).
+SHAPES = {
+    "tiny": {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 64},
+    "wide": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8, "num_attention_heads": 8,
+             "num_key_value_heads": 2, "head_dim": 128},
+}
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, shape: str = "tiny") -> torch.nn.Module:
+    """A randomly initialised Qwen3 (float32) of one of ``SHAPES`` whose special-token ids match ``tokenizer``."""
     config = Qwen3Config(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
+        **SHAPES[shape],
         max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
@@ -422,15 +427,21 @@ def main(argv: list[str] | None = None) -> float:
     )
     parser.add_argument("--sft-steps", type=int, default=1000, help="most supervised warm-start steps (0: untrained)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and training-batch seed")
+    parser.add_argument(
+        "--wide", action="store_true",
+        help="hidden 1024, 8 layers (97M parameters), untrained: for memory and speed measurements, with --sft-steps 0",
+    )
     args = parser.parse_args(argv)
     if args.sft_steps < 0:
         parser.error(f"--sft-steps {args.sft_steps}: must be >= 0")
+    if args.wide and (args.sft_steps or args.task != "arithmetic"):
+        parser.error("--wide builds an untrained model: add --sft-steps 0 (and no --task)")
     # One thread: several times faster on small CPUs, and reductions run in a fixed order (determinism).
     torch.set_num_threads(1)
     start = time.perf_counter()
 
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, args.seed)
+    model = build_model(tokenizer, args.seed, "wide" if args.wide else "tiny")
     warm_start = tool_warm_start if args.task == "calculator" else supervised_warm_start
     steps, loss = warm_start(model, tokenizer, args.sft_steps, args.seed)
     out = Path(args.out or ("outputs/tiny_tool_model" if args.task == "calculator" else "outputs/tiny_model"))
