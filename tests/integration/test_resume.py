@@ -59,10 +59,13 @@ def baselines(tmp_path_factory, overrides_for, free_port, deepspeed_cpu_ops):
 
 
 # REINFORCE++, OPO and RLOO resume through the same outcome-estimator path as GRPO (whose full and LoRA runs stay in
-# the default run): slow variants.
+# the default run), DAPO through GRPO's and dynamic sampling's (test_resume_with_dynamic_sampling_is_bit_identical):
+# slow variants.
+SLOW_RESUMES = ("reinforce_pp", "opo", "rloo", "dapo")
+
+
 @pytest.mark.parametrize(
-    "name",
-    [pytest.param(name, marks=pytest.mark.slow) if name in ("reinforce_pp", "opo", "rloo") else name for name in SHIPPED],
+    "name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_RESUMES else name for name in SHIPPED]
 )
 def test_killed_and_resumed_run_is_bit_identical(name, baselines, overrides_for, free_port, tmp_path):
     start = baselines.checkpoint(name, RESUME_AT)  # the chain runs beside the rest of the uninterrupted run
