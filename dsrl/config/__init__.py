@@ -68,6 +68,8 @@ from dsrl.config.schema import (
     TRUNCATION_MODES,
     Config,
     KeyInfo,
+    lora_enabled,
+    pushes_lora_adapters,
 )
 from dsrl.config.user_code import import_user_modules
 
@@ -103,7 +105,9 @@ __all__ = [
     "default_rollout_name",
     "deepspeed_config_path",
     "load_config",
+    "lora_enabled",
     "policy_loss_param_values",
+    "pushes_lora_adapters",
     "resolve",
     "rollout_name",
     "to_dict",

@@ -62,6 +62,8 @@ from dsrl.config.schema import (
     RolloutCorrectionConfig,
     _show,
     _violation,
+    lora_enabled,
+    pushes_lora_adapters,
 )
 
 
@@ -575,11 +577,9 @@ def _vllm_rules(cfg: Config, need: Need) -> None:
         "set it to the device memory generation may use beside the model's weights, or null for micro_batch_size prompts",
     )
     if name == "vllm":
-        model = cfg.actor_rollout_ref.model
-        # LoRA on (dsrl.engines.lora.lora_enabled, which this package cannot import) with adapter pushes.
-        pushes_adapters = (model.lora_rank > 0 or model.lora_adapter_path is not None) and not model.lora.merge
         need(
-            not (pushes_adapters and rollout.sleep_level == 2 and rollout.enable_sleep_mode is not False),
+            not (pushes_lora_adapters(cfg.actor_rollout_ref.model) and rollout.sleep_level == 2
+                 and rollout.enable_sleep_mode is not False),
             f"{prefix}.sleep_level",
             "a level-2 sleep drops vLLM's base weights, and LoRA adapter pushes (actor_rollout_ref.model.lora.merge=false) "
             "never bring them back",
@@ -913,7 +913,7 @@ def _lora_rules(cfg: Config, given: Collection[str], need: Need) -> None:
     DeepSpeed setup, which a LoRA run never uses (its reference is the actor with the adapters off)."""
     model, prefix = cfg.actor_rollout_ref.model, "actor_rollout_ref.model"
     need(model.lora_rank >= 0, f"{prefix}.lora_rank", "must be >= 0 (0 = full fine-tuning)", f"set {prefix}.lora_rank=32")
-    if model.lora_rank == 0 and model.lora_adapter_path is None:
+    if not lora_enabled(model):
         return
     need(model.lora_alpha > 0, f"{prefix}.lora_alpha", "must be > 0 (the update is scaled by alpha / rank)",
          f"set {prefix}.lora_alpha to the rank or twice it")

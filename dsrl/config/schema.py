@@ -216,6 +216,17 @@ class ModelConfig:
     lora: LoraPushConfig = _f(LoraPushConfig, "how the LoRA policy reaches the rollout engine")
 
 
+def lora_enabled(model: Any) -> bool:
+    """Whether the actor trains LoRA adapters (a ``ModelConfig``): a rank above 0, or an adapter to start from, as
+    verl decides."""
+    return model.lora_rank > 0 or model.lora_adapter_path is not None
+
+
+def pushes_lora_adapters(model: Any) -> bool:
+    """Whether the rollout engine receives the adapters alone (LoRA with ``lora.merge=false``), not full weights."""
+    return lora_enabled(model) and not model.lora.merge
+
+
 @dataclass
 class OptimConfig:
     lr: float = _f(1e-6, "AdamW learning rate; ~1e-6 for a 0.5B-7B actor, ~1e-5 for a critic")

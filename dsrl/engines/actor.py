@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dsrl.algorithms import agg_loss, kl_penalty, policy_loss, policy_loss_params
-from dsrl.config import policy_loss_param_values
+from dsrl.config import lora_enabled, policy_loss_param_values
 from dsrl.data.batch import Batch
 from dsrl.distributed import accelerator_device
 from dsrl.config.deepspeed_json import clip_grad
@@ -36,7 +36,7 @@ from dsrl.engines.forward import (
     policy_logits,
     response_stats,
 )
-from dsrl.engines.lora import add_adapters, iter_adapter_parameters, iter_merged_parameters, lora_enabled
+from dsrl.engines.lora import add_adapters, iter_adapter_parameters, iter_merged_parameters
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 from dsrl.engines.weight_sync import iter_full_parameters
 

@@ -34,11 +34,6 @@ ADAPTER_FILE = "adapter_model.safetensors"  # the file PEFT saves adapter weight
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's parameter names
 
 
-def lora_enabled(model_cfg: Any) -> bool:
-    """Whether the actor trains adapters: a rank above 0, or an adapter to start from (as verl decides)."""
-    return model_cfg.lora_rank > 0 or model_cfg.lora_adapter_path is not None
-
-
 def _plain(value: Any) -> Any:
     """An OmegaConf list as a Python list (PEFT checks ``isinstance(..., list)``)."""
     return [str(v) for v in value] if value is not None and not isinstance(value, str) else value

@@ -44,7 +44,8 @@ from transformers import (
 
 from dsrl.algorithms import logprobs_from_logits
 from dsrl.engines.forward import kv_cache
-from dsrl.engines.lora import add_adapters, lora_enabled
+from dsrl.config import pushes_lora_adapters
+from dsrl.engines.lora import add_adapters
 from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded, stop_and_pad_ids
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -127,14 +128,13 @@ class HFRollout:
         """Built from the run config (``actor_rollout_ref.{model,rollout}``): the actor's model and dtype; a PEFT
         copy with the actor's adapters when LoRA pushes adapters (``model.lora.merge=false``)."""
         model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
-        pushes_adapters = lora_enabled(model) and not model.lora.merge
         return cls(
             model.path,
             dtype=model.dtype,
             trust_remote_code=model.trust_remote_code,
             micro_batch_size=rollout.micro_batch_size,
             kv_cache_max_gb=rollout.kv_cache_max_gb,
-            adapters=partial(add_adapters, model_cfg=model) if pushes_adapters else None,
+            adapters=partial(add_adapters, model_cfg=model) if pushes_lora_adapters(model) else None,
         )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 from peft import LoraConfig
 
-from dsrl.engines.lora import lora_enabled
+from dsrl.config import pushes_lora_adapters
 from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded, stop_and_pad_ids
 from dsrl.rollout.vllm_lora import AdapterDirectory, actor_adapter_config, vllm_max_lora_rank
 
@@ -262,7 +262,6 @@ class VLLMRollout:
     def from_config(cls, cfg: Any) -> VLLMRollout:
         """Built from the run config (``actor_rollout_ref.{model,rollout}``, ``data``, ``trainer.seed``)."""
         model, rollout, data = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout, cfg.data
-        pushes_adapters = lora_enabled(model) and not model.lora.merge
         return cls(
             model.path,
             dtype=rollout.dtype or model.dtype,
@@ -275,7 +274,7 @@ class VLLMRollout:
             sleep_level=rollout.sleep_level,
             seed=cfg.trainer.seed,
             per_prompt_seeds=rollout.per_prompt_seeds,
-            lora=actor_adapter_config(model) if pushes_adapters else None,
+            lora=actor_adapter_config(model) if pushes_lora_adapters(model) else None,
         )
 
     # ---- weights -----------------------------------------------------------------------------

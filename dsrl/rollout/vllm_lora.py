@@ -24,7 +24,6 @@ from safetensors.torch import save_file
 from dsrl.engines.lora import ADAPTER_FILE, lora_config, saved_adapter_settings, saved_adapter_tensors
 
 
-
 def vllm_max_lora_rank(rank: int, allowed: Sequence[int]) -> int:
     """The smallest of vLLM's allowed ``max_lora_rank`` values (``allowed``) that holds adapters of ``rank``."""
     fitting = [value for value in allowed if value >= rank]
