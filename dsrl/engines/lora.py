@@ -80,18 +80,20 @@ def add_adapters(module: torch.nn.Module, model_cfg: Any) -> PeftModel:
             )
         peft_model = PeftModel.from_pretrained(module, model_cfg.lora_adapter_path, is_trainable=True)
     else:
-        peft_model = get_peft_model(module, lora_config(model_cfg))
+        try:
+            peft_model = get_peft_model(module, lora_config(model_cfg))
+        except ValueError as err:  # PEFT refuses targets that leave no module to adapt
+            raise ValueError(
+                f"actor_rollout_ref.model.target_modules={model_cfg.target_modules!r} (exclude_modules="
+                f"{model_cfg.exclude_modules!r}) matched no module of the model ({' '.join(str(err).split())}); "
+                "use all-linear or names from the model's modules (q_proj, v_proj, ...)"
+            ) from err
     layers = lora_layers(peft_model)
     other = sorted(name for name, layer in layers.items() if not isinstance(layer, LoraLinear))
     if other:
         raise ValueError(
             f"actor_rollout_ref.model.target_modules adapts {other[:3]}, which are not linear layers; dsrl trains "
             "LoRA on linear layers only: name linear modules (or all-linear), or exclude these with exclude_modules"
-        )
-    if not layers:
-        raise ValueError(
-            f"actor_rollout_ref.model.target_modules={model_cfg.target_modules!r} matched no module of the model; "
-            "use all-linear or names from the model's modules (q_proj, v_proj, ...)"
         )
     return peft_model
 
