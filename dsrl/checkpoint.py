@@ -309,6 +309,7 @@ def save_checkpoint(
         if export_hf:
             export_hf_model(actor_module, tokenizer, tmp / "actor" / HF_DIR)
         dist.barrier()
+        _check_every_rank_wrote(tmp, step)
         digests = _hash_shares(tmp, _files(tmp))
         if rank == 0:
             write_state(tmp, state, digests)
@@ -316,6 +317,24 @@ def save_checkpoint(
             prune(root, keep)
         dist.barrier()
     return final
+
+
+def _check_every_rank_wrote(tmp: Path, step: int) -> None:
+    """CheckpointWriteError on every rank unless rank 0 sees each rank's files in ``tmp``, the ones it publishes
+    (each rank's RNG file stands for its shards): a directory that is not one on every node would publish a
+    checkpoint holding node 0's shards alone. The preflight checks this at start-up; a mount lost since is
+    found here. Collective."""
+    world = dist.get_world_size()
+    missing: list = [[r for r in range(world) if not (tmp / "rng" / f"rank_{r}.pt").is_file()]
+                     if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(missing, src=0)
+    if missing[0]:
+        raise CheckpointWriteError(
+            f"step {step}: rank 0 does not see the files of {len(missing[0])} rank(s) (first: rank {missing[0][0]}) in "
+            f"{tmp}: trainer.default_local_dir is no longer one directory on every node, so this checkpoint would lack "
+            "their shards; nothing was published. Fix: a directory every node sees at the same path (a shared mount), "
+            "then run again (trainer.resume_mode=auto resumes from the last complete checkpoint)"
+        )
 
 
 @contextmanager

@@ -29,9 +29,11 @@ import signal
 import socket
 import sys
 import traceback
+from pathlib import Path
 
 from dsrl.config import SCHEMA, ConfigError, describe_keys, load_and_validate, to_yaml
 from dsrl.console import logger, setup_logging
+from dsrl.launch import LaunchError, RendezvousError, join
 from dsrl.redaction import redact_text
 from dsrl.run_folder import RunFolderBusy
 from dsrl.signals import Interrupted, RunSignals, TrainingInterrupted
@@ -56,6 +58,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str
         "deepspeed --num_gpus 8 (default: $WORLD_SIZE, else 1)",
     )
     parser.add_argument(
+        "--preflight",
+        action="store_true",
+        help="under the launcher: check that the ranks make one sound cluster (hosts, devices, a shared "
+        "trainer.default_local_dir, versions), print it and exit, before any model loads",
+    )
+    parser.add_argument(
         "--show-keys",
         nargs="?",
         const="",
@@ -70,6 +78,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str
         parser.error("give config files (or shipped recipe names) and/or key=value overrides, or --show-keys")
     if args.world_size is not None and not args.validate_only:
         parser.error("--world-size goes with --validate-only; a run takes its world size from the deepspeed launcher")
+    if args.preflight and args.validate_only:
+        parser.error("--preflight checks the ranks the launcher started; --validate-only checks the config alone")
     if args.world_size is not None and args.world_size < 1:
         parser.error(f"--world-size {args.world_size}: must be a positive number of ranks")
     try:
@@ -95,7 +105,7 @@ def split_files_and_overrides(items: list[str]) -> tuple[list[str], list[str]]:
 
 def refuse(header: str, problems: list[str]) -> int:
     """Exit code 2 with the problems (one line each) printed once, by rank 0; a run of several ranks has
-    gathered every rank's (``refused_across_ranks``, ``dsrl.trainer.Trainer``)."""
+    gathered every rank's (``checked_cluster``, ``dsrl.trainer.Trainer``)."""
     if os.environ.get("RANK", "0") == "0":
         print(redact_text(f"dsrl: {header}:"), file=sys.stderr)
         for problem in problems:
@@ -103,19 +113,20 @@ def refuse(header: str, problems: list[str]) -> int:
     return 2
 
 
-def refused_across_ranks(header: str, problems: list[str], timeout_s: int | None) -> bool:
-    """Whether any rank of a launched run found ``problems`` in its configuration: the ranks meet here whether
-    their own check passed or not (``dsrl.distributed.gather_problems``), so what only one rank sees (a file
-    missing on its node) reaches the report rank 0 prints (``refuse``). The ranks leave together once it has
-    printed: the launcher stops every rank when one exits. Collective."""
-    from dsrl.distributed import gather_problems
+def checked_cluster(cfg, problems: list[str], launch, where: str, timeout_s: int | None):
+    """The ranks meet and run the preflight (``dsrl.preflight``) whether their own config check passed or not, so
+    that what only one rank sees (a file missing on its node) reaches the report rank 0 prints (``refuse``);
+    the cluster, or None when the run must stop (exit code 2, once every rank got here: the launcher stops
+    every rank when one exits). Collective."""
     from dsrl.engines import init_distributed
+    from dsrl.preflight import preflight
 
     init_distributed(timeout_s)
-    problems = gather_problems(problems)
+    cluster, problems = preflight(cfg, problems, launch)
     if problems:
-        leave_together(refuse(f"{header}: {len(problems)} problem(s) in the configuration", problems))
-    return bool(problems)
+        leave_together(refuse(f"{where}: {len(problems)} problem(s) in the configuration or the cluster", problems))
+        return None
+    return cluster
 
 
 def leave_together(code: int) -> int:
@@ -156,19 +167,19 @@ def main(argv: list[str]) -> int:
     args, files, overrides = parse_args(argv)
     if args.show_keys is not None:
         return show_keys(args.show_keys)
-    rank = os.environ.get("RANK", "0")  # set by the deepspeed launcher
-    setup_logging(int(rank) if rank.isdigit() else 0)
-    if args.world_size is not None:
-        world_size, source = str(args.world_size), "--world-size"
-    else:  # set by the deepspeed launcher; a single process otherwise
-        world_size = os.environ.get("WORLD_SIZE", "1")
-        source = "WORLD_SIZE" if "WORLD_SIZE" in os.environ else "no WORLD_SIZE: one process; --world-size N checks N"
-    if not world_size.isdigit() or int(world_size) < 1:
-        print(
-            f"dsrl: WORLD_SIZE={world_size}: must be a positive integer; fix: unset it or start with the deepspeed launcher",
-            file=sys.stderr,
-        )
-        return 2
+    if args.world_size is not None:  # --validate-only for another world: this process's launch does not matter
+        launch, world_size, source = None, str(args.world_size), "--world-size"
+    else:
+        try:
+            launch = join()  # the rank and world of any launcher, before validation checks the batch sizes for it
+        except LaunchError as err:
+            print(f"dsrl: {err}", file=sys.stderr)
+            return 2
+        world_size = str(launch.world_size)
+        source = {"none": "no launcher: one process; --world-size N checks N",
+                  "environment": "RANK and WORLD_SIZE in the environment"}.get(launch.launcher, f"the {launch.launcher} launcher")
+    rank = launch.rank if launch is not None else 0
+    setup_logging(rank)
     where = " + ".join(files) or "the defaults"
     cfg, problems = None, []
     try:
@@ -180,10 +191,10 @@ def main(argv: list[str]) -> int:
 
         problems = check_tool_files(cfg)
         cfg = None if problems else cfg
-    launched = not args.validate_only and int(world_size) > 1
+    launched = not args.validate_only and (int(world_size) > 1 or args.preflight)
     if problems and not launched:
         return refuse(f"{where}: {len(problems)} problem(s) in the configuration", problems)
-    if cfg is not None and os.environ.get("RANK", "0") == "0":  # the resolved config, once per run
+    if cfg is not None and rank == 0 and not args.preflight:  # the resolved config, once per run
         checked = f"# validated for world size {world_size} ({source})\n"
         print(redact_text("".join(f"# note: {note}\n" for note in notes) + checked + to_yaml(cfg)), end="", flush=True)
     if args.validate_only:
@@ -191,9 +202,17 @@ def main(argv: list[str]) -> int:
     signals = RunSignals().install()  # before the trainer's imports: a Ctrl-C there is a stop like any other
     try:
         timeout = cfg.actor_rollout_ref.nccl_timeout if cfg is not None else None
-        if launched and refused_across_ranks(where, problems, timeout):
+        cluster = checked_cluster(cfg, problems, launch, where, timeout) if launched else None
+        if launched and cluster is None:
             return 2
-        return run_training(cfg, signals, where)
+        if args.preflight:
+            if launch.rank == 0:
+                print(cluster.table(str(Path(cfg.trainer.default_local_dir).expanduser().resolve())), flush=True)
+            return leave_together(0)
+        return run_training(cfg, signals, where, cluster)
+    except RendezvousError as err:
+        print(redact_text(f"dsrl: {err}"), file=sys.stderr, flush=True)
+        return 1
     except Interrupted as err:
         logger.warning(where_stopped(err), extra={"all_ranks": True})
         return err.exit_code
@@ -201,14 +220,14 @@ def main(argv: list[str]) -> int:
         signals.restore()
 
 
-def run_training(cfg, signals: RunSignals, where: str) -> int:
+def run_training(cfg, signals: RunSignals, where: str, cluster) -> int:
     """``dsrl.trainer.train`` and what its end means: the exit code, and the message where it is not 0."""
     from dsrl.checkpoint import CheckpointError, CheckpointWriteError
     from dsrl.trainer import TrainingStopped, train
 
     first_rank = os.environ.get("RANK", "0") == "0"
     try:
-        train(cfg, signals)
+        train(cfg, signals, cluster)
     except ConfigError as err:  # found while loading the tokenizer and the prompts, on any rank
         refuse(f"{where}: {len(err.violations)} problem(s) in the files the configuration names", err.violations)
         return leave_together(2)

@@ -386,6 +386,7 @@ def startup_summary(facts: dict[str, Any]) -> str:
     """The start-up block. ``facts`` (a missing value prints as ``n/a``):
 
     - ``world_size`` (int), ``device`` (str: ``"cpu"``, ``"cuda (NVIDIA H200)"``)
+    - ``hosts`` (str or None): the ranks' nodes from the preflight (``dsrl.preflight.Cluster.describe``)
     - ``roles``: {``"actor"``, ``"reference"``, ``"critic"``: a dict or None (absent)}, each dict with
       ``zero_stage`` (int), ``offload_params``, ``offload_optimizer`` (bool), ``dtype`` (str),
       ``params`` (int), ``gradient_checkpointing`` (bool; omit for a role without backward), ``lora`` ({``rank``,
@@ -415,7 +416,7 @@ def startup_summary(facts: dict[str, Any]) -> str:
     save_freq = facts.get("save_freq")
     start, resume = facts.get("start_step", 0), facts.get("resume_from")
     rows = [
-        ("world", f"{_na(facts.get('world_size'))} rank(s), {_na(facts.get('device'))}"),
+        ("world", f"{facts.get('hosts') or _na(facts.get('world_size')) + ' rank(s)'}, {_na(facts.get('device'))}"),
         *((name, _role(roles.get(name))) for name in ("actor", "reference", "critic")),
         ("rollout", _na(facts.get("rollout"))),
         ("estimator", _na(facts.get("estimator"))),

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
+from dsrl.launch import Launch
 from dsrl.phases import current_phase
 
 logger = logging.getLogger(__name__)
@@ -103,18 +104,22 @@ def gather_problems(problems: list[str]) -> list[str]:
     for line, ranks in seen.items():
         if len(ranks) < world:
             hosts = sorted({gathered[rank][0] for rank in ranks})
-            line += f" [{_rank_span(ranks)} on {', '.join(hosts)}]"
+            line += f" [{rank_span(ranks)} on {', '.join(hosts)}]"
         merged.append(line)
     return merged
 
 
-def _rank_span(ranks: list[int]) -> str:
-    """``rank 3``, ``ranks 1, 4``, ``ranks 8-15``."""
+def rank_span(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 1, 4``, ``ranks 8-15``, ``ranks 0-4, 6-7`` (ascending ranks)."""
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ", ".join(map(str, ranks))
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return "ranks " + ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
 def collective_timeout_message(err: BaseException) -> str | None:
@@ -124,7 +129,7 @@ def collective_timeout_message(err: BaseException) -> str | None:
         return None
     rank = dist.get_rank() if dist.is_initialized() else 0
     return (
-        f"rank {rank}: a collective timed out in phase {current_phase()!r} ({str(err).splitlines()[0]}): another rank did "
+        f"rank {rank} on {socket.gethostname()}: a collective timed out in phase {current_phase()!r} ({str(err).splitlines()[0]}): another rank did "
         "not join it within actor_rollout_ref.nccl_timeout seconds, so it is stuck (stopped, deadlocked, waiting on "
         "I/O or in another collective) in this phase or an earlier one; its own output shows where. Fix: if a rank "
         "is stuck, stop the run and resume from the last checkpoint; if this phase is only slow on some ranks, "
@@ -140,38 +145,33 @@ def leave_timed_out_group() -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    """A TCP port on localhost that nothing listens on now (the rendezvous of a run without a launcher)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# Launchers and the variables they set: a rank started by none of them got WORLD_SIZE from somewhere else.
-_LAUNCHER_VARIABLES = ("LOCAL_SIZE", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_PROCID")
 RENDEZVOUS_REPORT_S = 15.0
 
 
 @contextmanager
-def rendezvous_watchdog(report_after_s: float = RENDEZVOUS_REPORT_S) -> Iterator[None]:
+def rendezvous_watchdog(launch: Launch, report_after_s: float = RENDEZVOUS_REPORT_S) -> Iterator[None]:
     """Within ``with`` (forming the process group): every ``report_after_s`` seconds this rank is still
-    waiting for the others, say so, with where it waits and, when no launcher started this process,
-    that ``WORLD_SIZE`` may be stale in the environment."""
+    waiting for the others, say so: where it waits, for how many ranks, and why they may not come (a host
+    that never started its ranks; a ``WORLD_SIZE`` left over in the environment when no launcher started
+    this process)."""
     done = threading.Event()
-    world, address = os.environ.get("WORLD_SIZE", "1"), f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    address = f"{launch.master_addr}:{launch.master_port}"
+    if launch.launcher == "environment":
+        hint = (f"; no launcher started this process, so WORLD_SIZE={launch.world_size} may be left over in the "
+                "environment: unset WORLD_SIZE RANK LOCAL_RANK MASTER_ADDR MASTER_PORT for one process, or start "
+                "the ranks with deepspeed --num_gpus N")
+    else:
+        hint = (f" ({launch.launcher}); a rank that never comes is on a node whose ranks did not start (a hostfile "
+                "host pdsh could not reach, a --no_ssh or torchrun command not run there) or cannot reach "
+                f"{address}; every rank waits until actor_rollout_ref.nccl_timeout")
 
     def watch() -> None:
         waited = 0.0
         while not done.wait(report_after_s):
             waited += report_after_s
-            hint = ""
-            if not any(name in os.environ for name in _LAUNCHER_VARIABLES):
-                hint = (f"; no launcher seems to have started this process, so WORLD_SIZE={world} may be left over "
-                        "in the environment: unset WORLD_SIZE RANK LOCAL_RANK MASTER_ADDR MASTER_PORT for one "
-                        "process, or start the ranks with deepspeed --num_gpus N")
             logger.warning(
-                f"rank {os.environ.get('RANK', '0')}: waited {waited:.0f} s for the {world} ranks of WORLD_SIZE to "
-                f"meet at {address}{hint}",
+                f"rank {launch.rank} on {socket.gethostname()}: waited {waited:.0f} s for the {launch.world_size} "
+                f"ranks of the run to meet at {address}{hint}",
                 extra={"all_ranks": True},
             )
 
@@ -191,27 +191,29 @@ def _parent_pid(pid: int) -> int | None:
         return None
 
 
-def stop_when_launcher_dies() -> None:
-    """Under the ``deepspeed`` launcher, send this rank SIGTERM (the trainer's graceful stop: finish the step, save
-    a checkpoint) once the launcher (``deepspeed.launcher.launch``, the parent) or the runner that started it (the
-    ``deepspeed`` command) is gone; killing the runner alone would otherwise leave the ranks training headless.
-    A no-op elsewhere: a plain ``python scripts/train.py`` keeps running when its shell exits (``nohup``)."""
-    launcher = os.getppid()
+def stop_when_launcher_dies(launcher: str) -> None:
+    """Send this rank SIGTERM (the trainer's graceful stop: finish the step, save a checkpoint) once the process
+    that launched it is gone, so that no rank trains on headless: its parent under torchrun, srun and mpirun
+    (the agent, slurmstepd, orted), and under ``deepspeed`` also the runner that started the parent (killing
+    the ``deepspeed`` command alone leaves its launchers running). A no-op without a launcher
+    (``launcher`` "none" or "environment"): a plain ``python scripts/train.py`` keeps running when its shell
+    exits (``nohup``)."""
+    if launcher in ("none", "environment"):
+        return
+    parent = os.getppid()
     try:
-        with open(f"/proc/{launcher}/cmdline", "rb") as f:
-            if b"deepspeed.launcher.launch" not in f.read():
-                return
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            under_deepspeed = b"deepspeed.launcher.launch" in f.read()
     except OSError:  # no /proc (not Linux): nothing to watch
         return
-    runner = _parent_pid(launcher)
+    runner = _parent_pid(parent) if under_deepspeed else None
+    gone = (f"the deepspeed launcher (pid {parent}) or its runner (pid {runner})" if under_deepspeed
+            else f"the {launcher} process that started this rank (pid {parent})")
 
     def watch() -> None:
-        while os.getppid() == launcher and _parent_pid(launcher) == runner:
+        while os.getppid() == parent and (runner is None or _parent_pid(parent) == runner):
             time.sleep(1.0)  # a second late is nothing next to a step
-        logger.warning(
-            f"the deepspeed launcher (pid {launcher}) or its runner (pid {runner}) is gone: stopping as on SIGTERM",
-            extra={"all_ranks": True},
-        )
+        logger.warning(f"{gone} is gone: stopping as on SIGTERM", extra={"all_ranks": True})
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="dsrl-launcher-watchdog", daemon=True).start()

@@ -102,6 +102,7 @@ def startup_facts(trainer) -> dict[str, Any]:
         device += f" ({torch.cuda.get_device_name()})"
     return {
         "world_size": trainer.world_size,
+        "hosts": trainer.cluster.describe() if trainer.cluster is not None else None,
         "device": device,
         "roles": {name: None if role is None else engine_facts(role, cfg.actor_rollout_ref.model.dtype)
                   for name, role in roles.items()},

@@ -86,6 +86,7 @@ from dsrl.rollout.colocation import colocated_generation
 from dsrl.rollout.multi_turn import MultiTurnRollout
 from dsrl.rollout.tools import ToolSet
 from dsrl.rollout_mismatch import RolloutMismatch
+from dsrl.preflight import Cluster
 from dsrl.run_facts import final_facts, lora_facts, run_tags, startup_facts
 from dsrl.scoring import Scores, StepScorer
 from dsrl.signals import Interrupted, RunSignals, TrainingInterrupted
@@ -124,12 +125,13 @@ def validation_score(metrics: dict[str, float]) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, cluster: Cluster | None = None):
         """Every role built and the checkpoint to resume restored. Before any model loads: the run folder is
         taken, the checkpoint checked, and the user's modules, tokenizer, prompts and reward function loaded;
-        a problem with any of them on any rank is reported by rank 0 for all (``gather_problems``)."""
+        a problem with any of them on any rank is reported by rank 0 for all (``gather_problems``). ``cluster``:
+        the ranks' hosts, from the preflight of a launched run (``dsrl.preflight``)."""
         init_distributed(cfg.actor_rollout_ref.nccl_timeout)
-        self.cfg = cfg
+        self.cfg, self.cluster = cfg, cluster
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         setup_logging(self.rank)
         set_seed(cfg.trainer.seed + self.rank)  # python, numpy, torch and the accelerator
@@ -835,11 +837,11 @@ class Trainer:
         return results
 
 
-def train(cfg: Config, signals: RunSignals | None = None) -> dict[str, float]:
+def train(cfg: Config, signals: RunSignals | None = None, cluster: Cluster | None = None) -> dict[str, float]:
     """Build every role and run the loop; rank 0 logs the start-up summary, then the final one
     (validation scores, where the model, checkpoints and MLflow run are) however the run ends."""
     start = time.perf_counter()
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, cluster)
     status = "failed"
     try:
         results = trainer.fit(signals)

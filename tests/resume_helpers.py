@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -60,22 +61,62 @@ def resume_overrides(name, *, model, data, ds_config, ckpt) -> list[str]:
     return overrides
 
 
-def start_worker(config, overrides, out: Path, *, world=1, port, kill_at=None) -> subprocess.Popen:
-    """Start the worker on ``world`` ranks; ``out`` collects its files. Pass a free port per concurrent run."""
+# Launcher variables a test's own environment may hold (pytest under a launcher): a started run must not inherit them.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
+                      "CROSS_SIZE", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+# Two "nodes" on this machine: two names for it, each a host of the hostfile and of SLURM's node list.
+NODES = ("localhost", "127.0.0.1")
+
+
+def two_nodes(launcher: str, command: list[str], port: int, out: Path) -> list[tuple[list[str], dict[str, str]]]:
+    """The command and variables of each of two simulated nodes with one rank each, as ``launcher`` starts them:
+    ``no_ssh`` (``deepspeed --no_ssh --node_rank N`` on each node), ``slurm`` (the tasks of ``srun -N2 -n2``, with
+    the variables srun sets) or ``mpi`` (Open MPI's ``mpirun -n 2`` over two hosts, ``-x MASTER_ADDR``)."""
+    if launcher == "no_ssh":
+        hostfile = out / "hostfile"
+        hostfile.write_text("".join(f"{host} slots=1\n" for host in NODES))
+        return [([sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
+                  "--node_rank", str(node), "--num_nodes", "2", "--master_addr", NODES[0], "--master_port", str(port),
+                  *command[1:]], {}) for node in (0, 1)]
+    if launcher == "slurm":
+        step = {"SLURM_JOB_ID": str(port), "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_NNODES": "2",
+                "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+                "SLURM_STEP_NODELIST": ",".join(NODES), "SLURM_JOB_NODELIST": ",".join(NODES),
+                "MASTER_PORT": str(port)}  # a free port: the one derived from the job id may be taken here
+        return [(command, {**step, "SLURM_PROCID": str(node), "SLURM_LOCALID": "0", "SLURM_NODEID": str(node)})
+                for node in (0, 1)]
+    assert launcher == "mpi", launcher
+    world = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "1", "MASTER_ADDR": NODES[0],
+             "MASTER_PORT": str(port)}
+    return [(command, {**world, "OMPI_COMM_WORLD_RANK": str(node), "OMPI_COMM_WORLD_LOCAL_RANK": "0"})
+            for node in (0, 1)]
+
+
+def start_worker(config, overrides, out: Path, *, world=1, port, kill_at=None, launcher="deepspeed") -> subprocess.Popen:
+    """Start the worker on ``world`` ranks; ``out`` collects its files. Pass a free port per concurrent run.
+    ``launcher``: ``deepspeed`` (one node), or two simulated nodes of one rank each (``two_nodes``), both
+    started here and waited for by one shell, which exits with the larger exit code."""
     out.mkdir(parents=True, exist_ok=True)
     flags = ["--out", str(out)] + (["--kill-at", kill_at] if kill_at else [])
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "3"}
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
+    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "3"})
+    arguments = [*flags, *shipped_files(config), *overrides]
+    if launcher != "deepspeed":
+        assert world == 2, "two simulated nodes of one rank each"
+        nodes = two_nodes(launcher, [sys.executable, str(WORKER)], port, out)
+        script = "".join(f"{shlex.join(['env', *(f'{k}={v}' for k, v in extra.items()), *command, *arguments])} & p{i}=$!\n"
+                         for i, (command, extra) in enumerate(nodes))
+        script += "wait $p0; a=$?; wait $p1; b=$?; exit $(( a > b ? a : b ))\n"
+        return subprocess.Popen(["bash", "-c", script], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
     if world == 1:
         command = [sys.executable, str(WORKER)]
         env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     else:
         command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(world), "--master_port",
                    str(port), str(WORKER)]
-        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(name, None)
     return subprocess.Popen(
-        [*command, *flags, *shipped_files(config), *overrides],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [*command, *arguments], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 
 
@@ -231,7 +272,7 @@ class Baselines:
         return self.done[name]
 
 
-def resume_chain(name, start: Path, kills, *, out: Path, overrides, world, free_port) -> list[str]:
+def resume_chain(name, start: Path, kills, *, out: Path, overrides, world, free_port, launcher="deepspeed") -> list[str]:
     """From the checkpoint ``start`` (copied into ``out``): a run killed with SIGKILL at each of ``kills``
     ((kill point, the step the next run resumes from)), then one to the end. Returns every run's output;
     asserts the kills and where each run resumed."""
@@ -239,7 +280,7 @@ def resume_chain(name, start: Path, kills, *, out: Path, overrides, world, free_
     resume_points = [int(start.name.rpartition("_")[2])] + [resumes_from for _, resumes_from in kills]
     outputs = []
     for kill_at, resumes_from in zip([kill_at for kill_at, _ in kills] + [None], resume_points):
-        code, output = run_worker(name, overrides, out, world=world, port=free_port(), kill_at=kill_at)
+        code, output = run_worker(name, overrides, out, world=world, port=free_port(), kill_at=kill_at, launcher=launcher)
         outputs.append(output)
         if kill_at is None:
             assert code == 0, output[-4000:]

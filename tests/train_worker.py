@@ -1,6 +1,6 @@
 """One rank of a training run (hf or vLLM rollout): the real Trainer; every logged step's metrics go
 to ``<out>/rank<N>.json`` at the end and, as they happen, to ``<out>/metrics_rank<N>.jsonl`` (so a
-killed run keeps what it logged). Runs alone (a world of one) or under the deepspeed launcher.
+killed run keeps what it logged). Runs alone (a world of one) or under any launcher (``tests.resume_helpers.start_worker``).
 
 ``engine_calls`` lists the rows of every generate call of the rollout engine (a multi-turn rollout calls it
 once per turn). With a vLLM rollout, ``generator_states`` in the report lists, for every ``LLM.generate`` call, a digest of
@@ -34,6 +34,7 @@ import torch
 import dsrl.checkpoint
 from dsrl.cli import leave_together, split_files_and_overrides
 from dsrl.config import load_and_validate
+from dsrl.launch import join
 from dsrl.trainer import Trainer, TrainingInterrupted, TrainingStopped
 
 parser = argparse.ArgumentParser()
@@ -45,7 +46,7 @@ parser.add_argument("args", nargs="+", help="config files, then key=value overri
 args = parser.parse_args()
 
 files, overrides = split_files_and_overrides(args.args)
-cfg, _ = load_and_validate(files, overrides, int(os.environ.get("WORLD_SIZE", "1")))
+cfg, _ = load_and_validate(files, overrides, join().world_size)  # under any launcher (srun, mpirun too)
 trainer = Trainer(cfg)
 out = Path(args.out)
 logged = []

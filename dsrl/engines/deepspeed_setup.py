@@ -1,7 +1,7 @@
 """DeepSpeed plumbing shared by the actor, critic and reference engines.
 
-- ``init_distributed``: the process group every engine and the weight sync run on; without the
-  ``deepspeed`` launcher it fills in a world-size-1 launcher environment first.
+- ``init_distributed``: the process group every engine and the weight sync run on, in the world this
+  process's launcher describes (``dsrl.launch``).
 - ``build_ds_config``: a JSON from ``ds_configs/`` (or a path) with dsrl's run values filled in and
   checked by ``dsrl.config.deepspeed_json.fill_ds_json``, the same function validation runs before
   torch loads: ``"auto"`` (or absent) keys get the value derived from the run config; a concrete
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import types
 from collections.abc import Callable
 from datetime import timedelta
@@ -37,7 +38,8 @@ from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_
 from transformers.integrations import HfDeepSpeedConfig
 
 from dsrl.config.deepspeed_json import fill_ds_json, zero_stage
-from dsrl.distributed import free_port, rendezvous_watchdog, stop_when_launcher_dies
+from dsrl.distributed import rendezvous_watchdog, stop_when_launcher_dies
+from dsrl.launch import RendezvousError, join
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -45,30 +47,36 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def init_distributed(timeout_s: int | None = None) -> None:
     """Join (or create) the default process group; idempotent.
 
-    Under a launcher the environment names rank and world, and a watchdog stops this rank when the
-    ``deepspeed`` launcher is gone (``stop_when_launcher_dies``). Without one (``python scripts/train.py
-    ...``) this fills in a world of one on localhost with a free port (``deepspeed.init_distributed`` would
-    otherwise look for MPI and fail, and two such runs on one machine would both take port 29500).
-    ``timeout_s`` (``actor_rollout_ref.nccl_timeout``): how long a collective waits for every rank; None
-    keeps DeepSpeed's (``DEEPSPEED_TIMEOUT`` minutes, 10). While the ranks gather, a rank that waits long
-    says so (``rendezvous_watchdog``): a stale ``WORLD_SIZE`` in the environment would wait silently.
+    The world is the one this process's launcher describes (``dsrl.launch.join``: deepspeed, torchrun, srun,
+    mpirun, or one process on a free port). Under a launcher a watchdog stops this rank when the process that
+    launched it is gone (``stop_when_launcher_dies``). ``timeout_s`` (``actor_rollout_ref.nccl_timeout``): how
+    long the ranks wait for each other, in the rendezvous and in every collective; None keeps DeepSpeed's
+    (``DEEPSPEED_TIMEOUT`` minutes, 10). While the ranks gather, a rank that waits long says so
+    (``rendezvous_watchdog``); a rendezvous that times out raises ``RendezvousError``.
     """
     if dist.is_initialized():
         return
-    alone = os.environ.get("WORLD_SIZE", "1") == "1"  # the ranks of a larger world must agree on the port
-    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(free_port()) if alone else "29500"}
-    for name, value in defaults.items():
-        os.environ.setdefault(name, value)
+    launch = join()
     # NCCL must not use cuMem-allocated buffers beside vLLM's memory pool (vLLM sets this when imported, too
     # late for the group created here); every rank sets it alike, whatever its rollout.
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     timeout = default_pg_timeout if timeout_s is None else timedelta(seconds=timeout_s)
-    with rendezvous_watchdog():
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=timeout)
-    stop_when_launcher_dies()
-    # One device per rank (a no-op on CPU): the rollout copy and the engines then share it.
-    get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+    try:
+        with rendezvous_watchdog(launch):
+            deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=timeout)
+    except dist.DistStoreError as err:
+        raise RendezvousError(
+            f"rank {launch.rank} on {socket.gethostname()}: the {launch.world_size} ranks did not all meet at "
+            f"{launch.master_addr}:{launch.master_port} within {timeout.total_seconds():.0f} s ({launch.launcher}; "
+            f"{str(err).splitlines()[0]}); fix: start every node's ranks (each host of the hostfile reachable, the "
+            "same command with its own --node_rank on every node), make the address reachable from every node, "
+            "or check that WORLD_SIZE counts the ranks you started"
+        ) from err
+    stop_when_launcher_dies(launch.launcher)
+    # One device per rank, the one of its local rank (a no-op on CPU), as DeepSpeed's engines assume; a rank
+    # that sees fewer devices is reported by the preflight.
+    if launch.local_rank < get_accelerator().device_count():
+        get_accelerator().set_device(launch.local_rank)
     unlink_shared_memory_buffers()
 
 

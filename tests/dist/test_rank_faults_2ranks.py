@@ -2,7 +2,8 @@
 the fault, scripts/train.py under the real ``deepspeed`` launcher on two CPU ranks:
 
 - a stuck rank: the other fails within ``actor_rollout_ref.nccl_timeout``, naming the phase it waited in;
-- the ``deepspeed`` runner killed alone: the ranks notice, finish the step, save a checkpoint and exit;
+- the ``deepspeed`` runner killed alone, or torchrun's agent: the ranks notice, finish the step, save a checkpoint
+  and exit;
 - a bad config or bad data: one report, from rank 0, exit code 2.
 """
 
@@ -51,7 +52,7 @@ def test_a_collective_that_times_out_names_the_phase_it_waited_in(free_port):
     waited = float(re.search(r"waited ([\d.]+) s; ", out).group(1))
     assert 9 <= waited <= 20  # the key's seconds, not DeepSpeed's default 10 minutes
     message = out[out.index("dsrl: "):]
-    assert message.startswith("dsrl: rank 0: a collective timed out in phase 'reward' (")
+    assert re.match(r"dsrl: rank 0 on \S+: a collective timed out in phase 'reward' \(", message), message
     assert "Timed out waiting 10000ms" in message and "raise actor_rollout_ref.nccl_timeout" in message
 
 
@@ -72,19 +73,26 @@ def test_the_phase_is_the_innermost_one_and_survives_the_error_raised_in_it():
     assert collective_timeout_message(ValueError("Timed out waiting 5ms")) is None
 
 
-def test_the_launcher_watchdog_runs_under_the_deepspeed_launcher_only():
-    """pytest is no deepspeed launcher: nothing to watch (a plain `python scripts/train.py` survives its shell)."""
+def test_the_launcher_watchdog_runs_under_a_launcher_only():
+    """Without a launcher there is nothing to watch (a plain `python scripts/train.py` survives its shell)."""
     before = {t.name for t in threading.enumerate()}
-    stop_when_launcher_dies()
+    for launcher in ("none", "environment"):
+        stop_when_launcher_dies(launcher)
     assert "dsrl-launcher-watchdog" not in {t.name for t in threading.enumerate()} - before
 
 
-class Run:
-    """scripts/train.py under ``deepspeed --num_gpus 2``, its output read as it comes."""
+LAUNCHERS = {
+    "deepspeed": lambda port: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port)],
+    "torchrun": lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)],
+}
 
-    def __init__(self, overrides: list[str], port: int):
-        command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
-                   str(REPO / "scripts" / "train.py"), *QUICKSTART, *overrides]
+
+class Run:
+    """scripts/train.py under ``deepspeed --num_gpus 2`` (or ``torchrun --nproc-per-node 2``), its output read as it
+    comes."""
+
+    def __init__(self, overrides: list[str], port: int, launcher: str = "deepspeed"):
+        command = [*LAUNCHERS[launcher](port), str(REPO / "scripts" / "train.py"), *QUICKSTART, *overrides]
         self.runner = subprocess.Popen(command, env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True, start_new_session=True)
         self.output, self.ended = "", False
@@ -147,8 +155,8 @@ def run(tiny_model_dir, arithmetic_data, ds_test_config, deepspeed_cpu_ops, free
         f"trainer.default_local_dir={tmp_path / 'checkpoints'}",
     ]
 
-    def start(*overrides: str) -> Run:
-        runs.append(Run([*base, *overrides], free_port()))
+    def start(*overrides: str, launcher: str = "deepspeed") -> Run:
+        runs.append(Run([*base, *overrides], free_port(), launcher))
         return runs[-1]
 
     yield start
@@ -163,7 +171,7 @@ def test_a_stopped_rank_fails_the_other_within_the_timeout_naming_the_phase(run)
     stuck = started.ranks()[1]
     stuck.suspend()  # SIGSTOP: alive, silent, never joining another collective
     stopped_at = time.monotonic()
-    match = started.wait_for(r"^dsrl: rank 0: a collective timed out in phase '([^']+)' \(.*$", timeout=timeout + 120)
+    match = started.wait_for(r"^dsrl: rank 0 on \S+: a collective timed out in phase '([^']+)' \(.*$", timeout=timeout + 120)
     assert time.monotonic() - stopped_at <= timeout + 60  # the other rank's next collective, plus the timeout
     assert match.group(1) != "start-up"  # a phase of the training loop: the trainer names them as it goes
     assert "raise actor_rollout_ref.nccl_timeout" in match.group(0)
@@ -182,6 +190,20 @@ def test_the_ranks_stop_and_save_when_the_runner_alone_is_killed(run):
                          r"\(pid \d+\) is gone: stopping as on SIGTERM", timeout=30)
     saved = started.wait_for(r"checkpoint saved to (\S+global_step_(\d+))", timeout=300)
     assert wait_gone([p.pid for p in ranks.values()], 120) == [], started.output[-4000:]  # none trains on headless
+    assert Path(saved.group(1)).is_dir() and int(saved.group(2)) >= 2
+
+
+def test_the_ranks_stop_and_save_when_the_torchrun_agent_is_killed(run):
+    started = run(launcher="torchrun")
+    started.wait_for(r"^\[dsrl r0 [\d:]+\] step +1/\d+ ", timeout=400)
+    ranks = psutil.Process(started.runner.pid).children()  # torchrun's agent starts the ranks itself
+    assert len(ranks) == 2
+    started.runner.kill()  # SIGKILL: the agent can tell its ranks nothing
+    for rank in (0, 1):
+        started.wait_for(rf"^\[dsrl r{rank} [\d:]+\] warning: the torchrun process that started this rank "
+                         rf"\(pid {started.runner.pid}\) is gone: stopping as on SIGTERM", timeout=30)
+    saved = started.wait_for(r"checkpoint saved to (\S+global_step_(\d+))", timeout=300)
+    assert wait_gone([p.pid for p in ranks], 120) == [], started.output[-4000:]  # none trains on headless
     assert Path(saved.group(1)).is_dir() and int(saved.group(2)) >= 2
 
 

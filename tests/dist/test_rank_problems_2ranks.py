@@ -53,7 +53,7 @@ def test_what_one_rank_finds_in_its_config_is_reported_with_its_rank_and_host(
     assert result.returncode == 2, (result.stdout + result.stderr)[-4000:]
     where = f"[rank 1 on {socket.gethostname()}]"
     report = result.stderr[result.stderr.index("dsrl: "):]
-    assert "2 problem(s) in the configuration:" in report.splitlines()[0]
+    assert "2 problem(s) in the configuration or the cluster:" in report.splitlines()[0]
     assert f"data.train_files={tmp_path / 'train_1.parquet'}: file does not exist" in report
     assert f"import failed: ImportError: only on rank 1 at {tmp_path / 'module_1.py'}:1" in report
     assert report.count(where) == 2 and report.count("dsrl: ") == 1  # once, by rank 0

@@ -109,10 +109,14 @@ def test_validate_only_says_which_world_size_it_checked(files):
     args = [*recipe("grpo"), *files, "--validate-only"]
     default = train(*args)
     assert default.returncode == 0, default.stderr
-    assert default.stdout.splitlines()[0] == "# validated for world size 1 (no WORLD_SIZE: one process; --world-size N checks N)"
+    assert default.stdout.splitlines()[0] == "# validated for world size 1 (no launcher: one process; --world-size N checks N)"
     assert yaml.safe_load(default.stdout)["data"]["train_batch_size"] == 8
-    launched = train(*args, env={"WORLD_SIZE": "2"})
-    assert launched.stdout.splitlines()[0] == "# validated for world size 2 (WORLD_SIZE)"
+    launched = train(*args, env={"RANK": "0", "WORLD_SIZE": "2"})
+    assert launched.stdout.splitlines()[0] == "# validated for world size 2 (RANK and WORLD_SIZE in the environment)"
+    srun = train(*args, env={"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "7"})
+    assert srun.stdout.splitlines()[0] == "# validated for world size 2 (the slurm launcher)"
+    stale = train(*args, env={"WORLD_SIZE": "2"})
+    assert stale.returncode == 2 and "dsrl: WORLD_SIZE=2 but no RANK" in stale.stderr
     flagged = train(*args, "--world-size", "2", env={"WORLD_SIZE": "3"})  # the flag wins (3 ranks would be refused)
     assert flagged.returncode == 0, flagged.stderr
     assert flagged.stdout.splitlines()[0] == "# validated for world size 2 (--world-size)"

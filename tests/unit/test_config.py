@@ -293,8 +293,8 @@ def test_the_readme_gpu_command_validates_as_written(gsm8k_checkout):
     readme = (REPO / "README.md").read_text()
     assert "deepspeed --num_gpus 8 scripts/train.py configs/opo.yaml\n" in readme
     result = subprocess.run(
-        [sys.executable, TRAIN, str(REPO / "configs" / "opo.yaml"), "--validate-only"],
-        capture_output=True, text=True, env={**os.environ, "WORLD_SIZE": "8"}, cwd=gsm8k_checkout, timeout=60,
+        [sys.executable, TRAIN, str(REPO / "configs" / "opo.yaml"), "--validate-only", "--world-size", "8"],
+        capture_output=True, text=True, cwd=gsm8k_checkout, timeout=60,
     )
     assert result.returncode == 0, result.stderr
     printed = yaml.safe_load(result.stdout)
@@ -883,7 +883,7 @@ def test_validated_config_is_read_only(files):
 
 
 def run_train(args, world_size="1"):
-    env = {**os.environ, "WORLD_SIZE": world_size}
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": world_size}  # rank 0 of a launched world
     return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
 
 
@@ -964,7 +964,7 @@ def test_validation_imports_nothing_heavy(files):
 
 def test_main_hands_the_validated_config_to_the_trainer(files, monkeypatch):
     trained = []
-    trainer = types.SimpleNamespace(train=lambda cfg, signals: trained.append(cfg), TrainingStopped=RuntimeError)
+    trainer = types.SimpleNamespace(train=lambda cfg, signals, cluster: trained.append(cfg), TrainingStopped=RuntimeError)
     monkeypatch.setitem(sys.modules, "dsrl.trainer", trainer)
     monkeypatch.setenv("WORLD_SIZE", "1")
     main = runpy.run_path(TRAIN)["main"]
@@ -977,12 +977,13 @@ def test_an_unexpected_error_is_reported_with_its_rank_and_host(files, monkeypat
     """On any rank, not only rank 0: the one line that says where, then the traceback; exit code 1."""
     import socket
 
-    def train(cfg, signals):
+    def train(cfg, signals, cluster):
         raise KeyError("a bug")
 
     monkeypatch.setitem(sys.modules, "dsrl.trainer", types.SimpleNamespace(train=train, TrainingStopped=RuntimeError))
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
+    monkeypatch.setattr("dsrl.cli.checked_cluster", lambda *args: object())  # the other three ranks are not started
     main = runpy.run_path(TRAIN)["main"]
     assert main([*recipe("grpo"), *files]) == 1
     err = capsys.readouterr().err

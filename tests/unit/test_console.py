@@ -141,7 +141,8 @@ def test_the_cli_sets_logging_up_with_the_rank_of_the_environment(monkeypatch, t
     from dsrl.cli import main
 
     monkeypatch.setenv("RANK", "3")
-    assert main([str(tmp_path / "missing.yaml")]) == 2  # a bad config: exits before training
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main([str(tmp_path / "missing.yaml"), "--validate-only"]) == 2  # a bad config: exits before training
     [handler] = [h for h in logger.handlers if isinstance(h, console._ConsoleHandler)]
     assert handler.rank == 3
 
