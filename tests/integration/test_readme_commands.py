@@ -408,7 +408,7 @@ def test_show_keys_lists_every_key_under_the_prefix(outcomes):
     assert outcomes[command].returncode == 0 and missing == [], missing
 
 
-def test_the_multinode_examples_read_as_their_tools_read_them(tmp_path):
+def test_the_multinode_examples_read_as_their_tools_read_them():
     """The hostfile parses with DeepSpeed's own reader into the README's 2 nodes x 8; every line of the
     .deepspeed_env example is NAME=value (DeepSpeed splits each line at '=' and exports it: a comment or a
     blank line breaks the launch); the sbatch script is bash, asks for the same 16 tasks, and stops at once
