@@ -10,8 +10,11 @@ hides from this file):
   ``deepspeed --num_gpus N scripts/train.py ARGS`` runs as ``python scripts/train.py ARGS
   --validate-only --world-size N`` (no GPUs here); the commands in ``REWRITTEN`` run with the change
   and the reason given there; the commands in ``LONG`` are not run, for the reason given there (those
-  that start training are still validated for their world size). A command in none of these runs as
-  written, so a new README command is tested the day it is added.
+  that start training are still validated for their world size). The commands of "Several nodes"
+  (``deepspeed --hostfile``, ``torchrun``, ``srun``, ``mpirun``, ``sbatch``, ``scancel``) need several
+  machines and are not run; the arguments they give ``scripts/train.py`` are validated for the section's
+  2 nodes x 8 GPUs. A command in none of these runs as written, so a new README command is tested the day
+  it is added.
 - ```python blocks: a block whose first line is ``# NAME.py`` is written to NAME.py and run; other
   blocks are run as scripts. ```text blocks are output and are not run.
 
@@ -80,6 +83,9 @@ REWRITTEN = {
     GSM8K_HUB: (" --local-path {gsm8k_copy}", "CI is offline: a two-row local copy in the hub's columns"),
 }
 LAUNCHER = re.compile(r"^deepspeed --num_gpus (\d+) scripts/train\.py (.*)$", re.S)
+# "Several nodes": the launchers of several machines, and the world its commands start (2 nodes x 8 GPUs).
+CLUSTER_LAUNCHERS = ("torchrun", "srun", "mpirun", "sbatch", "scancel")
+CLUSTER_WORLD_SIZE = 16
 SECTIONS = ("data", "actor_rollout_ref", "critic", "algorithm", "custom_reward_function", "reward", "trainer")
 DOTTED_KEY = re.compile(rf"(?<![\w/.-])((?:{'|'.join(SECTIONS)})\.[A-Za-z_][A-Za-z0-9_.]*[A-Za-z0-9_])")
 
@@ -174,21 +180,39 @@ def _gsm8k_copy(root: Path) -> Path:
     return root
 
 
-def validation_argv(command: str) -> list[str] | None:
-    """``python scripts/train.py ARGS --validate-only --world-size N`` for a launcher command (N from
-    ``--num_gpus``) or a training command (N = 1), leading ``VAR=value`` words dropped (the test sets the
-    CPU environment itself); None for other commands."""
+def command_words(command: str) -> list[str]:
+    """The shell words of ``command``, leading ``VAR=value`` words dropped (the test sets the CPU environment itself)."""
     words = shlex.split(command)
     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
         words.pop(0)
+    return words
+
+
+def is_cluster_command(command: str) -> bool:
+    """A command of "Several nodes": it needs ssh, SLURM or MPI across machines."""
+    words = command_words(command)
+    return bool(words) and (words[0] in CLUSTER_LAUNCHERS or words[:2] == ["deepspeed", "--hostfile"])
+
+
+def validation_argv(command: str) -> list[str] | None:
+    """``python scripts/train.py ARGS --validate-only --world-size N`` for a launcher command (N from
+    ``--num_gpus``, or ``CLUSTER_WORLD_SIZE`` for a command of several nodes) or a training command (N = 1);
+    None for other commands."""
+    words = command_words(command)
     launched = LAUNCHER.match(shlex.join(words))
-    if launched:
+    if is_cluster_command(command):
+        # the words of a ``bash -c '...'`` argument too: srun runs torchrun through one
+        words = [w for word in words for w in (shlex.split(word) if " " in word else [word])]
+        if "scripts/train.py" not in words:
+            return None
+        world_size, args = str(CLUSTER_WORLD_SIZE), words[words.index("scripts/train.py") + 1:]
+    elif launched:
         world_size, args = launched.group(1), shlex.split(launched.group(2))
     elif words[:2] == ["python", "scripts/train.py"]:
         world_size, args = "1", words[2:]
     else:
         return None
-    args = [a for a in args if a != "--validate-only"]
+    args = [a for a in args if a not in ("--validate-only", "--preflight")]
     return [sys.executable, "scripts/train.py", *args, "--validate-only", "--world-size", world_size]
 
 
@@ -209,9 +233,9 @@ def _run(argv_or_command, cwd: Path, **env) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory) -> Path:
-    """A scratch checkout: the repository's configs, DeepSpeed configs and scripts; the rest is written."""
+    """A scratch checkout: the repository's configs, DeepSpeed configs, scripts and examples; the rest is written."""
     root = tmp_path_factory.mktemp("readme_checkout")
-    for name in ("configs", "ds_configs", "scripts"):
+    for name in ("configs", "ds_configs", "scripts", "examples"):
         (root / name).symlink_to(REPO / name)
     # The SmolLM2 directory comes from a pip package CI does not install; validation reads headers only.
     write_model_stub(root / "outputs" / "smollm2")
@@ -233,6 +257,15 @@ def outcomes(checkout) -> dict[str, Outcome]:
         if block.lang != "bash":
             continue
         for command in bash_commands(block.body):
+            if is_cluster_command(command):
+                argv = validation_argv(command)
+                if argv is None:
+                    results[command] = Outcome("not run: needs several machines (ssh, SLURM or MPI)", None, "")
+                    continue
+                done = _run(argv, checkout)
+                results[command] = Outcome(f"validated only (needs several machines): {shlex.join(argv)}", done.returncode,
+                                           done.stdout + done.stderr)
+                continue
             if command in LONG:
                 checked = validation_argv(command) if command in TRAINS else None
                 if checked is None:
@@ -289,7 +322,7 @@ def test_the_lists_of_exceptions_name_readme_commands():
 
 
 def test_the_launcher_commands_have_the_form_this_test_rewrites():
-    launched = [c for c in COMMANDS if c.startswith("deepspeed ")]
+    launched = [c for c in COMMANDS if c.startswith("deepspeed ") and not is_cluster_command(c)]
     assert "deepspeed --num_gpus 8 scripts/train.py configs/grpo.yaml" in launched
     for command in launched:
         assert LAUNCHER.match(command), f"{command}: not of the form deepspeed --num_gpus N scripts/train.py ..."
@@ -373,6 +406,26 @@ def test_show_keys_lists_every_key_under_the_prefix(outcomes):
     printed = outcomes[command].output
     missing = [key for key in SCHEMA if key.startswith(prefix + ".") and key not in printed]
     assert outcomes[command].returncode == 0 and missing == [], missing
+
+
+def test_the_multinode_examples_read_as_their_tools_read_them():
+    """The hostfile parses with DeepSpeed's own reader into the README's 2 nodes x 8; every line of the
+    .deepspeed_env example is NAME=value (DeepSpeed splits each line at '=' and exports it: a comment or a
+    blank line breaks the launch); the sbatch script is bash, asks for the same 16 tasks, and stops at once
+    without CKPT_DIR."""
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    examples = REPO / "examples" / "multinode"
+    assert dict(fetch_hostfile(str(examples / "hostfile"))) == {"node1": 8, "node2": 8}
+    lines = (examples / "deepspeed_env").read_text().splitlines()
+    assert lines and all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S+", line) for line in lines), lines
+    sbatch = examples / "dsrl.sbatch"
+    directives = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)$", sbatch.read_text(), re.M))
+    assert int(directives["nodes"]) * int(directives["ntasks-per-node"]) == CLUSTER_WORLD_SIZE, directives
+    assert subprocess.run(["bash", "-n", str(sbatch)]).returncode == 0
+    env = {k: v for k, v in _env().items() if k != "CKPT_DIR"}
+    done = subprocess.run(["bash", str(sbatch)], cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0 and "CKPT_DIR" in done.stderr, done.stderr
 
 
 # ---------------------------------------------------------------- keys and the verl table
