@@ -528,8 +528,8 @@ class ActorRolloutRefConfig:
     rollout: RolloutConfig = _f(RolloutConfig, "response generation")
     nccl_timeout: int = _f(
         600,
-        "seconds a collective waits for every rank (verl's key; gloo on CPU too): a rank stuck longer stops the run "
-        "with an error naming the phase; raise it when one rank may work alone longer: a slow model download, or "
+        "seconds a collective waits for every rank (verl's key; gloo on CPU too), and the ranks for each other at "
+        "start-up: a rank stuck longer stops the run with an error naming the phase; raise it when one rank may work alone longer: a slow model download, or "
         "generation, where the ranks that finish first wait for the slowest inside the next collective, so the spread "
         "of generation times must stay below it (long responses on KV-bound engines: 1800-3600)",
     )

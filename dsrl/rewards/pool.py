@@ -65,13 +65,17 @@ _STARTUP_TIMEOUT_S = 120.0
 
 def default_num_workers() -> int:
     """The CPUs this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``), shared by
-    the ranks of this node (``LOCAL_SIZE`` from the deepspeed launcher, ``LOCAL_WORLD_SIZE`` from
-    torchrun), at most 16: every rank has its own pool, so 8 ranks do not start 8 x 16 workers."""
+    the ranks of this node (``LOCAL_SIZE``, which ``dsrl.launch`` sets under every launcher, or torchrun's
+    ``LOCAL_WORLD_SIZE``), at most 16: every rank has its own pool, so 8 ranks do not start 8 x 16 workers.
+    A SLURM task bound to its ``--cpus-per-task`` (no more CPUs than ``SLURM_CPUS_PER_TASK``) has its share."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
     local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1")
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if per_task.isdigit() and cpus <= int(per_task):
+        local_ranks = 1  # SLURM bound this task to its own share already
     return max(1, min(MAX_DEFAULT_WORKERS, cpus // max(local_ranks, 1)))
 
 

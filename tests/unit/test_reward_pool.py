@@ -255,12 +255,20 @@ def test_bad_arguments_fail_before_any_worker_starts(kwargs, match):
 
 
 def test_default_num_workers_is_the_usable_cpus_at_most_16(monkeypatch):
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     monkeypatch.delenv("LOCAL_SIZE", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     assert default_num_workers() == 16
     monkeypatch.setenv("LOCAL_SIZE", "8")  # the deepspeed launcher's ranks on this node share the CPUs
     assert default_num_workers() == 8
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "8")  # not bound: the 64 CPUs are the node's
+    assert default_num_workers() == 8
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert default_num_workers() == 8  # srun bound the task to its 8 CPUs: not divided again
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK")
+    assert default_num_workers() == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     monkeypatch.setenv("LOCAL_SIZE", "128")
     assert default_num_workers() == 1
     monkeypatch.delenv("LOCAL_SIZE")
