@@ -60,10 +60,11 @@ def resume_overrides(name, *, model, data, ds_config, ckpt) -> list[str]:
     return overrides
 
 
-def start_worker(config, overrides, out: Path, *, world=1, port, kill_at=None) -> subprocess.Popen:
-    """Start the worker on ``world`` ranks; ``out`` collects its files. Pass a free port per concurrent run."""
+def start_worker(config, overrides, out: Path, *, world=1, port, kill_at=None, dump_loaded=False) -> subprocess.Popen:
+    """Start the worker on ``world`` ranks; ``out`` collects its files. Pass a free port per concurrent run.
+    ``dump_loaded``: the worker's ``--dump-loaded`` (the engines' state right after a resume)."""
     out.mkdir(parents=True, exist_ok=True)
-    flags = ["--out", str(out)] + (["--kill-at", kill_at] if kill_at else [])
+    flags = ["--out", str(out)] + (["--kill-at", kill_at] if kill_at else []) + (["--dump-loaded"] if dump_loaded else [])
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "3"}
     if world == 1:
         command = [sys.executable, str(WORKER)]
