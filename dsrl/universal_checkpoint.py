@@ -11,10 +11,9 @@ same way, and the frozen base is the one loaded from ``model.path`` (checked by 
 
 The conversion goes to ``trainer.default_local_dir/.universal_global_step_N/<role>/ds``, beside the
 checkpoints: the published ``global_step_N`` and its manifest stay as written, and every rank reads the
-conversion from the shared filesystem the checkpoints are on. It is written under a temporary name and
-renamed when complete, with the checkpoint's state checksum in ``converted_from.json``; it is removed once
-every rank has loaded it. One left by a crash during the load is reused by the next resume of the same
-checkpoint (the checksum matches) and replaced otherwise. Rank 0 converts in-process (``ds_to_universal``'s
+conversion from the shared filesystem the checkpoints are on. It is removed once every rank has loaded it;
+one left by a crash is deleted and redone by the next conversion of that step, from the checkpoint (whose
+files were checked against its manifest). Rank 0 converts in-process (``ds_to_universal``'s
 worker pools are not forked from a rank that holds a process group) while the other ranks wait in a
 collective, within ``actor_rollout_ref.nccl_timeout``.
 
@@ -26,7 +25,6 @@ position, LR schedules, KL coefficient and skip counters are global and restored
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -39,12 +37,9 @@ import torch.distributed as dist
 from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 from transformers import set_seed
 
-from dsrl.checkpoint import DS_TAG, STATE_CHECKSUM, CheckpointError, set_rng_state, step_dir
+from dsrl.checkpoint import DS_TAG, CheckpointError, set_rng_state, step_dir
 
 logger = logging.getLogger("dsrl")
-
-MARKER = "converted_from.json"  # in a complete conversion: the checkpoint and its state's checksum
-
 
 def universal_dir(root: Path, step: int) -> Path:
     """Where the conversion of a checkpoint of step ``step`` goes: beside the checkpoints under ``root``."""
@@ -69,23 +64,6 @@ def convert(checkpoint: Path, roles: list[str], out: Path) -> None:
         ))
 
 
-def _converted(checkpoint: Path, state: dict[str, Any], roles: list[str], out: Path) -> float | None:
-    """Make ``out`` the complete conversion of ``checkpoint``; the seconds it took, None when ``out`` was one
-    already. Rank 0 alone."""
-    source = {"checkpoint": str(checkpoint), "state_sha256": state[STATE_CHECKSUM], "roles": roles}
-    marker = out / MARKER
-    if marker.is_file() and json.loads(marker.read_text()) == source:
-        return None
-    start = time.perf_counter()
-    tmp = out.with_name(f".tmp_{out.name.lstrip('.')}")
-    for stale in (tmp, out):
-        shutil.rmtree(stale, ignore_errors=True)
-    convert(checkpoint, roles, tmp)
-    (tmp / MARKER).write_text(json.dumps(source))
-    tmp.rename(out)
-    return time.perf_counter() - start
-
-
 def load_at_new_world_size(checkpoint: Path, state: dict[str, Any], engines: dict[str, Any], *, root: Path,
                            seed: int, rank: int) -> None:
     """Restore every engine (weights, optimizer, step counters) from ``checkpoint``, written by
@@ -95,10 +73,12 @@ def load_at_new_world_size(checkpoint: Path, state: dict[str, Any], engines: dic
     problem: list = [None]
     if rank == 0:
         try:
-            seconds = _converted(checkpoint, state, list(engines), out)
-            done = "reused" if seconds is None else f"converted in {seconds:.2f} s"
-            logger.info(f"{checkpoint} ({state['world_size']} ranks) to universal form in {out}: {done}")
-        except Exception as err:  # reported on every rank, not left as one rank's traceback and a hang
+            start = time.perf_counter()
+            shutil.rmtree(out, ignore_errors=True)  # left by a crash during an earlier conversion or load
+            convert(checkpoint, list(engines), out)
+            logger.info(f"{checkpoint} ({state['world_size']} ranks) to universal form in {out}: converted in "
+                        f"{time.perf_counter() - start:.2f} s")
+        except Exception as err:  # noqa: BLE001 -- reported on every rank, not one rank's traceback and a hang
             problem[0] = f"{type(err).__name__}: {' '.join(str(err).split())}"
     dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
