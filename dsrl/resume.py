@@ -9,7 +9,8 @@ blindly:
   its size; ``fields_problem``: every field of the trainer's state of the expected type) and whose files'
   SHA-256 match the manifest (each rank hashes a share). ``auto`` falls back to the previous checkpoint and
   says why; an explicit path is refused with the reason.
-- ``check_settings``: the same world size, and the settings that shape the run unchanged (unless
+- ``check_settings``: the same world size (unless ``trainer.resume_allow_world_size_change``: ``restore``
+  then loads through ``dsrl.universal_checkpoint``), and the settings that shape the run unchanged (unless
   ``trainer.resume_allow_config_change``).
 - ``check_train_data``: the training files as they were (size and SHA-256 of each, in order), since the
   saved sampler position means other prompts in other data; checked once the prompts have loaded, still
@@ -46,6 +47,7 @@ from dsrl.checkpoint import (
 )
 from dsrl.config import Config
 from dsrl.config.files import parquet_paths
+from dsrl.universal_checkpoint import load_at_new_world_size
 
 logger = logging.getLogger("dsrl")
 
@@ -131,9 +133,12 @@ def fields_problem(state: dict[str, Any], roles: Sequence[str]) -> str | None:
     return None
 
 
-def restore(directory: Path, state: dict[str, Any], *, roles: dict, sampler, kl_ctrl, rank: int) -> None:
+def restore(directory: Path, state: dict[str, Any], *, roles: dict, sampler, kl_ctrl, rank: int, root: Path,
+            seed: int) -> None:
     """Load every trained role's engine (weights, optimizer, LR scheduler, step counters) and this rank's RNG,
-    then the trainer's state: sampler position, KL coefficient, skip counters and LR schedules. Collective."""
+    then the trainer's state: sampler position, KL coefficient, skip counters and LR schedules. A checkpoint of
+    another world size (``check_settings`` let it through) is loaded through its universal form under ``root``
+    (``dsrl.universal_checkpoint``; ``seed``: ``trainer.seed``, for ranks it did not have). Collective."""
     start = time.perf_counter()
     for name, role in roles.items():
         saved, now = state["frozen_checksums"][name], frozen_checksum(role.engine.module)
@@ -144,7 +149,11 @@ def restore(directory: Path, state: dict[str, Any], *, roles: dict, sampler, kl_
                 f"{now} now), and its checkpoint holds the adapters alone; fix: point actor_rollout_ref.model.path at "
                 "the model the run started from (the same files), or trainer.resume_mode=disable to start over"
             )
-    load_checkpoint(directory, {name: role.engine for name, role in roles.items()}, rank)
+    engines = {name: role.engine for name, role in roles.items()}
+    if state["world_size"] == dist.get_world_size():
+        load_checkpoint(directory, engines, rank)
+    else:
+        load_at_new_world_size(directory, state, engines, root=root, seed=seed, rank=rank)
     sampler.load_state_dict(state["sampler"])
     kl_ctrl.value = state["kl_coef"]
     for name, role in roles.items():
@@ -195,14 +204,18 @@ def checkpoint_to_resume(cfg: Config, root: Path, roles: Sequence[str]) -> tuple
 
 def check_settings(cfg: Config, path: Path, state: dict[str, Any], world_size: int) -> None:
     """CheckpointError unless ``cfg`` at ``world_size`` may resume ``state``: the same world size (ZeRO partitions
-    per rank), and the same state-relevant settings unless ``trainer.resume_allow_config_change``."""
+    per rank) unless ``trainer.resume_allow_world_size_change``, and the same state-relevant
+    settings unless ``trainer.resume_allow_config_change``."""
     saved, now = state["config"], state_config(cfg, world_size)
     if saved["world_size"] != world_size:
-        raise CheckpointError(
-            f"{path}: written by {saved['world_size']} ranks, this run has {world_size}; ZeRO partitions "
-            f"weights and optimizer per rank; fix: start with {saved['world_size']} ranks, or "
-            "trainer.resume_mode=disable to start over"
-        )
+        if not cfg.trainer.resume_allow_world_size_change:
+            raise CheckpointError(
+                f"{path}: written by {saved['world_size']} ranks, this run has {world_size}; ZeRO partitions "
+                f"weights and optimizer per rank; fix: start with {saved['world_size']} ranks, set "
+                "trainer.resume_allow_world_size_change=true to convert it for this world size, or "
+                "trainer.resume_mode=disable to start over"
+            )
+        now = {**now, "world_size": saved["world_size"]}  # allowed: not a difference of settings
     differences = config_differences(saved, now)
     if differences and not cfg.trainer.resume_allow_config_change:
         raise CheckpointError(

@@ -248,7 +248,7 @@ class Trainer:
         self.global_step = 0
         if self.resume_from is not None:
             restore(self.resume_from, resume_state, roles=self._trained_roles(), sampler=self.sampler,
-                    kl_ctrl=self.kl_ctrl, rank=self.rank)
+                    kl_ctrl=self.kl_ctrl, rank=self.rank, root=self.checkpoint_root, seed=cfg.trainer.seed)
             self.global_step = resume_state["global_step"]
         self.initial_step = self.global_step  # where this run started (a resumed run's checkpoint)
         self.tracker = Tracker(

@@ -14,7 +14,9 @@ that step's checkpoint save right after ``save_engines`` (DeepSpeed files writte
 After SIGTERM/SIGINT the process exits as scripts/train.py does, with 128 + the signal number; a run the
 trainer stops (``TrainingStopped``) exits 1 with its message, as scripts/train.py does. ``--skip-push``
 breaks the weight push: the rollout engine keeps its start-up weights (the actor's parameters are still
-gathered, a collective, and dropped).
+gathered, a collective, and dropped). ``--dump-loaded`` writes, once the Trainer is built, of a resumed run,
+every trained parameter's fp32 master weight and Adam moments, gathered, and each base optimizer's steps to
+``<out>/loaded_step_<N>.pt`` (rank 0).
 """
 
 import argparse
@@ -42,6 +44,7 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--local_rank", type=int)
 parser.add_argument("--kill-at", default=None)
 parser.add_argument("--skip-push", action="store_true")
+parser.add_argument("--dump-loaded", action="store_true")
 parser.add_argument("args", nargs="+", help="config files, then key=value overrides")
 args = parser.parse_args()
 
@@ -49,6 +52,22 @@ files, overrides = split_files_and_overrides(args.args)
 cfg, _ = load_and_validate(files, overrides, join().world_size)  # under any launcher (srun, mpirun too)
 trainer = Trainer(cfg)
 out = Path(args.out)
+if args.dump_loaded and trainer.resume_from is not None:  # the engines right after the resume, before a step
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    loaded = {}
+    for role_name, role in trainer._trained_roles().items():
+        for name, param in role.engine.module.named_parameters():
+            if not param.requires_grad:  # a LoRA actor's frozen base: not in its checkpoint
+                continue
+            loaded[f"{role_name}/{name}"] = {
+                "fp32": safe_get_full_fp32_param(param).cpu(),
+                **{key: safe_get_full_optimizer_state(param, key).cpu() for key in ("exp_avg", "exp_avg_sq")},
+            }
+        steps = {float(s["step"]) for s in role.engine.optimizer.optimizer.state.values()}
+        loaded[f"{role_name}/optimizer_steps"] = sorted(steps)
+    if trainer.rank == 0:
+        torch.save(loaded, out / f"loaded_step_{trainer.global_step}.pt")
 logged = []
 metrics_log = out / f"metrics_rank{trainer.rank}.jsonl"
 

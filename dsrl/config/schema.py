@@ -96,7 +96,8 @@ RESUME_HARMLESS_KEYS = (
     r"trainer\.(log_val_generations|log_samples_freq|log_model)",
     r"reward\.(num_workers|batch_chunk_size|max_failed_steps|memory_limit_mb|log_max_mb)",
     r"trainer\.(project_name|experiment_name|default_local_dir|max_consecutive_skips)",
-    r"trainer\.(resume_mode|resume_from_path|resume_allow_config_change|max_actor_ckpt_to_keep|max_critic_ckpt_to_keep)",
+    r"trainer\.(resume_mode|resume_from_path|resume_allow_config_change|resume_allow_world_size_change)",
+    r"trainer\.(max_actor_ckpt_to_keep|max_critic_ckpt_to_keep)",
     r"data\.(val_files|val_batch_size)",
     r"actor_rollout_ref\.rollout\.val_kwargs\..*",
     r"actor_rollout_ref\.actor\.checkpoint\..*",
@@ -838,6 +839,15 @@ class TrainerConfig:
     resume_allow_config_change: bool = _f(
         False,
         "resume although settings that shape the run changed (model, estimator, batch geometry, seed, ...) or the training files did (their size and SHA-256 are in every checkpoint); optimizer, LR schedule and sampler position continue from the checkpoint",
+    )
+    resume_allow_world_size_change: bool = _f(
+        False,
+        "resume a checkpoint written by another number of ranks (another node count): each trained engine's ZeRO "
+        "checkpoint (stage 1-3, LoRA adapters too) is converted to DeepSpeed's universal form "
+        "(default_local_dir/.universal_global_step_N, removed once loaded) and loaded at this world size. Exact: fp32 "
+        "weights, Adam moments and step, LR schedule, KL coefficient, sampler position. Not exact: the steps after it "
+        "differ from an unchanged run's (each rank samples its share of the prompts with its own seed, and reductions "
+        "run over other ranks); rank r takes the checkpoint's rank r RNG, or a seed from trainer.seed, the step and r",
     )
     max_actor_ckpt_to_keep: Optional[int] = _f(None, "keep the actor state of this many newest checkpoints; null = all")
     max_critic_ckpt_to_keep: Optional[int] = _f(None, "keep the critic state of this many newest checkpoints; null = all")

@@ -160,7 +160,7 @@ def test_a_lora_resume_onto_another_base_model_is_refused(lora_actor, tiny_model
     state = {"frozen_checksums": {"actor": checksum + 1}}
     with pytest.raises(CheckpointError, match="actor_rollout_ref.model.path"):
         restore(tmp_path, state, roles={"actor": SimpleNamespace(engine=lora_actor.engine)}, sampler=None,
-                kl_ctrl=None, rank=0)
+                kl_ctrl=None, rank=0, root=tmp_path, seed=1)
 
 
 def optimizer_state(actor):
@@ -348,9 +348,12 @@ def test_resume_refuses_a_changed_run_before_any_model_loads(resume_setup, arith
     with pytest.raises(AssertionError, match="a model was loaded"):  # past the checks, on to the models
         build("trainer.seed=5", "trainer.resume_allow_config_change=true")
 
-    write_checkpoint(step_dir(tmp_path, 4), saved, world_size=8)
-    with pytest.raises(CheckpointError, match="written by 8 ranks, this run has 1"):
+    write_checkpoint(step_dir(tmp_path, 4), saved, world_size=8, train_data=train_data)
+    with pytest.raises(CheckpointError, match="written by 8 ranks, this run has 1;.* set "
+                       r"trainer.resume_allow_world_size_change=true to convert it"):
         build()
+    with pytest.raises(AssertionError, match="a model was loaded"):  # the world size alone differs: allowed
+        build("trainer.resume_allow_world_size_change=true")
 
     with pytest.raises(CheckpointError, match="not a complete dsrl checkpoint: no trainer_state.json"):
         build("trainer.resume_mode=resume_path", f"trainer.resume_from_path={arithmetic_data}")
