@@ -981,8 +981,7 @@ def test_an_unexpected_error_is_reported_with_its_rank_and_host(files, monkeypat
         raise KeyError("a bug")
 
     monkeypatch.setitem(sys.modules, "dsrl.trainer", types.SimpleNamespace(train=train, TrainingStopped=RuntimeError))
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setattr(os, "environ", {**os.environ, "RANK": "3", "WORLD_SIZE": "4"})  # what the CLI fills in stays here
     monkeypatch.setattr("dsrl.cli.checked_cluster", lambda *args: object())  # the other three ranks are not started
     main = runpy.run_path(TRAIN)["main"]
     assert main([*recipe("grpo"), *files]) == 1

@@ -140,8 +140,7 @@ def test_other_packages_warnings_are_shown_as_python_shows_them(capsys, monkeypa
 def test_the_cli_sets_logging_up_with_the_rank_of_the_environment(monkeypatch, tmp_path, capsys):
     from dsrl.cli import main
 
-    monkeypatch.setenv("RANK", "3")
-    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(os, "environ", {**os.environ, "RANK": "3", "WORLD_SIZE": "4"})  # what the CLI fills in stays here
     assert main([str(tmp_path / "missing.yaml"), "--validate-only"]) == 2  # a bad config: exits before training
     [handler] = [h for h in logger.handlers if isinstance(h, console._ConsoleHandler)]
     assert handler.rank == 3
