@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from dsrl.config.schema import ADAPTER_DIR
 from tests.conftest import QUICKSTART, RANK_LOCAL, recipe
+from tests.process_helpers import LAUNCHER_VARIABLES
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "train_worker.py"
@@ -61,9 +62,6 @@ def resume_overrides(name, *, model, data, ds_config, ckpt) -> list[str]:
     return overrides
 
 
-# Launcher variables a test's own environment may hold (pytest under a launcher): a started run must not inherit them.
-LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
-                      "CROSS_SIZE", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_WORLD_SIZE")
 # Two "nodes" on this machine: two names for it, each a host of the hostfile and of SLURM's node list.
 NODES = ("localhost", "127.0.0.1")
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import QUICKSTART
+from tests.process_helpers import LAUNCHER_VARIABLES
 from tests.resume_helpers import (
-    LAUNCHER_VARIABLES,
     STEPS,
     Baselines,
     assert_same_run,

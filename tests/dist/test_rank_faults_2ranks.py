@@ -214,6 +214,7 @@ def bad_data(arithmetic_data: Path, out: Path) -> Path:
     return out
 
 
+@pytest.mark.slow  # reported once by rank 0 with the ranks that have it: tests/dist/test_rank_problems_2ranks.py
 @pytest.mark.parametrize("fault", ["config", "data"])
 def test_a_bad_config_or_data_file_is_reported_once_by_rank_0(run, arithmetic_data, tmp_path, fault):
     if fault == "config":

@@ -40,7 +40,7 @@ from tests.resume_helpers import (
 RESUME_AT = 2
 KILLS = {
     "grpo": [("save_engines@4", 3)],
-    "otb": [("publish@3", 3)],
+    "ppo": [("publish@3", 3)],
     "quickstart": [("update@4", 3)],
 }
 
@@ -58,10 +58,10 @@ def baselines(tmp_path_factory, overrides_for, free_port, deepspeed_cpu_ops):
     return Baselines(tmp_path_factory.mktemp("baselines"), overrides_for, free_port, world=1)
 
 
-# REINFORCE++, OPO and RLOO resume through the same outcome-estimator path as GRPO (whose full and LoRA runs stay in
-# the default run), DAPO through GRPO's and dynamic sampling's (test_resume_with_dynamic_sampling_is_bit_identical):
+# REINFORCE++, OPO, OTB and RLOO resume through the same outcome-estimator path as GRPO (whose full and LoRA runs
+# stay in the default run), DAPO through GRPO's and dynamic sampling's (test_resume_with_dynamic_sampling_is_bit_identical):
 # slow variants.
-SLOW_RESUMES = ("reinforce_pp", "opo", "rloo", "dapo")
+SLOW_RESUMES = ("reinforce_pp", "opo", "otb", "rloo", "dapo")
 
 
 @pytest.mark.parametrize(
@@ -171,6 +171,7 @@ def test_resume_with_dynamic_sampling_is_bit_identical(overrides_for, free_port,
     assert assert_same_run(baseline, chain, first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
 
 
+@pytest.mark.slow  # the loop's state is the same with tools (multi-turn trains in tests/integration/test_trainer_multi_turn.py)
 def test_resume_with_tool_calls_is_bit_identical(tool_model_dir, calculator_data, ds_test_config, free_port,
                                                  deepspeed_cpu_ops, tmp_path):
     """TIR-OTB with the calculator (configs/tir_otb.yaml, the tool task's CPU overlay): every turn of a

@@ -13,13 +13,14 @@ import yaml
 
 from dsrl import config as C
 from tests.conftest import recipe, run_train_without_torch, write_model_stub, write_parquet_stub
+from tests.process_helpers import LAUNCHER_VARIABLES
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "scripts" / "train.py")
 
 
 def train(*args, env=None, cwd=REPO):
-    environ = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    environ = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, cwd=cwd, timeout=60, env={**environ, **(env or {})})
 
 
