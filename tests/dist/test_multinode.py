@@ -29,6 +29,7 @@ from tests.resume_helpers import (
     assert_same_run,
     resume_chain,
     resume_overrides,
+    WORKER,
     two_nodes,
 )
 
@@ -61,12 +62,13 @@ def test_two_nodes_resume_train_and_save_bit_identical_to_one_node(launcher, one
     assert assert_same_run(one_node, chain, first_step=RESUME_AT + 1, ranks=(0, 1)) == STEPS - RESUME_AT + 1
 
 
-def launch_train(launcher: str, args: list[str], tmp_path: Path, port: int, node_dirs: tuple[Path, Path]):
-    """``scripts/train.py`` on two simulated nodes, node N started in ``node_dirs[N]``: (exit code, output)."""
+def launch_train(launcher: str, args: list[str], tmp_path: Path, port: int, node_dirs: tuple[Path, Path],
+                 script: Path = REPO / "scripts" / "train.py"):
+    """``script`` on two simulated nodes, node N started in ``node_dirs[N]``: (exit codes, outputs)."""
     env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
     env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [str(REPO), os.environ.get("PYTHONPATH", "")])})
-    nodes = two_nodes(launcher, [sys.executable, str(REPO / "scripts" / "train.py")], port, tmp_path)
+    nodes = two_nodes(launcher, [sys.executable, str(script)], port, tmp_path)
     processes = [subprocess.Popen([*command, *args], env={**env, **extra}, cwd=cwd, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
                  for (command, extra), cwd in zip(nodes, node_dirs)]
@@ -96,6 +98,23 @@ def test_checkpoint_directories_that_differ_per_node_stop_the_run_at_the_preflig
     assert problem, output[-4000:]
     assert "step 1/" not in output and "start-up summary" not in output  # stopped before any model loaded
     assert not (nodes[0] / "checkpoints").exists()  # the check leaves nothing behind
+
+
+def test_a_save_that_rank_0_cannot_see_whole_is_not_published(quickstart_args, free_port, tmp_path):
+    """Past the preflight (tests/train_worker.py builds the Trainer itself), node directories that differ leave rank 0
+    without rank 1's files: the save stops both ranks and publishes nothing."""
+    nodes = (tmp_path / "node0", tmp_path / "node1")
+    for node in (*nodes, tmp_path / "out"):
+        node.mkdir()
+    codes, outputs = launch_train("slurm", ["--out", str(tmp_path / "out"), *quickstart_args,
+                                            "trainer.total_training_steps=1", "trainer.save_freq=1"],
+                                  tmp_path, free_port(), nodes, script=WORKER)
+    assert codes == [1, 1], outputs[0][-3000:]
+    for output in outputs:
+        assert re.search(r"step 1: rank 0 does not see the files of 1 rank\(s\) \(first: rank 1\) in \S+\.tmp_global_step_1: "
+                         r"trainer\.default_local_dir is no longer one directory on every node.*nothing was published",
+                         output), output[-3000:]
+    assert not list((nodes[0] / "checkpoints" / "run").glob("global_step_*"))
 
 
 def test_preflight_prints_the_cluster_and_exits(quickstart_args, free_port, tmp_path):
