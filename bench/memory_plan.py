@@ -35,8 +35,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dsrl.config import load_and_validate  # noqa: E402
-from dsrl.memory_plan import GIB, Device, detect_device, model_states, plan_for_config, read_shape, Zero  # noqa: E402
+from dsrl.config import load_and_validate
+from dsrl.memory_plan import (
+    GIB,
+    Device,
+    Zero,
+    detect_device,
+    model_states,
+    plan_for_config,
+    read_shape,
+)
 
 MIB = 2**20
 QUICKSTART = ["configs/grpo.yaml", "configs/cpu.yaml", "configs/quickstart.yaml"]
@@ -82,7 +90,7 @@ def reset_peak() -> None:
 
 def worker(out: Path, args: list[str]) -> int:
     """One run of ``dsrl.cli.main(args)`` with the per-phase peaks written to ``out`` (JSON, bytes)."""
-    import dsrl.trainer as trainer
+    from dsrl import trainer
     from dsrl.cli import main
 
     record: dict = {"phases": {}}
@@ -120,7 +128,7 @@ def measure(case: str, args: list[str]) -> dict:
         out = Path(tmp) / "peaks.json"
         overrides = [*ONE_STEP, f"trainer.default_local_dir={tmp}/run"]
         result = subprocess.run([sys.executable, __file__, "worker", str(out), "--", *args, *overrides],
-                                cwd=REPO, env=env, capture_output=True, text=True)  # fmt: skip
+                                cwd=REPO, env=env, capture_output=True, text=True, check=False)  # fmt: skip
         if result.returncode != 0:
             raise RuntimeError(f"{case}: exit code {result.returncode}\n{result.stderr[-3000:]}")
         record = json.loads(out.read_text())
@@ -128,6 +136,7 @@ def measure(case: str, args: list[str]) -> dict:
 
 
 def cpu_plan(args: list[str]):
+    """The plan of ``args`` for one rank on this machine's memory (``DS_ACCELERATOR=cpu``, as ``measure`` sets)."""
     files = [a for a in args if "=" not in a]
     cfg, _ = load_and_validate(files, [a for a in args if "=" in a], 1)
     return plan_for_config(cfg, 1, detect_device())
@@ -154,7 +163,9 @@ def estimator_table() -> list[dict]:
     a model before it prints; it returns nothing)."""
     import torch
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import (
+        estimate_zero2_model_states_mem_needs,
+    )
     from transformers import AutoConfig, AutoModelForCausalLM
 
     world, rows = 8, []
@@ -211,6 +222,7 @@ def main() -> int:
     if args.what == "worker":
         return worker(Path(args.rest[0]), args.rest[1:])
     if args.what == "measure":
+        os.environ["DS_ACCELERATOR"] = "cpu"  # the plan's device: this machine's memory, as the runs'
         print(f"{'case':16} {'phase':14} {'plan MiB':>10} {'measured MiB':>12} {'error':>8}")
         rows = measure_table(args.cases.split(","))
     elif args.what == "estimators":

@@ -35,7 +35,15 @@ from pathlib import Path
 from dsrl.config import SCHEMA, ConfigError, describe_keys, load_and_validate, to_yaml
 from dsrl.console import logger, setup_logging
 from dsrl.launch import LaunchError, RendezvousError, join
-from dsrl.memory_plan import Device, PlanError, detect_device, parse_size, plan_for_config, plan_problems, render
+from dsrl.memory_plan import (
+    Device,
+    PlanError,
+    detect_device,
+    parse_size,
+    plan_for_config,
+    plan_problems,
+    render,
+)
 from dsrl.redaction import redact_text
 from dsrl.run_folder import RunFolderBusy
 from dsrl.signals import Interrupted, RunSignals, TrainingInterrupted
@@ -75,8 +83,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str
         "--device-memory",
         type=_size,
         metavar="SIZE",
-        help="with --validate-only or --plan: memory of one GPU, e.g. 141GiB, 80GB (default: the smallest GPU "
-        "nvidia-smi lists; without one, or with DS_ACCELERATOR=cpu, the machine's memory, shared by every rank)",
+        help="with --validate-only or --plan: memory of one GPU, e.g. 141GiB, 80GB (default: with DS_ACCELERATOR=cpu "
+        "the machine's memory, shared by every rank; else the smallest GPU nvidia-smi lists; else none, and "
+        "--validate-only notes that the plan was not checked)",
     )
     parser.add_argument(
         "--model-config",
@@ -198,6 +207,11 @@ def check_memory_plan(cfg, world_size: int, args: argparse.Namespace, where: str
         return 0
     device = Device("cuda", args.device_memory, "--device-memory") if args.device_memory else detect_device()
     try:
+        if device is None:
+            raise PlanError(
+                "no GPU here (nvidia-smi) and DS_ACCELERATOR is not cpu; fix: pass --device-memory SIZE (one GPU's "
+                "memory, e.g. 141GiB), or set DS_ACCELERATOR=cpu to plan for this machine's memory"
+            )
         plan = plan_for_config(cfg, world_size, device, args.model_config)
     except PlanError as err:
         if args.plan:

@@ -215,10 +215,15 @@ def parse_size(text: str) -> int:
     return int(number * scale)
 
 
-def detect_device() -> Device:
-    """This machine's accelerator, without torch: the smallest GPU ``nvidia-smi`` lists; else (or with
-    ``DS_ACCELERATOR=cpu``) the CPU, whose memory is the machine's (``MemTotal``)."""
-    if os.environ.get("DS_ACCELERATOR", "") != "cpu" and shutil.which("nvidia-smi"):
+def detect_device() -> Device | None:
+    """This machine's accelerator, without torch: the smallest GPU ``nvidia-smi`` lists; with ``DS_ACCELERATOR=cpu``
+    the CPU, whose memory is the machine's (``MemTotal``); None when neither (a machine without GPUs that may be
+    checking a config for one: the plan then needs ``--device-memory``)."""
+    if os.environ.get("DS_ACCELERATOR", "") == "cpu":
+        meminfo = Path("/proc/meminfo").read_text()
+        total_kib = int(re.search(r"MemTotal:\s+(\d+) kB", meminfo)[1])
+        return Device("cpu", total_kib * 1024, "DS_ACCELERATOR=cpu: the machine's memory")
+    if shutil.which("nvidia-smi"):
         result = subprocess.run(
             ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=30, check=False,
@@ -226,9 +231,7 @@ def detect_device() -> Device:
         sizes = [int(line) for line in result.stdout.split() if line.strip().isdigit()]
         if result.returncode == 0 and sizes:
             return Device("cuda", min(sizes) * 2**20, "nvidia-smi")
-    meminfo = Path("/proc/meminfo").read_text()
-    total_kib = int(re.search(r"MemTotal:\s+(\d+) kB", meminfo)[1])
-    return Device("cpu", total_kib * 1024, "the machine's memory (/proc/meminfo)")
+    return None
 
 
 # ---- what the plan reads of the config -------------------------------------------------------------------------
@@ -298,6 +301,7 @@ class PlanInputs:
     actor: Zero
     actor_trained: int  # trained parameters: all, or LoRA's adapters
     actor_checkpointing: bool
+    shared_prompts: bool  # model.shared_prompt_forward: actor and reference forwards run each prompt once
     update: Pass
     old_log_prob: Pass | None  # None when folded into the update
     ref: Zero | None  # the reference engine; None without a KL term or with LoRA
@@ -360,20 +364,21 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
         actor=Zero.from_json(read_ds_json(actor.deepspeed_config, "actor_rollout_ref.actor.deepspeed_config")),
         actor_trained=shape.lora_parameters(model.lora_rank, model.target_modules) if lora else shape.parameters(),
         actor_checkpointing=model.enable_gradient_checkpointing,
+        shared_prompts=model.shared_prompt_forward,
         update=_pass(mini_rows, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu),
         old_log_prob=None if folds else _pass(
             batch_rows, rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_use_dynamic_bsz,
             rollout.log_prob_max_token_len_per_gpu,
-        ),  # fmt: skip
+        ),
         ref=Zero.from_json(read_ds_json(arr.ref.deepspeed_config, "actor_rollout_ref.ref.deepspeed_config")) if needs_ref else None,
         ref_pass=_pass(batch_rows, arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_use_dynamic_bsz,
-                       arr.ref.log_prob_max_token_len_per_gpu) if needs_kl else None,  # fmt: skip
+                       arr.ref.log_prob_max_token_len_per_gpu) if needs_kl else None,
         critic=Zero.from_json(read_ds_json(critic.deepspeed_config, "critic.deepspeed_config")) if gae else None,
         critic_checkpointing=critic.model.enable_gradient_checkpointing,
         critic_update=_pass(critic.ppo_mini_batch_size * n // N, critic.ppo_micro_batch_size_per_gpu,
-                            critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu) if gae else None,  # fmt: skip
+                            critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu) if gae else None,
         critic_values=_pass(batch_rows, critic.forward_micro_batch_size_per_gpu, critic.use_dynamic_bsz,
-                            critic.forward_max_token_len_per_gpu) if gae else None,  # fmt: skip
+                            critic.forward_max_token_len_per_gpu) if gae else None,
         rollout=name,
         rollout_dtype_bytes=DTYPE_BYTES[rollout.dtype or model.dtype],
         n=n,
@@ -439,16 +444,22 @@ def working_buffers(role: str, zero: Zero, params: int, b: int, *, trains: bool,
     return terms
 
 
-def activations(shape: ModelShape, micro: Pass, length: int, b: int, *, grad: bool, checkpointing: bool) -> Term:
-    """A micro-batch's activations through the decoder layers (see the module docstring)."""
-    tokens = micro.sequences(length) * length
+def activations(inputs: PlanInputs, micro: Pass, *, grad: bool, checkpointing: bool, shared: bool) -> list[Term]:
+    """A micro-batch's activations through the decoder layers (see the module docstring). ``shared``
+    (``model.shared_prompt_forward``, actor and reference): a group's prompt runs once, and its KV cache, indexed
+    out to every row, stays while the responses run."""
+    shape, b = inputs.shape, inputs.dtype_bytes
+    P, R = inputs.prompt_length, inputs.response_length
+    rows = micro.sequences(P + R)
+    tokens = -(-rows // inputs.n) * P + rows * R if shared else rows * (P + R)
     per_layer = shape.layer_activation_bytes(b)
+    cache = [Term("shared prompts' KV cache", rows * P * shape.kv_bytes_per_token(b), 0, f"{rows:,} rows x {P:,} prompt tokens")] if shared else []
     if not grad:
-        return Term("activations (one layer, no grad)", tokens * (per_layer + 2 * shape.hidden * b), 0, f"{tokens:,} tokens")
+        return [Term("activations (one layer, no grad)", tokens * (per_layer + 2 * shape.hidden * b), 0, f"{tokens:,} tokens"), *cache]
     if checkpointing:
         size = tokens * (shape.layers * shape.hidden * b + per_layer)
-        return Term("activations (checkpointed)", size, 0, f"{tokens:,} tokens x (L x h + 1 layer)")
-    return Term("activations", tokens * shape.layers * per_layer, 0, f"{tokens:,} tokens x L layers")
+        return [Term("activations (checkpointed)", size, 0, f"{tokens:,} tokens x (L x h + 1 layer)"), *cache]
+    return [Term("activations", tokens * shape.layers * per_layer, 0, f"{tokens:,} tokens x L layers"), *cache]
 
 
 def log_prob_head(shape: ModelShape, micro: Pass, inputs: PlanInputs, *, grad: bool) -> Term:
@@ -575,7 +586,6 @@ def _rollout_terms(inputs: PlanInputs, device: Device) -> tuple[list[Term], KvBu
 def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
     """The per-rank, per-phase plan of ``inputs`` on ``device``."""
     s, b = inputs.shape, inputs.dtype_bytes
-    length = inputs.prompt_length + inputs.response_length
     actor, critic = _trained_states(inputs, device)
     ref = model_states("ref", inputs.ref, s.parameters(), 0, b, inputs.world_size) if inputs.ref else []
     rollout_awake, kv, rollout_asleep = _rollout_terms(inputs, device)
@@ -599,14 +609,14 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
 
     def forward_phase(name: str, role: str, zero: Zero, micro: Pass, params: int, head: bool) -> Phase:
         terms = resident + rollout_asleep + working_buffers(role, zero, params, b, trains=False, touched_only=not on_gpu)
-        terms.append(activations(s, micro, length, b, grad=False, checkpointing=False))
+        terms += activations(inputs, micro, grad=False, checkpointing=False, shared=head and inputs.shared_prompts)
         if head:
             terms.append(log_prob_head(s, micro, inputs, grad=False))
         return Phase(name, terms, rollout_note)
 
     def update_phase(name: str, role: str, zero: Zero, micro: Pass, params: int, checkpointing: bool, head: bool) -> Phase:
         terms = resident + rollout_asleep + working_buffers(role, zero, params, b, trains=True, touched_only=not on_gpu)
-        terms.append(activations(s, micro, length, b, grad=True, checkpointing=checkpointing))
+        terms += activations(inputs, micro, grad=True, checkpointing=checkpointing, shared=head and inputs.shared_prompts)
         if head:
             terms.append(log_prob_head(s, micro, inputs, grad=True))
         return Phase(name, terms, rollout_note)

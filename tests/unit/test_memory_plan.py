@@ -11,7 +11,6 @@ from dsrl import config as C
 from dsrl.memory_plan import (
     GIB,
     Device,
-    ModelShape,
     Pass,
     Zero,
     _fits,
@@ -226,9 +225,22 @@ def test_memory_plan_check_accepts_error_warn_and_ignore_only():
 def test_a_hub_model_without_a_config_here_is_noted_by_validate_only_and_refused_by_plan(arithmetic_data, tmp_path):
     args = [*recipe("grpo"), f"data.train_files={arithmetic_data / 'train.parquet'}", "data.val_files=null",
             "actor_rollout_ref.model.path=nobody/no-such-model"]  # fmt: skip
-    env = {"HF_HUB_CACHE": str(tmp_path)}
+    env = {"HF_HUB_CACHE": str(tmp_path), "DS_ACCELERATOR": "cpu"}
     noted = run_train_without_torch([*args, "--validate-only"], **env)
     assert noted.returncode == 0, noted.stderr
     assert "# memory plan: not checked: no config.json for nobody/no-such-model" in noted.stdout
     planned = run_train_without_torch([*args, "--plan"], **env)
     assert planned.returncode == 2 and "--model-config" in planned.stderr
+
+
+def test_without_a_gpu_or_a_device_size_validate_only_notes_it_and_plan_asks_for_one(arithmetic_data, tmp_path):
+    """A machine without GPUs may be checking a config meant for them: it is not planned for its own memory unless
+    DS_ACCELERATOR=cpu says the run is for the CPU."""
+    args = [*recipe("grpo"), f"data.train_files={arithmetic_data / 'train.parquet'}", "data.val_files=null",
+            "--model-config", str(QWEN_05B)]  # fmt: skip
+    env = {"DS_ACCELERATOR": "", "PATH": str(tmp_path)}  # no nvidia-smi on the PATH
+    noted = run_train_without_torch([*args, "--validate-only", "--world-size", "2"], **env)
+    assert noted.returncode == 0, noted.stderr
+    assert "# memory plan: not checked: no GPU here (nvidia-smi) and DS_ACCELERATOR is not cpu; fix: " in noted.stdout
+    planned = run_train_without_torch([*args, "--plan"], **env)
+    assert planned.returncode == 2 and "pass --device-memory SIZE" in planned.stderr
