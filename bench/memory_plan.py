@@ -50,15 +50,22 @@ MIB = 2**20
 QUICKSTART = ["configs/grpo.yaml", "configs/cpu.yaml", "configs/quickstart.yaml"]
 ONE_STEP = ["trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
             "trainer.logger=[console]", "trainer.save_freq=-1", "trainer.resume_mode=disable"]  # fmt: skip
-WIDE = ["actor_rollout_ref.model.path=./outputs/wide_model", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+WIDE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"]  # fmt: skip
-CASES = {
-    "quickstart": QUICKSTART,
-    "wide-z3-offload": [*QUICKSTART, *WIDE, "actor_rollout_ref.actor.deepspeed_config=zero3_offload"],
-    "wide-z3": [*QUICKSTART, *WIDE, "actor_rollout_ref.actor.deepspeed_config=zero3"],
-    "wide-z2": [*QUICKSTART, *WIDE, "actor_rollout_ref.actor.deepspeed_config=zero2"],
-}
+CASE_NAMES = ("quickstart", "wide-z3-offload", "wide-z3", "wide-z2")
+
+
+def case_args(case: str, tiny: str, wide: str, data: str) -> list[str]:
+    """The config of ``case``: files, then overrides (models and data at the given paths)."""
+    files = [f"data.train_files={data}/train.parquet", f"data.val_files={data}/test.parquet"]
+    if case == "quickstart":
+        return [*QUICKSTART, *files, f"actor_rollout_ref.model.path={tiny}"]
+    setup = {"wide-z3-offload": "zero3_offload", "wide-z3": "zero3", "wide-z2": "zero2"}[case]
+    return [*QUICKSTART, *files, f"actor_rollout_ref.model.path={wide}", *WIDE,
+            f"actor_rollout_ref.actor.deepspeed_config={setup}"]  # fmt: skip
+
+
 # The trainer's phase names and the plan's.
 PHASES = {"gen": "rollout", "old_log_prob": "old_log_prob", "ref": "ref", "values": "values",
           "update_critic": "update_critic", "update_actor": "update_actor"}  # fmt: skip
@@ -142,11 +149,12 @@ def cpu_plan(args: list[str]):
     return plan_for_config(cfg, 1, detect_device())
 
 
-def measure_table(cases: list[str]) -> list[dict]:
+def measure_table(cases: list[str], tiny: str, wide: str, data: str) -> list[dict]:
     rows = []
     for case in cases:
-        plan = cpu_plan(CASES[case])
-        measured = measure(case, CASES[case])
+        args = case_args(case, tiny, wide, data)
+        plan = cpu_plan(args)
+        measured = measure(case, args)
         for phase in plan.phases:
             if phase.name not in measured:
                 continue
@@ -216,7 +224,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=["measure", "estimators", "recipes", "worker"])
     parser.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=",".join(CASE_NAMES))
+    parser.add_argument("--model", default="./outputs/tiny_model", help="the quickstart's model directory")
+    parser.add_argument("--wide-model", default="./outputs/wide_model", help="make_tiny_model.py --wide's directory")
+    parser.add_argument("--data", default="./outputs/data/arithmetic", help="prepare_data.py --task arithmetic's")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.what == "worker":
@@ -224,7 +235,7 @@ def main() -> int:
     if args.what == "measure":
         os.environ["DS_ACCELERATOR"] = "cpu"  # the plan's device: this machine's memory, as the runs'
         print(f"{'case':16} {'phase':14} {'plan MiB':>10} {'measured MiB':>12} {'error':>8}")
-        rows = measure_table(args.cases.split(","))
+        rows = measure_table(args.cases.split(","), args.model, args.wide_model, args.data)
     elif args.what == "estimators":
         rows = estimator_table()
     else:

@@ -22,8 +22,10 @@ Terms (bytes per rank; N = world size, P = parameters, T = trained parameters, b
   ``stage3_max_live_parameters`` elements (the whole model when smaller), plus the prefetch bucket.
 - activations of one micro-batch of ``t`` tokens (a count of rows times prompt + response length, each row at
   its maximum; or a token budget, filled with full-length rows): without gradient checkpointing every layer
-  keeps ``t A`` (``layer_activation_bytes``); with it each layer keeps its input ``t h b`` and one layer is
-  recomputed at a time. A no-grad forward holds one layer's working set.
+  keeps ``t A`` (``layer_activation_bytes``), and backward holds one more layer's worth of gradients; with it
+  each layer keeps its input ``t h b`` and one layer is recomputed at a time. A no-grad forward holds one
+  layer's working set (``forward_working_bytes``). ``model.shared_prompt_forward`` runs each group's prompt once
+  (fewer tokens) and keeps its KV cache, indexed out to every row and concatenated with the responses'.
 - the log-prob head (``dsrl.engines.forward``): logits only for the response positions, ``rows x (R + 1) x V``
   in the model dtype; an update also holds their gradient and the slice's zero-padded gradient (three such
   tensors), plus a few float32 chunks of ``LOGIT_CHUNK_ELEMENTS``.
@@ -164,6 +166,11 @@ class ModelShape:
         h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
         model_dtype = 2 * h + 2 * h + 2 * (q + 2 * kv) + q + 4 * i
         return model_dtype * dtype_bytes + 2 * h * 4
+
+    def forward_working_bytes(self, dtype_bytes: int) -> int:
+        """Bytes one token holds at once in a no-grad forward: the residual stream and a norm's output, then the
+        larger of q, k, v and the MLP's gate, up and activation."""
+        return (2 * self.hidden + max(self.q_dim + 2 * self.kv_dim, 3 * self.intermediate)) * dtype_bytes
 
 
 def model_config_path(model_path: str) -> Path | None:
@@ -453,13 +460,16 @@ def activations(inputs: PlanInputs, micro: Pass, *, grad: bool, checkpointing: b
     rows = micro.sequences(P + R)
     tokens = -(-rows // inputs.n) * P + rows * R if shared else rows * (P + R)
     per_layer = shape.layer_activation_bytes(b)
-    cache = [Term("shared prompts' KV cache", rows * P * shape.kv_bytes_per_token(b), 0, f"{rows:,} rows x {P:,} prompt tokens")] if shared else []
+    # The prompts' cache indexed out to every row, then concatenated with the responses' keys and values.
+    cache_bytes = rows * (P + (P + R)) * shape.kv_bytes_per_token(b)
+    cache = [Term("shared prompts' KV cache", cache_bytes, 0, f"{rows:,} rows x (P + P + R) tokens")] if shared else []
     if not grad:
-        return [Term("activations (one layer, no grad)", tokens * (per_layer + 2 * shape.hidden * b), 0, f"{tokens:,} tokens"), *cache]
+        return [Term("activations (no grad)", tokens * shape.forward_working_bytes(b), 0, f"{tokens:,} tokens"), *cache]
     if checkpointing:
         size = tokens * (shape.layers * shape.hidden * b + per_layer)
         return [Term("activations (checkpointed)", size, 0, f"{tokens:,} tokens x (L x h + 1 layer)"), *cache]
-    return [Term("activations", tokens * shape.layers * per_layer, 0, f"{tokens:,} tokens x L layers"), *cache]
+    size = tokens * (shape.layers + 1) * per_layer  # + the gradients of the layer in backward
+    return [Term("activations", size, 0, f"{tokens:,} tokens x (L + 1) layers"), *cache]
 
 
 def log_prob_head(shape: ModelShape, micro: Pass, inputs: PlanInputs, *, grad: bool) -> Term:
@@ -578,6 +588,8 @@ def _rollout_terms(inputs: PlanInputs, device: Device) -> tuple[list[Term], KvBu
     copy = Term("HF rollout weights", weights, 0, f"{rb} B x P, a plain copy")
     awake = [copy,
              Term("HF rollout KV cache", prompts * per_prompt, 0, f"{rows:,} rows x {length:,} tokens per generate call"),
+             Term("HF rollout prefill", rows * inputs.prompt_length * s.forward_working_bytes(rb), 0,
+                  f"{rows:,} rows x {inputs.prompt_length:,} prompt tokens, no grad"),
              Term("HF rollout logits", 2 * rows * s.vocab * 4, 0, f"{rows:,} rows x vocab, float32")]  # fmt: skip
     asleep = [Term(copy.name + " (asleep)", 0, weights, "moved to the host between generations")] if on_device else [copy]
     return awake, KvBudget(prompts * inputs.n * length, needed, length), asleep
