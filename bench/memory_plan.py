@@ -15,9 +15,11 @@ so that the resident set follows the live tensors. The plan's figure for a phase
 (``Plan.need``): its device and host terms together, as on a CPU they are one memory. The error is
 ``(plan - measured) / measured``.
 
-Cases: the quickstart (``scripts/quickstart.sh``'s config: tiny model, ZeRO-3 with CPU offload), and the 97 M
-``make_tiny_model.py --wide`` model (``outputs/wide_model``) on the quickstart's config with a smaller batch
-(8 prompts x 4 responses, micro-batches of 16) under ZeRO-3 with offload, ZeRO-3 and ZeRO-2.
+Cases: the quickstart (``scripts/quickstart.sh``'s config: tiny model, ZeRO-3 with CPU offload); the 97 M
+``make_tiny_model.py --wide`` model (``outputs/wide_model``, vocabulary 100) on the quickstart's config with a
+smaller batch (8 prompts x 4 responses, micro-batches of 16) under ZeRO-3 with offload, ZeRO-3 and ZeRO-2; and
+SmolLM2-135M-Instruct (``scripts/import_gguf.py``, vocabulary 49,152: the log-prob head counts) the same way under
+ZeRO-3 with offload and ZeRO-2.
 """
 
 from __future__ import annotations
@@ -53,17 +55,20 @@ ONE_STEP = ["trainer.total_training_steps=1", "trainer.val_before_train=false", 
 WIDE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"]  # fmt: skip
-CASE_NAMES = ("quickstart", "wide-z3-offload", "wide-z3", "wide-z2")
+SETUPS = {"z3-offload": "zero3_offload", "z3": "zero3", "z2": "zero2"}
+CASE_NAMES = ("quickstart", *(f"wide-{setup}" for setup in SETUPS), "smollm2-z3-offload", "smollm2-z2")
 
 
-def case_args(case: str, tiny: str, wide: str, data: str) -> list[str]:
-    """The config of ``case``: files, then overrides (models and data at the given paths)."""
+def case_args(case: str, models: dict[str, str], data: str) -> list[str]:
+    """The config of ``case`` (``<model>-<setup>``, or the quickstart): files, then overrides, with the models
+    (``tiny``, ``wide``, ``smollm2``) and the arithmetic data at the given paths."""
     files = [f"data.train_files={data}/train.parquet", f"data.val_files={data}/test.parquet"]
     if case == "quickstart":
-        return [*QUICKSTART, *files, f"actor_rollout_ref.model.path={tiny}"]
-    setup = {"wide-z3-offload": "zero3_offload", "wide-z3": "zero3", "wide-z2": "zero2"}[case]
-    return [*QUICKSTART, *files, f"actor_rollout_ref.model.path={wide}", *WIDE,
-            f"actor_rollout_ref.actor.deepspeed_config={setup}"]  # fmt: skip
+        return [*QUICKSTART, *files, f"actor_rollout_ref.model.path={models['tiny']}"]
+    model, setup = case.split("-", 1)
+    longer = ["data.max_prompt_length=64"] if model == "smollm2" else []  # its chat template (README's SmolLM2 run)
+    return [*QUICKSTART, *files, f"actor_rollout_ref.model.path={models[model]}", *WIDE, *longer,
+            f"actor_rollout_ref.actor.deepspeed_config={SETUPS[setup]}"]  # fmt: skip
 
 
 # The trainer's phase names and the plan's.
@@ -149,10 +154,10 @@ def cpu_plan(args: list[str]):
     return plan_for_config(cfg, 1, detect_device())
 
 
-def measure_table(cases: list[str], tiny: str, wide: str, data: str) -> list[dict]:
+def measure_table(cases: list[str], models: dict[str, str], data: str) -> list[dict]:
     rows = []
     for case in cases:
-        args = case_args(case, tiny, wide, data)
+        args = case_args(case, models, data)
         plan = cpu_plan(args)
         measured = measure(case, args)
         for phase in plan.phases:
@@ -227,6 +232,7 @@ def main() -> int:
     parser.add_argument("--cases", default=",".join(CASE_NAMES))
     parser.add_argument("--model", default="./outputs/tiny_model", help="the quickstart's model directory")
     parser.add_argument("--wide-model", default="./outputs/wide_model", help="make_tiny_model.py --wide's directory")
+    parser.add_argument("--smollm2", default="./outputs/smollm2", help="scripts/import_gguf.py's directory")
     parser.add_argument("--data", default="./outputs/data/arithmetic", help="prepare_data.py --task arithmetic's")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -235,7 +241,8 @@ def main() -> int:
     if args.what == "measure":
         os.environ["DS_ACCELERATOR"] = "cpu"  # the plan's device: this machine's memory, as the runs'
         print(f"{'case':16} {'phase':14} {'plan MiB':>10} {'measured MiB':>12} {'error':>8}")
-        rows = measure_table(args.cases.split(","), args.model, args.wide_model, args.data)
+        models = {"tiny": args.model, "wide": args.wide_model, "smollm2": args.smollm2}
+        rows = measure_table(args.cases.split(","), models, args.data)
     elif args.what == "estimators":
         rows = estimator_table()
     else:

@@ -404,6 +404,8 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
 
 @dataclass(frozen=True)
 class Term:
+    """One line of a phase: bytes per rank on the device and on the host, and how they were counted."""
+
     name: str
     device: int = 0
     host: int = 0
@@ -488,6 +490,8 @@ def log_prob_head(shape: ModelShape, micro: Pass, inputs: PlanInputs, *, grad: b
 
 @dataclass(frozen=True)
 class Phase:
+    """One phase of a step: every term a rank holds during it."""
+
     name: str
     terms: list[Term]
     asleep: str  # what sleeps or was moved off the device in this phase
@@ -519,6 +523,8 @@ class KvBudget:
 
 @dataclass(frozen=True)
 class Plan:
+    """Per-rank phases of a run on a device, and its rollout's KV budget."""
+
     inputs: PlanInputs
     device: Device
     phases: list[Phase]
@@ -535,7 +541,7 @@ class Plan:
         return [phase for phase in self.phases if self.need(phase) > self.device.bytes]
 
 
-def _trained_states(inputs: PlanInputs, device: Device) -> tuple[list[Term], list[Term]]:
+def _trained_states(inputs: PlanInputs) -> tuple[list[Term], list[Term]]:
     """The actor's and the critic's resident states."""
     s, b, N = inputs.shape, inputs.dtype_bytes, inputs.world_size
     actor = model_states("actor", inputs.actor, s.parameters(), inputs.actor_trained, b, N)
@@ -568,7 +574,8 @@ def _rollout_terms(inputs: PlanInputs, device: Device) -> tuple[list[Term], KvBu
     if inputs.rollout == "vllm":
         reserved = int(inputs.gpu_memory_utilization * device.bytes)
         kv_bytes = max(0, reserved - weights // tp - VLLM_RESERVE_BYTES)
-        kv = KvBudget(kv_bytes // max(1, s.kv_bytes_per_token(rb) // tp), needed, length)
+        # Each of the engine's tp ranks keeps its share of the KV heads (at least one: fewer heads are replicated).
+        kv = KvBudget(kv_bytes // kv_bytes_per_token(s.layers, max(1, s.kv_heads // tp), s.head_dim, rb), needed, length)
         awake = [Term("vLLM weights", weights // tp, 0, f"{rb} B x P / TP {tp}"),
                  Term("vLLM KV cache", kv_bytes, 0, f"gpu_memory_utilization {inputs.gpu_memory_utilization}"),
                  Term("vLLM working memory", min(VLLM_RESERVE_BYTES, reserved), 0, "activation peak, CUDA graphs: unverified on GPU")]  # fmt: skip
@@ -598,7 +605,7 @@ def _rollout_terms(inputs: PlanInputs, device: Device) -> tuple[list[Term], KvBu
 def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
     """The per-rank, per-phase plan of ``inputs`` on ``device``."""
     s, b = inputs.shape, inputs.dtype_bytes
-    actor, critic = _trained_states(inputs, device)
+    actor, critic = _trained_states(inputs)
     ref = model_states("ref", inputs.ref, s.parameters(), 0, b, inputs.world_size) if inputs.ref else []
     rollout_awake, kv, rollout_asleep = _rollout_terms(inputs, device)
     static = inputs.rollout == "vllm" and not inputs.sleep_mode
