@@ -36,6 +36,7 @@ from dsrl.config import SCHEMA, ConfigError, describe_keys, load_and_validate, t
 from dsrl.console import logger, setup_logging
 from dsrl.launch import LaunchError, RendezvousError, join
 from dsrl.memory_plan import (
+    GIB,
     Device,
     PlanError,
     detect_device,
@@ -199,10 +200,12 @@ def where_stopped(err: Interrupted) -> str:
             "(trainer.resume_mode=auto resumes from the newest checkpoint, if any)")
 
 
-def check_memory_plan(cfg, world_size: int, args: argparse.Namespace, where: str) -> int:
+def check_memory_plan(cfg, world_size: int, args: argparse.Namespace, where: str, rank: int) -> int:
     """``--plan`` and ``--validate-only``: the memory plan (``dsrl.memory_plan``), printed with ``--plan``, and
-    ``trainer.memory_plan_check``: exit code 2 (error) or a warning (warn) per phase that exceeds the device."""
+    ``trainer.memory_plan_check``: exit code 2 (error) or a warning (warn) per phase that exceeds the device.
+    Every rank of a launcher decides alike; rank 0 prints."""
     check = cfg.trainer.memory_plan_check
+    first = rank == 0
     if check == "ignore" and not args.plan:
         return 0
     device = Device("cuda", args.device_memory, "--device-memory") if args.device_memory else detect_device()
@@ -216,17 +219,18 @@ def check_memory_plan(cfg, world_size: int, args: argparse.Namespace, where: str
     except PlanError as err:
         if args.plan:
             return refuse(f"{where}: no memory plan", [str(err)])
-        print(f"# memory plan: not checked: {err}", flush=True)  # after the YAML, as a comment
+        if first:
+            print(f"# memory plan: not checked: {err}", flush=True)  # after the YAML, as a comment
         return 0
     lines = plan_problems(plan) if check != "ignore" else []
-    if args.plan:
+    if first and args.plan:
         print(render(plan, f"{where} at world size {world_size}"), flush=True)
-    elif not lines:
-        print(f"# memory plan: every phase fits {device.bytes / 2**30:.1f} GiB ({device.kind}, {device.source}); "
+    elif first and not lines:
+        print(f"# memory plan: every phase fits {device.bytes / GIB:.1f} GiB ({device.kind}, {device.source}); "
               "dsrl-train --plan shows it", flush=True)  # fmt: skip
     if lines and check == "error":
         return refuse(f"{where}: {len(lines)} phase(s) of the memory plan exceed the device", lines)
-    for line in lines:  # warn: on stderr, as the refusal would be (stdout holds the YAML)
+    for line in lines if first else []:  # warn: on stderr, as the refusal would be (stdout holds the YAML)
         print(redact_text(f"dsrl: warning: {line}"), file=sys.stderr, flush=True)
     return 0
 
@@ -278,7 +282,7 @@ def main(argv: list[str]) -> int:
         checked = f"# validated for world size {world_size} ({source})\n"
         print(redact_text("".join(f"# note: {note}\n" for note in notes) + checked + to_yaml(cfg)), end="", flush=True)
     if checks_alone:
-        return check_memory_plan(cfg, int(world_size), args, where)
+        return check_memory_plan(cfg, int(world_size), args, where, rank)
     signals = RunSignals().install()  # before the trainer's imports: a Ctrl-C there is a stop like any other
     try:
         timeout = cfg.actor_rollout_ref.nccl_timeout if cfg is not None else None
