@@ -200,14 +200,14 @@ def where_stopped(err: Interrupted) -> str:
             "(trainer.resume_mode=auto resumes from the newest checkpoint, if any)")
 
 
-def check_memory_plan(cfg, world_size: int, args: argparse.Namespace, where: str, rank: int) -> int:
+def check_memory_plan(cfg, world_size: int, args: argparse.Namespace, where: str, rank: int) -> tuple[int, str]:
     """``--plan`` and ``--validate-only``: the memory plan (``dsrl.memory_plan``), printed with ``--plan``, and
     ``trainer.memory_plan_check``: exit code 2 (error) or a warning (warn) per phase that exceeds the device.
-    Every rank of a launcher decides alike; rank 0 prints."""
+    Returns the exit code and, for ``--validate-only``, the comment line to print after the config. Every rank
+    of a launcher decides alike; rank 0 prints."""
     check = cfg.trainer.memory_plan_check
-    first = rank == 0
     if check == "ignore" and not args.plan:
-        return 0
+        return 0, ""
     device = Device("cuda", args.device_memory, "--device-memory") if args.device_memory else detect_device()
     try:
         if device is None:
@@ -218,21 +218,18 @@ def check_memory_plan(cfg, world_size: int, args: argparse.Namespace, where: str
         plan = plan_for_config(cfg, world_size, device, args.model_config)
     except PlanError as err:
         if args.plan:
-            return refuse(f"{where}: no memory plan", [str(err)])
-        if first:
-            print(f"# memory plan: not checked: {err}", flush=True)  # after the YAML, as a comment
-        return 0
+            return refuse(f"{where}: no memory plan", [str(err)]), ""
+        return 0, f"# memory plan: not checked: {err}\n"
     lines = plan_problems(plan) if check != "ignore" else []
-    if first and args.plan:
+    if rank == 0 and args.plan:
         print(render(plan, f"{where} at world size {world_size}"), flush=True)
-    elif first and not lines:
-        print(f"# memory plan: every phase fits {device.bytes / GIB:.1f} GiB ({device.kind}, {device.source}); "
-              "dsrl-train --plan shows it", flush=True)  # fmt: skip
     if lines and check == "error":
-        return refuse(f"{where}: {len(lines)} phase(s) of the memory plan exceed the device", lines)
-    for line in lines if first else []:  # warn: on stderr, as the refusal would be (stdout holds the YAML)
+        return refuse(f"{where}: {len(lines)} phase(s) of the memory plan exceed the device", lines), ""
+    for line in lines if rank == 0 else []:  # warn: on stderr, as the refusal would be (stdout holds the YAML)
         print(redact_text(f"dsrl: warning: {line}"), file=sys.stderr, flush=True)
-    return 0
+    if lines:
+        return 0, f"# memory plan: {len(lines)} phase(s) exceed the device (trainer.memory_plan_check=warn)\n"
+    return 0, f"# memory plan: every phase fits {device.bytes / GIB:.1f} GiB ({device.kind}, {device.source}); dsrl-train --plan shows it\n"
 
 
 def show_keys(prefix: str) -> int:
@@ -278,11 +275,16 @@ def main(argv: list[str]) -> int:
     launched = not checks_alone and (int(world_size) > 1 or args.preflight)
     if problems and not launched:
         return refuse(f"{where}: {len(problems)} problem(s) in the configuration", problems)
-    if cfg is not None and rank == 0 and not args.preflight and not args.plan:  # the resolved config, once per run
+    planned = ""
+    if checks_alone:  # refused before the config is printed
+        code, planned = check_memory_plan(cfg, int(world_size), args, where, rank)
+        if code or args.plan:
+            return code
+    if cfg is not None and rank == 0 and not args.preflight:  # the resolved config, once per run
         checked = f"# validated for world size {world_size} ({source})\n"
-        print(redact_text("".join(f"# note: {note}\n" for note in notes) + checked + to_yaml(cfg)), end="", flush=True)
-    if checks_alone:
-        return check_memory_plan(cfg, int(world_size), args, where, rank)
+        print(redact_text("".join(f"# note: {note}\n" for note in notes) + checked + to_yaml(cfg) + planned), end="", flush=True)
+    if args.validate_only:
+        return 0
     signals = RunSignals().install()  # before the trainer's imports: a Ctrl-C there is a stop like any other
     try:
         timeout = cfg.actor_rollout_ref.nccl_timeout if cfg is not None else None

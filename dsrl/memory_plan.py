@@ -696,23 +696,28 @@ def _fits(inputs: PlanInputs, device: Device, phase_name: str) -> bool:
     return all(plan.need(p) <= device.bytes for p in plan.phases if p.name == phase_name)
 
 
-def _largest(inputs: PlanInputs, device: Device, phase: str, field: str) -> int | None:
-    """The largest micro-batch (rows, or token budget) of ``field`` (a Pass of ``inputs``) with which ``phase``
-    fits; None when not even the smallest does."""
-    current: Pass = getattr(inputs, field)
-    attr = "budget" if current.budget is not None else "rows"
-    smallest = inputs.prompt_length + inputs.response_length if attr == "budget" else 1
-    low, high = smallest, getattr(current, attr)
-
-    def fits(value: int) -> bool:
-        return _fits(dataclasses.replace(inputs, **{field: dataclasses.replace(current, **{attr: value})}), device, phase)
-
+def _largest(low: int, high: int, fits: Any) -> int | None:
+    """The largest value in ``[low, high]`` for which ``fits(value)`` holds (it holds for every smaller one too);
+    None when not even ``low`` does."""
     if not fits(low):
         return None
     while low < high:
         middle = (low + high + 1) // 2
         low, high = (middle, high) if fits(middle) else (low, middle - 1)
     return low
+
+
+def _largest_micro_batch(inputs: PlanInputs, device: Device, phase: str, field: str) -> int | None:
+    """The largest micro-batch (rows, or token budget) of ``field`` (a Pass of ``inputs``) with which ``phase``
+    fits; None when not even the smallest does."""
+    current: Pass = getattr(inputs, field)
+    attr = "budget" if current.budget is not None else "rows"
+    smallest = inputs.prompt_length + inputs.response_length if attr == "budget" else 1
+
+    def fits(value: int) -> bool:
+        return _fits(dataclasses.replace(inputs, **{field: dataclasses.replace(current, **{attr: value})}), device, phase)
+
+    return _largest(smallest, getattr(current, attr), fits)
 
 
 # The micro-batch keys of each phase: (count key, budget key, PlanInputs field).
@@ -728,8 +733,9 @@ _ROLE_KEYS = {"actor": "actor_rollout_ref.actor.deepspeed_config", "critic": "cr
 
 
 def fixes(plan: Plan, phase: Phase) -> list[str]:
-    """What makes ``phase`` fit, each checked against the plan: the largest micro-batch or budget that fits,
-    gradient checkpointing, offloading the engines' states, a lower ``gpu_memory_utilization``."""
+    """What makes ``phase`` fit, each checked against the plan: the largest micro-batch or budget that fits (or
+    prompts per generate call), gradient checkpointing, offloading the engines' states, a lower
+    ``gpu_memory_utilization``."""
     i, device = plan.inputs, plan.device
     found = []
     if phase.name == "rollout" and i.rollout == "vllm":
@@ -738,15 +744,24 @@ def fixes(plan: Plan, phase: Phase) -> list[str]:
         if utilization > 0:
             found.append(f"actor_rollout_ref.rollout.gpu_memory_utilization={int(utilization * 100) / 100} "
                          f"(leaves {kv_tokens_at(i, device, utilization):,} KV tokens)")  # fmt: skip
+    if phase.name == "rollout" and i.rollout == "hf":
+        prompts = _largest(1, i.hf_micro_batch, lambda k: _fits(dataclasses.replace(i, hf_micro_batch=k), device, "rollout"))
+        if prompts is not None and prompts < min(i.hf_micro_batch, i.prompts_per_rank):
+            found.append(f"actor_rollout_ref.rollout.micro_batch_size={prompts}")
     if phase.name in _MICRO_KEYS:
         count_key, budget_key, field = _MICRO_KEYS[phase.name]
-        largest = _largest(i, device, phase.name, field)
+        largest = _largest_micro_batch(i, device, phase.name, field)
         if largest is not None and largest < max(getattr(i, field).rows, getattr(i, field).budget or 0):
             found.append(f"{budget_key if getattr(i, field).budget is not None else count_key}={largest}")
-        gc = {"update_actor": ("actor_checkpointing", "actor_rollout_ref.model.enable_gradient_checkpointing"),
-              "update_critic": ("critic_checkpointing", "critic.model.enable_gradient_checkpointing")}.get(phase.name)  # fmt: skip
-        if gc and not getattr(i, gc[0]) and _fits(dataclasses.replace(i, **{gc[0]: True}), device, phase.name):
-            found.append(f"{gc[1]}=true")
+    if phase.name == "update_actor" and not i.actor_checkpointing:
+        # The config refuses gradient checkpointing beside shared prompt forwards.
+        changed = dataclasses.replace(i, actor_checkpointing=True, shared_prompts=False)
+        if _fits(changed, device, phase.name):
+            shared = " actor_rollout_ref.model.shared_prompt_forward=false" if i.shared_prompts else ""
+            found.append(f"actor_rollout_ref.model.enable_gradient_checkpointing=true{shared}")
+    critic_checkpointed = dataclasses.replace(i, critic_checkpointing=True)
+    if phase.name == "update_critic" and not i.critic_checkpointing and _fits(critic_checkpointed, device, phase.name):
+        found.append("critic.model.enable_gradient_checkpointing=true")
     for role, key in _ROLE_KEYS.items():
         zero = getattr(i, role)
         if zero is None or zero.offload_param:
