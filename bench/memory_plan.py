@@ -5,9 +5,10 @@ estimators, and every shipped recipe's plan on 8 x 141 GiB.
     python bench/memory_plan.py estimators      # model states vs DeepSpeed's estimators (meta-device models)
     python bench/memory_plan.py recipes         # every recipe at 8 x 141 GiB (the README's table)
 
-``measure`` runs one training step of each case in a fresh process on the CPU (``DS_ACCELERATOR=cpu``, one rank,
+``measure`` runs two training steps of each case in a fresh process on the CPU (``DS_ACCELERATOR=cpu``, one rank,
 no validation, console logging only) and records, per phase of the step (``dsrl.trainer``'s ``in_phase`` names:
-gen, old_log_prob, ref, values, update_critic, update_actor), the process's peak resident memory: the kernel's
+gen, old_log_prob, ref, values, update_critic, update_actor; the larger of the two steps' peaks, as the optimizer
+allocates its states in the first update), the process's peak resident memory: the kernel's
 high-water mark ``VmHWM``, reset when the phase starts (``/proc/self/clear_refs``) and read when it ends, minus
 the resident memory just before the actor engine is built (libraries, tokenizer, prompts: what the plan does not
 count). glibc is told to return every block above 64 KiB to the kernel when freed (``MALLOC_MMAP_THRESHOLD_``),
@@ -46,11 +47,14 @@ from dsrl.memory_plan import (
     model_states,
     plan_for_config,
     read_shape,
+    update_gradients,
 )
 
 MIB = 2**20
 QUICKSTART = ["configs/grpo.yaml", "configs/cpu.yaml", "configs/quickstart.yaml"]
-ONE_STEP = ["trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
+# Two steps: the optimizer allocates its states in the first update, so only the second step holds them all; each
+# phase's peak is the larger of its two.
+TWO_STEPS = ["trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
             "trainer.logger=[console]", "trainer.save_freq=-1", "trainer.resume_mode=disable"]  # fmt: skip
 WIDE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
@@ -132,13 +136,13 @@ def worker(out: Path, args: list[str]) -> int:
 
 
 def measure(case: str, args: list[str]) -> dict:
-    """Run ``args`` for one step in a fresh process; the phases' peaks above the baseline, in bytes."""
+    """Run ``args`` for two steps in a fresh process; the phases' peaks above the baseline, in bytes."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536",
                 "PYTHONPATH": f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"})  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "peaks.json"
-        overrides = [*ONE_STEP, f"trainer.default_local_dir={tmp}/run"]
+        overrides = [*TWO_STEPS, f"trainer.default_local_dir={tmp}/run"]
         result = subprocess.run([sys.executable, __file__, "worker", str(out), "--", *args, *overrides],
                                 cwd=REPO, env=env, capture_output=True, text=True, check=False)  # fmt: skip
         if result.returncode != 0:
@@ -154,12 +158,17 @@ def cpu_plan(args: list[str]):
     return plan_for_config(cfg, 1, detect_device())
 
 
-def measure_table(cases: list[str], models: dict[str, str], data: str) -> list[dict]:
+def measure_table(cases: list[str], models: dict[str, str], data: str, earlier: list[dict] | None) -> list[dict]:
+    """The table's rows; ``earlier``: the rows of a previous ``--json``, whose measurements are planned again
+    instead of measured."""
     rows = []
     for case in cases:
         args = case_args(case, models, data)
         plan = cpu_plan(args)
-        measured = measure(case, args)
+        if earlier is None:
+            measured = measure(case, args)
+        else:
+            measured = {row["phase"]: row["measured_mib"] * MIB for row in earlier if row["case"] == case}
         for phase in plan.phases:
             if phase.name not in measured:
                 continue
@@ -192,7 +201,7 @@ def estimator_table() -> list[dict]:
         planned = read_shape("", str(REPO / path)).parameters()
         for stage, offload in ((3, False), (3, True), (2, False), (2, True)):
             zero = Zero(stage, offload and stage == 3, offload, offload, 0, 0, 0, 0, "fp32")
-            terms = model_states("actor", zero, planned, planned, 2, world)
+            terms = model_states("actor", zero, planned, planned, 2, world) + update_gradients("actor", zero, planned, 2, world)
             device, host = sum(t.device for t in terms), sum(t.host for t in terms)
             if stage == 3:
                 cpu, gpu, _ = estimate_zero3_model_states_mem_needs(total, largest, world, 1, offload, offload, True, 1.0)
@@ -234,7 +243,8 @@ def main() -> int:
     parser.add_argument("--wide-model", default="./outputs/wide_model", help="make_tiny_model.py --wide's directory")
     parser.add_argument("--smollm2", default="./outputs/smollm2", help="scripts/import_gguf.py's directory")
     parser.add_argument("--data", default="./outputs/data/arithmetic", help="prepare_data.py --task arithmetic's")
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=Path, help="write the rows there")
+    parser.add_argument("--replan", type=Path, help="measure: plan the measurements of this earlier --json again")
     args = parser.parse_args()
     if args.what == "worker":
         return worker(Path(args.rest[0]), args.rest[1:])
@@ -242,7 +252,8 @@ def main() -> int:
         os.environ["DS_ACCELERATOR"] = "cpu"  # the plan's device: this machine's memory, as the runs'
         print(f"{'case':16} {'phase':14} {'plan MiB':>10} {'measured MiB':>12} {'error':>8}")
         models = {"tiny": args.model, "wide": args.wide_model, "smollm2": args.smollm2}
-        rows = measure_table(args.cases.split(","), models, args.data)
+        earlier = json.loads(args.replan.read_text()) if args.replan else None
+        rows = measure_table(args.cases.split(","), models, args.data, earlier)
     elif args.what == "estimators":
         rows = estimator_table()
     else:

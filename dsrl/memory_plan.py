@@ -12,9 +12,9 @@ Terms (bytes per rank; N = world size, P = parameters, T = trained parameters, b
 ``actor_rollout_ref.model.dtype``, g = bytes of the JSON's ``data_types.grad_accum_dtype`` (b when absent)):
 
 - parameters: ZeRO-3 keeps ``b P / N`` (on the host under ``offload_param``), stages 0-2 the whole ``b P``.
-- gradients: ZeRO-3 its partition buffer ``g T / N`` (on the host under ``offload_optimizer``); stages 1-2 the
-  factors of DeepSpeed's own estimator, ``b T / N`` plus ``4 T / N`` fp32 (the fp32 part on the host under
-  ``offload_optimizer``).
+- gradients: ZeRO-3 its partition buffer ``g T / N`` (on the host under ``offload_optimizer``), allocated once;
+  stages 1-2 the factors of DeepSpeed's own estimator, ``b T / N`` plus ``4 T / N`` fp32 (the fp32 part on the host
+  under ``offload_optimizer``), in the update only: the optimizer step frees them.
 - master weights ``4 T / N`` and Adam's two moments ``8 T / N`` (on the host under ``offload_optimizer``); a
   float32 model under ZeRO-3 without optimizer offload trains its partition in place (no separate master copy).
 - DeepSpeed buffers: the reduce bucket (``reduce_bucket_size`` elements, contiguous gradients), stage 2's
@@ -413,7 +413,9 @@ class Term:
 
 
 def model_states(role: str, zero: Zero, params: int, trained: int, b: int, N: int) -> list[Term]:
-    """The resident states of a DeepSpeed engine (``trained`` 0: the reference, no optimizer)."""
+    """The resident states of a DeepSpeed engine (``trained`` 0: the reference, no optimizer). ZeRO-3's gradient
+    partition is allocated once and stays; the gradients of stages 1-2 live in the update only
+    (``update_gradients``)."""
     stage3 = zero.stage == 3
     pinned = " (pinned)" if zero.pinned else ""
     lp = b * params // N if stage3 else b * params
@@ -426,13 +428,21 @@ def model_states(role: str, zero: Zero, params: int, trained: int, b: int, N: in
     if stage3:
         g = DTYPE_BYTES[zero.grad_accum_dtype] if zero.grad_accum_dtype else b
         terms.append(Term(f"{role} gradients", *where(g * trained // N), f"{g} B x T / {N} partition{pinned if oo else ''}"))
-    else:
-        terms.append(Term(f"{role} gradients", b * trained // N, 0, f"{b} B x T / {N}"))
-        terms.append(Term(f"{role} fp32 gradients", *where(4 * trained // N), f"4 B x T / {N}"))
     if not (stage3 and b == 4 and not oo):  # else the fp32 partition itself is trained in place
         terms.append(Term(f"{role} fp32 master weights", *where(4 * trained // N), f"4 B x T / {N}"))
     terms.append(Term(f"{role} Adam moments", *where(8 * trained // N), f"8 B x T / {N}"))
     return terms
+
+
+def update_gradients(role: str, zero: Zero, trained: int, b: int, N: int) -> list[Term]:
+    """The gradients ZeRO-1/2 hold from an update's backward until its optimizer step frees them (DeepSpeed's
+    estimator's factors: the partition in the model dtype and in fp32, the latter on the host under
+    ``offload_optimizer``); none under ZeRO-3, whose partition is resident (``model_states``)."""
+    if zero.stage == 3 or not trained:
+        return []
+    fp32 = 4 * trained // N
+    return [Term(f"{role} gradients", b * trained // N, 0, f"{b} B x T / {N}"),
+            Term(f"{role} fp32 gradients", *((0, fp32) if zero.offload_optimizer else (fp32, 0)), f"4 B x T / {N}")]  # fmt: skip
 
 
 def working_buffers(role: str, zero: Zero, params: int, b: int, *, trains: bool, touched_only: bool) -> list[Term]:
@@ -633,8 +643,10 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
             terms.append(log_prob_head(s, micro, inputs, grad=False))
         return Phase(name, terms, rollout_note)
 
-    def update_phase(name: str, role: str, zero: Zero, micro: Pass, params: int, checkpointing: bool, head: bool) -> Phase:
+    def update_phase(name: str, role: str, zero: Zero, micro: Pass, params: int, trained: int, checkpointing: bool,
+                     head: bool) -> Phase:  # fmt: skip
         terms = resident + rollout_asleep + working_buffers(role, zero, params, b, trains=True, touched_only=not on_gpu)
+        terms += update_gradients(role, zero, trained, b, inputs.world_size)
         terms += activations(inputs, micro, grad=True, checkpointing=checkpointing, shared=head and inputs.shared_prompts)
         if head:
             terms.append(log_prob_head(s, micro, inputs, grad=True))
@@ -649,8 +661,9 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
         backbone = s.parameters(lm_head=False)
         phases.append(forward_phase("values", "critic", inputs.critic, inputs.critic_values, backbone, False))
         phases.append(update_phase("update_critic", "critic", inputs.critic, inputs.critic_update, backbone,
-                                   inputs.critic_checkpointing, False))  # fmt: skip
-    phases.append(update_phase("update_actor", "actor", inputs.actor, inputs.update, s.parameters(), inputs.actor_checkpointing, True))
+                                   backbone + s.hidden + 1, inputs.critic_checkpointing, False))  # fmt: skip
+    phases.append(update_phase("update_actor", "actor", inputs.actor, inputs.update, s.parameters(), inputs.actor_trained,
+                               inputs.actor_checkpointing, True))  # fmt: skip
     return Plan(inputs, device, phases, kv)
 
 

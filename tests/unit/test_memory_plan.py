@@ -22,6 +22,7 @@ from dsrl.memory_plan import (
     plan_memory,
     plan_problems,
     read_shape,
+    update_gradients,
 )
 from tests.conftest import QUICKSTART, recipe, run_train_without_torch
 
@@ -61,7 +62,10 @@ def test_offload_moves_zero3_states_to_the_host_and_zero2_keeps_full_parameters_
     assert sum(host for _, host in offloaded.values()) == 18 * P // 8
     stage2 = totals(model_states("actor", zero(2), P, P, 2, 8))
     assert stage2["parameters"] == (2 * P, 0)  # stages 0-2 replicate the weights
+    assert "gradients" not in stage2  # the optimizer step frees them: only an update holds them
+    stage2 |= totals(update_gradients("actor", zero(2), P, 2, 8))
     assert sum(device for device, _ in stage2.values()) == 2 * P + 18 * P // 8  # DeepSpeed's estimator's factors
+    assert update_gradients("actor", zero(3), P, 2, 8) == []
     half_offloaded = totals(model_states("actor", zero(2, offload_optimizer=True), P, P, 2, 8))
     assert half_offloaded["Adam moments"] == (0, 8 * P // 8) and half_offloaded["parameters"] == (2 * P, 0)
 
