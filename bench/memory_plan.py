@@ -200,8 +200,10 @@ def estimator_table() -> list[dict]:
         largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
         planned = read_shape("", str(REPO / path)).parameters()
         for stage, offload in ((3, False), (3, True), (2, False), (2, True)):
-            zero = Zero(stage, offload and stage == 3, offload, offload, 0, 0, 0, 0, "fp32")
-            terms = model_states("actor", zero, planned, planned, 2, world) + update_gradients("actor", zero, planned, 2, world)
+            zero = Zero(stage, offload and stage == 3, offload, offload, 0, 0, 0, "fp32")
+            terms = model_states("actor", zero, planned, planned, 2, world)
+            if stage != 3:  # the update's gradients; ZeRO-3's partition is resident (its step's copy is not counted)
+                terms += update_gradients("actor", zero, planned, 2, world)
             device, host = sum(t.device for t in terms), sum(t.host for t in terms)
             if stage == 3:
                 cpu, gpu, _ = estimate_zero3_model_states_mem_needs(total, largest, world, 1, offload, offload, True, 1.0)

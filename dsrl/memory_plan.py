@@ -17,9 +17,10 @@ Terms (bytes per rank; N = world size, P = parameters, T = trained parameters, b
   under ``offload_optimizer``), in the update only: the optimizer step frees them.
 - master weights ``4 T / N`` and Adam's two moments ``8 T / N`` (on the host under ``offload_optimizer``); a
   float32 model under ZeRO-3 without optimizer offload trains its partition in place (no separate master copy).
-- DeepSpeed buffers: the reduce bucket (``reduce_bucket_size`` elements, contiguous gradients), stage 2's
-  all-gather bucket, and under ZeRO-3 the parameters gathered while the engine runs: at most
-  ``stage3_max_live_parameters`` elements (the whole model when smaller), plus the prefetch bucket.
+- DeepSpeed buffers: the reduce bucket (``reduce_bucket_size`` elements, contiguous gradients), kept by a
+  trained engine; under ZeRO-3 the gathered parameters, at most
+  ``stage3_max_live_parameters`` elements (the whole model when smaller) plus the prefetch bucket, held from the
+  engine's first pass of a step on (on a CPU from the step before: only a GPU's generation empties them).
 - activations of one micro-batch of ``t`` tokens (a count of rows times prompt + response length, each row at
   its maximum; or a token budget, filled with full-length rows): without gradient checkpointing every layer
   keeps ``t A`` (``layer_activation_bytes``), and backward holds one more layer's worth of gradients; with it
@@ -67,9 +68,9 @@ VLLM_RESERVE_BYTES = 2 * GIB
 # DeepSpeed's defaults for the ZeRO keys the plan reads, where the JSON leaves them out.
 ZERO_DEFAULTS = {
     "reduce_bucket_size": 500_000_000,
-    "allgather_bucket_size": 500_000_000,
     "stage3_prefetch_bucket_size": 50_000_000,
     "stage3_max_live_parameters": 1_000_000_000,
+    "sub_group_size": 1_000_000_000,
 }
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # "all-linear"
 
@@ -253,10 +254,10 @@ class Zero:
     offload_optimizer: bool
     pinned: bool
     reduce_bucket: int
-    allgather_bucket: int
     prefetch_bucket: int
     max_live_parameters: int
     grad_accum_dtype: str | None
+    sub_group_size: int = ZERO_DEFAULTS["sub_group_size"]  # ZeRO-3 steps the optimizer this many elements at a time
 
     @classmethod
     def from_json(cls, ds: dict[str, Any]) -> Zero:
@@ -272,10 +273,10 @@ class Zero:
             offload_optimizer=offloaded("offload_optimizer"),
             pinned=pinned,
             reduce_bucket=int(zero["reduce_bucket_size"]),
-            allgather_bucket=int(zero["allgather_bucket_size"]),
             prefetch_bucket=int(zero["stage3_prefetch_bucket_size"]),
             max_live_parameters=int(zero["stage3_max_live_parameters"]),
             grad_accum_dtype=ds.get("data_types", {}).get("grad_accum_dtype"),
+            sub_group_size=int(zero["sub_group_size"]),
         )
 
     def describe(self) -> str:
@@ -435,32 +436,39 @@ def model_states(role: str, zero: Zero, params: int, trained: int, b: int, N: in
 
 
 def update_gradients(role: str, zero: Zero, trained: int, b: int, N: int) -> list[Term]:
-    """The gradients ZeRO-1/2 hold from an update's backward until its optimizer step frees them (DeepSpeed's
-    estimator's factors: the partition in the model dtype and in fp32, the latter on the host under
-    ``offload_optimizer``); none under ZeRO-3, whose partition is resident (``model_states``)."""
-    if zero.stage == 3 or not trained:
+    """The gradients an update holds beyond the resident states until its optimizer step frees them: ZeRO-1/2's
+    (DeepSpeed's estimator's factors: the partition in the model dtype and in fp32), ZeRO-3's float32 copy of
+    one sub-group of its partition, which the optimizer step reads; the fp32 part on the host under
+    ``offload_optimizer``."""
+    if not trained:
         return []
-    fp32 = 4 * trained // N
-    return [Term(f"{role} gradients", b * trained // N, 0, f"{b} B x T / {N}"),
-            Term(f"{role} fp32 gradients", *((0, fp32) if zero.offload_optimizer else (fp32, 0)), f"4 B x T / {N}")]  # fmt: skip
 
+    def where(size: int) -> tuple[int, int]:
+        return (0, size) if zero.offload_optimizer else (size, 0)
 
-def working_buffers(role: str, zero: Zero, params: int, b: int, *, trains: bool, touched_only: bool) -> list[Term]:
-    """DeepSpeed's device buffers while the engine runs: gathered ZeRO-3 parameters, buckets. ``touched_only``
-    (a CPU): a bucket counts only as far as the model fills it, as pages never written are not resident."""
-
-    def bucket(elements: int) -> int:
-        return b * (min(elements, params) if touched_only else elements)
-
-    terms = []
     if zero.stage == 3:
-        live = min(params, zero.max_live_parameters + zero.prefetch_bucket)
-        terms.append(Term(f"{role} gathered parameters", b * live, 0, "ZeRO-3 live parameters + prefetch"))
-    if trains:
-        terms.append(Term(f"{role} reduce bucket", bucket(zero.reduce_bucket), 0, f"{zero.reduce_bucket:,} elements"))
-        if zero.stage in (1, 2):
-            terms.append(Term(f"{role} all-gather bucket", bucket(zero.allgather_bucket), 0, f"{zero.allgather_bucket:,} elements"))
-    return terms
+        elements = min(trained // N, zero.sub_group_size)
+        return [Term(f"{role} fp32 gradient copy", *where(4 * elements), "4 B x min(T / N, sub_group_size), optimizer step")]
+    return [Term(f"{role} gradients", b * trained // N, 0, f"{b} B x T / {N}"),
+            Term(f"{role} fp32 gradients", *where(4 * trained // N), f"4 B x T / {N}")]
+
+
+def buckets(role: str, zero: Zero, params: int, b: int, *, touched_only: bool) -> list[Term]:
+    """A trained engine's reduce bucket (contiguous gradients), allocated once and kept. ``touched_only`` (a CPU):
+    it counts only as far as the model fills it (pages never written are not resident). Stage 2's all-gather
+    bucket only chunks a collective into the parameters themselves: nothing kept."""
+    elements = min(zero.reduce_bucket, params) if touched_only else zero.reduce_bucket
+    return [Term(f"{role} reduce bucket", b * elements, 0, f"{zero.reduce_bucket:,} elements")]
+
+
+def gathered(role: str, zero: Zero, params: int, b: int) -> list[Term]:
+    """ZeRO-3's gathered parameters: at most ``stage3_max_live_parameters`` plus the prefetch bucket. They stay
+    gathered after the engine ran (within the reuse distance) until the colocation empties the partition cache
+    before a generation, which it does on a GPU only."""
+    if zero.stage != 3:
+        return []
+    live = min(params, zero.max_live_parameters + zero.prefetch_bucket)
+    return [Term(f"{role} gathered parameters", b * live, 0, "ZeRO-3 live parameters + prefetch")]
 
 
 def activations(inputs: PlanInputs, micro: Pass, *, grad: bool, checkpointing: bool, shared: bool) -> list[Term]:
@@ -616,11 +624,21 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
     """The per-rank, per-phase plan of ``inputs`` on ``device``."""
     s, b = inputs.shape, inputs.dtype_bytes
     actor, critic = _trained_states(inputs)
+    on_gpu = device.kind == "cuda"
+    actor += buckets("actor", inputs.actor, s.parameters(), b, touched_only=not on_gpu)
+    if critic:
+        critic += buckets("critic", inputs.critic, s.parameters(lm_head=False), b, touched_only=not on_gpu)
     ref = model_states("ref", inputs.ref, s.parameters(), 0, b, inputs.world_size) if inputs.ref else []
     rollout_awake, kv, rollout_asleep = _rollout_terms(inputs, device)
     static = inputs.rollout == "vllm" and not inputs.sleep_mode
-    on_gpu = device.kind == "cuda"
     resident = actor + critic + ref
+    engines = {"actor": gathered("actor", inputs.actor, s.parameters(), b)}
+    if inputs.ref is not None:
+        engines["ref"] = gathered("ref", inputs.ref, s.parameters(), b)
+    if inputs.critic is not None:
+        engines["critic"] = gathered("critic", inputs.critic, s.parameters(lm_head=False), b)
+    # On a CPU every engine's gathered parameters stay from the step before; on a GPU they come back as each runs.
+    live = {} if on_gpu else dict(engines)
 
     phases = []
     if on_gpu and not static:
@@ -630,39 +648,40 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
         during_gen = resident
         asleep = "nothing moves (" + ("vLLM keeps its memory for good)" if static else "a CPU: device and host are one memory)")
     push = [Term("weight push bucket", min(PUSH_BUCKET_BYTES, s.parameters() * b), 0, "full tensors gathered for the push")]
-    phases.append(Phase("rollout", during_gen + rollout_awake + push, asleep))
+    phases.append(Phase("rollout", during_gen + sum(live.values(), []) + rollout_awake + push, asleep))
 
     rollout_note = ("vLLM awake (no sleep mode)" if static else
                     f"rollout asleep (level {inputs.sleep_level})" if inputs.rollout == "vllm" else
                     "HF rollout copy on the host" if on_gpu else "HF rollout copy resident")  # fmt: skip
 
-    def forward_phase(name: str, role: str, zero: Zero, micro: Pass, params: int, head: bool) -> Phase:
-        terms = resident + rollout_asleep + working_buffers(role, zero, params, b, trains=False, touched_only=not on_gpu)
+    def running(role: str) -> list[Term]:
+        live[role] = engines[role]
+        return sum(live.values(), [])
+
+    def forward_phase(name: str, role: str, micro: Pass, head: bool) -> Phase:
+        terms = resident + rollout_asleep + running(role)
         terms += activations(inputs, micro, grad=False, checkpointing=False, shared=head and inputs.shared_prompts)
         if head:
             terms.append(log_prob_head(s, micro, inputs, grad=False))
         return Phase(name, terms, rollout_note)
 
-    def update_phase(name: str, role: str, zero: Zero, micro: Pass, params: int, trained: int, checkpointing: bool,
-                     head: bool) -> Phase:  # fmt: skip
-        terms = resident + rollout_asleep + working_buffers(role, zero, params, b, trains=True, touched_only=not on_gpu)
-        terms += update_gradients(role, zero, trained, b, inputs.world_size)
+    def update_phase(name: str, role: str, zero: Zero, micro: Pass, trained: int, checkpointing: bool, head: bool) -> Phase:
+        terms = resident + rollout_asleep + running(role) + update_gradients(role, zero, trained, b, inputs.world_size)
         terms += activations(inputs, micro, grad=True, checkpointing=checkpointing, shared=head and inputs.shared_prompts)
         if head:
             terms.append(log_prob_head(s, micro, inputs, grad=True))
         return Phase(name, terms, rollout_note)
 
     if inputs.old_log_prob is not None:
-        phases.append(forward_phase("old_log_prob", "actor", inputs.actor, inputs.old_log_prob, s.parameters(), True))
-    if inputs.ref_pass is not None:
-        role, zero = ("ref", inputs.ref) if inputs.ref is not None else ("actor", inputs.actor)
-        phases.append(forward_phase("ref", role, zero, inputs.ref_pass, s.parameters(), True))
+        phases.append(forward_phase("old_log_prob", "actor", inputs.old_log_prob, True))
+    if inputs.ref_pass is not None:  # with LoRA, the actor with its adapters off
+        phases.append(forward_phase("ref", "ref" if inputs.ref is not None else "actor", inputs.ref_pass, True))
     if inputs.critic is not None:
         backbone = s.parameters(lm_head=False)
-        phases.append(forward_phase("values", "critic", inputs.critic, inputs.critic_values, backbone, False))
-        phases.append(update_phase("update_critic", "critic", inputs.critic, inputs.critic_update, backbone,
-                                   backbone + s.hidden + 1, inputs.critic_checkpointing, False))  # fmt: skip
-    phases.append(update_phase("update_actor", "actor", inputs.actor, inputs.update, s.parameters(), inputs.actor_trained,
+        phases.append(forward_phase("values", "critic", inputs.critic_values, False))
+        phases.append(update_phase("update_critic", "critic", inputs.critic, inputs.critic_update, backbone + s.hidden + 1,
+                                   inputs.critic_checkpointing, False))  # fmt: skip
+    phases.append(update_phase("update_actor", "actor", inputs.actor, inputs.update, inputs.actor_trained,
                                inputs.actor_checkpointing, True))  # fmt: skip
     return Plan(inputs, device, phases, kv)
 

@@ -33,7 +33,7 @@ H200 = Device("cuda", 141 * GIB, "test")
 
 
 def zero(stage, *, offload_param=False, offload_optimizer=False, grad_accum_dtype="fp32"):
-    return Zero(stage, offload_param, offload_optimizer, False, 50_000_000, 50_000_000, 50_000_000, 10**9, grad_accum_dtype)
+    return Zero(stage, offload_param, offload_optimizer, False, 50_000_000, 50_000_000, 10**9, grad_accum_dtype)
 
 
 def totals(terms):
@@ -65,7 +65,7 @@ def test_offload_moves_zero3_states_to_the_host_and_zero2_keeps_full_parameters_
     assert "gradients" not in stage2  # the optimizer step frees them: only an update holds them
     stage2 |= totals(update_gradients("actor", zero(2), P, 2, 8))
     assert sum(device for device, _ in stage2.values()) == 2 * P + 18 * P // 8  # DeepSpeed's estimator's factors
-    assert update_gradients("actor", zero(3), P, 2, 8) == []
+    assert totals(update_gradients("actor", zero(3), P, 2, 8)) == {"fp32 gradient copy": (4 * P // 8, 0)}  # the step's
     half_offloaded = totals(model_states("actor", zero(2, offload_optimizer=True), P, P, 2, 8))
     assert half_offloaded["Adam moments"] == (0, 8 * P // 8) and half_offloaded["parameters"] == (2 * P, 0)
 
