@@ -80,7 +80,7 @@ LONG |= {
     "tests/unit/test_memory_plan.py runs the quickstart's --plan",
     "python bench/memory_plan.py recipes": "bench/ is not in the scratch checkout; tests/unit/test_memory_plan.py plans "
     "the recipes",
-    "OMP_NUM_THREADS=1 python bench/memory_plan.py measure": "trains four one-step runs (~4 min); "
+    "OMP_NUM_THREADS=1 python bench/memory_plan.py measure": "trains six two-step runs (~10 min); "
     "tests/integration/test_memory_plan_measured.py measures the quickstart",
 }
 TRAINS = {"python scripts/train.py configs/ppo.yaml configs/cpu.yaml", SMOLLM2_RUN, LORA_CPU}
