@@ -648,7 +648,7 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
         during_gen = resident
         asleep = "nothing moves (" + ("vLLM keeps its memory for good)" if static else "a CPU: device and host are one memory)")
     push = [Term("weight push bucket", min(PUSH_BUCKET_BYTES, s.parameters() * b), 0, "full tensors gathered for the push")]
-    phases.append(Phase("rollout", during_gen + sum(live.values(), []) + rollout_awake + push, asleep))
+    phases.append(Phase("rollout", during_gen + [t for terms in live.values() for t in terms] + rollout_awake + push, asleep))
 
     rollout_note = ("vLLM awake (no sleep mode)" if static else
                     f"rollout asleep (level {inputs.sleep_level})" if inputs.rollout == "vllm" else
@@ -656,7 +656,7 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
 
     def running(role: str) -> list[Term]:
         live[role] = engines[role]
-        return sum(live.values(), [])
+        return [t for terms in live.values() for t in terms]
 
     def forward_phase(name: str, role: str, micro: Pass, head: bool) -> Phase:
         terms = resident + rollout_asleep + running(role)
