@@ -21,7 +21,7 @@ def test_the_quickstart_plan_is_within_tolerance_of_each_measured_phase(tiny_mod
     result = subprocess.run(
         [sys.executable, str(REPO / "bench" / "memory_plan.py"), "measure", "--cases", "quickstart", "--json", str(out),
          "--model", str(tiny_model_dir), "--data", str(arithmetic_data)],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=600,
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=600, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     rows = json.loads(out.read_text())
