@@ -37,6 +37,7 @@ from dsrl.config.schema import (
     KL_KINDS,
     LENGTH_WEIGHTED_ESTIMATORS,
     LOGGERS,
+    MEMORY_PLAN_CHECKS,
     LOSS_AGG_MODES,
     LR_SCHEDULES,
     MODEL_DTYPES,
@@ -1250,6 +1251,12 @@ def _trainer_rules(cfg: Config, need: Need) -> None:
         "set it to [console,mlflow] and open the runs with `mlflow ui`, or [console]",
     )
     need(trainer.total_epochs >= 1, "trainer.total_epochs", "must be >= 1", "set it to 1")
+    need(
+        trainer.memory_plan_check in MEMORY_PLAN_CHECKS,
+        "trainer.memory_plan_check",
+        f"must be one of {', '.join(MEMORY_PLAN_CHECKS)}",
+        "set it to warn to see the plan's excess without refusing, or ignore",
+    )
     need(
         trainer.total_training_steps is None or trainer.total_training_steps >= 1,
         "trainer.total_training_steps",
