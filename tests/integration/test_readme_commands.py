@@ -72,6 +72,12 @@ LONG |= {
     "OMP_NUM_THREADS=1 python scripts/compare_lora.py --model wide --steps 2 --arms full,lora": "builds a 97M model and "
     "trains it twice (~6 min)",
 }
+CONVERT = "dsrl-convert checkpoints/dsrl/my_run/global_step_100"
+LONG |= {
+    f"{CONVERT} {rest}": "needs a run's checkpoint; tests/integration/test_convert.py converts those of real runs"
+    for rest in ("outputs/step100", "outputs/adapter100 --adapter-only", "outputs/value100 --role critic",
+                 "outputs/universal100 --universal")
+}
 TRAINS = {"python scripts/train.py configs/ppo.yaml configs/cpu.yaml", SMOLLM2_RUN, LORA_CPU}
 GSM8K_HUB = "python scripts/prepare_data.py --task gsm8k"
 # README commands run with a change, and why.
