@@ -72,7 +72,8 @@ def test_the_actor_converts_to_the_trainers_export_bit_for_bit(ppo_run, tmp_path
     trainer, root = ppo_run
     result = convert_without_launcher(step_dir(root, 2), tmp_path / "step2")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.startswith(f"{tmp_path / 'step2'}: the actor as a Hugging Face model in bfloat16")
+    last_line = result.stdout.splitlines()[-1]  # after DeepSpeed's note on the accelerator it picked
+    assert last_line.startswith(f"{tmp_path / 'step2'}: the actor as a Hugging Face model in bfloat16")
     moved = shutil.copytree(trainer.cfg.actor_rollout_ref.model.path, tmp_path / "moved_base")  # the base moved away
     assert main([str(step_dir(root, 1)), str(tmp_path / "step1"), "--model-path", str(moved)]) == 0
     for step in (1, 2):
@@ -122,9 +123,12 @@ def test_universal_form_holds_each_roles_fp32_weights(ppo_run, tmp_path):
     for role in ("actor", "critic"):
         master = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint / role), tag="ds")
         saved = tmp_path / "universal" / role / "ds" / "zero"
-        assert sorted(p.name for p in saved.iterdir()) == sorted(master)
+        first_names = {}  # a tied weight is one parameter under its first name (the actor's LM head: the embedding)
         for name, tensor in master.items():
-            assert torch.equal(torch.load(saved / name / "fp32.pt", weights_only=False)["param"], tensor), name
+            first_names.setdefault(id(tensor), name)
+        assert sorted(p.name for p in saved.iterdir() if p.is_dir()) == sorted(first_names.values())
+        for name in first_names.values():  # ZeRO-3's fp32.pt: the tensor alone, flat
+            assert torch.equal(torch.load(saved / name / "fp32.pt"), master[name].flatten()), name
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -169,15 +173,7 @@ def test_a_damaged_checkpoint_or_a_missing_part_is_refused_in_one_line(ppo_run, 
     assert not out.exists()
 
 
-def test_a_refusal_exits_2_with_one_line(tiny_model_dir, tmp_path):
-    """The exit code and the one line of the command in a process of its own (a model directory given)."""
-    result = convert_without_launcher(tiny_model_dir, tmp_path / "out")
-    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert "is a Hugging Face model already (config.json, no trainer_state.json)" in result.stderr
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", ["zero3_offload", "zero2"])
+@pytest.mark.parametrize("stage", ["zero3_offload", pytest.param("zero2", marks=pytest.mark.slow)])
 def test_lora_converts_to_the_trainers_merged_model_and_adapter_bit_for_bit(
     stage, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
 ):
