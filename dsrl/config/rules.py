@@ -71,7 +71,7 @@ from dsrl.config.schema import (
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def _model_path_problem(path: str) -> Optional[str]:
+def model_path_problem(path: str) -> Optional[str]:
     """None if ``path`` is an existing directory or looks like a hub id owner/name that is not a local path."""
     if Path(path).expanduser().is_dir() or (_HUB_ID.match(path) and not Path(path).exists()):
         return None
@@ -1008,7 +1008,7 @@ def _file_rules(cfg: Config, need: Need) -> None:
         if _is_missing(cfg, key):
             continue
         path = OmegaConf.select(cfg, key)
-        problem = _model_path_problem(path)
+        problem = model_path_problem(path)
         out = "" if Path(path) == Path("outputs", "tiny_model") else f" --out {path}"  # the script's default, or --out
         need(
             problem is None,

@@ -54,7 +54,8 @@ def test_the_wheel_ships_the_recipes_and_the_deepspeed_configs(installed):
         assert f"dsrl/ds_configs/{ds_config.name}" in names
     assert "dsrl/__main__.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "dsrl-train = dsrl.cli:run" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    commands = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "dsrl-train = dsrl.cli:run" in commands and "dsrl-convert = dsrl.convert:main" in commands
 
 
 @pytest.mark.parametrize("command", ["dsrl-train", "python -m dsrl"])

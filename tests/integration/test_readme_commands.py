@@ -83,6 +83,12 @@ LONG |= {
     "OMP_NUM_THREADS=1 python bench/memory_plan.py measure": "trains six two-step runs (~10 min); "
     "tests/integration/test_memory_plan_measured.py measures the quickstart",
 }
+CONVERT = "dsrl-convert checkpoints/dsrl/my_run/global_step_100"
+LONG |= {
+    f"{CONVERT} {rest}": "needs a run's checkpoint; tests/integration/test_convert.py converts those of real runs"
+    for rest in ("outputs/step100", "outputs/adapter100 --adapter-only", "outputs/value100 --role critic",
+                 "outputs/universal100 --universal")
+}
 TRAINS = {"python scripts/train.py configs/ppo.yaml configs/cpu.yaml", SMOLLM2_RUN, LORA_CPU}
 GSM8K_HUB = "python scripts/prepare_data.py --task gsm8k"
 # README commands run with a change, and why.
