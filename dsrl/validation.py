@@ -67,7 +67,9 @@ def validation_sampling(cfg, seed: int) -> SamplingParams:
     )
 
 
-def shard_chunks(prompts: Sequence, rank: int, world_size: int, chunk_size: int | None) -> list[tuple[Sequence, int, int]]:
+def shard_chunks(
+    prompts: Sequence, rank: int, world_size: int, chunk_size: int | None
+) -> list[tuple[Sequence, int, int]]:
     """This rank's chunks as ``(records, first_group_id, real prompts)``: ``prompts[rank::world]`` cut into chunks of
     ``chunk_size`` prompts (None: one chunk), as many on every rank (``ceil(N / world)`` prompts at most); a chunk
     past the end of this rank's share holds the first prompt as a filler and 0 real prompts. Group ids count the
@@ -102,7 +104,8 @@ def score_chunks(
         ):
             index = rank + world_size * shard_row
             texts = (scoring.prompt_text(batch, i), scores.responses[i]) if index < texts_below else None
-            rows.append(ScoredResponse(index, source, score, {name: values[i] for name, values in scores.extras.items()}, texts))
+            extras = {name: values[i] for name, values in scores.extras.items()}
+            rows.append(ScoredResponse(index, source, score, extras, texts))
     return rows, failures
 
 

@@ -13,7 +13,8 @@ from tests.integration.test_evaluate import PROMPTS, check_report, common, run_e
 pytestmark = pytest.mark.dist
 
 
-def test_two_ranks_report_what_one_process_does(tiny_model_dir, arithmetic_data, deepspeed_cpu_ops, free_port, tmp_path):
+def test_two_ranks_report_what_one_process_does(tiny_model_dir, arithmetic_data, deepspeed_cpu_ops, free_port,
+                                                tmp_path):
     args = [str(tiny_model_dir), *common(arithmetic_data), "--batch-size", "2", "--no-mlflow"]
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
     reports = {}

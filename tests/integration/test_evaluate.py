@@ -22,7 +22,7 @@ mlflow = pytest.importorskip("mlflow")
 PROMPTS = 5
 
 
-def run_eval(args: list[str], store: str, *, launcher: list[str] = (), timeout: int = 300) -> subprocess.CompletedProcess:
+def run_eval(args: list[str], store: str, *, launcher=(), timeout: int = 300) -> subprocess.CompletedProcess:
     """``dsrl-eval args`` as this checkout runs it (``python -m dsrl.evaluate``, the installed command's function), in
     a process of its own (under ``launcher``, e.g. the deepspeed runner's arguments before ``--module``)."""
     env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
@@ -46,8 +46,10 @@ def check_report(report: dict, n: int, correct) -> None:
         assert prompt["correct"] == sum(map(correct, prompt["responses"]))
         assert prompt["pass"] == {f"pass@{k}": pytest.approx(pass_at_k(n, prompt["correct"], k)) for k in pass_sizes(n)}
     for k in pass_sizes(n):
-        assert metrics[f"eval/arithmetic/pass@{k}"] == pytest.approx(sum(p["pass"][f"pass@{k}"] for p in prompts) / PROMPTS)
-    assert metrics[f"val-core/arithmetic/reward/mean@{n}"] == pytest.approx(sum(p[f"mean@{n}"] for p in prompts) / PROMPTS)
+        average = sum(p["pass"][f"pass@{k}"] for p in prompts) / PROMPTS
+        assert metrics[f"eval/arithmetic/pass@{k}"] == pytest.approx(average)
+    average = sum(p[f"mean@{n}"] for p in prompts) / PROMPTS
+    assert metrics[f"val-core/arithmetic/reward/mean@{n}"] == pytest.approx(average)
     assert model["score"] == metrics["eval/score"] == metrics[f"val-core/arithmetic/reward/mean@{n}"]
     rows = [(p["index"], r) for p in prompts for r in p["responses"]]
     extras = sorted(set(rows[0][1]) - {"response", "score"})
@@ -55,7 +57,8 @@ def check_report(report: dict, n: int, correct) -> None:
         ["arithmetic"] * len(rows), [index for index, _ in rows],
         {"reward": [r["score"] for _, r in rows], **{name: [r[name] for _, r in rows] for name in extras}},
     )
-    assert {k: v for k, v in metrics.items() if k.startswith(("val-core/", "val-aux/arithmetic/"))} == pytest.approx(expected)
+    validation = {k: v for k, v in metrics.items() if k.startswith(("val-core/", "val-aux/arithmetic/"))}
+    assert validation == pytest.approx(expected)
 
 
 def common(arithmetic_data) -> list[str]:
@@ -94,7 +97,8 @@ def test_the_mlflow_run_holds_params_metrics_and_the_generations(sampled, tmp_pa
     assert run.data.params["actor_rollout_ref.rollout.val_kwargs.n"] == "2"
     assert run.data.metrics["eval/score"] == pytest.approx(report["models"][0]["score"])
     assert "eval/arithmetic/pass_at_2" in run.data.metrics  # MLflow's name for pass@2
-    table = json.loads(Path(client.download_artifacts(run.info.run_id, "generations/eval.json", str(tmp_path))).read_text())
+    downloaded = client.download_artifacts(run.info.run_id, "generations/eval.json", str(tmp_path))
+    table = json.loads(Path(downloaded).read_text())
     responses = [r["response"] for p in report["models"][0]["prompts"] for r in p["responses"]]
     assert [row[table["columns"].index("response")] for row in table["data"]] == responses
     assert (out / "reward_workers_rank0.log").exists()  # the reward workers' output, beside the report

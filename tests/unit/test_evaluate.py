@@ -64,7 +64,8 @@ def test_paired_bootstrap_interval_matches_the_normal_approximation_and_its_seed
     difference, low, high = paired_bootstrap(differences, ["a"] * 200, seed=7)
     half_width = 1.96 * differences.std() / math.sqrt(200)
     assert difference == pytest.approx(differences.mean())
-    assert low == pytest.approx(difference - half_width, abs=0.01) and high == pytest.approx(difference + half_width, abs=0.01)
+    assert low == pytest.approx(difference - half_width, abs=0.01)
+    assert high == pytest.approx(difference + half_width, abs=0.01)
     assert paired_bootstrap(differences, ["a"] * 200, seed=7) == (difference, low, high)  # seeded
     assert paired_bootstrap(differences, ["a"] * 200, seed=8) != (difference, low, high)
     assert BOOTSTRAP_SAMPLES == 10_000
@@ -114,7 +115,8 @@ def config_of(argv: list[str]):
 
 def test_a_training_recipe_evaluates_whatever_its_training_keys_say(inputs, tmp_path):
     # configs/cpu.yaml names outputs/ files that need not exist; the training keys are not read
-    cfg = config_of([str(inputs / "model"), "--data", str(inputs / "test.parquet"), *sum((["--config", f] for f in recipe("ppo")), []),
+    ppo_on_cpu = [flag for file in recipe("ppo") for flag in ("--config", file)]
+    cfg = config_of([str(inputs / "model"), "--data", str(inputs / "test.parquet"), *ppo_on_cpu,
                      "--n", "4", "--temperature", "0.7", "data.train_files=missing.parquet"])
     val = cfg.actor_rollout_ref.rollout.val_kwargs
     assert (val.n, val.temperature, val.do_sample) == (4, 0.7, True)
