@@ -21,7 +21,7 @@ from dsrl.evaluate import (
     reads,
 )
 from dsrl.metrics import validation_metrics
-from dsrl.validation import ScoredResponse
+from dsrl.validation import ScoredResponse, shard_chunks
 from tests.conftest import recipe, write_model_stub, write_parquet_stub
 
 
@@ -158,3 +158,10 @@ def test_one_or_two_models():
 def test_vllm_without_the_package_is_refused_before_anything_loads(inputs):
     with pytest.raises(ConfigError, match="the vllm package is not installed here; fix: pip install 'dsrl\\[vllm\\]'"):
         config_of([str(inputs / "model"), "--data", str(inputs / "test.parquet"), "--engine", "vllm"])
+
+
+def test_every_rank_gets_as_many_chunks_and_a_filler_where_its_share_ends():
+    prompts = list("abcde")  # 5 prompts over 2 ranks, chunks of 2: rank 0 holds a c e, rank 1 b d
+    assert shard_chunks(prompts, 0, 2, 2) == [(["a", "c"], 0, 2), (["e"], 2, 1)]
+    assert shard_chunks(prompts, 1, 2, 2) == [(["b", "d"], 0, 2), (["a"], 2, 0)]  # "a": a filler, not scored
+    assert shard_chunks(prompts, 0, 1, None) == [(prompts, 0, 5)]
