@@ -3,7 +3,7 @@
     dsrl-eval outputs/tiny_model --data outputs/data/arithmetic/test.parquet --config cpu --n 4 --temperature 1.0
     dsrl-eval MODEL --data test.parquet --n 16 --temperature 1.0 --reward-file my_reward.py:score --out report.json
     dsrl-eval MODEL_A MODEL_B --data test.parquet --n 16 --temperature 1.0      # A/B: the difference and its CI
-    deepspeed --num_gpus 8 --module dsrl.evaluate MODEL --data test.parquet --engine vllm   # prompts over 8 ranks
+    deepspeed --num_gpus 8 --module dsrl.evaluate MODEL --data test.parquet --num-responses 16 --temperature 1.0
 
 The settings are a run config's (``dsrl.config``): the defaults, then ``--config`` files (a training recipe, so the
 evaluation uses its prompt template, lengths, reward and ``val_kwargs``), then ``key=value`` overrides, then the
@@ -259,7 +259,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "config's)")
     parser.add_argument("--config", action="append", default=[], metavar="YAML",
                         help="a run config or shipped recipe name (e.g. cpu), merged left to right; repeatable")
-    parser.add_argument("--n", type=int, help="actor_rollout_ref.rollout.val_kwargs.n: responses per prompt")
+    parser.add_argument("--n", "--num-responses", dest="n", type=int,
+                        help="actor_rollout_ref.rollout.val_kwargs.n: responses per prompt (under the deepspeed launcher "
+                        "or torchrun, whose own options take --n for theirs, write --num-responses)")
     parser.add_argument("--temperature", type=float,
                         help="val_kwargs.temperature, and val_kwargs.do_sample = (temperature > 0); 0 is greedy")
     parser.add_argument("--top-p", type=float, help="val_kwargs.top_p")
