@@ -199,10 +199,55 @@ def build_rollout(cfg):
     )
 
 
-def evaluate_model(cfg, scorer, tokenizer, prompts, *, threshold: float) -> ModelResult:
-    """Generate for this rank's share of the prompts and score it; the rows gathered, and the results, on every rank.
-    Collective."""
-    import torch
+def next_rollout(cfg, previous):
+    """The rollout engine for the model of ``cfg``: vLLM's of the previous model with this model's weights pushed into
+    it, as the trainer pushes the actor's (one vLLM engine per process: tearing one down ends the process group);
+    else a new engine, the previous one released first."""
+    if previous is not None and cfg.actor_rollout_ref.rollout.name == "vllm":
+        from transformers import AutoModelForCausalLM
+
+        from dsrl.rollout.hf import DTYPES
+
+        model = cfg.actor_rollout_ref.model
+        weights = AutoModelForCausalLM.from_pretrained(
+            model.path, dtype=DTYPES[cfg.actor_rollout_ref.rollout.dtype or model.dtype],
+            trust_remote_code=model.trust_remote_code,
+        )
+        previous.update_weights(weights.named_parameters())
+        return previous
+    if previous is not None:
+        import torch
+
+        del previous  # before the next model loads
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return build_rollout(cfg)
+
+
+def same_architecture_problems(paths: list[str], tokenizers: list, trust_remote_code: bool) -> list[str]:
+    """Why the second model's weights cannot be pushed into the first model's vLLM engine: another architecture or
+    shape (``config.json``), or another vocabulary; [] when they can."""
+    from transformers import AutoConfig
+
+    shape_keys = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+    a, b = (AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).to_dict() for path in paths)
+    differ = [key for key in shape_keys if a.get(key) != b.get(key)]
+    if tokenizers[0].get_vocab() != tokenizers[1].get_vocab():
+        differ.append("the tokenizer's vocabulary")
+    if not differ:
+        return []
+    return [
+        f"actor_rollout_ref.rollout.name=vllm: the two models differ in {', '.join(differ)}, and with vLLM the second "
+        "model's weights are pushed into the first's engine (one vLLM engine per process); fix: --engine hf, or "
+        "evaluate them in two runs"
+    ]
+
+
+def evaluate_model(cfg, rollout, scorer, tokenizer, prompts, *, threshold: float, load_s: float) -> ModelResult:
+    """Generate for this rank's share of the prompts with ``rollout`` (``load_s``: the seconds it took to get it) and
+    score it; the rows gathered, and the results, on every rank. Collective."""
     import torch.distributed as dist
 
     from dsrl.scoring import StepScorer
@@ -212,10 +257,7 @@ def evaluate_model(cfg, scorer, tokenizer, prompts, *, threshold: float) -> Mode
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     sampling = validation_sampling(cfg, cfg.trainer.seed + rank)  # the trainer's validation seed before training
-    timing = {}
-    start = time.perf_counter()
-    rollout = build_rollout(cfg)
-    timing["timing_s/load"] = time.perf_counter() - start
+    timing = {"timing_s/load": load_s}
     start = time.perf_counter()
     batches = []
     for records, first_group_id, real in shard_chunks(prompts, rank, world_size, cfg.data.val_batch_size):
@@ -223,10 +265,6 @@ def evaluate_model(cfg, scorer, tokenizer, prompts, *, threshold: float) -> Mode
         out = rollout.generate(batch.prompt_ids, batch.prompt_mask, sampling)
         batches.append((with_responses(batch, out, sampling.n), real * sampling.n))
     timing["timing_s/gen"] = time.perf_counter() - start
-    del rollout  # before the next model loads
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     start = time.perf_counter()
     scoring = StepScorer(cfg, scorer, tokenizer)
     rows, failures = score_chunks(batches, scoring, rank=rank, world_size=world_size, texts_below=len(prompts))
@@ -260,8 +298,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config", action="append", default=[], metavar="YAML",
                         help="a run config or shipped recipe name (e.g. cpu), merged left to right; repeatable")
     parser.add_argument("--n", "--num-responses", dest="n", type=int,
-                        help="actor_rollout_ref.rollout.val_kwargs.n: responses per prompt (under the deepspeed launcher "
-                        "or torchrun, whose own options take --n for theirs, write --num-responses)")
+                        help="actor_rollout_ref.rollout.val_kwargs.n: responses per prompt (under the deepspeed "
+                        "launcher or torchrun, whose own options take --n for theirs, write --num-responses)")
     parser.add_argument("--temperature", type=float,
                         help="val_kwargs.temperature, and val_kwargs.do_sample = (temperature > 0); 0 is greedy")
     parser.add_argument("--top-p", type=float, help="val_kwargs.top_p")
@@ -421,6 +459,10 @@ def evaluate(args: argparse.Namespace) -> int:
                 "(data.filter_overlong_prompts drops the long ones), so the prompts cannot be paired; fix: raise "
                 "--max-prompt-length, or set data.filter_overlong_prompts=false with data.truncation=left"
             )
+        if len(loaded) == 2 and cfg.actor_rollout_ref.rollout.name == "vllm":
+            problems += same_architecture_problems(
+                args.models, [tokenizer for tokenizer, _ in loaded], cfg.actor_rollout_ref.model.trust_remote_code
+            )
         check_reward_rules({"data.val_files": loaded[0][1]}, custom_path=cfg.custom_reward_function.path,
                            math_verify_sources=cfg.reward.math_verify_sources)
         log = None if args.out is None else args.out.parent / f"reward_workers_rank{rank}.log"
@@ -443,9 +485,13 @@ def evaluate(args: argparse.Namespace) -> int:
     status = "FAILED"
     try:
         tracker.log_params(eval_params(cfg, args.models))
-        results = []
+        results, rollout = [], None
         for model_cfg, (tokenizer, prompts) in zip(configs, loaded):
-            results.append(evaluate_model(model_cfg, scorer, tokenizer, prompts, threshold=args.correct_threshold))
+            start = time.perf_counter()
+            rollout = next_rollout(model_cfg, rollout)
+            load_s = time.perf_counter() - start
+            results.append(evaluate_model(model_cfg, rollout, scorer, tokenizer, prompts,
+                                          threshold=args.correct_threshold, load_s=load_s))
         if rank == 0:
             report = write_outputs(args, cfg, results, tracker)
             for result in results:
