@@ -24,7 +24,7 @@ What compare adds to every run, so that every config logs the same measurements:
   grow, so the runs must share ``actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`` (``--quick`` sets it).
 - A config without a KL loss gets ``actor_rollout_ref.actor.use_kl_loss=true`` with ``kl_loss_coef=0.0``: the
   reference model loads (the initial policy: ``actor_rollout_ref.model.path``, or the LoRA actor with its
-  adapters off) and ``actor/kl_loss`` measures KL(policy || initial policy) each step without changing the update
+  adapters off, which is the initial policy unless ``lora_adapter_path`` gave a starting adapter) and ``actor/kl_loss`` measures KL(policy || initial policy) each step without changing the update
   (its gradient is multiplied by 0). It is the ``kl_loss_type`` estimator (default ``low_var_kl``, k3) averaged
   over the step's response tokens before the update, on the step's own samples; a config that has a KL loss
   keeps its coefficient and type (the report names the type of each).
@@ -419,3 +419,7 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> None:
     """The ``dsrl-compare`` console script."""
     sys.exit(main())
+
+
+if __name__ == "__main__":  # python -m dsrl.compare, the same as dsrl-compare
+    run()

@@ -20,6 +20,11 @@ and OTB's not) compare on it. The loss is the actor's whole loss: the policy los
 where the config has them. Defined with two or more micro-batches per optimizer step over all ranks (else not
 logged); like the other actor metrics, averaged over a step's optimizer steps. It grows as micro-batches shrink
 (roughly as 1 / their size), so runs compare at the same micro-batch size.
+
+verl's ``variance_proxy/*`` (``dsrl.metrics.variance_proxy_metrics``, logged where ``sum_pi_squared`` is computed)
+is another thing: per response, ``A^2`` times ``W = sum_t (1 - 2 pi_t + sum_v pi_v^2)``, the squared norm of the
+gradient of the token log-probs with respect to the logits, so an estimate from the logits standing in for the
+parameters' gradient, and its "pure noise" that power less the squared gradient norm over ``N - 1``.
 """
 
 from __future__ import annotations

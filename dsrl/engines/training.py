@@ -184,7 +184,7 @@ def run_ppo_updates(
             skips.record(applied=engine.was_step_applied(), loss=totals[loss_name], grad_norm=grad_norm)
             if grad_norms is not None:
                 variance, relative = grad_variance(
-                    totals.pop(SUM_SQUARED_OVER_SHARE, 0.0), totals.pop(SUM_SHARE_SQUARED, 1.0), grad_norm
+                    totals.pop(SUM_SQUARED_OVER_SHARE), totals.pop(SUM_SHARE_SQUARED), grad_norm
                 )
                 if math.isfinite(variance):
                     records.setdefault(f"{prefix}/grad_var", []).append(variance)

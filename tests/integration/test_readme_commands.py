@@ -72,6 +72,9 @@ LONG |= {
     "OMP_NUM_THREADS=1 python scripts/compare_lora.py --model wide --steps 2 --arms full,lora": "builds a 97M model and "
     "trains it twice (~6 min)",
 }
+LONG["OMP_NUM_THREADS=1 dsrl-compare grpo rloo opo otb --quick --seeds 1,2 --out outputs/compare"] = (
+    "trains 8 runs of 30 steps (~15 min); tests/integration/test_compare.py runs 2 configs x 2 seeds for a step"
+)
 TRAINS = {"python scripts/train.py configs/ppo.yaml configs/cpu.yaml", SMOLLM2_RUN, LORA_CPU}
 GSM8K_HUB = "python scripts/prepare_data.py --task gsm8k"
 # README commands run with a change, and why.
