@@ -1,6 +1,6 @@
 """The ``dsrl-compare`` command: algorithms on one task, several seeds each, as MLflow runs of one experiment, and a report.
 
-    dsrl-compare grpo rloo opo otb --quick --seeds 1,2 --out outputs/compare          # the tiny model, CPU, ~15 min
+    dsrl-compare grpo rloo opo otb --quick --seeds 1,2 --out outputs/compare          # the tiny model, CPU, ~13 min
     dsrl-compare grpo opo configs/my_otb.yaml --task my_task.yaml --steps 200 --seeds 1,2,3 --out compare/ \\
         data.train_batch_size=256                                                     # any configs, any task
 
@@ -38,9 +38,10 @@ initial policy and the entropy (``actor/entropy``, token-mean over the step's re
 quarter of the steps, and the gradient variance, absolute and relative, as the mean over all steps.
 
 ``--quick``: the CPU quickstart's task (``--task cpu quickstart``: the tiny model on two-number sums, built in
-``./outputs`` when missing as scripts/quickstart.sh does), 30 steps, validation every 10 steps on 100 prompts,
+``./outputs`` when missing as scripts/quickstart.sh does), 20 steps, validation every 5 steps on 100 prompts,
 micro-batches of 32 rows (8 per step: the quickstart's 32 prompts x 8 responses); ``--steps``, ``--val-every``,
-``--task`` and overrides given still win. Four configs x two seeds take about 15 minutes on two CPU cores.
+``--task`` and overrides given still win. Four configs x two seeds took 12.6 min of CPU time (one core at a
+time; 29 min of wall time on two cores shared with other jobs, load ~6): bench/compare_quick/.
 
 Exit codes: 0 done; 2 a bad argument or config (every config is validated before anything trains); 1 a run
 that failed (its log named).
@@ -65,7 +66,7 @@ from dsrl.config.loading import config_file_path
 from dsrl.tiny_runs import build_tiny_inputs, markdown_table, run_logged
 
 QUICK_TASK = ["cpu", "quickstart"]
-QUICK_STEPS, QUICK_VAL_EVERY = 30, 10
+QUICK_STEPS, QUICK_VAL_EVERY = 20, 5
 QUICK_OVERRIDES = [
     "actor_rollout_ref.actor.use_dynamic_bsz=false",  # OTB's recipe cuts by tokens: one micro-batch at this size
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
@@ -134,7 +135,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], l
         f"(--quick: {' '.join(QUICK_TASK)})",
     )
     parser.add_argument("--experiment", default="dsrl-compare", help="the MLflow experiment (default dsrl-compare)")
-    parser.add_argument("--quick", action="store_true", help="the tiny model on the CPU quickstart's task, 30 steps")
+    parser.add_argument("--quick", action="store_true", help=f"the tiny model on the CPU quickstart's task, {QUICK_STEPS} steps")
     args = parser.parse_intermixed_args(argv)
     try:
         configs, overrides = split_files_and_overrides(args.args)
