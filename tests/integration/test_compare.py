@@ -1,7 +1,8 @@
 """dsrl-compare end to end: real training runs of one step each (the untrained tiny model, a reward paying for
 digits so that gradients are not zero), then the report checked against the MLflow store the runs wrote: each
 run's numbers are its logged metrics, each summary their mean and t-interval over seeds. By default one config
-x 2 seeds (each run a process of its own, ~30 s on 2 cores); the issue's 2 configs x 2 seeds is slow-marked."""
+x 2 seeds (each run a process of its own: 70 s on 2 cores, the session's fixtures included); the issue's
+2 configs x 2 seeds (100 s) is slow-marked."""
 
 from __future__ import annotations
 
