@@ -379,6 +379,12 @@ class ActorConfig:
     calculate_sum_pi_squared: bool = _f(
         False, "also compute sum_v pi(v)^2 per token in the actor forward; optimal_token_baseline turns it on itself"
     )
+    measure_grad_variance: bool = _f(
+        False,
+        "log actor/grad_var and actor/grad_var_relative: the variance across micro-batches of the gradient each gives "
+        "(hooks measure every backward's gradient norm; dsrl/engines/grad_variance.py defines it). Needs two or more "
+        "micro-batches per optimizer step over all ranks, else nothing is logged (not in verl)",
+    )
     use_fused_kernels: bool = _f(
         False, "verl's fused log-prob kernels; dsrl has none (its chunked forward bounds logit memory), so only false"
     )
