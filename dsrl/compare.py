@@ -1,6 +1,6 @@
 """The ``dsrl-compare`` command: algorithms on one task, several seeds each, as MLflow runs of one experiment, and a report.
 
-    dsrl-compare grpo rloo opo otb --quick --seeds 1,2 --out outputs/compare          # the tiny model, CPU, ~13 min
+    dsrl-compare grpo rloo opo otb --quick --seeds 1,2 --out outputs/compare          # the tiny model, CPU, ~5 min
     dsrl-compare grpo opo configs/my_otb.yaml --task my_task.yaml --steps 200 --seeds 1,2,3 --out compare/ \\
         data.train_batch_size=256                                                     # any configs, any task
 
@@ -40,8 +40,8 @@ quarter of the steps, and the gradient variance, absolute and relative, as the m
 ``--quick``: the CPU quickstart's task (``--task cpu quickstart``: the tiny model on two-number sums, built in
 ``./outputs`` when missing as scripts/quickstart.sh does), 20 steps, validation every 5 steps on 100 prompts,
 micro-batches of 32 rows (8 per step: the quickstart's 32 prompts x 8 responses); ``--steps``, ``--val-every``,
-``--task`` and overrides given still win. Four configs x two seeds took 12.6 min of CPU time (one core at a
-time; 29 min of wall time on two cores shared with other jobs, load ~6): bench/compare_quick/.
+``--task`` and overrides given still win; the runs go one per CPU core (``--jobs``), each on one thread. Four
+configs x two seeds took 5.3 min on our idle 2-core machine: bench/compare_quick/.
 
 Exit codes: 0 done; 2 a bad argument or config (every config is validated before anything trains); 1 a run
 that failed (its log named).
@@ -57,6 +57,7 @@ import shlex
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,6 +137,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], l
     )
     parser.add_argument("--experiment", default="dsrl-compare", help="the MLflow experiment (default dsrl-compare)")
     parser.add_argument("--quick", action="store_true", help=f"the tiny model on the CPU quickstart's task, {QUICK_STEPS} steps")
+    parser.add_argument(
+        "--jobs", type=int, help="runs at a time (default 1; --quick: one per CPU core, each run one thread)",
+    )
     args = parser.parse_intermixed_args(argv)
     try:
         configs, overrides = split_files_and_overrides(args.args)
@@ -147,12 +151,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], l
     if len(set(args.seed_list)) != len(args.seed_list):
         parser.error(f"--seeds {args.seeds}: each seed once")
     if args.quick:
+        args.jobs = args.jobs or os.cpu_count() or 1
         args.steps = args.steps or QUICK_STEPS
         args.val_every = args.val_every or QUICK_VAL_EVERY
         args.task = QUICK_TASK if args.task is None else args.task
         overrides = [*QUICK_OVERRIDES, *overrides]
     if args.steps is None or args.steps < 1:
         parser.error("--steps N (N >= 1) is required without --quick")
+    args.jobs = args.jobs or 1
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: must be >= 1")
     args.val_every = args.val_every or args.steps
     if args.val_every < 1:
         parser.error(f"--val-every {args.val_every}: must be >= 1")
@@ -327,7 +335,8 @@ def report_markdown(report: dict, args: argparse.Namespace, command: str, wall_s
         "",
         f"`{command}`",
         "",
-        f"{args.steps} steps per run, seeds {seeds}, validation every {args.val_every} steps; {wall_s / 60:.1f} min in all. "
+        f"{args.steps} steps per run, seeds {seeds}, validation every {args.val_every} steps; {wall_s / 60:.1f} min in all, "
+        f"{args.jobs} run(s) at a time. "
         f"MLflow experiment `{args.experiment}` in `{args.out / 'mlflow.db'}`.",
         "",
         markdown_table(rows),
@@ -381,23 +390,31 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # each run is a world of its own, whatever launched this command
-    started = time.perf_counter()
-    total = len(arms) * len(args.seed_list)
-    for i, (seed, arm) in enumerate(((s, a) for s in args.seed_list for a in arms), start=1):
-        name = f"{arm.label}-seed{seed}"
-        log = out / "runs" / f"{name}.log"
-        begin = time.perf_counter()
-        code, _ = run_logged([sys.executable, "-m", "dsrl", *arm.files, *run_overrides(arm, common, out, seed)],
-                             log, cwd=root, env=env)
-        print(f"[{i}/{total}] {name}: exit {code} in {time.perf_counter() - begin:.0f} s (log: {log})", flush=True)
-        if code != 0:
-            print(f"dsrl-compare: the run {name} failed (exit {code}); see {log}", file=sys.stderr)
-            return 1
-    wall_s = time.perf_counter() - started
-
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
+    if client.get_experiment_by_name(args.experiment) is None:
+        client.create_experiment(args.experiment)  # the store's tables exist before runs write to it side by side
+    started = time.perf_counter()
+    names = [f"{arm.label}-seed{seed}" for seed in args.seed_list for arm in arms]
+    commands = {f"{arm.label}-seed{seed}": [sys.executable, "-m", "dsrl", *arm.files,
+                                            *run_overrides(arm, common, out, seed)]
+                for seed in args.seed_list for arm in arms}  # fmt: skip
+
+    def train(name: str) -> int:
+        log, begin = out / "runs" / f"{name}.log", time.perf_counter()
+        code, _ = run_logged(commands[name], log, cwd=root, env=env)
+        print(f"{name}: exit {code} in {time.perf_counter() - begin:.0f} s (log: {log})", flush=True)
+        return code
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        codes = dict(zip(names, pool.map(train, names)))
+    failed = [name for name, code in codes.items() if code != 0]
+    if failed:
+        logs = ", ".join(f"{name} (exit {codes[name]}): {out / 'runs' / name}.log" for name in failed)
+        print(f"dsrl-compare: {len(failed)} run(s) failed; see {logs}", file=sys.stderr)
+        return 1
+    wall_s = time.perf_counter() - started
     experiment_id = client.get_experiment_by_name(args.experiment).experiment_id
     runs = {arm.label: {seed: read_run(client, experiment_id, f"{arm.label}-seed{seed}") for seed in args.seed_list}
             for arm in arms}
@@ -405,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "dsrl-compare " + shlex.join(argv if argv is not None else sys.argv[1:])
     (out / "report.json").write_text(json.dumps(json_ready({
         "command": command, "experiment": args.experiment, "tracking_uri": uri, "steps": args.steps,
-        "seeds": args.seed_list, "val_every": args.val_every, "wall_s": wall_s, "confidence": CONFIDENCE,
+        "seeds": args.seed_list, "val_every": args.val_every, "jobs": args.jobs, "wall_s": wall_s, "confidence": CONFIDENCE,
         "configs": report,
         "curves": {label: {str(seed): {"validation": run["validation"], **run["steps"]} for seed, run in by_seed.items()}
                    for label, by_seed in runs.items()},

@@ -169,34 +169,15 @@ def prompt_results(rows, records, *, n: int, threshold: float) -> tuple[list[dic
 
 
 def build_rollout(cfg):
-    """The rollout engine the trainer would build for ``actor_rollout_ref.model.path``, as a plain model: no LoRA
-    adapters (evaluate an exported, merged model), and vLLM without sleep mode (no training engine shares the
-    device)."""
-    model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
-    if rollout.name == "vllm":
+    """The rollout engine the trainer would build for ``cfg``; ``eval_config`` has switched LoRA and sleep mode off (an
+    exported model is merged, and no training engine shares the device)."""
+    if cfg.actor_rollout_ref.rollout.name == "vllm":
         from dsrl.rollout.vllm import VLLMRollout  # needs the vllm package
 
-        return VLLMRollout(
-            model.path,
-            dtype=rollout.dtype or model.dtype,
-            trust_remote_code=model.trust_remote_code,
-            tensor_parallel_size=rollout.tensor_model_parallel_size,
-            gpu_memory_utilization=rollout.gpu_memory_utilization,
-            max_model_len=rollout.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
-            enforce_eager=rollout.enforce_eager,
-            enable_sleep_mode=False,
-            seed=cfg.trainer.seed,
-            per_prompt_seeds=rollout.per_prompt_seeds,
-        )
+        return VLLMRollout.from_config(cfg)
     from dsrl.rollout import HFRollout
 
-    return HFRollout(
-        model.path,
-        dtype=model.dtype,
-        trust_remote_code=model.trust_remote_code,
-        micro_batch_size=rollout.micro_batch_size,
-        kv_cache_max_gb=rollout.kv_cache_max_gb,
-    )
+    return HFRollout.from_config(cfg)
 
 
 def next_rollout(cfg, previous):
@@ -350,9 +331,18 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     return overrides
 
 
+# A model scored alone: no adapters (evaluate an exported, merged model) and no sleep mode (nothing trains beside it).
+PLAIN_MODEL = [
+    "actor_rollout_ref.model.lora_rank=0",
+    "actor_rollout_ref.model.lora_adapter_path=null",
+    "actor_rollout_ref.rollout.enable_sleep_mode=false",
+]
+
+
 def eval_config(args: argparse.Namespace, model: str, world_size: int):
     """The config for ``model`` (ConfigError with the problems of the keys dsrl-eval reads)."""
-    overrides = [*args.overrides, *flag_overrides(args), f"actor_rollout_ref.model.path={json.dumps(model)}"]
+    overrides = [*args.overrides, *flag_overrides(args), f"actor_rollout_ref.model.path={json.dumps(model)}",
+                 *PLAIN_MODEL]  # fmt: skip
     cfg, _ = load_and_validate(args.config, overrides, world_size, reads=reads)
     problems = []
     if cfg.data.val_files is None:

@@ -90,8 +90,7 @@ LONG |= {
                  "outputs/universal100 --universal")
 }
 LONG["OMP_NUM_THREADS=1 dsrl-compare grpo rloo opo otb --quick --seeds 1,2 --out outputs/compare"] = (
-    "trains 8 runs of 20 steps (~13 min of CPU); tests/integration/test_compare.py runs 1 config x 2 seeds for a step "
-    "(2 x 2 under -m slow)"
+    "trains 8 runs of 20 steps (~5 min, two at a time); tests/integration/test_compare.py runs 2 configs x 2 seeds for a step"
 )
 TRAINS = {"python scripts/train.py configs/ppo.yaml configs/cpu.yaml", SMOLLM2_RUN, LORA_CPU}
 GSM8K_HUB = "python scripts/prepare_data.py --task gsm8k"

@@ -202,20 +202,21 @@ def test_plan_prints_every_phase_of_the_quickstart_per_rank_without_importing_to
     assert lines[-1].startswith("  KV cache: ")
 
 
-def test_validate_only_refuses_a_plan_over_the_device_unless_the_key_says_warn_or_ignore(arithmetic_data):
+def test_validate_only_refuses_a_plan_over_the_device_unless_the_key_says_warn_or_ignore(arithmetic_data, tmp_path):
     args = [*recipe("grpo"), f"data.train_files={arithmetic_data / 'train.parquet'}", "data.val_files=null",
+            "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct",  # a hub id: its shape from --model-config
             "--validate-only", "--device-memory", "1GiB", "--model-config", str(QWEN_05B)]  # fmt: skip
-    refused = run_train_without_torch(args)
+    refused = run_train_without_torch(args, HF_HUB_CACHE=str(tmp_path))
     assert refused.returncode == 2 and refused.stdout == ""  # refused before the config is printed
     assert "phase(s) of the memory plan exceed the device" in refused.stderr
     assert "  trainer.memory_plan_check: phase update_actor needs " in refused.stderr
     assert "fix: " in refused.stderr
-    warned = run_train_without_torch([*args, "trainer.memory_plan_check=warn"])
+    warned = run_train_without_torch([*args, "trainer.memory_plan_check=warn"], HF_HUB_CACHE=str(tmp_path))
     assert warned.returncode == 0, warned.stderr
     assert "trainer.memory_plan_check: phase update_actor needs " in warned.stderr
-    off = run_train_without_torch([*args, "trainer.memory_plan_check=ignore"])
+    off = run_train_without_torch([*args, "trainer.memory_plan_check=ignore"], HF_HUB_CACHE=str(tmp_path))
     assert off.returncode == 0 and "memory_plan_check: phase" not in off.stderr
-    fits = run_train_without_torch([*args[:-4], "--device-memory", "141GiB", "--model-config", str(QWEN_05B)])
+    fits = run_train_without_torch([*args[:-3], "141GiB", "--model-config", str(QWEN_05B)], HF_HUB_CACHE=str(tmp_path))
     assert fits.returncode == 0 and "# memory plan: every phase fits 141.0 GiB (cuda, --device-memory)" in fits.stdout
 
 
@@ -241,8 +242,8 @@ def test_without_a_gpu_or_a_device_size_validate_only_notes_it_and_plan_asks_for
     """A machine without GPUs may be checking a config meant for them: it is not planned for its own memory unless
     DS_ACCELERATOR=cpu says the run is for the CPU."""
     args = [*recipe("grpo"), f"data.train_files={arithmetic_data / 'train.parquet'}", "data.val_files=null",
-            "--model-config", str(QWEN_05B)]  # fmt: skip
-    env = {"DS_ACCELERATOR": "", "PATH": str(tmp_path)}  # no nvidia-smi on the PATH
+            "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "--model-config", str(QWEN_05B)]  # fmt: skip
+    env = {"DS_ACCELERATOR": "", "PATH": str(tmp_path), "HF_HUB_CACHE": str(tmp_path)}  # no nvidia-smi on the PATH
     noted = run_train_without_torch([*args, "--validate-only", "--world-size", "2"], **env)
     assert noted.returncode == 0, noted.stderr
     assert "# memory plan: not checked: no GPU here (nvidia-smi) and DS_ACCELERATOR is not cpu; fix: " in noted.stdout
