@@ -365,6 +365,11 @@ def _stop_when_unwritable(tmp: Path, step: int) -> Iterator[None]:
 # ---- the Hugging Face model --------------------------------------------------------------------
 
 
+def _rank() -> int:
+    """This process's rank; 0 in a process without a process group (``dsrl.convert``, run without the launcher)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def _shards(named: Iterator[tuple[str, torch.Tensor]], max_shard_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
     shard: dict[str, torch.Tensor] = {}
     size = 0
@@ -389,9 +394,10 @@ def export_hf_model(
 
     Parameters are gathered from ZeRO-3 a bucket at a time; rank 0 keeps at most one shard and one
     bucket of full tensors, the other ranks one bucket. Written to a temporary directory renamed to
-    ``out`` when complete (an older ``out`` is replaced).
+    ``out`` when complete (an older ``out`` is replaced). A process without a process group is rank 0 of
+    one (``dsrl.convert`` exports a checkpoint's model so, without the launcher).
     """
-    rank = dist.get_rank()
+    rank = _rank()
     lora = isinstance(module, PeftModel)
     named = iter_merged_parameters(module) if lora else iter_full_parameters(module)
     tmp = out.with_name(f".tmp_{out.name}")
@@ -428,7 +434,8 @@ def export_hf_model(
     if out.exists():
         _remove(out)
     os.replace(tmp, out)
-    dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()
     return out
 
 
@@ -437,7 +444,7 @@ def save_adapter(module: PeftModel, out: Path) -> None:
     ``PeftModel.from_pretrained(base, out)`` and ``actor_rollout_ref.model.lora_adapter_path`` load. Gathered
     from ZeRO-3 (``iter_adapter_parameters``); rank 0 writes. Collective."""
     tensors = saved_adapter_tensors(iter_adapter_parameters(module))
-    if dist.get_rank() != 0:
+    if _rank() != 0:
         return
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / ADAPTER_FILE), metadata={"format": "pt"})

@@ -4,6 +4,7 @@
     deepspeed --num_gpus 8 scripts/train.py configs/opo.yaml     # the same as --module dsrl or $(which dsrl-train)
     python -m dsrl configs/otb.yaml --validate-only               # print the resolved config
     dsrl-train configs/opo.yaml --validate-only --world-size 8    # ... checked for 8 ranks
+    dsrl-train grpo --plan --world-size 8 --device-memory 141GiB  # memory per rank and phase (dsrl.memory_plan)
     dsrl-train --show-keys actor_rollout_ref.actor.optim          # the config reference: type, default, meaning
 
 Config files (paths, or names of shipped recipes) are merged left to right, then ``dotted.key=value``
@@ -34,6 +35,16 @@ from pathlib import Path
 from dsrl.config import SCHEMA, ConfigError, describe_keys, load_and_validate, to_yaml
 from dsrl.console import logger, setup_logging
 from dsrl.launch import LaunchError, RendezvousError, join
+from dsrl.memory_plan import (
+    GIB,
+    Device,
+    PlanError,
+    detect_device,
+    parse_size,
+    plan_for_config,
+    plan_problems,
+    render,
+)
 from dsrl.redaction import redact_text
 from dsrl.run_folder import RunFolderBusy
 from dsrl.signals import Interrupted, RunSignals, TrainingInterrupted
@@ -49,13 +60,39 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str
         help="YAML files or shipped recipe names (e.g. configs/grpo.yaml configs/cpu.yaml, or grpo cpu), merged left "
         "to right, then dotted overrides, e.g. data.train_batch_size=16 trainer.logger=[console,mlflow]",
     )
-    parser.add_argument("--validate-only", action="store_true", help="print the resolved config as YAML and exit")
+    parser.add_argument(
+        "--validate-only",
+        action="store_true",
+        help="print the resolved config as YAML and exit; a config whose memory plan exceeds the device is refused "
+        "(trainer.memory_plan_check)",
+    )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the memory plan (per rank and phase: parameters, gradients, optimizer states, activations, "
+        "log-prob head, rollout weights and KV cache, DeepSpeed buffers; device and host) and exit, before anything "
+        "loads; exit code 2 when a phase exceeds the device and trainer.memory_plan_check=error",
+    )
     parser.add_argument(
         "--world-size",
         type=int,
         metavar="N",
-        help="with --validate-only: check the batch sizes and DeepSpeed configs for N ranks, e.g. 8 for "
+        help="with --validate-only or --plan: check the batch sizes and DeepSpeed configs for N ranks, e.g. 8 for "
         "deepspeed --num_gpus 8 (default: $WORLD_SIZE, else 1)",
+    )
+    parser.add_argument(
+        "--device-memory",
+        type=_size,
+        metavar="SIZE",
+        help="with --validate-only or --plan: memory of one GPU, e.g. 141GiB, 80GB (default: with DS_ACCELERATOR=cpu "
+        "the machine's memory, shared by every rank; else the smallest GPU nvidia-smi lists; else none, and "
+        "--validate-only notes that the plan was not checked)",
+    )
+    parser.add_argument(
+        "--model-config",
+        metavar="PATH",
+        help="with --validate-only or --plan: a config.json that gives the model's shape, for a hub id not "
+        "downloaded here (default: actor_rollout_ref.model.path's config.json, or the Hugging Face cache's)",
     )
     parser.add_argument(
         "--preflight",
@@ -76,10 +113,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str
     args = parser.parse_intermixed_args(argv)
     if not args.args and args.show_keys is None:
         parser.error("give config files (or shipped recipe names) and/or key=value overrides, or --show-keys")
-    if args.world_size is not None and not args.validate_only:
-        parser.error("--world-size goes with --validate-only; a run takes its world size from the deepspeed launcher")
-    if args.preflight and args.validate_only:
-        parser.error("--preflight checks the ranks the launcher started; --validate-only checks the config alone")
+    checks_alone = args.validate_only or args.plan
+    for option, value in (("--world-size", args.world_size), ("--device-memory", args.device_memory),
+                          ("--model-config", args.model_config)):  # fmt: skip
+        if value is not None and not checks_alone:
+            parser.error(f"{option} goes with --validate-only or --plan; a run takes its world and devices from the launcher")
+    if args.preflight and checks_alone:
+        parser.error("--preflight checks the ranks the launcher started; --validate-only and --plan check the config alone")
     if args.world_size is not None and args.world_size < 1:
         parser.error(f"--world-size {args.world_size}: must be a positive number of ranks")
     try:
@@ -87,6 +127,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str
     except ValueError as err:
         parser.error(str(err))
     return args, files, overrides
+
+
+def _size(text: str) -> int:
+    """``--device-memory``'s bytes (``dsrl.memory_plan.parse_size``), an argparse error otherwise."""
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def split_files_and_overrides(items: list[str]) -> tuple[list[str], list[str]]:
@@ -152,6 +200,38 @@ def where_stopped(err: Interrupted) -> str:
             "(trainer.resume_mode=auto resumes from the newest checkpoint, if any)")
 
 
+def check_memory_plan(cfg, world_size: int, args: argparse.Namespace, where: str, rank: int) -> tuple[int, str]:
+    """``--plan`` and ``--validate-only``: the memory plan (``dsrl.memory_plan``), printed with ``--plan``, and
+    ``trainer.memory_plan_check``: exit code 2 (error) or a warning (warn) per phase that exceeds the device.
+    Returns the exit code and, for ``--validate-only``, the comment line to print after the config. Every rank
+    of a launcher decides alike; rank 0 prints."""
+    check = cfg.trainer.memory_plan_check
+    if check == "ignore" and not args.plan:
+        return 0, ""
+    device = Device("cuda", args.device_memory, "--device-memory") if args.device_memory else detect_device()
+    try:
+        if device is None:
+            raise PlanError(
+                "no GPU here (nvidia-smi) and DS_ACCELERATOR is not cpu; fix: pass --device-memory SIZE (one GPU's "
+                "memory, e.g. 141GiB), or set DS_ACCELERATOR=cpu to plan for this machine's memory"
+            )
+        plan = plan_for_config(cfg, world_size, device, args.model_config)
+    except PlanError as err:
+        if args.plan:
+            return refuse(f"{where}: no memory plan", [str(err)]), ""
+        return 0, f"# memory plan: not checked: {err}\n"
+    lines = plan_problems(plan) if check != "ignore" else []
+    if rank == 0 and args.plan:
+        print(render(plan, f"{where} at world size {world_size}"), flush=True)
+    if lines and check == "error":
+        return refuse(f"{where}: {len(lines)} phase(s) of the memory plan exceed the device", lines), ""
+    for line in lines if rank == 0 else []:  # warn: on stderr, as the refusal would be (stdout holds the YAML)
+        print(redact_text(f"dsrl: warning: {line}"), file=sys.stderr, flush=True)
+    if lines:
+        return 0, f"# memory plan: {len(lines)} phase(s) exceed the device (trainer.memory_plan_check=warn)\n"
+    return 0, f"# memory plan: every phase fits {device.bytes / GIB:.1f} GiB ({device.kind}, {device.source}); dsrl-train --plan shows it\n"
+
+
 def show_keys(prefix: str) -> int:
     """``--show-keys [PREFIX]``: the config reference on stdout; exit code 2 when no key starts with ``prefix``."""
     lines = describe_keys(prefix)
@@ -167,7 +247,7 @@ def main(argv: list[str]) -> int:
     args, files, overrides = parse_args(argv)
     if args.show_keys is not None:
         return show_keys(args.show_keys)
-    if args.world_size is not None:  # --validate-only for another world: this process's launch does not matter
+    if args.world_size is not None:  # checked for another world: this process's launch does not matter
         launch, world_size, source = None, str(args.world_size), "--world-size"
     else:
         try:
@@ -191,12 +271,18 @@ def main(argv: list[str]) -> int:
 
         problems = check_tool_files(cfg)
         cfg = None if problems else cfg
-    launched = not args.validate_only and (int(world_size) > 1 or args.preflight)
+    checks_alone = args.validate_only or args.plan
+    launched = not checks_alone and (int(world_size) > 1 or args.preflight)
     if problems and not launched:
         return refuse(f"{where}: {len(problems)} problem(s) in the configuration", problems)
+    planned = ""
+    if checks_alone:  # refused before the config is printed
+        code, planned = check_memory_plan(cfg, int(world_size), args, where, rank)
+        if code or args.plan:
+            return code
     if cfg is not None and rank == 0 and not args.preflight:  # the resolved config, once per run
         checked = f"# validated for world size {world_size} ({source})\n"
-        print(redact_text("".join(f"# note: {note}\n" for note in notes) + checked + to_yaml(cfg)), end="", flush=True)
+        print(redact_text("".join(f"# note: {note}\n" for note in notes) + checked + to_yaml(cfg) + planned), end="", flush=True)
     if args.validate_only:
         return 0
     signals = RunSignals().install()  # before the trainer's imports: a Ctrl-C there is a stop like any other

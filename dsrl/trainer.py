@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import signal
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -62,7 +62,7 @@ from dsrl.checkpoint import (
 from dsrl.config import LOGGED_SAMPLES, Config, ConfigError, import_user_modules, to_dict, to_yaml
 from dsrl.console import final_summary, logger, setup_logging, startup_summary
 from dsrl.data.batch import Batch
-from dsrl.data.datasets import PromptSampler, collate_prompts, load_prompts, load_tokenizer
+from dsrl.data.datasets import PromptSampler, load_prompts, load_tokenizer
 from dsrl.dynamic_sampling import fill_batch, metric_values
 from dsrl.distributed import all_gather_rows, all_reduce, gather_problems, global_mean
 from dsrl.engines import ActorEngine, AdapterOffReference, CriticEngine, ReferenceEngine, init_distributed
@@ -75,12 +75,11 @@ from dsrl.metrics import (
     rollout_correction_metrics,
     rollout_logprob_metrics,
     throughput_metrics,
-    validation_metrics,
     variance_proxy_metrics,
 )
 from dsrl.phases import in_phase
 from dsrl.resume import checkpoint_to_resume, check_settings, check_train_data, data_identity, restore, trainer_state
-from dsrl.rewards import FAILURE_COUNTS, FailureStreak, RewardScorer, check_reward_rules, numeric_extras
+from dsrl.rewards import FailureStreak, RewardScorer, check_reward_rules, numeric_extras
 from dsrl.rollout import HFRollout, SamplingParams
 from dsrl.rollout.colocation import colocated_generation
 from dsrl.rollout.multi_turn import MultiTurnRollout
@@ -91,6 +90,15 @@ from dsrl.run_facts import final_facts, lora_facts, run_tags, startup_facts
 from dsrl.scoring import Scores, StepScorer
 from dsrl.signals import Interrupted, RunSignals, TrainingInterrupted
 from dsrl.tracking import Tracker, flatten
+from dsrl.validation import (
+    gather_rows,
+    prompt_batch,
+    row_metrics,
+    score_chunks,
+    shard_chunks,
+    validation_sampling,
+    with_responses,
+)
 
 
 class PhaseTimer:
@@ -360,22 +368,21 @@ class Trainer:
 
     def _prompt_batch(self, records, first_group_id: int) -> Batch:
         """Left-padded prompts of this rank; group ids are global row numbers, unique across ranks."""
-        fields = collate_prompts(records, self.tokenizer.pad_token_id)
-        group_ids = torch.arange(first_group_id, first_group_id + len(records))
-        empty = torch.empty(len(records), 0, dtype=torch.long)
-        return Batch(**fields, response_ids=empty, response_mask=empty, group_ids=group_ids)
+        return prompt_batch(records, self.tokenizer.pad_token_id, first_group_id)
 
     def _sampling(self, *, validation: bool) -> SamplingParams:
+        seed = self.cfg.trainer.seed + 7919 * self.global_step + self.rank
+        if validation:
+            return validation_sampling(self.cfg, seed)
         rollout = self.cfg.actor_rollout_ref.rollout
-        source = rollout.val_kwargs if validation else rollout
         return SamplingParams(
-            n=source.n,
-            temperature=source.temperature,
-            top_p=source.top_p,
-            top_k=source.top_k,
+            n=rollout.n,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
             max_tokens=self.cfg.data.max_response_length,
-            do_sample=source.do_sample if validation else True,
-            seed=self.cfg.trainer.seed + 7919 * self.global_step + self.rank,
+            do_sample=True,
+            seed=seed,
         )
 
     def colocated(self, metrics: dict[str, float]):
@@ -397,13 +404,7 @@ class Trainer:
         else:
             tools_kwargs = [info.get("tools_kwargs") or {} for info in prompts.extra_infos] or [{}] * len(prompts)
             out = self.rollout.generate(prompts.prompt_ids, prompts.prompt_mask, sampling, tools_kwargs=tools_kwargs)
-        repeat = torch.arange(len(prompts)).repeat_interleave(sampling.n)
-        batch = prompts.select(repeat).replace(
-            response_ids=out.response_ids,
-            response_mask=out.response_mask,
-            rollout_log_probs=out.log_probs,
-            response_attention_mask=out.attention_mask,
-        )
+        batch = with_responses(prompts, out, sampling.n)
         if out.conversations is not None:
             infos = batch.extra_infos or [{}] * len(batch)
             batch = batch.replace(extra_infos=[
@@ -599,54 +600,25 @@ class Trainer:
         and the rest of ``dsrl.metrics.validation_metrics``, over the score and each numeric extra of
         the reward function (``pred`` extras vote for ``maj@k``), the same on every rank.
 
-        Every rank makes the same calls whatever its share (a generate call is a collective within a
-        tensor-parallel group): shards are ``val_prompts[rank::world]``, at most ``ceil(N / world)`` prompts,
-        cut into the same number of chunks on every rank; a rank whose share ends early generates for a
-        filler prompt that it does not score. The only collective after generation is one gather. The
-        reward failures of all ranks are counted as ``val-aux/reward/fail_<kind>``."""
-        shard = self.val_prompts[self.rank :: self.world_size]
-        most = math.ceil(len(self.val_prompts) / self.world_size)
-        chunk = self.cfg.data.val_batch_size or most
+        Every rank makes the same calls whatever its share, then the rows meet in one gather
+        (``dsrl.validation``, shared with ``dsrl-eval``). The reward failures of all ranks are counted as
+        ``val-aux/reward/fail_<kind>``."""
         sampling = self._sampling(validation=True)
-        batches = []
+        chunks = shard_chunks(self.val_prompts, self.rank, self.world_size, self.cfg.data.val_batch_size)
         with self.colocated({}):
-            for start in range(0, most, chunk):
-                records = shard[start : start + chunk]
-                prompts = self._prompt_batch(records or self.val_prompts[:1], first_group_id=start)
-                batches.append((self.generate(prompts, sampling), len(records) * sampling.n))
+            batches = [
+                (self.generate(self._prompt_batch(records, first_group_id=start), sampling), real * sampling.n)
+                for records, start, real in chunks
+            ]
         turns = {} if self.tools is None else multi_turn_metrics(self.rollout.take_stats())  # fillers' rows too
-        # (prompt's row in the validation files, data source, score, extras, texts), one per response;
-        # the texts (prompt, response) only for the trainer.log_val_generations first rows.
-        rows = []
-        failures = dict.fromkeys(FAILURE_COUNTS, 0)
-        logged = self.cfg.trainer.log_val_generations
-        for batch, real_rows in batches:
-            if not real_rows:
-                continue
-            batch = batch.select(torch.arange(real_rows))
-            scores = self.scoring.score(batch)
-            for name, count in scores.counts.items():
-                failures[name] += count
-            for i, (source, shard_row, score) in enumerate(
-                zip(batch.data_sources, batch.group_ids.tolist(), scores.token_level.sum(-1).tolist())
-            ):
-                index = self.rank + self.world_size * shard_row
-                texts = (self.scoring.prompt_text(batch, i), scores.responses[i]) if index < logged else None
-                rows.append((index, source, score, {name: values[i] for name, values in scores.extras.items()}, texts))
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (rows, failures))
-        rows = sorted((row for part, _ in gathered for row in part), key=lambda row: row[0])  # dataset order
-        extras = {name: [row[3].get(name) for row in rows] for name in sorted({n for row in rows for n in row[3]})}
-        variables = {"reward": [row[2] for row in rows]}
-        variables.update({name: v for name, v in numeric_extras(extras).items() if len(v) == len(rows) and name != "reward"})
-        preds = extras.get("pred")
-        if preds is not None and any(p is None or not isinstance(p, Hashable) for p in preds):
-            preds = None
+        logged = self.cfg.trainer.log_val_generations  # texts only for the rows of the table
+        rows, failures = score_chunks(batches, self.scoring, rank=self.rank, world_size=self.world_size, texts_below=logged)
+        rows, failures = gather_rows(rows, failures)
         if logged:
-            table = [generation_row(texts, source, score, row_extras) for _, source, score, row_extras, texts in rows[:logged]]
+            table = [generation_row(row.texts, row.data_source, row.score, row.extras) for row in rows[:logged]]
             self.tracker.log_table(table, f"generations/val_step_{self.global_step}.json")
-        metrics = validation_metrics([row[1] for row in rows], [row[0] for row in rows], variables, preds)  # verl's seed
-        metrics.update({f"val-aux/{name}": float(sum(part[name] for _, part in gathered)) for name in FAILURE_COUNTS})
+        metrics = row_metrics(rows)
+        metrics.update({f"val-aux/{name}": count for name, count in failures.items()})
         metrics.update({f"val-aux/{name}": value for name, value in turns.items() if not name.startswith("timing_s/")})
         return metrics
 

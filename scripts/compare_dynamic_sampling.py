@@ -25,7 +25,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,23 +32,11 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from dsrl.config import ConfigError, load_and_validate  # noqa: E402
+from dsrl.tiny_runs import build_tiny_inputs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = [str(REPO / "configs" / name) for name in ("grpo.yaml", "cpu.yaml", "quickstart.yaml")]
 FILTERING = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward"]
-
-
-def build_inputs() -> None:
-    """The tiny model and the arithmetic data at the CPU overlay's paths, when missing (scripts/quickstart.sh)."""
-    if not (REPO / "outputs" / "tiny_model" / "config.json").is_file():
-        subprocess.run(
-            [sys.executable, "scripts/make_tiny_model.py", "--out", "outputs/tiny_model"], cwd=REPO, check=True
-        )
-    if not (REPO / "outputs" / "data" / "arithmetic" / "train.parquet").is_file():
-        subprocess.run(
-            [sys.executable, "scripts/prepare_data.py", "--task", "arithmetic", "--out", "outputs/data/arithmetic"],
-            cwd=REPO, check=True,
-        )
 
 
 def zero_advantage_share(group_ids, scores) -> tuple[int, int]:
@@ -118,7 +105,7 @@ def main() -> int:
     parser.add_argument("--max-rounds", type=int, default=10, help="algorithm.filter_groups.max_num_gen_batches")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    build_inputs()
+    build_tiny_inputs(REPO)
     os.chdir(REPO)  # the CPU overlay's paths are relative to the checkout
     common = [
         *args.overrides,

@@ -37,6 +37,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dsrl.tiny_runs import build_tiny_inputs, markdown_table, run_logged
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = [str(REPO / "configs" / name) for name in ("grpo.yaml", "cpu.yaml", "quickstart.yaml")]
 LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
@@ -50,15 +52,6 @@ WIDE_BATCH = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch
 VALIDATION = re.compile(r"validation at step (\d+): val-core/arithmetic/reward/mean@1=([0-9.]+)")
 STEP_SECONDS = re.compile(r" step \d+/\d+ .*step_s=([0-9.]+)")
 ACTOR = re.compile(r"^\s*actor:\s+(ZeRO-.*)$", re.M)  # the start-up summary's line
-
-
-def build_inputs() -> None:
-    """The tiny model and the arithmetic data at the quickstart's paths, when missing."""
-    if not (REPO / "outputs" / "tiny_model" / "config.json").is_file():
-        subprocess.run([sys.executable, "scripts/make_tiny_model.py", "--out", "outputs/tiny_model"], cwd=REPO, check=True)
-    if not (REPO / "outputs" / "data" / "arithmetic" / "train.parquet").is_file():
-        subprocess.run([sys.executable, "scripts/prepare_data.py", "--task", "arithmetic", "--out",
-                        "outputs/data/arithmetic"], cwd=REPO, check=True)
 
 
 def build_wide_model() -> Path:
@@ -81,12 +74,10 @@ def run_arm(name: str, steps: int, overrides: list[str], out: Path) -> dict:
             f"trainer.test_freq={steps}", f"trainer.save_freq={steps}", "trainer.logger=[console]",
             f"trainer.default_local_dir={run_dir}", *overrides]
     log = out / f"{name}.log"
-    with log.open("w") as sink:
-        child = subprocess.Popen(args, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(child.pid, 0)
+    code, usage = run_logged(args, log, cwd=REPO)
     text = log.read_text()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{name}: the run failed (exit {os.waitstatus_to_exitcode(status)}); see {log}")
+    if code != 0:
+        raise SystemExit(f"{name}: the run failed (exit {code}); see {log}")
     scores = {int(step): float(score) for step, score in VALIDATION.findall(text)}
     checkpoint = run_dir / f"global_step_{steps}"
     actor = ACTOR.search(text).group(1)
@@ -103,18 +94,6 @@ def run_arm(name: str, steps: int, overrides: list[str], out: Path) -> dict:
     }
 
 
-def table(rows: list[dict]) -> str:
-    columns = list(rows[0])
-    def cell(value) -> str:
-        if not isinstance(value, float):
-            return str(value)
-        return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
-
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=100)
@@ -127,7 +106,7 @@ def main() -> None:
         parser.error(f"--arms {args.arms}: each must be one of {', '.join(ARMS)}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    build_inputs()
+    build_tiny_inputs(REPO)
     if args.model == "wide":
         overrides = [f"actor_rollout_ref.model.path={build_wide_model()}", *WIDE_BATCH, *overrides]
     out = args.keep or Path(tempfile.mkdtemp(prefix="dsrl-compare-lora-"))
@@ -137,7 +116,7 @@ def main() -> None:
     finally:
         if args.keep is None:
             shutil.rmtree(out, ignore_errors=True)
-    print(table(rows))
+    print(markdown_table(rows))
 
 
 if __name__ == "__main__":

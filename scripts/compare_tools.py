@@ -35,7 +35,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -43,6 +42,7 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from dsrl.config import ConfigError, load_and_validate  # noqa: E402
+from dsrl.tiny_runs import build_tiny_inputs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = [str(REPO / "configs" / name) for name in ("cpu.yaml", "calculator_cpu.yaml")]
@@ -54,24 +54,6 @@ ARMS = {  # name: (recipe, overrides)
 # What the agent loop logs per training step (dsrl.metrics); without the loop the table counts the calls itself.
 CALLS_METRIC = "multi_turn/calls_per_response/mean"
 CALL_MARK = "<tool_call>"
-MODEL = Path("outputs") / "tiny_tool_model"
-DATA = Path("outputs") / "data" / "calculator"
-
-
-def build_inputs() -> None:
-    """The tiny tool model and the calculator data at configs/calculator_cpu.yaml's paths, when missing."""
-    if not (REPO / MODEL / "config.json").is_file():
-        subprocess.run(
-            [sys.executable, "scripts/make_tiny_model.py", "--task", "calculator", "--out", str(MODEL)],
-            cwd=REPO,
-            check=True,
-        )
-    if not (REPO / DATA / "train.parquet").is_file():
-        subprocess.run(
-            [sys.executable, "scripts/prepare_data.py", "--task", "calculator", "--out", str(DATA)],
-            cwd=REPO,
-            check=True,
-        )
 
 
 def call_counts(responses: list[str]) -> tuple[float, float]:
@@ -193,7 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    build_inputs()
+    build_tiny_inputs(REPO, "calculator")
     os.chdir(REPO)  # the CPU overlays' paths are relative to the checkout
     arms = {name: arm_overrides(args, name) for name in args.arms}
     try:

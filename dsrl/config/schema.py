@@ -83,6 +83,7 @@ BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 SLEEP_LEVELS = (1, 2)
 LOGGERS = ("console", "mlflow")
 RESUME_MODES = ("auto", "disable", "resume_path")
+MEMORY_PLAN_CHECKS = ("error", "warn", "ignore")  # trainer.memory_plan_check
 LOGGED_SAMPLES = 16  # training rollouts per trainer.log_samples_freq table
 # What a checkpoint holds (verl's checkpoint.save_contents); a ZeRO checkpoint keeps the weights inside the
 # optimizer partitions, so model, optimizer and extra (trainer state) are always saved together.
@@ -93,7 +94,7 @@ REQUIRED_CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
 # unless trainer.resume_allow_config_change is set.
 RESUME_HARMLESS_KEYS = (
     r"trainer\.(total_epochs|total_training_steps|save_freq|test_freq|val_before_train|val_only|logger)",
-    r"trainer\.(log_val_generations|log_samples_freq|log_model)",
+    r"trainer\.(log_val_generations|log_samples_freq|log_model|memory_plan_check)",
     r"reward\.(num_workers|batch_chunk_size|max_failed_steps|memory_limit_mb|log_max_mb)",
     r"trainer\.(project_name|experiment_name|default_local_dir|max_consecutive_skips)",
     r"trainer\.(resume_mode|resume_from_path|resume_allow_config_change|resume_allow_world_size_change)",
@@ -377,6 +378,12 @@ class ActorConfig:
     )
     calculate_sum_pi_squared: bool = _f(
         False, "also compute sum_v pi(v)^2 per token in the actor forward; optimal_token_baseline turns it on itself"
+    )
+    measure_grad_variance: bool = _f(
+        False,
+        "log actor/grad_var and actor/grad_var_relative: the variance across micro-batches of the gradient each gives "
+        "(hooks measure every backward's gradient norm; dsrl/engines/grad_variance.py defines it). Needs two or more "
+        "micro-batches per optimizer step over all ranks, else nothing is logged (not in verl)",
     )
     use_fused_kernels: bool = _f(
         False, "verl's fused log-prob kernels; dsrl has none (its chunked forward bounds logit memory), so only false"
@@ -863,6 +870,12 @@ class TrainerConfig:
         -1, f"every this many steps, log {LOGGED_SAMPLES} of the step's rollouts (rank 0's first) as an MLflow table; -1 = never"
     )
     log_model: bool = _f(False, "also upload the final model directory to the MLflow run (its location is always recorded)")
+    memory_plan_check: str = _f(
+        "error",
+        "what dsrl-train --validate-only and --plan do when a phase of the memory plan (dsrl.memory_plan: per rank "
+        "and phase, from the model's config.json) exceeds the device: error (exit code 2, one line per phase with "
+        "the fix) | warn (the same lines, exit code 0) | ignore (no check); the run itself does not check",
+    )
 
 
 @dataclass

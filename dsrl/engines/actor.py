@@ -36,6 +36,7 @@ from dsrl.engines.forward import (
     policy_logits,
     response_stats,
 )
+from dsrl.engines.grad_variance import MicroBatchGradNorms
 from dsrl.engines.lora import add_adapters, iter_adapter_parameters, iter_merged_parameters
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 from dsrl.engines.weight_sync import iter_full_parameters
@@ -89,6 +90,8 @@ class ActorEngine:
             self.engine.basic_optimizer, actor.optim, total_training_steps=total_training_steps, prefix=self.prefix
         )
         self.skips = SkipCounter("actor")
+        # actor/grad_var: every backward's gradient norm, from hooks on the trainable parameters
+        self.grad_norms = MicroBatchGradNorms(self.module) if actor.measure_grad_variance else None
         # the chosen loss's own parameters (sapo's tau_pos, ...) from their config keys
         self.loss_params = policy_loss_param_values(cfg, policy_loss_params(actor.policy_loss.loss_mode))
 
@@ -181,6 +184,8 @@ class ActorEngine:
             ),
             skips=self.skips,
             lr_scheduler=self.lr_scheduler,
+            grad_norms=self.grad_norms,
+            loss_agg_mode=actor.loss_agg_mode,
         )
         if actor.use_kl_loss:
             metrics["actor/kl_coef"] = actor.kl_loss_coef

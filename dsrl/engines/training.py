@@ -30,6 +30,13 @@ import torch.distributed as dist
 
 from dsrl.data.batch import Batch
 from dsrl.distributed import all_reduce
+from dsrl.engines.grad_variance import (
+    SUM_SHARE_SQUARED,
+    SUM_SQUARED_OVER_SHARE,
+    MicroBatchGradNorms,
+    grad_variance,
+    micro_batch_share,
+)
 
 # loss_fn(micro, rows, num_tokens, num_seqs) -> (loss, metric contributions); ``rows`` are the micro-batch's
 # row numbers in the batch given to ``run_ppo_updates``; the contributions of all micro-batches and ranks add
@@ -126,6 +133,8 @@ def run_ppo_updates(
     loss_fn: LossFn,
     skips: SkipCounter,
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+    grad_norms: MicroBatchGradNorms | None = None,
+    loss_agg_mode: str = "token-mean",
 ) -> dict[str, float]:
     """Train ``engine`` on ``batch`` (one training step), then step ``lr_scheduler`` once, as verl does.
 
@@ -133,7 +142,9 @@ def run_ppo_updates(
     objective), ``{prefix}/grad_norm``
     (global, before clipping), ``{prefix}/lr`` (after the scheduler step: verl's value) and
     ``{prefix}/skipped_steps`` (optimizer steps skipped so far in the run) to the loss function's
-    metrics; ``prefix`` is ``skips.prefix``.
+    metrics; ``prefix`` is ``skips.prefix``. With ``grad_norms`` (hooked on ``engine``'s module), also
+    ``{prefix}/grad_var`` and ``{prefix}/grad_var_relative`` (``dsrl.engines.grad_variance``; micro-batch
+    shares by ``loss_agg_mode``), for optimizer steps of two or more micro-batches over all ranks.
     """
     prefix = skips.prefix
     loss_name = f"{prefix}/loss"  # the objective itself: verl's metric, and the non-finite check
@@ -151,15 +162,33 @@ def run_ppo_updates(
             sums: dict[str, torch.Tensor] = {}
             for j, idx in enumerate(micro_rows):
                 engine.set_gradient_accumulation_boundary(j == len(micro_rows) - 1)
-                loss, contributions = loss_fn(mini.select(idx), rows[idx], num_tokens, num_seqs)
+                micro = mini.select(idx)
+                loss, contributions = loss_fn(micro, rows[idx], num_tokens, num_seqs)
                 engine.backward(loss * world, scale_wrt_gas=False)
                 for name, value in {**contributions, loss_name: loss}.items():
                     sums[name] = sums.get(name, 0.0) + value.detach().double()  # stays on device: no sync
+                if grad_norms is not None:
+                    squared = grad_norms.take(loss.device) / world**2  # the hooks saw the gradient of world * loss
+                    share = micro_batch_share(
+                        micro.response_mask, loss_agg_mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs
+                    )
+                    # a micro-batch with no response token gives no gradient and no estimate; the keys are added
+                    # on every rank all the same, as the all-reduce below stacks the sums by name
+                    over_share = squared / share if share > 0 else squared.new_zeros(())
+                    sums[SUM_SQUARED_OVER_SHARE] = sums.get(SUM_SQUARED_OVER_SHARE, 0.0) + over_share
+                    sums[SUM_SHARE_SQUARED] = sums.get(SUM_SHARE_SQUARED, 0.0) + squared.new_tensor(share**2)
             engine.step()
             names = sorted(sums)
             totals = dict(zip(names, all_reduce(torch.stack([sums[name] for name in names])).tolist()))
             grad_norm = float(engine.get_global_grad_norm())
             skips.record(applied=engine.was_step_applied(), loss=totals[loss_name], grad_norm=grad_norm)
+            if grad_norms is not None:
+                variance, relative = grad_variance(
+                    totals.pop(SUM_SQUARED_OVER_SHARE), totals.pop(SUM_SHARE_SQUARED), grad_norm
+                )
+                if math.isfinite(variance):
+                    records.setdefault(f"{prefix}/grad_var", []).append(variance)
+                    records.setdefault(f"{prefix}/grad_var_relative", []).append(relative)
             for name, total in totals.items():
                 records.setdefault(name, []).append(total)
             records.setdefault(f"{prefix}/grad_norm", []).append(grad_norm)

@@ -46,6 +46,7 @@ from dsrl.algorithms import logprobs_from_logits
 from dsrl.engines.forward import kv_cache
 from dsrl.config import pushes_lora_adapters
 from dsrl.engines.lora import add_adapters
+from dsrl.memory_plan import kv_bytes_per_token
 from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded, stop_and_pad_ids
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -156,11 +157,11 @@ class HFRollout:
             raise ValueError(f"update_weights: unknown names {unknown[:5]}, parameters not received {missing[:5]}")
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache one token takes in every layer: keys and values, KV heads x head size each."""
+        """Bytes of KV cache one token takes in every layer (``dsrl.memory_plan.kv_bytes_per_token``)."""
         config = self.model.config
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return 2 * config.num_hidden_layers * heads * head_dim * self.model.dtype.itemsize
+        return kv_bytes_per_token(config.num_hidden_layers, heads, head_dim, self.model.dtype.itemsize)
 
     def prompts_per_call(self, prompt_len: int, sampling: SamplingParams) -> int:
         """As many prompts as ``kv_cache_max_gb`` holds the cache of (n rows of ``prompt_len`` +

@@ -28,4 +28,4 @@ def test_the_full_and_lora_arms_fill_the_table(tiny_model_dir, arithmetic_data, 
         assert 0 < row["actor/ds MiB"] < row["checkpoint MiB"]
     assert (full["trainable"], lora["trainable"]) == ("801K", "78K")  # 4 layers x 7 linear layers x 8 x (in + out)
     assert lora["actor/ds MiB"] < full["actor/ds MiB"] / 2
-    assert "| full |" in script["table"]([full, lora])
+    assert "| full |" in script["markdown_table"]([full, lora])

@@ -54,7 +54,9 @@ def test_the_wheel_ships_the_recipes_and_the_deepspeed_configs(installed):
         assert f"dsrl/ds_configs/{ds_config.name}" in names
     assert "dsrl/__main__.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "dsrl-train = dsrl.cli:run" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    commands = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "dsrl-train = dsrl.cli:run" in commands and "dsrl-convert = dsrl.convert:main" in commands
+    assert "dsrl-eval = dsrl.evaluate:run" in commands
 
 
 @pytest.mark.parametrize("command", ["dsrl-train", "python -m dsrl"])
@@ -89,3 +91,15 @@ def test_the_installed_command_validates_a_recipe_from_another_directory(install
     )
     assert bad.returncode == 2
     assert f"no DeepSpeed config at {venv}" in bad.stderr and "zero3_offload" in bad.stderr
+
+
+def test_the_installed_dsrl_eval_reports_a_bad_model_and_data_file(installed, tmp_path):
+    _, venv = installed
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WORLD_SIZE", "RANK")}
+    result = subprocess.run(
+        [str(venv / "bin" / "dsrl-eval"), str(tmp_path / "no-model"), "--data", str(tmp_path / "none.parquet"), "--no-mlflow"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"actor_rollout_ref.model.path={tmp_path / 'no-model'}: no such model directory" in result.stderr
+    assert f"data.val_files={tmp_path / 'none.parquet'}: file does not exist" in result.stderr

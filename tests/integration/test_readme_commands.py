@@ -72,6 +72,26 @@ LONG |= {
     "OMP_NUM_THREADS=1 python scripts/compare_lora.py --model wide --steps 2 --arms full,lora": "builds a 97M model and "
     "trains it twice (~6 min)",
 }
+PLAN_GPU = ("dsrl-train grpo --plan --world-size 8 --device-memory 141GiB "
+            "--model-config bench/model_shapes/Qwen2.5-0.5B-Instruct.json")
+LONG |= {
+    PLAN_GPU: "bench/ is not in the scratch checkout; tests/unit/test_memory_plan.py plans grpo on 8 H200s from that file",
+    "DS_ACCELERATOR=cpu dsrl-train grpo cpu quickstart --plan": "needs the tiny model, built later in the README; "
+    "tests/unit/test_memory_plan.py runs the quickstart's --plan",
+    "python bench/memory_plan.py recipes": "bench/ is not in the scratch checkout; tests/unit/test_memory_plan.py plans "
+    "the recipes",
+    "OMP_NUM_THREADS=1 python bench/memory_plan.py measure": "trains six two-step runs (~10 min); "
+    "tests/integration/test_memory_plan_measured.py measures the quickstart",
+}
+CONVERT = "dsrl-convert checkpoints/dsrl/my_run/global_step_100"
+LONG |= {
+    f"{CONVERT} {rest}": "needs a run's checkpoint; tests/integration/test_convert.py converts those of real runs"
+    for rest in ("outputs/step100", "outputs/adapter100 --adapter-only", "outputs/value100 --role critic",
+                 "outputs/universal100 --universal")
+}
+LONG["OMP_NUM_THREADS=1 dsrl-compare grpo rloo opo otb --quick --seeds 1,2 --out outputs/compare"] = (
+    "trains 8 runs of 20 steps (~5 min, two at a time); tests/integration/test_compare.py runs 2 configs x 2 seeds for a step"
+)
 TRAINS = {"python scripts/train.py configs/ppo.yaml configs/cpu.yaml", SMOLLM2_RUN, LORA_CPU}
 GSM8K_HUB = "python scripts/prepare_data.py --task gsm8k"
 # README commands run with a change, and why.

@@ -1,0 +1,67 @@
+"""What dsrl's comparisons on a CPU share (``dsrl-compare``, ``scripts/compare_*.py``): the tiny model and its task
+built where the CPU overlays look for them when missing, a training run in a child process, a Markdown table.
+
+The model and data come from the source checkout's ``scripts/make_tiny_model.py`` and ``scripts/prepare_data.py``
+(as ``scripts/quickstart.sh`` builds them); an installed package without the checkout asks for them to be built.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+CHECKOUT = Path(__file__).resolve().parents[1]  # the source checkout dsrl is imported from
+# task: (model directory, data directory), relative to the working directory, as configs/cpu.yaml and
+# configs/calculator_cpu.yaml name them
+TINY_INPUTS = {
+    "arithmetic": (Path("outputs") / "tiny_model", Path("outputs") / "data" / "arithmetic"),
+    "calculator": (Path("outputs") / "tiny_tool_model", Path("outputs") / "data" / "calculator"),
+}
+
+
+def build_tiny_inputs(root: Path, task: str = "arithmetic") -> None:
+    """The tiny model of ``task`` (``arithmetic``: the quickstart's; ``calculator``: the tool model) and its prompts
+    under ``root``, each built with the checkout's scripts when missing. Raises FileNotFoundError, with the
+    commands to run, when they are missing and the scripts are not there."""
+    model, data = TINY_INPUTS[task]
+    model_args = ["--out", str(model)] + (["--task", task] if task != "arithmetic" else [])
+    wanted = [
+        (root / model / "config.json", "make_tiny_model.py", model_args),
+        (root / data / "train.parquet", "prepare_data.py", ["--task", task, "--out", str(data)]),
+    ]
+    for marker, script, args in wanted:
+        if marker.is_file():
+            continue
+        path = CHECKOUT / "scripts" / script
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{marker.parent} is missing and {path} is not there to build it (dsrl is installed without its "
+                f"source checkout); fix: run python scripts/{script} {' '.join(args)} in a dsrl checkout, from {root}"
+            )
+        subprocess.run([sys.executable, str(path), *args], cwd=root, check=True)
+
+
+def run_logged(args: list[str], log: Path, *, cwd: Path, env: dict[str, str] | None = None) -> tuple[int, os.struct_rusage]:
+    """Run ``args`` in a child process with its output (stdout and stderr) in ``log``; its exit code and resource
+    use (``os.wait4``: ``ru_maxrss`` is the peak resident memory of it and of the children it waited for)."""
+    with log.open("w") as sink:
+        child = subprocess.Popen(args, cwd=cwd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(child.pid, 0)
+    return os.waitstatus_to_exitcode(status), usage
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The rows (dicts with the same keys, the columns) as a Markdown table; floats with 3 significant digits,
+    or as whole numbers with thousands separators from 100 up."""
+
+    def cell(value) -> str:
+        if not isinstance(value, float):
+            return str(value)
+        return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""The validation pass, shared by the trainer (``Trainer.validate``) and ``dsrl-eval`` (``dsrl.evaluate``).
+
+A rank's share of the prompts is ``prompts[rank::world]``, cut into chunks (``shard_chunks``) so that every rank
+makes the same number of generate calls (a generate call is a collective within a tensor-parallel group); a rank
+whose share ends early generates for a filler prompt it does not score. The chunks' responses are scored on their
+rank (``score_chunks``), the rows meet in one gather (``gather_rows``, in dataset order) and become verl's
+validation metrics (``row_metrics``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from dsrl.data.batch import Batch
+from dsrl.data.datasets import collate_prompts
+from dsrl.metrics import validation_metrics
+from dsrl.rewards import FAILURE_COUNTS, numeric_extras
+from dsrl.rollout.base import RolloutOutput, SamplingParams
+from dsrl.scoring import StepScorer
+
+
+class ScoredResponse(NamedTuple):
+    """One response of a validation pass."""
+
+    index: int  # its prompt's row in the validation prompts (the uid its group is known by)
+    data_source: str
+    score: float  # the response's score (the reward function's, plus any overlong penalty)
+    extras: dict  # what the reward function returned besides the score
+    texts: tuple[str, str] | None  # (prompt, response), for the rows whose texts were asked for
+
+
+def prompt_batch(records, pad_token_id: int, first_group_id: int) -> Batch:
+    """Left-padded prompts; group ids are global row numbers from ``first_group_id``, unique across ranks."""
+    fields = collate_prompts(records, pad_token_id)
+    group_ids = torch.arange(first_group_id, first_group_id + len(fields["data_sources"]))
+    empty = torch.empty(len(group_ids), 0, dtype=torch.long)
+    return Batch(**fields, response_ids=empty, response_mask=empty, group_ids=group_ids)
+
+
+def with_responses(prompts: Batch, out: RolloutOutput, n: int) -> Batch:
+    """The rows of ``prompts`` repeated ``n`` times (a prompt's rows contiguous) with the rollout's responses."""
+    repeat = torch.arange(len(prompts)).repeat_interleave(n)
+    return prompts.select(repeat).replace(
+        response_ids=out.response_ids,
+        response_mask=out.response_mask,
+        rollout_log_probs=out.log_probs,
+        response_attention_mask=out.attention_mask,
+    )
+
+
+def validation_sampling(cfg, seed: int) -> SamplingParams:
+    """How validation samples: ``actor_rollout_ref.rollout.val_kwargs`` (greedy by default, as verl), responses up
+    to ``data.max_response_length`` tokens, with ``seed``."""
+    val = cfg.actor_rollout_ref.rollout.val_kwargs
+    return SamplingParams(
+        n=val.n,
+        temperature=val.temperature,
+        top_p=val.top_p,
+        top_k=val.top_k,
+        max_tokens=cfg.data.max_response_length,
+        do_sample=val.do_sample,
+        seed=seed,
+    )
+
+
+def shard_chunks(
+    prompts: Sequence, rank: int, world_size: int, chunk_size: int | None
+) -> list[tuple[Sequence, int, int]]:
+    """This rank's chunks as ``(records, first_group_id, real prompts)``: ``prompts[rank::world]`` cut into chunks of
+    ``chunk_size`` prompts (None: one chunk), as many on every rank (``ceil(N / world)`` prompts at most); a chunk
+    past the end of this rank's share holds the first prompt as a filler and 0 real prompts. Group ids count the
+    rank's shard rows (``ScoredResponse.index`` maps them back)."""
+    shard = prompts[rank::world_size]
+    most = math.ceil(len(prompts) / world_size)
+    chunk = chunk_size or most
+    chunks = []
+    for start in range(0, most, chunk):
+        records = shard[start : start + chunk]
+        chunks.append((records if len(records) else prompts[:1], start, len(records)))
+    return chunks
+
+
+def score_chunks(
+    batches: list[tuple[Batch, int]], scoring: StepScorer, *, rank: int, world_size: int, texts_below: int
+) -> tuple[list[ScoredResponse], dict[str, float]]:
+    """This rank's responses scored (no collective): ``batches`` holds each chunk's generated batch and its count of
+    real rows (prompts x n; the filler's rows come after them and are dropped); the texts are kept for the rows
+    whose prompt index is below ``texts_below``. Returns the rows and the scorer's failure counts."""
+    rows: list[ScoredResponse] = []
+    failures = dict.fromkeys(FAILURE_COUNTS, 0.0)
+    for batch, real_rows in batches:
+        if not real_rows:
+            continue
+        batch = batch.select(torch.arange(real_rows))
+        scores = scoring.score(batch)
+        for name, count in scores.counts.items():
+            failures[name] += count
+        for i, (source, shard_row, score) in enumerate(
+            zip(batch.data_sources, batch.group_ids.tolist(), scores.token_level.sum(-1).tolist())
+        ):
+            index = rank + world_size * shard_row
+            texts = (scoring.prompt_text(batch, i), scores.responses[i]) if index < texts_below else None
+            extras = {name: values[i] for name, values in scores.extras.items()}
+            rows.append(ScoredResponse(index, source, score, extras, texts))
+    return rows, failures
+
+
+def gather_rows(rows: list[ScoredResponse], failures: dict[str, float]) -> tuple[list[ScoredResponse], dict[str, float]]:
+    """Every rank's rows in dataset order (a prompt's responses in generation order) and the failure counts summed
+    over the ranks, on every rank. Collective."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (rows, failures))
+    every = sorted((row for part, _ in gathered for row in part), key=lambda row: row.index)
+    return every, {name: float(sum(part[name] for _, part in gathered)) for name in failures}
+
+
+def response_variables(rows: list[ScoredResponse]) -> tuple[dict[str, list[float]], list[Hashable] | None]:
+    """The variables validation averages -- ``reward`` (the score) and each numeric extra every row has -- and the
+    ``pred`` extras that vote for ``maj@k`` (None unless every row has a hashable one)."""
+    extras = {name: [row.extras.get(name) for row in rows] for name in sorted({n for row in rows for n in row.extras})}
+    variables = {"reward": [row.score for row in rows]}
+    variables.update({name: v for name, v in numeric_extras(extras).items() if len(v) == len(rows) and name != "reward"})
+    preds = extras.get("pred")
+    if preds is not None and any(p is None or not isinstance(p, Hashable) for p in preds):
+        preds = None
+    return variables, preds
+
+
+def row_metrics(rows: list[ScoredResponse]) -> dict[str, float]:
+    """``dsrl.metrics.validation_metrics`` of gathered rows (verl's seed)."""
+    variables, preds = response_variables(rows)
+    return validation_metrics([row.data_source for row in rows], [row.index for row in rows], variables, preds)
