@@ -64,6 +64,7 @@ from pathlib import Path
 from dsrl.cli import split_files_and_overrides
 from dsrl.config import ConfigError, load_and_validate
 from dsrl.config.loading import config_file_path
+from dsrl.launch import LAUNCHER_VARIABLES
 from dsrl.tiny_runs import build_tiny_inputs, markdown_table, run_logged
 
 QUICK_TASK = ["cpu", "quickstart"]
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{out / 'mlflow.db'}"
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name in LAUNCHER_VARIABLES:
         env.pop(name, None)  # each run is a world of its own, whatever launched this command
     from mlflow import MlflowClient
 

@@ -29,6 +29,10 @@ from dataclasses import dataclass
 # Ports a SLURM step derives from its ids: below Linux's ephemeral range (32768-60999), where clients bind.
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 12000
 MPI_DEFAULT_PORT = 29500  # torch's and DeepSpeed's default rendezvous port
+# What a RANK-setting launcher (deepspeed, torchrun) or join() leaves in a process's environment: a child that
+# must be a world of its own (a run that dsrl-compare starts, a test's) starts without them.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE",
+                      "GROUP_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
 
 
 class LaunchError(ValueError):

@@ -12,11 +12,6 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-# Launcher variables a test's own environment may hold (pytest under a launcher, or what an in-process run of the CLI
-# or trainer filled in): a started run must not inherit them.
-LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
-                      "CROSS_SIZE", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_WORLD_SIZE")
-
 
 # A process started from a background job of a non-interactive shell (``cmd &``, ``nohup``) inherits SIGINT,
 # SIGQUIT and SIGHUP ignored, and Python then leaves them so: the scripts start with their usual handlers, as a

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from dsrl.config.schema import ADAPTER_DIR
+from dsrl.launch import LAUNCHER_VARIABLES
 from tests.conftest import QUICKSTART, RANK_LOCAL, recipe
-from tests.process_helpers import LAUNCHER_VARIABLES
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "train_worker.py"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from dsrl.launch import LAUNCHER_VARIABLES
 from tests.conftest import QUICKSTART
-from tests.process_helpers import LAUNCHER_VARIABLES
 from tests.resume_helpers import (
     STEPS,
     Baselines,

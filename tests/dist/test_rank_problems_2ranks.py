@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from dsrl.launch import LAUNCHER_VARIABLES
 from tests.conftest import QUICKSTART
 
 pytestmark = pytest.mark.dist
@@ -30,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def launch(overrides, tiny_model_dir, free_port, tmp_path) -> subprocess.CompletedProcess:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "3"}
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name in LAUNCHER_VARIABLES:
         env.pop(name, None)
     command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
                str(REPO / "scripts" / "train.py"), *QUICKSTART, f"actor_rollout_ref.model.path={tiny_model_dir}",

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from dsrl.evaluate import pass_at_k, pass_sizes
+from dsrl.launch import LAUNCHER_VARIABLES
 from dsrl.metrics import validation_metrics
 from tests.conftest import REPO
-from tests.resume_helpers import LAUNCHER_VARIABLES
 
 PROMPTS = 5
 

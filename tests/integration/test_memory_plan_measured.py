@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dsrl.launch import LAUNCHER_VARIABLES
+
 REPO = Path(__file__).resolve().parents[2]
 # The plan leaves out what it cannot know from the shapes (allocator slack, Python objects, DeepSpeed's small
 # buffers): some tens of MiB, a quarter of the tiny model's phases (README "dsrl-train --plan"; the 97 M and
@@ -17,7 +19,7 @@ TOLERANCE = 0.35
 
 def test_the_quickstart_plan_is_within_tolerance_of_each_measured_phase(tiny_model_dir, arithmetic_data, tmp_path):
     out = tmp_path / "rows.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     result = subprocess.run(
         [sys.executable, str(REPO / "bench" / "memory_plan.py"), "measure", "--cases", "quickstart", "--json", str(out),
          "--model", str(tiny_model_dir), "--data", str(arithmetic_data)],

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import pytest
 
+from dsrl.launch import LAUNCHER_VARIABLES
 from tests.conftest import REPO, write_model_stub
 
 README = REPO / "README.md"
@@ -182,7 +183,7 @@ def python_file_name(block: Block) -> str | None:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     return env

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from dsrl.launch import LAUNCHER_VARIABLES
 from tests.conftest import QUICKSTART
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ class Run:
 
     def __init__(self, overrides, *, env=None, preexec_fn=None):
         environment = {**os.environ, "DSRL_TEST_API_TOKEN": SECRET, **(env or {})}
-        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        for name in LAUNCHER_VARIABLES:
             if env is None or name not in env:
                 environment.pop(name, None)  # no launcher: dsrl fills in a world of one
         self.process = subprocess.Popen(

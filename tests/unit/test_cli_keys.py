@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from dsrl import config as C
+from dsrl.launch import LAUNCHER_VARIABLES
 from tests.conftest import recipe, run_train_without_torch, write_model_stub, write_parquet_stub
-from tests.process_helpers import LAUNCHER_VARIABLES
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "scripts" / "train.py")
