@@ -16,11 +16,13 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import types
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,6 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 # Importing model classes inside `deepspeed.zero.Init` fails with a signature-mismatch TypeError,
 # so the auto classes (and with them the model registry) are imported here, before any Init.
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: F401
-from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
 from transformers.integrations import HfDeepSpeedConfig
 
 from dsrl.config.deepspeed_json import fill_ds_json, zero_stage
@@ -154,8 +155,11 @@ def lr_scheduler(
     """verl's schedule over training steps (the trainer steps it once per ``update``, as verl does).
 
     Linear warm-up from 0 over ``lr_warmup_steps`` (or ``lr_warmup_steps_ratio`` of the run), then
-    constant or a cosine down to ``min_lr_ratio * lr``: transformers' schedules, whose formulas are
-    verl's. ``total_training_steps`` is needed by the ratio and the cosine only.
+    constant or a cosine down to ``min_lr_ratio * lr``: the factors of verl 0.9's
+    ``get_constant_schedule_with_warmup`` and ``get_cosine_schedule_with_warmup``, with its operations in its
+    order, so that every step's lr is verl's to the last bit (transformers' cosine with a floor, the same curve
+    written otherwise, differs in the last bit at many steps). ``total_training_steps`` is needed by the ratio
+    and the cosine only.
     """
     kind = optim.warmup_style or optim.lr_scheduler_type
     warmup = optim.lr_warmup_steps
@@ -165,10 +169,28 @@ def lr_scheduler(
     if warmup <= 0:
         warmup = int(optim.lr_warmup_steps_ratio * total_training_steps) if needs_total else 0
     if kind == "constant":
-        return get_constant_schedule_with_warmup(optimizer, warmup)
-    return get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, warmup, total_training_steps, num_cycles=optim.num_cycles, min_lr_rate=optim.min_lr_ratio
-    )
+        factor = partial(_constant_factor, warmup=warmup)
+    else:
+        factor = partial(_cosine_factor, warmup=warmup, total=total_training_steps, floor=optim.min_lr_ratio,
+                         cycles=optim.num_cycles)  # fmt: skip
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _constant_factor(step: int, *, warmup: int) -> float:
+    """The lr over its peak at ``step``: linear from 0 over ``warmup`` steps, then 1."""
+    if step < warmup:
+        return float(step) / float(max(1.0, warmup))
+    return 1.0
+
+
+def _cosine_factor(step: int, *, warmup: int, total: int, floor: float, cycles: float) -> float:
+    """The lr over its peak at ``step``: the warm-up, then ``cycles`` cosine periods over the rest of the run between
+    1 and ``floor`` (``min_lr_ratio``)."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    cosine = math.cos(math.pi * float(cycles) * 2.0 * progress)
+    return max(floor, cosine * ((1 - floor) * 0.5) + (1 + floor) * 0.5)
 
 
 def initialize_trained(module: torch.nn.Module, ds_config: dict[str, Any]) -> deepspeed.DeepSpeedEngine:
