@@ -231,13 +231,15 @@ def evaluate_model(cfg, rollout, scorer, tokenizer, prompts, *, threshold: float
     score it; the rows gathered, and the results, on every rank. Collective."""
     import torch.distributed as dist
 
+    from dsrl.rollout import SamplingParams
     from dsrl.scoring import StepScorer
     from dsrl.trainer import validation_score
-    from dsrl.validation import gather_rows, prompt_batch, row_metrics, score_chunks, shard_chunks, validation_sampling
+    from dsrl.validation import gather_rows, prompt_batch, row_metrics, score_chunks, shard_chunks
     from dsrl.validation import with_responses
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    sampling = validation_sampling(cfg, cfg.trainer.seed + rank)  # the trainer's validation seed before training
+    # The trainer's validation seed before training.
+    sampling = SamplingParams.from_config(cfg, cfg.trainer.seed + rank, validation=True)
     timing = {"timing_s/load": load_s}
     start = time.perf_counter()
     batches = []

@@ -96,7 +96,6 @@ from dsrl.validation import (
     row_metrics,
     score_chunks,
     shard_chunks,
-    validation_sampling,
     with_responses,
 )
 
@@ -372,18 +371,7 @@ class Trainer:
 
     def _sampling(self, *, validation: bool) -> SamplingParams:
         seed = self.cfg.trainer.seed + 7919 * self.global_step + self.rank
-        if validation:
-            return validation_sampling(self.cfg, seed)
-        rollout = self.cfg.actor_rollout_ref.rollout
-        return SamplingParams(
-            n=rollout.n,
-            temperature=rollout.temperature,
-            top_p=rollout.top_p,
-            top_k=rollout.top_k,
-            max_tokens=self.cfg.data.max_response_length,
-            do_sample=True,
-            seed=seed,
-        )
+        return SamplingParams.from_config(self.cfg, seed, validation=validation)
 
     def colocated(self, metrics: dict[str, float]):
         """The rollout engine awake with the actor's current weights, the DeepSpeed engines' device

@@ -19,7 +19,7 @@ from dsrl.data.batch import Batch
 from dsrl.data.datasets import collate_prompts
 from dsrl.metrics import validation_metrics
 from dsrl.rewards import FAILURE_COUNTS, numeric_extras
-from dsrl.rollout.base import RolloutOutput, SamplingParams
+from dsrl.rollout.base import RolloutOutput
 from dsrl.scoring import StepScorer
 
 
@@ -49,21 +49,6 @@ def with_responses(prompts: Batch, out: RolloutOutput, n: int) -> Batch:
         response_mask=out.response_mask,
         rollout_log_probs=out.log_probs,
         response_attention_mask=out.attention_mask,
-    )
-
-
-def validation_sampling(cfg, seed: int) -> SamplingParams:
-    """How validation samples: ``actor_rollout_ref.rollout.val_kwargs`` (greedy by default, as verl), responses up
-    to ``data.max_response_length`` tokens, with ``seed``."""
-    val = cfg.actor_rollout_ref.rollout.val_kwargs
-    return SamplingParams(
-        n=val.n,
-        temperature=val.temperature,
-        top_p=val.top_p,
-        top_k=val.top_k,
-        max_tokens=cfg.data.max_response_length,
-        do_sample=val.do_sample,
-        seed=seed,
     )
 
 

@@ -54,6 +54,22 @@ class SamplingParams:
     def replace(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def from_config(cls, cfg, seed: int, *, validation: bool) -> SamplingParams:
+        """How the run samples (``actor_rollout_ref.rollout.*``), or how validation does (its ``val_kwargs``: greedy
+        by default, as verl), responses up to ``data.max_response_length`` tokens, with ``seed``."""
+        rollout = cfg.actor_rollout_ref.rollout
+        source = rollout.val_kwargs if validation else rollout
+        return cls(
+            n=source.n,
+            temperature=source.temperature,
+            top_p=source.top_p,
+            top_k=source.top_k,
+            max_tokens=cfg.data.max_response_length,
+            do_sample=source.do_sample if validation else True,
+            seed=seed,
+        )
+
 
 @dataclass
 class RolloutOutput:
