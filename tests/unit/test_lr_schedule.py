@@ -20,6 +20,12 @@ def lrs(steps: int, total: int | None, *overrides: str) -> list[float]:
     cfg = load_config(QUICKSTART, [f"actor_rollout_ref.actor.optim.lr={LR}", *overrides])
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
     scheduler = lr_scheduler(optimizer, cfg.actor_rollout_ref.actor.optim, total_training_steps=total, prefix="actor")
+    return stepped(scheduler, steps)
+
+
+def stepped(scheduler: torch.optim.lr_scheduler.LRScheduler, steps: int) -> list[float]:
+    """The lr of each of ``steps`` training steps under ``scheduler``."""
+    optimizer = scheduler.optimizer
     seen = []
     for _ in range(steps):
         seen.append(optimizer.param_groups[0]["lr"])

@@ -11,19 +11,9 @@ import torch
 from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 from dsrl.engines.deepspeed_setup import lr_scheduler
+from tests.unit.test_lr_schedule import stepped
 
 LR = 3e-6
-
-
-def stepped(scheduler: torch.optim.lr_scheduler.LambdaLR, steps: int) -> list[float]:
-    """The lr of each of ``steps`` training steps."""
-    optimizer = scheduler.optimizer
-    seen = []
-    for _ in range(steps):
-        seen.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    return seen
 
 
 def optimizer() -> torch.optim.Optimizer:
