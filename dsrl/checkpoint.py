@@ -43,20 +43,29 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from peft import PeftModel
 from safetensors.torch import save_file
 
 from dsrl.config import RESUME_HARMLESS_KEYS, Config, to_dict
 from dsrl.config.schema import ADAPTER_DIR, FINAL_MODEL_DIR
-from dsrl.engines.lora import ADAPTER, ADAPTER_FILE, iter_adapter_parameters, iter_merged_parameters, saved_adapter_tensors
+from dsrl.engines.lora import (
+    ADAPTER,
+    ADAPTER_FILE,
+    is_peft_model,
+    iter_adapter_parameters,
+    iter_merged_parameters,
+    saved_adapter_tensors,
+)
 from dsrl.engines.weight_sync import iter_full_parameters
 from dsrl.tracking import flatten
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 STATE_FILE = "trainer_state.json"
 STATE_CHECKSUM = "state_sha256"  # the state's own checksum, over every other field
@@ -398,7 +407,7 @@ def export_hf_model(
     one (``dsrl.convert`` exports a checkpoint's model so, without the launcher).
     """
     rank = _rank()
-    lora = isinstance(module, PeftModel)
+    lora = is_peft_model(module)
     named = iter_merged_parameters(module) if lora else iter_full_parameters(module)
     tmp = out.with_name(f".tmp_{out.name}")
     if rank != 0:

@@ -418,19 +418,19 @@ def evaluate(args: argparse.Namespace) -> int:
     cfg = configs[0]
 
     import torch.distributed as dist
-    from transformers import set_seed
 
     from dsrl.console import logger, setup_logging
     from dsrl.data.datasets import load_prompts, load_tokenizer
     from dsrl.distributed import gather_problems
     from dsrl.engines import init_distributed
     from dsrl.rewards import RewardScorer, check_reward_rules
+    from dsrl.seeding import seed_all
     from dsrl.tracking import Tracker
 
     init_distributed(cfg.actor_rollout_ref.nccl_timeout)
     rank = dist.get_rank()
     setup_logging(rank)
-    set_seed(cfg.trainer.seed + rank)
+    seed_all(cfg.trainer.seed + rank)
     data = cfg.data
     problems, loaded, scorer = [], [], None
     try:

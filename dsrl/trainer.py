@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import set_seed
 
 from dsrl import run_folder
 from dsrl.algorithms import (
@@ -88,6 +87,7 @@ from dsrl.rollout_mismatch import RolloutMismatch
 from dsrl.preflight import Cluster
 from dsrl.run_facts import final_facts, lora_facts, run_tags, startup_facts
 from dsrl.scoring import Scores, StepScorer
+from dsrl.seeding import seed_all
 from dsrl.signals import Interrupted, RunSignals, TrainingInterrupted
 from dsrl.tracking import Tracker, flatten
 from dsrl.validation import (
@@ -141,7 +141,7 @@ class Trainer:
         self.cfg, self.cluster = cfg, cluster
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         setup_logging(self.rank)
-        set_seed(cfg.trainer.seed + self.rank)  # python, numpy, torch and the accelerator
+        seed_all(cfg.trainer.seed + self.rank)  # python, numpy, torch and the accelerator
         self.checkpoint_root = Path(cfg.trainer.default_local_dir)
         self.scorer = self.tracker = self.tools = None
         self._take_run_folder()
@@ -234,7 +234,7 @@ class Trainer:
             self.rollout = VLLMRollout.from_config(cfg)
             # vLLM seeded the global generators with its engine seed; the trainer's draws stay per rank (each
             # generate call seeds the ranks of a tensor-parallel group alike: dsrl.rollout.base.seeded).
-            set_seed(cfg.trainer.seed + self.rank)
+            seed_all(cfg.trainer.seed + self.rank)
         self.actor = ActorEngine(cfg, total_training_steps=schedule_steps)
         self.ref = None
         if needs_ref:  # a LoRA actor is its own reference, with the adapters off

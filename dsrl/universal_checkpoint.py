@@ -35,9 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-from transformers import set_seed
 
 from dsrl.checkpoint import DS_TAG, CheckpointError, set_rng_state, step_dir
+from dsrl.seeding import seed_all
 
 logger = logging.getLogger("dsrl")
 
@@ -102,7 +102,7 @@ def load_at_new_world_size(checkpoint: Path, state: dict[str, Any], engines: dic
     if rank < state["world_size"]:
         set_rng_state(torch.load(saved_rng, weights_only=True))
     else:
-        set_seed(new_rank_seed(seed, state["global_step"], rank))
+        seed_all(new_rank_seed(seed, state["global_step"], rank))
     dist.barrier()  # every rank has read the conversion
     if rank == 0:
         shutil.rmtree(out)

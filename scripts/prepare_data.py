@@ -2,6 +2,7 @@
 
     python scripts/prepare_data.py --task arithmetic                       # synthetic, offline
     python scripts/prepare_data.py --task calculator                       # synthetic, for tool calls
+    python scripts/prepare_data.py --task worded                           # synthetic, for pretrained chat models
     python scripts/prepare_data.py --task gsm8k --local-path ~/gsm8k       # or from the hub when online
     python scripts/prepare_data.py --task math --out outputs/data/math
 
@@ -13,6 +14,9 @@ ground_truth}), ``extra_info`` ({split, index, ...}), as verl's examples/data_pr
   ``--train-size``/``--test-size`` default to 5000/200, ``--seed`` picks the problems.
 - calculator: ``"What is a*b?"`` (3-digit operands) -> ``"a*b"`` as an integer string, the task of
   tool-integrated rollouts (see ``dsrl.data.calculator``); sizes and seed as for arithmetic.
+- worded: ``"What is a+b? Answer with just the number."`` (operands 0..19) -> ``"a+b"``, scored on the
+  response's last integer (see ``dsrl.data.worded``); ``--train-size``/``--test-size`` default to 1200/100
+  (the whole test pool; the train split repeats its 300 problems).
 - gsm8k (``openai/gsm8k``, config ``main``): question + the ``####`` instruction; ground truth
   = the number after ``####`` without commas.
 - math (``DigitalLearningGmbH/MATH-lighteval``): problem + the ``\\boxed{}`` instruction; ground
@@ -33,7 +37,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dsrl.data import arithmetic, calculator
+from dsrl.data import arithmetic, calculator, worded
 from dsrl.rewards.gsm8k import extract_answer
 from dsrl.rewards.math import last_boxed_answer
 
@@ -43,7 +47,7 @@ SOURCES = {
     "math": ("DigitalLearningGmbH/MATH-lighteval", None, "problem", "solution"),
 }
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-SYNTHETIC = {"arithmetic": arithmetic, "calculator": calculator}  # generated offline, no source files
+SYNTHETIC = {"arithmetic": arithmetic, "calculator": calculator, "worded": worded}  # generated offline, no source files
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
 
@@ -140,10 +144,10 @@ def build_split(task: str, split: str, size: int | None, seed: int, local_path: 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", required=True, choices=["arithmetic", "calculator", "gsm8k", "math"])
+    parser.add_argument("--task", required=True, choices=["arithmetic", "calculator", "worded", "gsm8k", "math"])
     parser.add_argument("--out", help="output directory (default: outputs/data/<task>)")
-    parser.add_argument("--train-size", type=int, help="rows in train.parquet (arithmetic, calculator: 5000; else all)")
-    parser.add_argument("--test-size", type=int, help="rows in test.parquet (arithmetic, calculator: 200; else all)")
+    parser.add_argument("--train-size", type=int, help="rows in train.parquet (arithmetic, calculator: 5000; worded: 1200; else all)")
+    parser.add_argument("--test-size", type=int, help="rows in test.parquet (arithmetic, calculator: 200; worded: 100; else all)")
     parser.add_argument("--seed", type=int, default=arithmetic.DEFAULT_SEED, help="picks the rows (default 0)")
     parser.add_argument("--local-path", help="gsm8k/math: directory with a local copy of the hub dataset")
     args = parser.parse_args(argv)

@@ -16,13 +16,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import socket
 import types
 from collections.abc import Callable
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -169,9 +169,9 @@ def lr_scheduler(
     if warmup <= 0:
         warmup = int(optim.lr_warmup_steps_ratio * total_training_steps) if needs_total else 0
     if kind == "constant":
-        factor = partial(_constant_factor, warmup=warmup)
+        factor = functools.partial(_constant_factor, warmup=warmup)
     else:
-        factor = partial(_cosine_factor, warmup=warmup, total=total_training_steps, floor=optim.min_lr_ratio,
+        factor = functools.partial(_cosine_factor, warmup=warmup, total=total_training_steps, floor=optim.min_lr_ratio,
                          cycles=optim.num_cycles)  # fmt: skip
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -196,11 +196,31 @@ def _cosine_factor(step: int, *, warmup: int, total: int, floor: float, cycles: 
 def initialize_trained(module: torch.nn.Module, ds_config: dict[str, Any]) -> deepspeed.DeepSpeedEngine:
     """The DeepSpeed engine of a trained role (the actor, the critic): its trainable parameters under
     ``ds_config``, the optimizer's steps exact across a resume (``bias_correction_from_step``)."""
+    remember_cpu_info()
     engine, *_ = deepspeed.initialize(
         model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=ds_config
     )
     bias_correction_from_step(engine.basic_optimizer)
     return engine
+
+
+def remember_cpu_info() -> None:
+    """Make ``cpuinfo.get_cpu_info`` answer from memory after its first call in this process.
+
+    DeepSpeed asks py-cpuinfo three times for each CPU Adam it builds (its op builder twice, the optimizer
+    once), and each call runs a subprocess for about a second on our 2-core machine; the answer is a fact
+    of the machine. Every call gets a copy, so a caller's changes stay its own."""
+    import cpuinfo
+
+    if getattr(cpuinfo.get_cpu_info, "remembered", False):
+        return
+    ask = functools.cache(cpuinfo.get_cpu_info)
+
+    def get_cpu_info() -> dict[str, Any]:
+        return dict(ask())
+
+    get_cpu_info.remembered = True
+    cpuinfo.get_cpu_info = get_cpu_info
 
 
 def bias_correction_from_step(optimizer: torch.optim.Optimizer) -> None:

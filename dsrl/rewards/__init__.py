@@ -3,7 +3,7 @@
 Public API (verl's signature, so a verl ``custom_reward_function`` works unchanged):
 
 - ``compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float``: the built-in
-  dispatcher (``arithmetic``; ``calculator``; ``openai/gsm8k``; ``lighteval/MATH``,
+  dispatcher (``arithmetic``; ``calculator``; ``worded_arithmetic``; ``openai/gsm8k``; ``lighteval/MATH``,
   ``DigitalLearningGmbH/MATH-lighteval``, ``HuggingFaceH4/MATH-500``).
 - ``load_custom_reward_function(path, name)``: a user's function with the same signature.
 - ``make_compute_score(math_verify_sources)``: the dispatcher with some data sources scored by
@@ -24,7 +24,7 @@ This package imports no torch, so a worker process starts in a fraction of a sec
 import importlib
 from collections.abc import Callable, Iterable
 
-from dsrl.rewards import arithmetic, calculator, gsm8k
+from dsrl.rewards import arithmetic, calculator, gsm8k, worded
 from dsrl.rewards import math as math_answer
 from dsrl.rewards.custom import load_custom_reward_function
 from dsrl.rewards.failure_streak import FailureStreak
@@ -35,6 +35,7 @@ from dsrl.rewards.scorer import FAILURE_COUNTS, RewardScorer, numeric_extras, re
 _RULES: dict[str, Callable[[str, str], float]] = {
     "arithmetic": arithmetic.compute_score,
     "calculator": calculator.compute_score,
+    "worded_arithmetic": worded.compute_score,
     "openai/gsm8k": gsm8k.compute_score,
     "lighteval/MATH": math_answer.compute_score,
     "DigitalLearningGmbH/MATH-lighteval": math_answer.compute_score,

@@ -8,9 +8,8 @@ its last integer equals the ground truth. So the model must copy a tool's result
 own: a response that ends on a tool output (the turn budget ran out) scores 0.
 """
 
-import re
+from dsrl.rewards import worded
 
-_INTEGER = re.compile(r"-?[0-9]+")
 TOOL_RESPONSE_END = "</tool_response>"
 
 
@@ -21,5 +20,4 @@ def final_answer(solution_str: str) -> str:
 
 def compute_score(solution_str: str, ground_truth: str) -> float:
     """1.0 if the last integer of ``final_answer(solution_str)`` equals ``ground_truth``, else 0.0."""
-    integers = _INTEGER.findall(final_answer(solution_str))
-    return 1.0 if integers and int(integers[-1]) == int(ground_truth) else 0.0
+    return worded.compute_score(final_answer(solution_str), ground_truth)

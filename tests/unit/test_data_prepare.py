@@ -1,4 +1,5 @@
-"""scripts/prepare_data.py: verl-schema parquet files for arithmetic (synthetic), GSM8K and MATH (local copies)."""
+"""scripts/prepare_data.py: verl-schema parquet files for arithmetic, calculator and worded sums (synthetic), GSM8K and
+MATH (local copies)."""
 
 import importlib.util
 import json
@@ -7,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dsrl.data import arithmetic, calculator
+from dsrl.data import arithmetic, calculator, worded
 from dsrl.data.datasets import load_prompts
 from dsrl.rewards import compute_score
 
@@ -77,6 +78,40 @@ def test_calculator_test_problems_never_appear_in_any_train_split():
         calculator.problems("test", 1001, 0)
     with pytest.raises(SystemExit):  # argparse: calculator is generated
         prepare_data.main(["--task", "calculator", "--local-path", "x"])
+
+
+def test_worded_is_deterministic_and_in_verl_schema(tmp_path):
+    for name in ("a", "b"):
+        prepare_data.main(["--task", "worded", "--out", str(tmp_path / name)])
+    for split in ("train", "test"):
+        assert (tmp_path / "a" / f"{split}.parquet").read_bytes() == (tmp_path / "b" / f"{split}.parquet").read_bytes()
+    rows, test = read(tmp_path / "a" / "train.parquet"), read(tmp_path / "a" / "test.parquet")
+    assert (len(rows), len(test)) == (worded.DEFAULT_TRAIN_SIZE, worded.TEST_POOL_SIZE) == (1200, 100)
+    assert rows[0]["data_source"] == "worded_arithmetic" and rows[0]["extra_info"] == {"split": "train", "index": 0}
+    pairs = []
+    for r in rows + test:
+        [message] = r["prompt"]
+        a, b = map(int, message["content"].removeprefix("What is ").removesuffix("? Answer with just the number.").split("+"))
+        assert message["role"] == "user" and 0 <= a <= 19 and 0 <= b <= 19
+        assert r["reward_model"]["ground_truth"] == str(a + b)
+        assert compute_score("worded_arithmetic", f"{a} + {b} = {a + b}", r["reward_model"]["ground_truth"]) == 1.0
+        pairs.append((a, b))
+    # The train split passes over its 300 problems four times, each problem once per pass; the test split is the
+    # whole test pool, none of it in training.
+    train, held_out = pairs[:1200], pairs[1200:]
+    assert len(set(held_out)) == 100 and not set(held_out) & set(train)
+    for start in range(0, 1200, worded.TRAIN_POOL_SIZE):
+        assert len(set(train[start : start + worded.TRAIN_POOL_SIZE])) == worded.TRAIN_POOL_SIZE
+    assert train[:300] != train[300:600]  # each pass in a new order
+
+
+def test_worded_sizes_are_checked():
+    assert len(worded.problems("train", 301, 0)) == 301
+    assert worded.problems("test", 5, 1) != worded.problems("test", 5, 2)
+    with pytest.raises(ValueError, match="choose 1..100"):
+        worded.problems("test", 101, 0)
+    with pytest.raises(ValueError, match="choose 1..any number"):
+        worded.problems("train", 0, 0)
 
 
 def write_jsonl(path, rows):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dsrl.rewards import arithmetic, calculator, compute_score, gsm8k
+from dsrl.rewards import arithmetic, calculator, compute_score, gsm8k, worded
 from dsrl.rewards import math as math_answer
 
 
@@ -117,6 +117,24 @@ def test_calculator(response, score):
 def test_calculator_final_answer_is_after_the_last_tool_output():
     assert calculator.final_answer("a</tool_response>b</tool_response>c") == "c"
     assert calculator.final_answer("no tools") == "no tools"
+
+
+@pytest.mark.parametrize(
+    "response, score",
+    [
+        ("9", 1.0),
+        ("4 + 5 = 9", 1.0),
+        ("The answer is 9.", 1.0),
+        ("4 + 5 = 10", 0.0),  # the last integer is the answer given
+        ("9, or maybe 8", 0.0),
+        ("The sum of 4 and", 0.0),  # cut off before any answer: the last integer is an operand
+        ("The answer is", 0.0),
+        ("-9", 0.0),
+    ],
+)
+def test_worded(response, score):
+    assert worded.compute_score(response, "9") == score
+    assert compute_score("worded_arithmetic", response, "9") == score
 
 
 def test_dispatch_by_data_source():
