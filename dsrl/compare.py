@@ -41,7 +41,7 @@ quarter of the steps, and the gradient variance, absolute and relative, as the m
 ``./outputs`` when missing as scripts/quickstart.sh does), 20 steps, validation every 5 steps on 100 prompts,
 micro-batches of 32 rows (8 per step: the quickstart's 32 prompts x 8 responses); ``--steps``, ``--val-every``,
 ``--task`` and overrides given still win; the runs go one per CPU core (``--jobs``), each on one thread. Four
-configs x two seeds took 5.3 min on our idle 2-core machine: bench/compare_quick/.
+configs x two seeds took 8.6 min on our 2-core machine: bench/compare_quick/.
 
 Exit codes: 0 done; 2 a bad argument or config (every config is validated before anything trains); 1 a run
 that failed (its log named).

@@ -23,14 +23,20 @@ DEFAULT_TEST_SIZE = 200
 DEFAULT_SEED = 0
 
 
-def _pool(split: str) -> list[tuple[int, int]]:
-    everything = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
-    random.Random("dsrl-arithmetic-pools").shuffle(everything)
+def operand_pool(split: str, max_operand: int, test_pool_size: int, key: str) -> list[tuple[int, int]]:
+    """The ``split`` pool of the pairs ``(a, b)`` in ``0..max_operand``: a fixed permutation (``key`` seeds it)
+    puts the first ``test_pool_size`` in the test pool and the rest in the train pool."""
+    everything = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    random.Random(key).shuffle(everything)
     if split == "test":
-        return everything[:TEST_POOL_SIZE]
+        return everything[:test_pool_size]
     if split == "train":
-        return everything[TEST_POOL_SIZE:]
+        return everything[test_pool_size:]
     raise ValueError(f"split={split!r}: must be 'train' or 'test'")
+
+
+def _pool(split: str) -> list[tuple[int, int]]:
+    return operand_pool(split, MAX_OPERAND, TEST_POOL_SIZE, "dsrl-arithmetic-pools")
 
 
 def problems(split: str, size: int, seed: int) -> list[tuple[int, int]]:

@@ -26,13 +26,7 @@ DEFAULT_SEED = 0
 
 
 def _pool(split: str) -> list[tuple[int, int]]:
-    everything = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
-    random.Random("dsrl-worded-pools").shuffle(everything)
-    if split == "test":
-        return everything[:TEST_POOL_SIZE]
-    if split == "train":
-        return everything[TEST_POOL_SIZE:]
-    raise ValueError(f"split={split!r}: must be 'train' or 'test'")
+    return arithmetic.operand_pool(split, MAX_OPERAND, TEST_POOL_SIZE, "dsrl-worded-pools")
 
 
 def problems(split: str, size: int, seed: int) -> list[tuple[int, int]]:

@@ -62,7 +62,7 @@ LONG = {
     "mlflow ui --backend-store-uri sqlite:///mlflow.db": "starts a web server that does not return",
     "OMP_NUM_THREADS=1 python scripts/bench_estimators.py": "a benchmark at B=8192, T=2048 (minutes)",
     "OMP_NUM_THREADS=1 python scripts/bench_step.py": "a benchmark of quickstart steps (minutes)",
-    "OMP_NUM_THREADS=1 python scripts/compare_dynamic_sampling.py": "trains the quickstart twice, 100 steps each (~3 min)",
+    "OMP_NUM_THREADS=1 python scripts/compare_dynamic_sampling.py": "trains the quickstart twice, 100 steps each (~4 min)",
     "bash bench/trl_grpo/sitting.sh s1": "builds a TRL venv (~1 GB, from the network) and runs 100 steps of each trainer",
 }
 LORA_CPU = ("python scripts/train.py configs/grpo.yaml configs/cpu.yaml actor_rollout_ref.model.lora_rank=8 "

@@ -1,7 +1,7 @@
 """The validation curve and step profile of a finished run, from its MLflow metrics (the README's SmolLM2 table).
 
-    python bench/smollm2/report.py                                   # newest run named smollm2 in ./mlflow.db
-    python bench/smollm2/report.py --tracking-uri sqlite:////tmp/smolrun/mlflow.db --run-name smollm2
+    python bench/run_curve.py --run-name smollm2       # the newest run named smollm2 in ./mlflow.db
+    python bench/run_curve.py --run-name quickstart --tracking-uri sqlite:////tmp/qs/mlflow.db
 
 Prints markdown: the validation score (greedy ``val-core`` mean@1) and the mean training score of the steps
 since the previous validation, at each validation step; then each phase's median seconds per step over
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tracking-uri", default="sqlite:///mlflow.db")
     parser.add_argument("--experiment", default="dsrl", help="trainer.project_name of the run")
-    parser.add_argument("--run-name", default="smollm2", help="trainer.experiment_name of the run")
+    parser.add_argument("--run-name", required=True, help="trainer.experiment_name of the run")
     args = parser.parse_args(argv)
 
     client = MlflowClient(tracking_uri=args.tracking_uri)
