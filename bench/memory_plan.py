@@ -125,9 +125,15 @@ def worker(out: Path, args: list[str]) -> int:
         record["phases"][name] = max(peak, record["phases"].get(name, 0))
 
     class MeasuredActor(actor_engine):
-        def __init__(self, *a, **k):
+        def __init__(self, cfg, *a, **k):
+            # The model's code (transformers' modeling module, ~100 MiB here) is imported by the first model load:
+            # imported before the baseline, the peaks count what the plan models, not library code.
+            from transformers import AutoConfig
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+            MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(cfg.actor_rollout_ref.model.path))]
             record["baseline"] = status_kib("VmRSS") * 1024
-            super().__init__(*a, **k)
+            super().__init__(cfg, *a, **k)
 
     trainer.in_phase, trainer.ActorEngine = measured_phase, MeasuredActor
     code = main(args)
