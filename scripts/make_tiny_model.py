@@ -27,8 +27,8 @@ Offline and deterministic (same ``--seed`` and ``--sft-steps`` give byte-identic
   with the product rendered by the chat template, an assistant turn copying it), 60% answer directly
   (the true product, which the tiny model cannot compute); loss on the assistant turns only. It stops
   when forced calls (first token ``<``), sampled at temperature 1 on 64 held-out train-pool problems,
-  are well formed and copied back for 60% of them (checked every 10 steps; ~300 steps, ~3.5 min on two
-  cores). At temperature 1 the model then makes a well-formed call for ~1/3 of the problems (a broken one
+  are well formed and copied back for 60% of them (checked every 10 steps; ~300 steps, 4-5 min on one
+  core). At temperature 1 the model then makes a well-formed call for ~1/3 of the problems (a broken one
   for ~8% more), ~85% of them of the right product, and ~2/3 of its well-formed calls end in the right
   answer (accuracy ~22%): a start that RL with tools improves, and that GRPO without tools cannot (a
   direct product is almost always wrong). Greedy decoding calls for ~70% of the problems.
@@ -445,9 +445,11 @@ def main(argv: list[str] | None = None) -> float:
         parser.error(f"--sft-steps {args.sft_steps}: must be >= 0")
     if args.wide and (args.sft_steps or args.task != "arithmetic"):
         parser.error("--wide builds an untrained model: add --sft-steps 0 (and no --task)")
-    # At most two threads: more are slower for a model this small. A fixed count keeps reductions in a fixed
-    # order, so a seed builds the same model on every run of a machine.
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    # A fixed thread count keeps reductions in a fixed order, so a seed builds the same model on every run of a
+    # machine. The arithmetic warm start takes two where there are (1.5x faster at its 128 problems a step on our
+    # 2-core machine); the tool model keeps the one thread it was built with when the README's compare_tools
+    # table was measured.
+    torch.set_num_threads(1 if args.task == "calculator" else min(2, os.cpu_count() or 1))
     start = time.perf_counter()
 
     tokenizer = build_tokenizer()
