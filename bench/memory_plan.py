@@ -1,4 +1,4 @@
-"""The memory plan (``dsrl.memory_plan``, ``dsrl-train --plan``) against measured memory, against DeepSpeed's own
+"""The memory plan (``dsrl.plan.plan``, ``dsrl-train --plan``) against measured memory, against DeepSpeed's own
 estimators, and every shipped recipe's plan on 8 x 141 GiB.
 
     python bench/memory_plan.py measure [--cases quickstart,wide-z3-offload,wide-z3,wide-z2] [--json PATH]
@@ -6,7 +6,7 @@ estimators, and every shipped recipe's plan on 8 x 141 GiB.
     python bench/memory_plan.py recipes         # every recipe at 8 x 141 GiB (the README's table)
 
 ``measure`` runs two training steps of each case in a fresh process on the CPU (``DS_ACCELERATOR=cpu``, one rank,
-no validation, console logging only) and records, per phase of the step (``dsrl.trainer``'s ``in_phase`` names:
+no validation, console logging only) and records, per phase of the step (``dsrl.trainer.loop``'s ``in_phase`` names:
 gen, old_log_prob, ref, values, update_critic, update_actor; the larger of the two steps' peaks, as the optimizer
 allocates its states in the first update), the process's peak resident memory: the kernel's
 high-water mark ``VmHWM``, reset when the phase starts (``/proc/self/clear_refs``) and read when it ends, minus
@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dsrl.config import load_and_validate
-from dsrl.memory_plan import (
+from dsrl.plan.plan import (
     GIB,
     Device,
     Zero,
@@ -105,9 +105,9 @@ def reset_peak() -> None:
 
 
 def worker(out: Path, args: list[str]) -> int:
-    """One run of ``dsrl.cli.main(args)`` with the per-phase peaks written to ``out`` (JSON, bytes)."""
-    from dsrl import trainer
-    from dsrl.cli import main
+    """One run of ``dsrl.commands.train.main(args)`` with the per-phase peaks written to ``out`` (JSON, bytes)."""
+    from dsrl.trainer import loop as trainer
+    from dsrl.commands.train import main
 
     record: dict = {"phases": {}}
     in_phase, actor_engine = trainer.in_phase, trainer.ActorEngine

@@ -1,5 +1,5 @@
 """``python -m dsrl ...`` (and ``deepspeed --module dsrl ...``): the ``dsrl-train`` command."""
 
-from dsrl.cli import run
+from dsrl.commands.train import run
 
 run()

@@ -44,7 +44,7 @@ def main() -> int:
         print("\n".join(err.violations), file=sys.stderr)
         return 2
 
-    from dsrl.trainer import Trainer
+    from dsrl.trainer.loop import Trainer
 
     trainer = Trainer(cfg)
     steps: list[dict[str, float]] = []

@@ -32,7 +32,7 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from dsrl.config import ConfigError, load_and_validate  # noqa: E402
-from dsrl.tiny_runs import build_tiny_inputs  # noqa: E402
+from dsrl.commands.tiny_runs import build_tiny_inputs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = [str(REPO / "configs" / name) for name in ("grpo.yaml", "cpu.yaml", "quickstart.yaml")]
@@ -51,7 +51,7 @@ def zero_advantage_share(group_ids, scores) -> tuple[int, int]:
 
 def run_arm(overrides: list[str], out: Path) -> dict:
     """Train one arm in this process; the per-step spies' counts and the logged metrics."""
-    from dsrl.trainer import Trainer, validation_score
+    from dsrl.trainer.loop import Trainer, validation_score
 
     cfg, _ = load_and_validate(QUICKSTART, [*overrides, f"trainer.default_local_dir={out}"], 1)
     trainer = Trainer(cfg)

@@ -37,7 +37,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dsrl.tiny_runs import build_tiny_inputs, markdown_table, run_logged
+from dsrl.commands.tiny_runs import build_tiny_inputs, markdown_table, run_logged
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = [str(REPO / "configs" / name) for name in ("grpo.yaml", "cpu.yaml", "quickstart.yaml")]

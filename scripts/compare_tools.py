@@ -42,7 +42,7 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from dsrl.config import ConfigError, load_and_validate  # noqa: E402
-from dsrl.tiny_runs import build_tiny_inputs  # noqa: E402
+from dsrl.commands.tiny_runs import build_tiny_inputs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = [str(REPO / "configs" / name) for name in ("cpu.yaml", "calculator_cpu.yaml")]
@@ -51,7 +51,7 @@ ARMS = {  # name: (recipe, overrides)
     "tir-otb-tools": ("tir_otb.yaml", []),
     "grpo-no-tools": ("grpo.yaml", ["actor_rollout_ref.rollout.multi_turn.enable=false"]),
 }
-# What the agent loop logs per training step (dsrl.metrics); without the loop the table counts the calls itself.
+# What the agent loop logs per training step (dsrl.trainer.metrics); without the loop the table counts the calls itself.
 CALLS_METRIC = "multi_turn/calls_per_response/mean"
 CALL_MARK = "<tool_call>"
 
@@ -85,7 +85,7 @@ def arm_overrides(args: argparse.Namespace, name: str) -> tuple[list[str], list[
 
 def run_arm(files: list[str], overrides: list[str], out: Path) -> dict:
     """Train one arm in this process; the logged metrics and the calls counted in the generated batches."""
-    from dsrl.trainer import Trainer, validation_score
+    from dsrl.trainer.loop import Trainer, validation_score
 
     cfg, _ = load_and_validate(files, [*overrides, f"trainer.default_local_dir={out}"], 1)
     trainer = Trainer(cfg)

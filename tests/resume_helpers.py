@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from dsrl.config.schema import ADAPTER_DIR
-from dsrl.launch import LAUNCHER_VARIABLES
+from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.conftest import QUICKSTART, RANK_LOCAL, recipe
 
 REPO = Path(__file__).resolve().parents[1]

@@ -33,11 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import dsrl.checkpoint
-from dsrl.cli import leave_together, split_files_and_overrides
+import dsrl.checkpoint.save
+from dsrl.commands.train import leave_together, split_files_and_overrides
 from dsrl.config import load_and_validate
-from dsrl.launch import join
-from dsrl.trainer import Trainer, TrainingInterrupted, TrainingStopped
+from dsrl.runtime.launch import join
+from dsrl.trainer.loop import Trainer, TrainingInterrupted, TrainingStopped
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -125,7 +125,7 @@ if args.kill_at:
     if phase == "update":  # global_step counts finished steps, so step STEP runs at STEP - 1
         trainer.actor.update = kill_after(trainer.actor.update, step - 1)
     else:
-        setattr(dsrl.checkpoint, phase, kill_after(getattr(dsrl.checkpoint, phase), step))
+        setattr(dsrl.checkpoint.save, phase, kill_after(getattr(dsrl.checkpoint.save, phase), step))
 
 if args.skip_push:
     trainer.rollout.update_weights = lambda named_tensors: deque(named_tensors, maxlen=0)

@@ -5,12 +5,12 @@ blindly:
 
 - ``checkpoint_to_resume``: the checkpoint ``trainer.resume_mode`` asks for (``auto``: the newest under
   ``trainer.default_local_dir``; ``resume_path``: ``trainer.resume_from_path``) whose state checks out
-  (``dsrl.checkpoint.state_problem``: unchanged since written, this format and step, every file there with
+  (``dsrl.checkpoint.save.state_problem``: unchanged since written, this format and step, every file there with
   its size; ``fields_problem``: every field of the trainer's state of the expected type) and whose files'
   SHA-256 match the manifest (each rank hashes a share). ``auto`` falls back to the previous checkpoint and
   says why; an explicit path is refused with the reason.
 - ``check_settings``: the same world size (unless ``trainer.resume_allow_world_size_change``: ``restore``
-  then loads through ``dsrl.universal_checkpoint``), and the settings that shape the run unchanged (unless
+  then loads through ``dsrl.checkpoint.universal``), and the settings that shape the run unchanged (unless
   ``trainer.resume_allow_config_change``).
 - ``check_train_data``: the training files as they were (size and SHA-256 of each, in order), since the
   saved sampler position means other prompts in other data; checked once the prompts have loaded, still
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dsrl.checkpoint import (
+from dsrl.checkpoint.save import (
     CheckpointError,
     complete_steps,
     config_differences,
@@ -47,7 +47,7 @@ from dsrl.checkpoint import (
 )
 from dsrl.config import Config
 from dsrl.config.files import parquet_paths
-from dsrl.universal_checkpoint import load_at_new_world_size
+from dsrl.checkpoint.universal import load_at_new_world_size
 
 logger = logging.getLogger("dsrl")
 
@@ -65,7 +65,7 @@ def data_identity(files) -> list[dict[str, Any]]:
 
 def trainer_state(*, sampler, kl_coef: float, roles: dict, mlflow_run_id, save_contents: list[str],
                   config: dict[str, Any], train_data: list[dict[str, Any]]) -> dict[str, Any]:
-    """The trainer's fields of a checkpoint state (``dsrl.checkpoint.save_checkpoint`` adds the rest). Collective
+    """The trainer's fields of a checkpoint state (``dsrl.checkpoint.save.save_checkpoint`` adds the rest). Collective
     (``frozen_checksum``)."""
     return {
         "sampler": sampler.state_dict(),
@@ -138,7 +138,7 @@ def restore(directory: Path, state: dict[str, Any], *, roles: dict, sampler, kl_
     """Load every trained role's engine (weights, optimizer, LR scheduler, step counters) and this rank's RNG,
     then the trainer's state: sampler position, KL coefficient, skip counters and LR schedules. A checkpoint of
     another world size (``check_settings`` let it through) is loaded through its universal form under ``root``
-    (``dsrl.universal_checkpoint``; ``seed``: ``trainer.seed``, for ranks it did not have). Collective."""
+    (``dsrl.checkpoint.universal``; ``seed``: ``trainer.seed``, for ranks it did not have). Collective."""
     start = time.perf_counter()
     for name, role in roles.items():
         saved, now = state["frozen_checksums"][name], frozen_checksum(role.engine.module)

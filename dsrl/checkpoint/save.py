@@ -22,9 +22,9 @@ it, and renames the directory to ``global_step_N``: a checkpoint is visible only
 checkpoints are renamed to ``.trash_*`` before they are deleted, so a crash while pruning never leaves
 a half-deleted ``global_step_*``. A rank that cannot write its part (a full disk) removes the
 temporary directory and stops the run with ``CheckpointWriteError``, saying what failed and the free
-space. Resuming (``dsrl.resume``) takes the newest checkpoint whose state and files check out:
+space. Resuming (``dsrl.checkpoint.resume``) takes the newest checkpoint whose state and files check out:
 ``state_problem`` (the state parses, is unchanged since it was written, names this step, and every
-file of the manifest is there with its size; ``dsrl.resume`` checks its fields), then
+file of the manifest is there with its size; ``dsrl.checkpoint.resume`` checks its fields), then
 ``file_problems`` (every file's SHA-256, the ranks hashing a share each); a crash at any point of a
 save, or a file changed since, falls back to the previous checkpoint.
 
@@ -375,7 +375,7 @@ def _stop_when_unwritable(tmp: Path, step: int) -> Iterator[None]:
 
 
 def _rank() -> int:
-    """This process's rank; 0 in a process without a process group (``dsrl.convert``, run without the launcher)."""
+    """This process's rank; 0 in a process without a process group (``dsrl.commands.convert``, run without the launcher)."""
     return dist.get_rank() if dist.is_initialized() else 0
 
 
@@ -404,7 +404,7 @@ def export_hf_model(
     Parameters are gathered from ZeRO-3 a bucket at a time; rank 0 keeps at most one shard and one
     bucket of full tensors, the other ranks one bucket. Written to a temporary directory renamed to
     ``out`` when complete (an older ``out`` is replaced). A process without a process group is rank 0 of
-    one (``dsrl.convert`` exports a checkpoint's model so, without the launcher).
+    one (``dsrl.commands.convert`` exports a checkpoint's model so, without the launcher).
     """
     rank = _rank()
     lora = is_peft_model(module)

@@ -7,7 +7,7 @@ and Adam moments, unpartitioned. Every engine then loads it with DeepSpeed's uni
 (``checkpoint.load_universal``, read by ``engine.load_checkpoint`` at each call, so it is turned on for that
 call alone), which cuts each tensor for this world size: parameters, moments and the optimizer's step are
 the saved ones exactly. A LoRA actor's checkpoint holds the adapters alone: they are converted and loaded the
-same way, and the frozen base is the one loaded from ``model.path`` (checked by ``dsrl.resume.restore``).
+same way, and the frozen base is the one loaded from ``model.path`` (checked by ``dsrl.checkpoint.resume.restore``).
 
 The conversion goes to ``trainer.default_local_dir/.universal_global_step_N/<role>/ds``, beside the
 checkpoints: the published ``global_step_N`` and its manifest stay as written, and every rank reads the
@@ -20,7 +20,7 @@ collective, within ``actor_rollout_ref.nccl_timeout``.
 Per rank state: rank r takes the RNG state of the checkpoint's rank r where there was one; a rank the
 checkpoint did not have is seeded from ``trainer.seed``, the step and r (``new_rank_seed``). The sampler
 position, LR schedules, KL coefficient and skip counters are global and restored as at the same world size
-(``dsrl.resume.restore``).
+(``dsrl.checkpoint.resume.restore``).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-from dsrl.checkpoint import DS_TAG, CheckpointError, set_rng_state, step_dir
-from dsrl.seeding import seed_all
+from dsrl.checkpoint.save import DS_TAG, CheckpointError, set_rng_state, step_dir
+from dsrl.runtime.seeding import seed_all
 
 logger = logging.getLogger("dsrl")
 

@@ -61,11 +61,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsrl.cli import split_files_and_overrides
+from dsrl.commands.train import split_files_and_overrides
 from dsrl.config import ConfigError, load_and_validate
 from dsrl.config.loading import config_file_path
-from dsrl.launch import LAUNCHER_VARIABLES
-from dsrl.tiny_runs import build_tiny_inputs, markdown_table, run_logged
+from dsrl.runtime.launch import LAUNCHER_VARIABLES
+from dsrl.commands.tiny_runs import build_tiny_inputs, markdown_table, run_logged
 
 QUICK_TASK = ["cpu", "quickstart"]
 QUICK_STEPS, QUICK_VAL_EVERY = 20, 5
@@ -231,7 +231,7 @@ def mlflow_name(metric: str) -> str:
 
 def read_run(client, experiment_id: str, name: str) -> dict:
     """The newest run called ``name`` in the experiment: its id, validation scores by step (the mean of its
-    ``val-core/*/mean@N`` metrics at each step, as ``dsrl.trainer.validation_score``) and each of
+    ``val-core/*/mean@N`` metrics at each step, as ``dsrl.trainer.loop.validation_score``) and each of
     ``STEP_METRICS`` by step."""
     runs = client.search_runs(
         [experiment_id], filter_string=f"tags.mlflow.runName = '{name}'", order_by=["attributes.start_time DESC"],
@@ -440,5 +440,5 @@ def run() -> None:
     sys.exit(main())
 
 
-if __name__ == "__main__":  # python -m dsrl.compare, the same as dsrl-compare
+if __name__ == "__main__":  # python -m dsrl.commands.compare, the same as dsrl-compare
     run()

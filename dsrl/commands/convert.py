@@ -7,18 +7,18 @@
 
 What OUT holds:
 
-- the actor (default): what the trainer's own export (``dsrl.checkpoint.export_hf_model``, written into a
+- the actor (default): what the trainer's own export (``dsrl.checkpoint.save.export_hf_model``, written into a
   checkpoint with ``hf_model`` in ``actor_rollout_ref.actor.checkpoint.save_contents``) writes for that step,
   file for file and bit for bit: safetensors shards with their index, ``config.json``, ``generation_config.json``
   and the tokenizer, in the run's ``actor_rollout_ref.model.dtype``; of a LoRA actor, the merged model
   (``W + (alpha / r) B A``, ``dsrl.engines.lora.iter_merged_parameters``) and its adapter in ``lora_adapter/``.
-- ``--adapter-only``: a LoRA actor's adapter alone, as a PEFT directory (``dsrl.checkpoint.save_adapter``).
+- ``--adapter-only``: a LoRA actor's adapter alone, as a PEFT directory (``dsrl.checkpoint.save.save_adapter``).
 - ``--role critic``: PPO's value model, ``dsrl.engines.critic.ValueModel``: its backbone as a transformers base
   model directory (``AutoModel.from_pretrained(OUT)``: safetensors, ``config.json``, the tokenizer) and its value
   head in ``value_head.safetensors`` (``weight`` [1, hidden], ``bias`` [1]); a token's value is the head applied
   to the backbone's last hidden state at the position before it.
 - ``--universal``: each trained role's (or ``--role``'s) DeepSpeed checkpoint in universal form under
-  ``OUT/<role>/ds`` (``dsrl.universal_checkpoint.convert``, which ``trainer.resume_allow_world_size_change``
+  ``OUT/<role>/ds`` (``dsrl.checkpoint.universal.convert``, which ``trainer.resume_allow_world_size_change``
   runs by itself when a run resumes at another world size), for DeepSpeed's ``checkpoint.load_universal``.
 
 How: the checkpoint is checked first, as a resume checks it (``state_problem``, ``fields_problem``, and the
@@ -49,7 +49,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
 from transformers import AutoModel, AutoModelForCausalLM
 
-from dsrl.checkpoint import (
+from dsrl.checkpoint.save import (
     DS_TAG,
     STATE_FILE,
     complete_steps,
@@ -67,8 +67,8 @@ from dsrl.data.datasets import load_tokenizer
 from dsrl.engines.critic import ValueModel
 from dsrl.engines.deepspeed_setup import DTYPES
 from dsrl.engines.lora import add_adapters
-from dsrl.resume import fields_problem
-from dsrl.universal_checkpoint import convert as convert_to_universal
+from dsrl.checkpoint.resume import fields_problem
+from dsrl.checkpoint.universal import convert as convert_to_universal
 
 ROLES = ("actor", "critic")
 # The config section of each role's model in the checkpoint's saved settings.

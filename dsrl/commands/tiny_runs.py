@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-CHECKOUT = Path(__file__).resolve().parents[1]  # the source checkout dsrl is imported from
+CHECKOUT = Path(__file__).resolve().parents[2]  # the source checkout dsrl is imported from
 # task: (model directory, data directory), relative to the working directory, as configs/cpu.yaml and
 # configs/calculator_cpu.yaml name them
 TINY_INPUTS = {

@@ -4,7 +4,7 @@
     deepspeed --num_gpus 8 scripts/train.py configs/opo.yaml     # the same as --module dsrl or $(which dsrl-train)
     python -m dsrl configs/otb.yaml --validate-only               # print the resolved config
     dsrl-train configs/opo.yaml --validate-only --world-size 8    # ... checked for 8 ranks
-    dsrl-train grpo --plan --world-size 8 --device-memory 141GiB  # memory per rank and phase (dsrl.memory_plan)
+    dsrl-train grpo --plan --world-size 8 --device-memory 141GiB  # memory per rank and phase (dsrl.plan.plan)
     dsrl-train --show-keys actor_rollout_ref.actor.optim          # the config reference: type, default, meaning
 
 Config files (paths, or names of shipped recipes) are merged left to right, then ``dotted.key=value``
@@ -19,7 +19,7 @@ checkpoint that cannot be resumed from; 1 a run that cannot go on (e.g. non-fini
 that cannot be written, a rank stuck past actor_rollout_ref.nccl_timeout, an unexpected error: its rank,
 host and traceback printed); 128 + the signal number when stopped by a signal (143 SIGTERM, 130 SIGINT,
 129 SIGHUP), after saving a checkpoint when the signal came during training (resume with
-trainer.resume_mode=auto). Signals are handled from the start (``dsrl.signals``).
+trainer.resume_mode=auto). Signals are handled from the start (``dsrl.runtime.signals``).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import traceback
 from pathlib import Path
 
 from dsrl.config import SCHEMA, ConfigError, describe_keys, load_and_validate, to_yaml
-from dsrl.console import logger, setup_logging
-from dsrl.launch import LaunchError, RendezvousError, join
-from dsrl.memory_plan import (
+from dsrl.tracking.console import logger, setup_logging
+from dsrl.runtime.launch import LaunchError, RendezvousError, join
+from dsrl.plan.plan import (
     GIB,
     Device,
     PlanError,
@@ -45,9 +45,9 @@ from dsrl.memory_plan import (
     plan_problems,
     render,
 )
-from dsrl.redaction import redact_text
-from dsrl.run_folder import RunFolderBusy
-from dsrl.signals import Interrupted, RunSignals, TrainingInterrupted
+from dsrl.runtime.redaction import redact_text
+from dsrl.checkpoint.run_folder import RunFolderBusy
+from dsrl.runtime.signals import Interrupted, RunSignals, TrainingInterrupted
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
@@ -130,7 +130,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str
 
 
 def _size(text: str) -> int:
-    """``--device-memory``'s bytes (``dsrl.memory_plan.parse_size``), an argparse error otherwise."""
+    """``--device-memory``'s bytes (``dsrl.plan.plan.parse_size``), an argparse error otherwise."""
     try:
         return parse_size(text)
     except ValueError as err:
@@ -153,7 +153,7 @@ def split_files_and_overrides(items: list[str]) -> tuple[list[str], list[str]]:
 
 def refuse(header: str, problems: list[str]) -> int:
     """Exit code 2 with the problems (one line each) printed once, by rank 0; a run of several ranks has
-    gathered every rank's (``checked_cluster``, ``dsrl.trainer.Trainer``)."""
+    gathered every rank's (``checked_cluster``, ``dsrl.trainer.loop.Trainer``)."""
     if os.environ.get("RANK", "0") == "0":
         print(redact_text(f"dsrl: {header}:"), file=sys.stderr)
         for problem in problems:
@@ -162,12 +162,12 @@ def refuse(header: str, problems: list[str]) -> int:
 
 
 def checked_cluster(cfg, problems: list[str], launch, where: str, timeout_s: int | None):
-    """The ranks meet and run the preflight (``dsrl.preflight``) whether their own config check passed or not, so
+    """The ranks meet and run the preflight (``dsrl.trainer.preflight``) whether their own config check passed or not, so
     that what only one rank sees (a file missing on its node) reaches the report rank 0 prints (``refuse``);
     the cluster, or None when the run must stop (exit code 2, once every rank got here: the launcher stops
     every rank when one exits). Collective."""
     from dsrl.engines import init_distributed
-    from dsrl.preflight import preflight
+    from dsrl.trainer.preflight import preflight
 
     init_distributed(timeout_s)
     cluster, problems = preflight(cfg, problems, launch)
@@ -201,7 +201,7 @@ def where_stopped(err: Interrupted) -> str:
 
 
 def check_memory_plan(cfg, world_size: int, args: argparse.Namespace, where: str, rank: int) -> tuple[int, str]:
-    """``--plan`` and ``--validate-only``: the memory plan (``dsrl.memory_plan``), printed with ``--plan``, and
+    """``--plan`` and ``--validate-only``: the memory plan (``dsrl.plan.plan``), printed with ``--plan``, and
     ``trainer.memory_plan_check``: exit code 2 (error) or a warning (warn) per phase that exceeds the device.
     Returns the exit code and, for ``--validate-only``, the comment line to print after the config. Every rank
     of a launcher decides alike; rank 0 prints."""
@@ -307,9 +307,9 @@ def main(argv: list[str]) -> int:
 
 
 def run_training(cfg, signals: RunSignals, where: str, cluster) -> int:
-    """``dsrl.trainer.train`` and what its end means: the exit code, and the message where it is not 0."""
-    from dsrl.checkpoint import CheckpointError, CheckpointWriteError
-    from dsrl.trainer import TrainingStopped, train
+    """``dsrl.trainer.loop.train`` and what its end means: the exit code, and the message where it is not 0."""
+    from dsrl.checkpoint.save import CheckpointError, CheckpointWriteError
+    from dsrl.trainer.loop import TrainingStopped, train
 
     first_rank = os.environ.get("RANK", "0") == "0"
     try:
@@ -328,7 +328,7 @@ def run_training(cfg, signals: RunSignals, where: str, cluster) -> int:
         logger.info(f"{err}; exit code {err.exit_code}")
         return err.exit_code
     except Exception as err:  # noqa: BLE001 -- reported with the rank and host it happened on
-        from dsrl.distributed import collective_timeout_message, leave_timed_out_group
+        from dsrl.runtime.distributed import collective_timeout_message, leave_timed_out_group
 
         message = collective_timeout_message(err)
         if message is not None:

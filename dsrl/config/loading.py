@@ -28,7 +28,7 @@ from dsrl.config.schema import (
     _violation,
 )
 from dsrl.config.verl_keys import _unknown_key
-from dsrl.redaction import secret_environment
+from dsrl.runtime.redaction import secret_environment
 
 
 class ConfigError(ValueError):
@@ -244,7 +244,7 @@ def resolve(cfg: Config) -> list[str]:
 
 
 def secret_notes(cfg: Config) -> list[str]:
-    """A note for each key whose value holds the value of a secret environment variable (``dsrl.redaction``), as
+    """A note for each key whose value holds the value of a secret environment variable (``dsrl.runtime.redaction``), as
     ``${oc.env:NAME}`` or typed in: what dsrl shows has *** in its place, but a file or folder it names does not."""
     secrets = secret_environment()
     notes = []

@@ -112,7 +112,7 @@ OLDER_NAMES = {
     for role in ("actor_rollout_ref.actor", "critic")
     for old, new in (("optim.warmup_style", "optim.lr_scheduler_type"), ("grad_clip", "optim.clip_grad"))
 }
-# The final model's folder in trainer.default_local_dir (validation checks what is there; dsrl.checkpoint writes it).
+# The final model's folder in trainer.default_local_dir (validation checks what is there; dsrl.checkpoint.save writes it).
 FINAL_MODEL_DIR = "huggingface"
 # A LoRA actor's adapter as a PEFT directory, inside each exported model's folder (verl's name for it).
 ADAPTER_DIR = "lora_adapter"
@@ -872,7 +872,7 @@ class TrainerConfig:
     log_model: bool = _f(False, "also upload the final model directory to the MLflow run (its location is always recorded)")
     memory_plan_check: str = _f(
         "error",
-        "what dsrl-train --validate-only and --plan do when a phase of the memory plan (dsrl.memory_plan: per rank "
+        "what dsrl-train --validate-only and --plan do when a phase of the memory plan (dsrl.plan.plan: per rank "
         "and phase, from the model's config.json) exceeds the device: error (exit code 2, one line per phase with "
         "the fix) | warn (the same lines, exit code 0) | ignore (no check); the run itself does not check",
     )

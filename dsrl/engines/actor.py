@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from dsrl.algorithms import agg_loss, kl_penalty, policy_loss, policy_loss_params
 from dsrl.config import lora_enabled, policy_loss_param_values
 from dsrl.data.batch import Batch
-from dsrl.distributed import accelerator_device
+from dsrl.runtime.distributed import accelerator_device
 from dsrl.config.deepspeed_json import clip_grad
 from dsrl.engines.deepspeed_setup import (
     DTYPES,

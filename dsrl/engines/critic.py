@@ -16,7 +16,7 @@ from transformers import AutoModel
 
 from dsrl.algorithms import masked_mean, value_loss
 from dsrl.data.batch import Batch
-from dsrl.distributed import accelerator_device
+from dsrl.runtime.distributed import accelerator_device
 from dsrl.config.deepspeed_json import clip_grad
 from dsrl.engines.deepspeed_setup import (
     DTYPES,

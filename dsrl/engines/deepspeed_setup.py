@@ -1,7 +1,7 @@
 """DeepSpeed plumbing shared by the actor, critic and reference engines.
 
 - ``init_distributed``: the process group every engine and the weight sync run on, in the world this
-  process's launcher describes (``dsrl.launch``).
+  process's launcher describes (``dsrl.runtime.launch``).
 - ``build_ds_config``: a JSON from ``ds_configs/`` (or a path) with dsrl's run values filled in and
   checked by ``dsrl.config.deepspeed_json.fill_ds_json``, the same function validation runs before
   torch loads: ``"auto"`` (or absent) keys get the value derived from the run config; a concrete
@@ -39,8 +39,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: F4
 from transformers.integrations import HfDeepSpeedConfig
 
 from dsrl.config.deepspeed_json import fill_ds_json, zero_stage
-from dsrl.distributed import rendezvous_watchdog, stop_when_launcher_dies
-from dsrl.launch import RendezvousError, join
+from dsrl.runtime.distributed import rendezvous_watchdog, stop_when_launcher_dies
+from dsrl.runtime.launch import RendezvousError, join
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -48,7 +48,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def init_distributed(timeout_s: int | None = None) -> None:
     """Join (or create) the default process group; idempotent.
 
-    The world is the one this process's launcher describes (``dsrl.launch.join``: deepspeed, torchrun, srun,
+    The world is the one this process's launcher describes (``dsrl.runtime.launch.join``: deepspeed, torchrun, srun,
     mpirun, or one process on a free port). Under a launcher a watchdog stops this rank when the process that
     launched it is gone (``stop_when_launcher_dies``). ``timeout_s`` (``actor_rollout_ref.nccl_timeout``): how
     long the ranks wait for each other, in the rendezvous and in every collective; None keeps DeepSpeed's

@@ -33,7 +33,7 @@ from dsrl.algorithms import (
     sum_pi_squared_from_logits,
 )
 from dsrl.data.batch import Batch, last_response_token
-from dsrl.distributed import accelerator_device, all_reduce
+from dsrl.runtime.distributed import accelerator_device, all_reduce
 
 # Float32 elements of one chunk of logits (2**26 * 4 bytes = 256 MiB): a few such temporaries live at once.
 CHUNK_ELEMENTS = 2**26

@@ -21,7 +21,7 @@ where the config has them. Defined with two or more micro-batches per optimizer 
 logged); like the other actor metrics, averaged over a step's optimizer steps. It grows as micro-batches shrink
 (roughly as 1 / their size), so runs compare at the same micro-batch size.
 
-verl's ``variance_proxy/*`` (``dsrl.metrics.variance_proxy_metrics``, logged where ``sum_pi_squared`` is computed)
+verl's ``variance_proxy/*`` (``dsrl.trainer.metrics.variance_proxy_metrics``, logged where ``sum_pi_squared`` is computed)
 is another thing: per response, ``A^2`` times ``W = sum_t (1 - 2 pi_t + sum_v pi_v^2)``, the squared norm of the
 gradient of the token log-probs with respect to the logits, so an estimate from the logits standing in for the
 parameters' gradient, and its "pure noise" that power less the squared gradient norm over ``N - 1``.

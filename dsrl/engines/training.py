@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dsrl.data.batch import Batch
-from dsrl.distributed import all_reduce
+from dsrl.runtime.distributed import all_reduce
 from dsrl.engines.grad_variance import (
     SUM_SHARE_SQUARED,
     SUM_SQUARED_OVER_SHARE,

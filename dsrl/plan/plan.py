@@ -2,7 +2,7 @@
 and host memory, from the resolved config, the roles' DeepSpeed JSON files and the model's ``config.json`` alone
 (no weights, no torch), and the check ``--validate-only`` applies (``trainer.memory_plan_check``).
 
-Phases, in the order of a step (``dsrl.trainer``): ``rollout`` (generation; ``dsrl.rollout.colocation`` moves the
+Phases, in the order of a step (``dsrl.trainer.loop``): ``rollout`` (generation; ``dsrl.rollout.colocation`` moves the
 trained engines' device states to the host first, unless the rollout engine keeps its memory for good),
 ``old_log_prob`` (no-grad actor forward), ``ref`` (reference forward, with a KL term), ``values`` and
 ``update_critic`` (gae), ``update_actor``. Each phase lists every role's resident states (a sleeping rollout

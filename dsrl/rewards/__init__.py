@@ -29,7 +29,7 @@ from dsrl.rewards import math as math_answer
 from dsrl.rewards.custom import load_custom_reward_function
 from dsrl.rewards.failure_streak import FailureStreak
 from dsrl.rewards.overlong import overlong_penalties
-from dsrl.rewards.pool import default_num_workers
+from dsrl.workers.pool import default_num_workers
 from dsrl.rewards.scorer import FAILURE_COUNTS, RewardScorer, numeric_extras, reward_components
 
 _RULES: dict[str, Callable[[str, str], float]] = {

@@ -24,7 +24,7 @@ is bounded by ``memory_limit_mb`` (``RLIMIT_DATA``); a call past it fails and is
 ``MemoryError`` as an exception, a worker that dies of it as a crash), both messages naming the key.
 
 The pool itself (spawn without the training script, process groups killed with their worker, workers
-that die with the trainer) is ``dsrl.rewards.pool``, shared with the rollout's tools.
+that die with the trainer) is ``dsrl.workers.pool``, shared with the rollout's tools.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import random
 import time
 
 from dsrl.rewards import worker
-from dsrl.rewards.pool import WorkerPool, default_num_workers
+from dsrl.workers.pool import WorkerPool, default_num_workers
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
-"""What runs inside a worker process of :class:`dsrl.rewards.pool.WorkerPool` (a pebble pool worker):
+"""What runs inside a worker process of :class:`dsrl.workers.pool.WorkerPool` (a pebble pool worker):
 :func:`setup` and :func:`probe` for every pool, and the reward scorer's tasks (the tools' are in
 ``dsrl.rollout.tools.worker``).
 
 The pool starts each worker with the ``spawn`` method and without re-running the training script (see
-``dsrl.rewards.pool``), so a worker imports only this package, pebble and the user's file: no torch. A
+``dsrl.workers.pool``), so a worker imports only this package, pebble and the user's file: no torch. A
 pool's initializer (:func:`initialize` for rewards) runs once per worker (and once per replacement of a
 killed one): :func:`setup` makes the worker the leader of a process group of its own (the pool kills the
 group, so what a user's function starts goes with its worker), ties the worker's life to the trainer's,

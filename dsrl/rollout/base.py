@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from dsrl.seeding import seed_all
+from dsrl.runtime.seeding import seed_all
 
 
 @dataclass(frozen=True)

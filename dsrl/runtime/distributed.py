@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
-from dsrl.launch import Launch
-from dsrl.phases import current_phase
+from dsrl.runtime.launch import Launch
+from dsrl.runtime.phases import current_phase
 
 logger = logging.getLogger(__name__)
 

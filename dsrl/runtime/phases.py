@@ -1,6 +1,6 @@
 """What this rank is doing now (``start-up``, ``gen``, ``validate``, ``save`` ...), for the messages that
-say where something happened: a collective that timed out (``dsrl.distributed``), a signal that stopped the
-run (``dsrl.signals``). Imports nothing heavy."""
+say where something happened: a collective that timed out (``dsrl.runtime.distributed``), a signal that stopped the
+run (``dsrl.runtime.signals``). Imports nothing heavy."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Secret redaction for everything MLflow receives, every line of the ``dsrl`` logger (``dsrl.console``) and
+"""Secret redaction for everything MLflow receives, every line of the ``dsrl`` logger (``dsrl.tracking.console``) and
 what the CLI prints.
 
 Two rules, both case-insensitive and blind to ``_``/``-``:

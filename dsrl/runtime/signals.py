@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dsrl.phases import current_phase
+from dsrl.runtime.phases import current_phase
 
 logger = logging.getLogger("dsrl")
 

@@ -1,9 +1,9 @@
-"""Experiment tracking: the console (``dsrl.console.ProgressConsole``) and, when configured, MLflow.
+"""Experiment tracking: the console (``dsrl.tracking.console.ProgressConsole``) and, when configured, MLflow.
 
 Only rank 0 logs; on other ranks the :class:`Tracker` is inert and never imports mlflow. A tracking
 failure never stops training: it is counted (``failures``; lost metric values in ``dropped``),
 warned about once per kind, and shown as ``tracking/failures`` / ``tracking/dropped`` on the next
-step's metrics. Secrets are redacted from everything MLflow receives (:mod:`dsrl.redaction`).
+step's metrics. Secrets are redacted from everything MLflow receives (:mod:`dsrl.runtime.redaction`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import threading
 import warnings
 from typing import Any
 
-from dsrl.console import ProgressConsole
-from dsrl.redaction import is_secret_name, redact, redact_text
+from dsrl.tracking.console import ProgressConsole
+from dsrl.runtime.redaction import is_secret_name, redact, redact_text
 from dsrl.tracking.mlflow_backend import STATUSES, MLflowBackend, default_tracking_uri, sanitize_metric_name
 
 __all__ = ["MLflowBackend", "Tracker", "flatten", "is_secret_name", "redact", "redact_text", "sanitize_metric_name"]

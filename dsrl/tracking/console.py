@@ -34,7 +34,7 @@ training, at step 0 or at the resumed step) print as a validation line only.
 
 Summaries (``startup_summary``, ``final_summary``): ``key: value`` blocks under a title, to log with
 ``logger.info``; the keys of their ``facts`` are in their docstrings. Every log line, a record's
-traceback included, goes through ``dsrl.redaction.redact_text``: a secret that reached a path (e.g.
+traceback included, goes through ``dsrl.runtime.redaction.redact_text``: a secret that reached a path (e.g.
 ``trainer.default_local_dir``) prints as ``***``. Nothing here imports torch or MLflow; tqdm is
 imported when a bar is drawn.
 """
@@ -51,11 +51,11 @@ import warnings
 from datetime import timedelta
 from typing import Any, Callable, TextIO
 
-from dsrl.redaction import redact_text
+from dsrl.runtime.redaction import redact_text
 
 logger = logging.getLogger("dsrl")
 
-_DSRL_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_DSRL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # dsrl/
 _active_bar: Any = None  # the tqdm bar drawn now (log lines are written above it), or None
 
 
@@ -386,7 +386,7 @@ def startup_summary(facts: dict[str, Any]) -> str:
     """The start-up block. ``facts`` (a missing value prints as ``n/a``):
 
     - ``world_size`` (int), ``device`` (str: ``"cpu"``, ``"cuda (NVIDIA H200)"``)
-    - ``hosts`` (str or None): the ranks' nodes from the preflight (``dsrl.preflight.Cluster.describe``)
+    - ``hosts`` (str or None): the ranks' nodes from the preflight (``dsrl.trainer.preflight.Cluster.describe``)
     - ``roles``: {``"actor"``, ``"reference"``, ``"critic"``: a dict or None (absent)}, each dict with
       ``zero_stage`` (int), ``offload_params``, ``offload_optimizer`` (bool), ``dtype`` (str),
       ``params`` (int), ``gradient_checkpointing`` (bool; omit for a role without backward), ``lora`` ({``rank``,

@@ -9,7 +9,7 @@
   given up and reported to the owner (``report(kind, error, dropped_metric_values)``).
 * Metric names map one-to-one onto names MLflow accepts (:class:`MetricNames`): one it refused would
   fail its whole batch, two that sanitise alike would merge into one curve.
-* Every tag, param and artifact is redacted (:mod:`dsrl.redaction`).
+* Every tag, param and artifact is redacted (:mod:`dsrl.runtime.redaction`).
 * MLflow's system metrics monitor (CPU, memory, disk, network; GPU when pynvml is importable) runs
   unless ``MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING`` is set false; ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL``
   sets its period.
@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
-from dsrl.redaction import redact, redact_text
+from dsrl.runtime.redaction import redact, redact_text
 
 DEFAULT_DB = "mlflow.db"
 QUEUE_SIZE = 1000  # pending calls (one per log_* call); beyond that a call is dropped, not waited for

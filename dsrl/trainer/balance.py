@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from dsrl.algorithms import pf_ppo_indices
 from dsrl.data.batch import ROW_FIELDS, Batch
-from dsrl.distributed import all_gather_rows
+from dsrl.runtime.distributed import all_gather_rows
 
 
 def workload(lengths: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ filtering. One collective per round (``all_gather_object`` of each rank's per-gr
 every rank the same view, so all agree on when to stop and on the kept set: the first
 ``data.train_batch_size`` informative groups in (round, rank, position) order. Kept group ``i`` goes to
 rank ``i // (train_batch_size / world_size)``, so each rank again holds the same number of rows
-(``dsrl.balance.take_global_rows``; ``trainer.balance_batch`` then runs on the kept batch).
+(``dsrl.trainer.balance.take_global_rows``; ``trainer.balance_batch`` then runs on the kept batch).
 
 The metric (``algorithm.filter_groups.metric``): ``seq_reward`` or ``score`` is a row's score (its
 ``token_level_scores`` summed, before any in-reward KL); ``seq_final_reward`` is the same here, since
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dsrl.balance import take_global_rows
+from dsrl.trainer.balance import take_global_rows
 from dsrl.data.batch import Batch
 
 SCORE_METRICS = ("seq_reward", "score", "seq_final_reward")  # the row's score; else a reward extra

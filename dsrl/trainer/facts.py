@@ -1,4 +1,4 @@
-"""What the console's summaries (``dsrl.console.startup_summary``, ``final_summary``) and MLflow's tags say
+"""What the console's summaries (``dsrl.tracking.console.startup_summary``, ``final_summary``) and MLflow's tags say
 about a run, gathered from a built trainer: its engines' setup, the rollout, the batch geometry, where its
 checkpoints, model and MLflow run are."""
 
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from dsrl.checkpoint import adapter_dir
+from dsrl.checkpoint.save import adapter_dir
 from dsrl.config import Config
 from dsrl.engines.lora import ADAPTER, trainable_parameter_count
 
@@ -79,7 +79,7 @@ def run_tags(cfg: Config, world_size: int) -> dict[str, str]:
         "dsrl.model": cfg.actor_rollout_ref.model.path,
         "dsrl.world_size": str(world_size),
     }
-    checkout = Path(__file__).resolve().parents[1]
+    checkout = Path(__file__).resolve().parents[2]
     if (checkout / ".git").exists():  # a checkout, not an installed wheel
         commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True)
         if commit.returncode == 0:
@@ -88,7 +88,7 @@ def run_tags(cfg: Config, world_size: int) -> dict[str, str]:
 
 
 def startup_facts(trainer) -> dict[str, Any]:
-    """What ``dsrl.console.startup_summary`` shows about a built ``dsrl.trainer.Trainer``."""
+    """What ``dsrl.tracking.console.startup_summary`` shows about a built ``dsrl.trainer.loop.Trainer``."""
     cfg, actor = trainer.cfg, trainer.cfg.actor_rollout_ref.actor
     n = cfg.actor_rollout_ref.rollout.n
     rows_per_rank = cfg.data.train_batch_size * n // trainer.world_size
@@ -129,7 +129,7 @@ def startup_facts(trainer) -> dict[str, Any]:
 
 
 def final_facts(trainer, *, status: str, wall_time_s: float) -> dict[str, Any]:
-    """What ``dsrl.console.final_summary`` shows about a ``dsrl.trainer.Trainer`` whose run ended with ``status``."""
+    """What ``dsrl.tracking.console.final_summary`` shows about a ``dsrl.trainer.loop.Trainer`` whose run ended with ``status``."""
     return {
         **trainer.tracker.console_facts(),
         "total_steps": trainer.total_steps,

@@ -4,18 +4,18 @@ Each step is a sequence of phase calls, each timed as ``timing_s/<phase>``: gen 
 update_weights) -> balance (rows across ranks) -> reward -> old_log_prob -> ref -> values -> adv (with
 PF-PPO's redraw of the rows, and the truncated responses masked out of the actor's loss) -> update_critic ->
 update_actor, then validation every ``trainer.test_freq`` steps and a checkpoint every ``trainer.save_freq``
-steps (``dsrl.checkpoint``). With DAPO's dynamic sampling (``algorithm.filter_groups``) gen also scores,
+steps (``dsrl.checkpoint.save``). With DAPO's dynamic sampling (``algorithm.filter_groups``) gen also scores,
 drops the groups whose metric does not vary and generates more rounds of prompts until the batch is full
-(``dsrl.dynamic_sampling``); reward then has run. An exactly on-policy step
+(``dsrl.trainer.dynamic_sampling``); reward then has run. An exactly on-policy step
 that needs the actor's log-probs only for metrics folds the old_log_prob pass into update_actor
 (``Trainer.folds_old_log_prob``); so does bypass mode (``algorithm.rollout_correction.bypass_mode``), where
 the rollout engine's log-probs are the old ones and the update records the actor's for the metrics. Tensor
 math lives in ``dsrl.algorithms`` and the engines; this file only orders the calls.
 
-Around the loop: the run folder's lock (``dsrl.run_folder``), the checkpoint to resume and its checks
-(``dsrl.resume``), the facts the console's summaries show (``dsrl.run_facts``).
+Around the loop: the run folder's lock (``dsrl.checkpoint.run_folder``), the checkpoint to resume and its checks
+(``dsrl.checkpoint.resume``), the facts the console's summaries show (``dsrl.trainer.facts``).
 
-Stopping (``dsrl.signals``). SIGTERM, SIGINT or SIGHUP during the loop lets every rank finish the current
+Stopping (``dsrl.runtime.signals``). SIGTERM, SIGINT or SIGHUP during the loop lets every rank finish the current
 step; a checkpoint is saved and ``fit`` raises ``TrainingInterrupted``. Anywhere else (start-up, the
 validation before training, ``val_only``, the export) the signal raises ``Interrupted`` at once. Either way
 the MLflow run ends KILLED and scripts/train.py exits with 128 + the signal number (143 SIGTERM, 130
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dsrl import run_folder
+from dsrl.checkpoint import run_folder
 from dsrl.algorithms import (
     AdaptiveKLController,
     EstimatorInputs,
@@ -48,8 +48,8 @@ from dsrl.algorithms import (
     rollout_correction,
     truncated_responses,
 )
-from dsrl.balance import balance_across_ranks, pf_ppo_resample
-from dsrl.checkpoint import (
+from dsrl.trainer.balance import balance_across_ranks, pf_ppo_resample
+from dsrl.checkpoint.save import (
     HF_DIR,
     CheckpointError,
     adapter_dir,
@@ -59,14 +59,14 @@ from dsrl.checkpoint import (
     step_dir,
 )
 from dsrl.config import LOGGED_SAMPLES, Config, ConfigError, import_user_modules, to_dict, to_yaml
-from dsrl.console import final_summary, logger, setup_logging, startup_summary
+from dsrl.tracking.console import final_summary, logger, setup_logging, startup_summary
 from dsrl.data.batch import Batch
 from dsrl.data.datasets import PromptSampler, load_prompts, load_tokenizer
-from dsrl.dynamic_sampling import fill_batch, metric_values
-from dsrl.distributed import all_gather_rows, all_reduce, gather_problems, global_mean
+from dsrl.trainer.dynamic_sampling import fill_batch, metric_values
+from dsrl.runtime.distributed import all_gather_rows, all_reduce, gather_problems, global_mean
 from dsrl.engines import ActorEngine, AdapterOffReference, CriticEngine, ReferenceEngine, init_distributed
 from dsrl.engines.training import global_counts
-from dsrl.metrics import (
+from dsrl.trainer.metrics import (
     batch_metrics,
     memory_metrics,
     multi_turn_metrics,
@@ -76,21 +76,21 @@ from dsrl.metrics import (
     throughput_metrics,
     variance_proxy_metrics,
 )
-from dsrl.phases import in_phase
-from dsrl.resume import checkpoint_to_resume, check_settings, check_train_data, data_identity, restore, trainer_state
+from dsrl.runtime.phases import in_phase
+from dsrl.checkpoint.resume import checkpoint_to_resume, check_settings, check_train_data, data_identity, restore, trainer_state
 from dsrl.rewards import FailureStreak, RewardScorer, check_reward_rules, numeric_extras
 from dsrl.rollout import HFRollout, SamplingParams
 from dsrl.rollout.colocation import colocated_generation
 from dsrl.rollout.multi_turn import MultiTurnRollout
 from dsrl.rollout.tools import ToolSet
-from dsrl.rollout_mismatch import RolloutMismatch
-from dsrl.preflight import Cluster
-from dsrl.run_facts import final_facts, lora_facts, run_tags, startup_facts
-from dsrl.scoring import Scores, StepScorer
-from dsrl.seeding import seed_all
-from dsrl.signals import Interrupted, RunSignals, TrainingInterrupted
+from dsrl.trainer.stops import RolloutMismatch
+from dsrl.trainer.preflight import Cluster
+from dsrl.trainer.facts import final_facts, lora_facts, run_tags, startup_facts
+from dsrl.trainer.scoring import Scores, StepScorer
+from dsrl.runtime.seeding import seed_all
+from dsrl.runtime.signals import Interrupted, RunSignals, TrainingInterrupted
 from dsrl.tracking import Tracker, flatten
-from dsrl.validation import (
+from dsrl.trainer.validation import (
     gather_rows,
     prompt_batch,
     row_metrics,
@@ -136,7 +136,7 @@ class Trainer:
         """Every role built and the checkpoint to resume restored. Before any model loads: the run folder is
         taken, the checkpoint checked, and the user's modules, tokenizer, prompts and reward function loaded;
         a problem with any of them on any rank is reported by rank 0 for all (``gather_problems``). ``cluster``:
-        the ranks' hosts, from the preflight of a launched run (``dsrl.preflight``)."""
+        the ranks' hosts, from the preflight of a launched run (``dsrl.trainer.preflight``)."""
         init_distributed(cfg.actor_rollout_ref.nccl_timeout)
         self.cfg, self.cluster = cfg, cluster
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -152,7 +152,7 @@ class Trainer:
             raise
 
     def _take_run_folder(self) -> None:
-        """Rank 0 locks the run folder for this run (``dsrl.run_folder``); every rank stops if it cannot. A
+        """Rank 0 locks the run folder for this run (``dsrl.checkpoint.run_folder``); every rank stops if it cannot. A
         validation-only run writes nothing there but its reward workers' log, and takes no lock."""
         self._locked = not self.cfg.trainer.val_only
         if not self._locked:
@@ -419,7 +419,7 @@ class Trainer:
         return scores, components
 
     def dynamic_sampling(self, prompts: Batch, timer: PhaseTimer) -> tuple[Batch, dict[str, float]]:
-        """DAPO's dynamic sampling (``algorithm.filter_groups``, ``dsrl.dynamic_sampling``): rounds of prompts
+        """DAPO's dynamic sampling (``algorithm.filter_groups``, ``dsrl.trainer.dynamic_sampling``): rounds of prompts
         generated and scored until ``data.train_batch_size`` groups whose metric varies are found; this rank's
         share of them, scored, and the metrics (the reward's over every scored row). Collective; inside the
         colocated generation."""
@@ -585,11 +585,11 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """verl's validation metrics on the validation files: ``val-core/<data_source>/<reward|acc>/mean@N``
-        and the rest of ``dsrl.metrics.validation_metrics``, over the score and each numeric extra of
+        and the rest of ``dsrl.trainer.metrics.validation_metrics``, over the score and each numeric extra of
         the reward function (``pred`` extras vote for ``maj@k``), the same on every rank.
 
         Every rank makes the same calls whatever its share, then the rows meet in one gather
-        (``dsrl.validation``, shared with ``dsrl-eval``). The reward failures of all ranks are counted as
+        (``dsrl.trainer.validation``, shared with ``dsrl-eval``). The reward failures of all ranks are counted as
         ``val-aux/reward/fail_<kind>``."""
         sampling = self._sampling(validation=True)
         chunks = shard_chunks(self.val_prompts, self.rank, self.world_size, self.cfg.data.val_batch_size)

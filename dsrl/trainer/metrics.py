@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from dsrl.algorithms import RolloutCorrection
 from dsrl.data.batch import Batch
-from dsrl.distributed import all_reduce, global_mean, global_stats
+from dsrl.runtime.distributed import all_reduce, global_mean, global_stats
 
 NAN = float("nan")
 N_BOOTSTRAP = 1000  # verl's bootstrap samples per (prompt, variable, k)

@@ -4,7 +4,7 @@ with one line per problem, when the ranks do not make one sound cluster.
 Every rank reports (``host_facts``) its host, its node (the launcher's node index, else the host), its local
 rank, its device, and the versions of the packages whose mismatch across ranks corrupts a run silently. Then:
 
-- per rank, gathered with the ranks and hosts that have them (``dsrl.distributed.gather_problems``): the
+- per rank, gathered with the ranks and hosts that have them (``dsrl.runtime.distributed.gather_problems``): the
   configuration's own problems (a model or data path missing on some node); a device the local rank does not
   have; ``trainer.default_local_dir`` not the same directory as rank 0's (rank 0 writes a nonce there, every
   rank reads it back: checkpoints need one directory every node sees);
@@ -32,8 +32,8 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from dsrl.config import Config
-from dsrl.distributed import gather_problems, rank_span
-from dsrl.launch import Launch
+from dsrl.runtime.distributed import gather_problems, rank_span
+from dsrl.runtime.launch import Launch
 
 # Packages whose versions must agree on every rank: the same config would run different code.
 VERSIONED = ("dsrl", "torch", "deepspeed", "transformers", "vllm")

@@ -1,7 +1,7 @@
 """A step's rewards on one rank: responses decoded and scored by the reward functions, DAPO's overlong
 punishment added (``reward_model.reward_manager=dapo``), and gdpo's reward components picked out of the
 functions' extras. The trainer orders the calls and turns problems into a stop; the metrics over all
-ranks are ``dsrl.metrics.reward_metrics``."""
+ranks are ``dsrl.trainer.metrics.reward_metrics``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from dsrl.config import Config
 from dsrl.data.batch import Batch, last_response_token
-from dsrl.distributed import gather_problems
+from dsrl.runtime.distributed import gather_problems
 from dsrl.rewards import RewardScorer, overlong_penalties, reward_components
 
 

@@ -3,7 +3,7 @@ than the one being trained.
 
 After every weight push the rollout's token probabilities equal the actor's up to numerics:
 ``training/rollout_probs_diff_mean`` (the mean of ``|p_rollout - p_actor|`` over the step's response tokens,
-``dsrl.metrics.rollout_logprob_metrics``) is ~1e-7 with fp32 on CPU and ~1e-3 to 1e-2 with a bf16 rollout.
+``dsrl.trainer.metrics.rollout_logprob_metrics``) is ~1e-7 with fp32 on CPU and ~1e-3 to 1e-2 with a bf16 rollout.
 A gap above ``max_probs_diff`` for ``patience`` training steps in a row is not numerics: the policy loss's
 ratios and the rollout correction would be correcting for a broken push, so the run stops (exit code 1, the
 MLflow run FAILED) with the gap of each of those steps and the likely causes.

@@ -1,4 +1,4 @@
-"""The validation pass, shared by the trainer (``Trainer.validate``) and ``dsrl-eval`` (``dsrl.evaluate``).
+"""The validation pass, shared by the trainer (``Trainer.validate``) and ``dsrl-eval`` (``dsrl.commands.evaluate``).
 
 A rank's share of the prompts is ``prompts[rank::world]``, cut into chunks (``shard_chunks``) so that every rank
 makes the same number of generate calls (a generate call is a collective within a tensor-parallel group); a rank
@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 from dsrl.data.batch import Batch
 from dsrl.data.datasets import collate_prompts
-from dsrl.metrics import validation_metrics
+from dsrl.trainer.metrics import validation_metrics
 from dsrl.rewards import FAILURE_COUNTS, numeric_extras
 from dsrl.rollout.base import RolloutOutput
-from dsrl.scoring import StepScorer
+from dsrl.trainer.scoring import StepScorer
 
 
 class ScoredResponse(NamedTuple):
@@ -116,6 +116,6 @@ def response_variables(rows: list[ScoredResponse]) -> tuple[dict[str, list[float
 
 
 def row_metrics(rows: list[ScoredResponse]) -> dict[str, float]:
-    """``dsrl.metrics.validation_metrics`` of gathered rows (verl's seed)."""
+    """``dsrl.trainer.metrics.validation_metrics`` of gathered rows (verl's seed)."""
     variables, preds = response_variables(rows)
     return validation_metrics([row.data_source for row in rows], [row.index for row in rows], variables, preds)

@@ -65,7 +65,7 @@ _STARTUP_TIMEOUT_S = 120.0
 
 def default_num_workers() -> int:
     """The CPUs this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``), shared by
-    the ranks of this node (``LOCAL_SIZE``, which ``dsrl.launch`` sets under every launcher, or torchrun's
+    the ranks of this node (``LOCAL_SIZE``, which ``dsrl.runtime.launch`` sets under every launcher, or torchrun's
     ``LOCAL_WORLD_SIZE``), at most 16: every rank has its own pool, so 8 ranks do not start 8 x 16 workers.
     A SLURM task bound to its ``--cpus-per-task`` (no more CPUs than ``SLURM_CPUS_PER_TASK``) has its share."""
     try:

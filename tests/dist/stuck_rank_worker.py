@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from dsrl.distributed import all_reduce, collective_timeout_message, leave_timed_out_group
+from dsrl.runtime.distributed import all_reduce, collective_timeout_message, leave_timed_out_group
 from dsrl.engines import init_distributed
-from dsrl.trainer import PhaseTimer
+from dsrl.trainer.loop import PhaseTimer
 
 timeout_s, sleep_s = int(sys.argv[1]), float(sys.argv[2])
 init_distributed(timeout_s)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dsrl.launch import LAUNCHER_VARIABLES
+from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.conftest import QUICKSTART
 from tests.resume_helpers import (
     STEPS,

@@ -23,8 +23,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dsrl.distributed import collective_timeout_message, stop_when_launcher_dies
-from dsrl.phases import in_phase
+from dsrl.runtime.distributed import collective_timeout_message, stop_when_launcher_dies
+from dsrl.runtime.phases import in_phase
 from tests.conftest import QUICKSTART
 from tests.process_helpers import wait_gone
 

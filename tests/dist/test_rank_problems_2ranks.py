@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dsrl.launch import LAUNCHER_VARIABLES
+from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.conftest import QUICKSTART
 
 pytestmark = pytest.mark.dist

@@ -13,7 +13,7 @@ import deepspeed
 import pytest
 import torch
 
-from dsrl.checkpoint import (
+from dsrl.checkpoint.save import (
     FORMAT,
     CheckpointError,
     _files,
@@ -145,9 +145,9 @@ def test_a_lora_resume_onto_another_base_model_is_refused(lora_actor, tiny_model
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from dsrl.checkpoint import frozen_checksum
+    from dsrl.checkpoint.save import frozen_checksum
     from dsrl.engines.lora import lora_config
-    from dsrl.resume import restore
+    from dsrl.checkpoint.resume import restore
 
     checksum = frozen_checksum(lora_actor.module)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -220,7 +220,7 @@ def make_trainer(name, tiny_model_dir, data, ds_test_config, out, *overrides):
 def test_consecutive_non_finite_steps_stop_the_run_naming_step_and_metric(
     tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
 ):
-    from dsrl.trainer import TrainingStopped
+    from dsrl.trainer.loop import TrainingStopped
 
     trainer = make_trainer(
         "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
@@ -236,7 +236,7 @@ def test_consecutive_non_finite_steps_stop_the_run_naming_step_and_metric(
 def test_checkpoints_are_kept_as_asked_and_the_model_comes_from_the_last_one(
     tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
 ):
-    from dsrl.checkpoint import LATEST_FILE, complete_steps
+    from dsrl.checkpoint.save import LATEST_FILE, complete_steps
 
     trainer = make_trainer(
         "ppo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
@@ -320,24 +320,24 @@ def resume_setup(tiny_model_dir, arithmetic_data, world_of_one, tmp_path, monkey
     """(config overrides, a function that builds a Trainer of them): no model may load, so a Trainer that gets
     past the checks raises 'a model was loaded'."""
     from dsrl.config import load_and_validate
-    import dsrl.trainer
+    import dsrl.trainer.loop
 
     def models_must_not_load(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(dsrl.trainer, "ActorEngine", models_must_not_load)
+    monkeypatch.setattr(dsrl.trainer.loop, "ActorEngine", models_must_not_load)
     base = [
         f"actor_rollout_ref.model.path={tiny_model_dir}",
         f"data.train_files={arithmetic_data / 'train.parquet'}",
         "data.val_files=null",
         f"trainer.default_local_dir={tmp_path}",
     ]
-    return base, lambda *overrides: dsrl.trainer.Trainer(load_and_validate(recipe("grpo"), base + list(overrides), 1)[0])
+    return base, lambda *overrides: dsrl.trainer.loop.Trainer(load_and_validate(recipe("grpo"), base + list(overrides), 1)[0])
 
 
 def test_resume_refuses_a_changed_run_before_any_model_loads(resume_setup, arithmetic_data, tmp_path):
     from dsrl.config import load_and_validate
-    from dsrl.resume import data_identity
+    from dsrl.checkpoint.resume import data_identity
 
     base, build = resume_setup
     saved, _ = load_and_validate(recipe("grpo"), base, world_size=1)
@@ -365,7 +365,7 @@ def test_a_training_file_changed_since_the_checkpoint_is_refused_before_any_mode
     import pyarrow.parquet as pq
 
     from dsrl.config import load_and_validate
-    from dsrl.resume import data_identity
+    from dsrl.checkpoint.resume import data_identity
 
     base, build = resume_setup
     data = tmp_path / "data" / "train.parquet"
@@ -388,9 +388,9 @@ def test_a_training_file_changed_since_the_checkpoint_is_refused_before_any_mode
 def test_auto_resume_falls_back_past_damaged_checkpoints_saying_why(resume_setup, arithmetic_data, tmp_path, caplog,
                                                                    monkeypatch):
     from dsrl.config import load_and_validate
-    from dsrl.resume import data_identity
+    from dsrl.checkpoint.resume import data_identity
 
-    import dsrl.trainer
+    import dsrl.trainer.loop
 
     base, build = resume_setup
     saved, _ = load_and_validate(recipe("grpo"), base, world_size=1)
@@ -401,11 +401,11 @@ def test_auto_resume_falls_back_past_damaged_checkpoints_saying_why(resume_setup
     weights.write_bytes(b"garbage" * 100)  # the right size, other bytes
     state = step_dir(tmp_path, 4) / "trainer_state.json"
     state.write_text(state.read_text().replace('"index": 4', '"index": 3'))  # an edited sampler position
-    import dsrl.resume
+    import dsrl.checkpoint.resume
 
     chosen = []
-    choose = dsrl.resume.checkpoint_to_resume
-    monkeypatch.setattr(dsrl.trainer, "checkpoint_to_resume", lambda *a: chosen.append(choose(*a)[0]) or (None, None))
+    choose = dsrl.checkpoint.resume.checkpoint_to_resume
+    monkeypatch.setattr(dsrl.trainer.loop, "checkpoint_to_resume", lambda *a: chosen.append(choose(*a)[0]) or (None, None))
     with caplog.at_level("INFO", logger="dsrl"), pytest.raises(AssertionError, match="a model was loaded"):
         build()
     assert chosen == [step_dir(tmp_path, 2)]
@@ -434,7 +434,7 @@ def test_auto_resume_falls_back_past_damaged_checkpoints_saying_why(resume_setup
     ],
 )
 def test_a_state_whose_fields_dsrl_would_not_write_is_refused(field, value, why):
-    from dsrl.resume import fields_problem
+    from dsrl.checkpoint.resume import fields_problem
 
     state = {
         "global_step": 2, "world_size": 1, "sampler": {"epoch": 0, "index": 2}, "kl_coef": 0.1,

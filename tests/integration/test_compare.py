@@ -13,7 +13,7 @@ import statistics
 import pytest
 from scipy.stats import t
 
-from dsrl.compare import main
+from dsrl.commands.compare import main
 
 SEEDS, STEPS = (1, 2), 1
 

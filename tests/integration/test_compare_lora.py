@@ -7,7 +7,7 @@ import runpy
 
 import pytest
 
-from dsrl.launch import LAUNCHER_VARIABLES
+from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.conftest import REPO
 
 

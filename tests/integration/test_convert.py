@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsrl.checkpoint import HF_DIR, sha256_file, step_dir
+from dsrl.checkpoint.save import HF_DIR, sha256_file, step_dir
 from dsrl.config.schema import ADAPTER_DIR
-from dsrl.convert import VALUE_HEAD_FILE, main
-from dsrl.launch import LAUNCHER_VARIABLES
+from dsrl.commands.convert import VALUE_HEAD_FILE, main
+from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.integration.test_engines import make_batch
 from tests.integration.test_trainer import trainer_for
 from tests.resume_helpers import REPO
@@ -34,9 +34,9 @@ def files(directory: Path) -> dict[str, str]:
 
 
 def convert_without_launcher(*args) -> subprocess.CompletedProcess:
-    """``python -m dsrl.convert`` in a fresh process, without a launcher's variables or a chosen accelerator."""
+    """``python -m dsrl.commands.convert`` in a fresh process, without a launcher's variables or a chosen accelerator."""
     env = {k: v for k, v in os.environ.items() if k not in (*LAUNCHER_VARIABLES, "DS_ACCELERATOR")}
-    return subprocess.run([sys.executable, "-m", "dsrl.convert", *map(str, args)], env=env, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "dsrl.commands.convert", *map(str, args)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)
 
 

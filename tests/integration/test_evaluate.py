@@ -12,21 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from dsrl.evaluate import pass_at_k, pass_sizes
-from dsrl.launch import LAUNCHER_VARIABLES
-from dsrl.metrics import validation_metrics
+from dsrl.commands.evaluate import pass_at_k, pass_sizes
+from dsrl.runtime.launch import LAUNCHER_VARIABLES
+from dsrl.trainer.metrics import validation_metrics
 from tests.conftest import REPO
 
 PROMPTS = 5
 
 
 def run_eval(args: list[str], store: str, *, launcher=(), timeout: int = 300) -> subprocess.CompletedProcess:
-    """``dsrl-eval args`` as this checkout runs it (``python -m dsrl.evaluate``, the installed command's function), in
+    """``dsrl-eval args`` as this checkout runs it (``python -m dsrl.commands.evaluate``, the installed command's function), in
     a process of its own (under ``launcher``, e.g. the deepspeed runner's arguments before ``--module``)."""
     env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
     env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": store, "DEEPSPEED_TIMEOUT": "3",
                 "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
-    command = [*launcher, "--module", "dsrl.evaluate"] if launcher else [sys.executable, "-m", "dsrl.evaluate"]
+    command = [*launcher, "--module", "dsrl.commands.evaluate"] if launcher else [sys.executable, "-m", "dsrl.commands.evaluate"]
     return subprocess.run([*command, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 

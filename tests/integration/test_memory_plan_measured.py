@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dsrl.launch import LAUNCHER_VARIABLES
+from dsrl.runtime.launch import LAUNCHER_VARIABLES
 
 REPO = Path(__file__).resolve().parents[2]
 # The plan leaves out what it cannot know from the shapes (allocator slack, Python objects, DeepSpeed's small

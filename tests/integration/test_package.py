@@ -55,8 +55,8 @@ def test_the_wheel_ships_the_recipes_and_the_deepspeed_configs(installed):
     assert "dsrl/__main__.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     commands = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "dsrl-train = dsrl.cli:run" in commands and "dsrl-convert = dsrl.convert:main" in commands
-    assert "dsrl-eval = dsrl.evaluate:run" in commands
+    assert "dsrl-train = dsrl.commands.train:run" in commands and "dsrl-convert = dsrl.commands.convert:main" in commands
+    assert "dsrl-eval = dsrl.commands.evaluate:run" in commands
 
 
 @pytest.mark.parametrize("command", ["dsrl-train", "python -m dsrl"])

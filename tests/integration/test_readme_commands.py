@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from dsrl.launch import LAUNCHER_VARIABLES
+from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.conftest import REPO, write_model_stub
 
 README = REPO / "README.md"

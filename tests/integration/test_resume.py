@@ -132,8 +132,8 @@ def test_second_signal_exits_at_once(signum, tmp_path):
 
     code = (
         "import os, sys, time\n"
-        "from dsrl.console import setup_logging\n"
-        "from dsrl.signals import RunSignals\n"
+        "from dsrl.tracking.console import setup_logging\n"
+        "from dsrl.runtime.signals import RunSignals\n"
         "setup_logging(rank=0)\n"
         "signals = RunSignals().install()\n"
         "signals.at_kill(lambda: open(sys.argv[1], 'w').write('killed'))\n"

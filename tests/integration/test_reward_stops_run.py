@@ -54,7 +54,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def train(tiny_model_dir, data, ds_test_config, out, reward, *overrides) -> int:
     """``dsrl-train grpo cpu`` on the tiny model with the reward file ``reward``; its exit code."""
-    from dsrl.cli import main
+    from dsrl.commands.train import main
 
     return main([
         *recipe("grpo"),

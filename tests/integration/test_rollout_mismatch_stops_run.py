@@ -40,7 +40,7 @@ def stale_rollout(monkeypatch):
 
 def train(tiny_model_dir, data, ds_test_config, out, *overrides) -> int:
     """``dsrl-train grpo cpu`` on the tiny model and the digits reward, ``STEPS`` steps; its exit code."""
-    from dsrl.cli import main
+    from dsrl.commands.train import main
 
     return main([
         *recipe("grpo"),

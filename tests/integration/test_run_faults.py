@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dsrl.launch import LAUNCHER_VARIABLES
+from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.conftest import QUICKSTART
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ def test_a_signal_while_the_run_starts_stops_it_with_a_message_not_a_traceback(s
 
 def test_a_second_run_in_a_held_run_folder_is_refused_naming_the_holder(quickstart, tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from dsrl import run_folder; "
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from dsrl.checkpoint import run_folder; "
          "run_folder.lock(Path(sys.argv[1])); print('holding', flush=True); time.sleep(600)", str(tmp_path / "run")],
         stdout=subprocess.PIPE, text=True,
     )

@@ -87,7 +87,7 @@ def test_the_first_steps_of_the_smollm2_run(smollm2_dir, ds_test_config, world_o
     the loss moves the weights, by about the learning rate, and the run writes its model."""
     from dsrl.config import load_and_validate
     from dsrl.engines.weight_sync import iter_full_parameters
-    from dsrl.trainer import Trainer
+    from dsrl.trainer.loop import Trainer
 
     data = prepared("worded", tmp_path / "worded")
     cfg, _ = load_and_validate(

@@ -23,7 +23,7 @@ SEPARATE_OLD_LOG_PROB = ("rloo", "otb")
 def trainer_for(name, tiny_model_dir, data, ds_test_config, out, *overrides):
     """A Trainer for configs/<name>.yaml (CPU overlay) on the tiny model and the digits reward, 2 steps, checkpoints in ``out``."""
     from dsrl.config import load_and_validate
-    from dsrl.trainer import Trainer
+    from dsrl.trainer.loop import Trainer
 
     ds_config = ds_test_config("zero3_offload")
     cfg, _ = load_and_validate(
@@ -396,7 +396,7 @@ def test_gdpo_trains_on_the_reward_components(
     tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
 ):
     """gdpo with a reward function returning a dict: its digits and short components reach the estimator."""
-    from dsrl import trainer as trainer_module
+    from dsrl.trainer import loop as trainer_module
 
     reward = tmp_path / "components.py"
     reward.write_text(COMPONENT_REWARD)
@@ -433,7 +433,7 @@ def test_gdpo_trains_on_the_reward_components(
 def test_gdpo_stops_when_a_row_lacks_a_component(
     tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
 ):
-    from dsrl.trainer import TrainingStopped
+    from dsrl.trainer.loop import TrainingStopped
 
     trainer = trainer_for(
         "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
@@ -452,7 +452,7 @@ def test_pf_ppo_redraws_the_batch_after_gae(
 ):
     """PPO with use_pf_ppo: each step's rows are redrawn by reward (max_random) with the step's seed, and
     both the critic and the actor train on them."""
-    from dsrl import trainer as trainer_module
+    from dsrl.trainer import loop as trainer_module
 
     draws = []
     resample = trainer_module.pf_ppo_resample

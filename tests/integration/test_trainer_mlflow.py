@@ -94,7 +94,7 @@ def test_a_signal_ends_the_run_killed(store, tiny_model_dir, arithmetic_data, ds
                                       deepspeed_cpu_ops, tmp_path):
     import signal
 
-    from dsrl.signals import RunSignals, TrainingInterrupted
+    from dsrl.runtime.signals import RunSignals, TrainingInterrupted
 
     trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out",
                           "trainer.logger=[console,mlflow]", "trainer.val_before_train=false")
@@ -117,7 +117,7 @@ def test_a_signal_outside_the_loop_stops_at_once_and_ends_the_run_killed(
     import os
     import signal
 
-    from dsrl.signals import Interrupted, TrainingInterrupted
+    from dsrl.runtime.signals import Interrupted, TrainingInterrupted
 
     trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out",
                           "trainer.logger=[console,mlflow]", "trainer.total_training_steps=1", *overrides)
@@ -158,9 +158,9 @@ def test_a_lora_run_logs_its_adapter_settings_and_where_its_adapter_is(
 ):
     """A LoRA run's params hold the adapter as PEFT resolved it (all-linear expanded to module names) and its
     trainable parameter count; the exported adapter's folder is tagged, and named in the final summary."""
-    from dsrl.console import final_summary
+    from dsrl.tracking.console import final_summary
     from dsrl.engines.lora import trainable_parameter_count
-    from dsrl.run_facts import final_facts
+    from dsrl.trainer.facts import final_facts
 
     trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out",
                           "trainer.logger=[console,mlflow]", "trainer.val_before_train=false",

@@ -141,7 +141,7 @@ def test_a_training_step_runs_the_users_estimator_and_loss(
     tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path, fresh_process
 ):
     from dsrl.algorithms import estimator_names, policy_loss_names
-    from dsrl.trainer import Trainer
+    from dsrl.trainer.loop import Trainer
 
     path = tmp_path / "my_estimators.py"
     path.write_text(USER_CODE)

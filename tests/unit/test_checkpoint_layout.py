@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsrl import checkpoint as ckpt
+from dsrl.checkpoint import save as ckpt
 from dsrl.config import load_config
 
 

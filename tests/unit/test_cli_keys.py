@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from dsrl import config as C
-from dsrl.launch import LAUNCHER_VARIABLES
+from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.conftest import recipe, run_train_without_torch, write_model_stub, write_parquet_stub
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dsrl.compare import QUICK_OVERRIDES, QUICK_TASK, common_overrides, parse_args, t_interval
+from dsrl.commands.compare import QUICK_OVERRIDES, QUICK_TASK, common_overrides, parse_args, t_interval
 
 
 def test_the_t_interval_of_three_values_uses_two_degrees_of_freedom():
@@ -53,7 +53,7 @@ def test_bad_arguments_exit_with_the_reason(argv, message, capsys):
 
 
 def test_configs_named_alike_are_refused_before_anything_trains(capsys, tmp_path):
-    from dsrl.compare import main
+    from dsrl.commands.compare import main
 
     twin = tmp_path / "grpo.yaml"
     twin.write_text((Path(__file__).parents[2] / "configs" / "grpo.yaml").read_text())

@@ -965,7 +965,7 @@ def test_validation_imports_nothing_heavy(files):
 def test_main_hands_the_validated_config_to_the_trainer(files, monkeypatch):
     trained = []
     trainer = types.SimpleNamespace(train=lambda cfg, signals, cluster: trained.append(cfg), TrainingStopped=RuntimeError)
-    monkeypatch.setitem(sys.modules, "dsrl.trainer", trainer)
+    monkeypatch.setitem(sys.modules, "dsrl.trainer.loop", trainer)
     monkeypatch.setenv("WORLD_SIZE", "1")
     main = runpy.run_path(TRAIN)["main"]
     assert main([*recipe("grpo"), *files, "data.train_batch_size=16"]) == 0
@@ -980,9 +980,9 @@ def test_an_unexpected_error_is_reported_with_its_rank_and_host(files, monkeypat
     def train(cfg, signals, cluster):
         raise KeyError("a bug")
 
-    monkeypatch.setitem(sys.modules, "dsrl.trainer", types.SimpleNamespace(train=train, TrainingStopped=RuntimeError))
+    monkeypatch.setitem(sys.modules, "dsrl.trainer.loop", types.SimpleNamespace(train=train, TrainingStopped=RuntimeError))
     monkeypatch.setattr(os, "environ", {**os.environ, "RANK": "3", "WORLD_SIZE": "4"})  # what the CLI fills in stays here
-    monkeypatch.setattr("dsrl.cli.checked_cluster", lambda *args: object())  # the other three ranks are not started
+    monkeypatch.setattr("dsrl.commands.train.checked_cluster", lambda *args: object())  # the other three ranks are not started
     main = runpy.run_path(TRAIN)["main"]
     assert main([*recipe("grpo"), *files]) == 1
     err = capsys.readouterr().err

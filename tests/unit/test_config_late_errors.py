@@ -348,6 +348,6 @@ def test_a_secret_in_a_path_gets_a_note_that_the_folder_on_disk_holds_it(inputs,
     assert note.startswith(f"{RUN_DIR} holds the value of the secret environment variable MY_API_TOKEN")
     assert "show as ***" in note and "holds the value itself on disk" in note
     assert "tok-51c2a7e9d04b8f36" not in json.dumps(notes)
-    from dsrl.redaction import redact_text  # the CLI prints the notes redacted: the note must survive that
+    from dsrl.runtime.redaction import redact_text  # the CLI prints the notes redacted: the note must survive that
 
     assert redact_text(note) == note

@@ -11,8 +11,8 @@ import warnings
 
 import pytest
 
-from dsrl import console
-from dsrl.console import (
+from dsrl.tracking import console
+from dsrl.tracking.console import (
     ProgressConsole,
     RankWarning,
     final_summary,
@@ -138,7 +138,7 @@ def test_other_packages_warnings_are_shown_as_python_shows_them(capsys, monkeypa
 
 
 def test_the_cli_sets_logging_up_with_the_rank_of_the_environment(monkeypatch, tmp_path, capsys):
-    from dsrl.cli import main
+    from dsrl.commands.train import main
 
     monkeypatch.setattr(os, "environ", {**os.environ, "RANK": "3", "WORLD_SIZE": "4"})  # what the CLI fills in stays here
     assert main([str(tmp_path / "missing.yaml"), "--validate-only"]) == 2  # a bad config: exits before training

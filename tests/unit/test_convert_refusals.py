@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsrl.convert import main
+from dsrl.commands.convert import main
 
 
 @pytest.mark.parametrize("kind, message", [

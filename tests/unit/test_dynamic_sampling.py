@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling (dsrl.dynamic_sampling): the group filter, the keep order, the transfer plan, the
+"""DAPO's dynamic sampling (dsrl.trainer.dynamic_sampling): the group filter, the keep order, the transfer plan, the
 refill loop in a world of one, and the config rules of algorithm.filter_groups."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsrl.data.batch import Batch
-from dsrl.dynamic_sampling import fill_batch, group_verdicts, kept_groups, metric_values, transfer_plan
+from dsrl.trainer.dynamic_sampling import fill_batch, group_verdicts, kept_groups, metric_values, transfer_plan
 from tests.conftest import recipe, stub_file_overrides
 
 

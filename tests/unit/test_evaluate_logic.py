@@ -1,4 +1,4 @@
-"""dsrl-eval's arithmetic and its config (``dsrl.evaluate``): pass@k against hand counts, the paired bootstrap on
+"""dsrl-eval's arithmetic and its config (``dsrl.commands.evaluate``): pass@k against hand counts, the paired bootstrap on
 constructed cases, per-prompt results against validation's metrics, and which config problems it reports."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dsrl.config import ConfigError
-from dsrl.evaluate import (
+from dsrl.commands.evaluate import (
     BOOTSTRAP_SAMPLES,
     eval_config,
     paired_bootstrap,
@@ -20,8 +20,8 @@ from dsrl.evaluate import (
     prompt_results,
     reads,
 )
-from dsrl.metrics import validation_metrics
-from dsrl.validation import ScoredResponse, shard_chunks
+from dsrl.trainer.metrics import validation_metrics
+from dsrl.trainer.validation import ScoredResponse, shard_chunks
 from tests.conftest import recipe, write_model_stub, write_parquet_stub
 
 

@@ -1,4 +1,4 @@
-"""Rank discovery under every launcher (``dsrl.launch``), from the variables each one sets, as read from their
+"""Rank discovery under every launcher (``dsrl.runtime.launch``), from the variables each one sets, as read from their
 sources and from the ranks' environments on two simulated nodes (../shared/reviews/multinode.md)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from dsrl.launch import SLURM_PORT_BASE, SLURM_PORT_SPAN, LaunchError, discover, first_host, slurm_port, tasks_per_node
+from dsrl.runtime.launch import SLURM_PORT_BASE, SLURM_PORT_SPAN, LaunchError, discover, first_host, slurm_port, tasks_per_node
 
 # Rank 1 of 2 nodes x 1 rank, as each launcher sets it.
 DEEPSPEED = {"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_SIZE": "1", "CROSS_RANK": "1", "CROSS_SIZE": "2",

@@ -1,4 +1,4 @@
-"""The memory plan (dsrl.memory_plan, dsrl-train --plan): its arithmetic on hand-computed cases, the shapes it reads
+"""The memory plan (dsrl.plan.plan, dsrl-train --plan): its arithmetic on hand-computed cases, the shapes it reads
 against real models' parameter counts, the refusal of --validate-only and trainer.memory_plan_check, the CLI."""
 
 import dataclasses
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dsrl import config as C
-from dsrl.memory_plan import (
+from dsrl.plan.plan import (
     GIB,
     Device,
     Pass,
@@ -105,7 +105,7 @@ def test_the_log_prob_head_holds_three_logit_tensors_in_an_update_and_one_withou
 def test_the_constants_restated_without_torch_match_the_engines():
     from dsrl.engines.forward import CHUNK_ELEMENTS
     from dsrl.engines.weight_sync import DEFAULT_BUCKET_BYTES
-    from dsrl.memory_plan import LOGIT_CHUNK_ELEMENTS, PUSH_BUCKET_BYTES
+    from dsrl.plan.plan import LOGIT_CHUNK_ELEMENTS, PUSH_BUCKET_BYTES
 
     assert (LOGIT_CHUNK_ELEMENTS, PUSH_BUCKET_BYTES) == (CHUNK_ELEMENTS, DEFAULT_BUCKET_BYTES)
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from dsrl import metrics as metrics_module
+from dsrl.trainer import metrics as metrics_module
 from dsrl.algorithms import RolloutCorrection
 from dsrl.data.batch import Batch
-from dsrl.metrics import (
+from dsrl.trainer.metrics import (
     batch_metrics,
     memory_metrics,
     rollout_correction_metrics,

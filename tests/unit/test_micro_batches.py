@@ -1,7 +1,7 @@
 """Token-budget micro-batches (``use_dynamic_bsz``): the budget bounds the padded rectangle each
 forward runs, ``rows * (max prompt + max response columns)``, as ``model_inputs`` builds it.
 
-Single process: ``dsrl.distributed.all_reduce`` is the identity without a process group; the
+Single process: ``dsrl.runtime.distributed.all_reduce`` is the identity without a process group; the
 cross-rank agreement is simulated by patching it.
 """
 

@@ -1,9 +1,9 @@
-"""The preflight's checks over the cluster (``dsrl.preflight.cluster_problems``) on the facts ranks exchange; the
+"""The preflight's checks over the cluster (``dsrl.trainer.preflight.cluster_problems``) on the facts ranks exchange; the
 collective part (the nonce in trainer.default_local_dir, the exchange itself) runs in tests/dist/test_multinode.py."""
 
 from __future__ import annotations
 
-from dsrl.preflight import VERSIONED, Cluster, cluster_problems
+from dsrl.trainer.preflight import VERSIONED, Cluster, cluster_problems
 
 VERSIONS = {name: "1.0" for name in VERSIONED}
 

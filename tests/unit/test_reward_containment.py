@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dsrl.rewards import FAILURE_COUNTS, RewardScorer
-from dsrl.rewards.pool import _WorkerContext
+from dsrl.workers.pool import _WorkerContext
 from tests.process_helpers import live, run_script, wait_gone
 
 FALLBACK = -1.0

@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from dsrl import checkpoint as ckpt
+from dsrl.checkpoint import save as ckpt
 from dsrl import config as C
 from dsrl.config import load_config
-from dsrl.console import ProgressConsole
+from dsrl.tracking.console import ProgressConsole
 from dsrl.rewards import FAILURE_COUNTS, RewardScorer
 from dsrl.rewards import scorer as scorer_module
 from tests.conftest import QUICKSTART, stub_file_overrides

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dsrl import checkpoint as ckpt
+from dsrl.checkpoint import save as ckpt
 from dsrl import config as C
 from dsrl.config import load_config
 from dsrl.rewards import FAILURE_COUNTS, RewardScorer, default_num_workers

@@ -9,11 +9,11 @@ import math
 
 import pytest
 
-from dsrl import checkpoint as ckpt
+from dsrl.checkpoint import save as ckpt
 from dsrl import config as C
 from dsrl.config import load_config
-from dsrl.console import ProgressConsole
-from dsrl.rollout_mismatch import STREAK, RolloutMismatch
+from dsrl.tracking.console import ProgressConsole
+from dsrl.trainer.stops import STREAK, RolloutMismatch
 from tests.conftest import QUICKSTART, config_problems, stub_file_overrides
 
 
@@ -22,7 +22,7 @@ def gate(*overrides: str) -> RolloutMismatch:
 
 
 def step_metrics(mean: float, valid: bool = True, top: float | None = None) -> dict[str, float]:
-    """What ``dsrl.metrics.rollout_logprob_metrics`` gives: nan gaps when no rank has a response token."""
+    """What ``dsrl.trainer.metrics.rollout_logprob_metrics`` gives: nan gaps when no rank has a response token."""
     if not valid:
         mean = top = math.nan
     return {

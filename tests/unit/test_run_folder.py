@@ -1,4 +1,4 @@
-"""One run at a time in a run folder (``dsrl.run_folder``): a second run is refused naming the holder, the
+"""One run at a time in a run folder (``dsrl.checkpoint.run_folder``): a second run is refused naming the holder, the
 lock goes with its holder however it ends (SIGKILL included), and a process asks for its own folder freely."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from dsrl import run_folder
+from dsrl.checkpoint import run_folder
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from dsrl import run_folder
+from dsrl.checkpoint import run_folder
 run_folder.lock(Path(sys.argv[1]))
 print("holding", flush=True)
 time.sleep(600)

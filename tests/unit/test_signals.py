@@ -8,13 +8,13 @@ import signal
 
 import pytest
 
-from dsrl.phases import in_phase
-from dsrl.signals import Interrupted, RunSignals
+from dsrl.runtime.phases import in_phase
+from dsrl.runtime.signals import Interrupted, RunSignals
 
 
 @pytest.fixture
 def signals(monkeypatch):
-    monkeypatch.setattr("dsrl.phases._phase", "start-up")  # an exception leaves its phase named: restore it after
+    monkeypatch.setattr("dsrl.runtime.phases._phase", "start-up")  # an exception leaves its phase named: restore it after
     handlers = RunSignals().install()
     yield handlers
     handlers.restore()

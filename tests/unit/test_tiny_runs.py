@@ -1,11 +1,11 @@
-"""dsrl.tiny_runs, what the comparisons share: the tiny inputs built only when missing (and a clear error where
+"""dsrl.commands.tiny_runs, what the comparisons share: the tiny inputs built only when missing (and a clear error where
 the checkout's scripts are not there), and the Markdown table."""
 
 from __future__ import annotations
 
 import pytest
 
-from dsrl import tiny_runs
+from dsrl.commands import tiny_runs
 
 
 def test_inputs_present_are_kept_and_missing_ones_without_the_scripts_name_the_command(tmp_path, monkeypatch):

@@ -36,7 +36,7 @@ The two files (either or both):
   Google-style ``Args:`` section. verl needs its ``@function_tool`` decorator; plain functions suffice here.
 
 A tool returns a str (or what ``execute`` may return, above); it runs in a worker of the reward
-scorer's pool (``dsrl.rewards.pool``): killed with its process group past ``multi_turn.tool_timeout``,
+scorer's pool (``dsrl.workers.pool``): killed with its process group past ``multi_turn.tool_timeout``,
 memory bounded by ``multi_turn.tool_memory_limit_mb``, prints to the log file. The model sees the
 output cut to ``max_tool_response_length`` characters on ``tool_response_truncate_side``, or an error
 text; ``ToolResult.failure`` is one of ``TOOL_FAILURE_KINDS`` (the loop counts them as

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from dsrl.rewards.pool import kill_process_group
+from dsrl.workers.pool import kill_process_group
 
 _MAX_INT_BITS = 10_000  # about 3,000 digits: far past any answer, well short of a number that stalls the worker
 _KEEP_BYTES = 2**20  # of the python tool's output, the first and the last MiB are kept

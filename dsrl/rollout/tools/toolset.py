@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from dsrl.config.loading import tool_config_file
 from dsrl.config.schema import TRUNCATE_SIDES
-from dsrl.rewards.pool import WorkerPool, default_num_workers
+from dsrl.workers.pool import WorkerPool, default_num_workers
 from dsrl.rollout.tools import worker
 from dsrl.rollout.tools.parse import ToolCall
 from dsrl.rollout.tools.specs import MULTI_TURN_KEY, ToolFileError, ToolSpec, argument_problem, load_tool_specs

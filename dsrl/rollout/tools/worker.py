@@ -1,5 +1,5 @@
 """What runs inside a tool worker process of :class:`dsrl.rollout.tools.ToolSet` (the reward scorer's
-pool, ``dsrl.rewards.pool``): :func:`initialize` builds the run's tools once per worker, :func:`run_call`
+pool, ``dsrl.workers.pool``): :func:`initialize` builds the run's tools once per worker, :func:`run_call`
 runs one call. No torch here. A call never raises for the tool's fault: it returns an outcome,
 ``("ok", text, seconds)``, ``("exception" | "invalid" | "timeout", message, seconds)``; the pool sees
 timeouts past ``multi_turn.tool_timeout`` and dead workers itself.
