@@ -19,7 +19,7 @@ still running after 30 s logs how far it got, and again every 30 s.
 
 Output: with ``log_file`` the workers' stdout and stderr (file descriptors 1 and 2: prints, warnings,
 tracebacks, C libraries) are appended to that file, not the trainer's console; past ``log_max_mb`` it is
-rotated to ``<log_file>.1`` (``dsrl.rewards.worker``). Memory: each worker, and every process it starts,
+rotated to ``<log_file>.1`` (``dsrl.workers.process``). Memory: each worker, and every process it starts,
 is bounded by ``memory_limit_mb`` (``RLIMIT_DATA``); a call past it fails and is counted (a
 ``MemoryError`` as an exception, a worker that dies of it as a crash), both messages naming the key.
 

@@ -1,6 +1,6 @@
 """The worker pool of the reward scorer and of the rollout's tools: pebble worker processes started by
 ``spawn`` without the parent's ``__main__``, each leading a process group that is killed with it, tied to
-the trainer's life, memory bounded, output to a log file (``dsrl.rewards.worker`` is their side).
+the trainer's life, memory bounded, output to a log file (``dsrl.workers.process`` is their side).
 
 Why processes: the code a worker runs (a user's reward function or tool) can hang or hold the GIL in C
 code; a thread cannot be stopped, and ``signal.alarm`` works only in the main thread and not inside C
@@ -21,7 +21,7 @@ Life of the workers: :meth:`WorkerPool.close` (also at garbage collection and ``
 pool. A SIGKILLed trainer runs no atexit handler: pebble's idle workers then exit on the end of file of
 their task pipe, but a worker inside a hanging call would live on (checked: it is reparented to init); so
 every worker also sets ``PR_SET_PDEATHSIG`` (SIGKILL) on Linux, a ``getppid`` watchdog thread elsewhere
-(``dsrl.rewards.worker.die_with_parent``). The kernel sends that signal when the *thread* that started the
+(``dsrl.workers.process.die_with_parent``). The kernel sends that signal when the *thread* that started the
 worker ends: the pool's first workers are started by the thread that builds the pool (build it on the
 trainer's main thread; a pool replaced after a hang or a breakdown, by the thread that replaces it),
 replacements by pebble's pool thread. A worker is stopped with SIGKILL (to its process group, below), not
@@ -54,7 +54,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import pebble
 
-from dsrl.rewards import worker
+from dsrl.workers import process
 
 logger = logging.getLogger(__name__)
 
@@ -146,13 +146,13 @@ class _WorkerContext(multiprocessing.context.SpawnContext):
 
 class WorkerPool:
     """A pebble pool of ``num_workers`` workers, each set up by ``initializer(*initargs, ready)`` (which
-    calls :func:`dsrl.rewards.worker.setup`, then loads what its tasks call, keeping a loading error).
+    calls :func:`dsrl.workers.process.setup`, then loads what its tasks call, keeping a loading error).
 
     Args:
         what: the pool's name in messages ("reward", "tool").
         num_workers: worker processes.
         initializer, initargs: pebble's initializer (a module-level function of the worker side) and its
-            arguments; a multiprocessing Barrier is appended, which :func:`dsrl.rewards.worker.probe` meets.
+            arguments; a multiprocessing Barrier is appended, which :func:`dsrl.workers.process.probe` meets.
         memory_limit_mb, memory_key: the workers' memory bound and the config key that sets it (for the
             message of a worker that died).
 
@@ -186,7 +186,7 @@ class WorkerPool:
         )
         self.pebble = pool
         self._finalizer = weakref.finalize(self, _stop_pool, pool, self.what)
-        probes = [pool.schedule(worker.probe, (_STARTUP_TIMEOUT_S,)) for _ in range(self.num_workers)]
+        probes = [pool.schedule(process.probe, (_STARTUP_TIMEOUT_S,)) for _ in range(self.num_workers)]
         try:
             answers = [probe.result(timeout=_STARTUP_TIMEOUT_S + 10) for probe in probes]
         except FutureTimeoutError:

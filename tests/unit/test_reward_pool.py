@@ -379,7 +379,7 @@ def test_die_with_parent_arms_the_kernel_signal_on_linux():
     if not sys.platform.startswith("linux"):
         pytest.skip("PR_SET_PDEATHSIG is Linux-only; elsewhere a watchdog thread does it")
     proc = subprocess.run(
-        [sys.executable, "-c", "import os; from dsrl.rewards.worker import die_with_parent; "
+        [sys.executable, "-c", "import os; from dsrl.workers.process import die_with_parent; "
          "print(die_with_parent(os.getppid()))"],
         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60,
     )

@@ -13,7 +13,7 @@ import reprlib
 import time
 import traceback
 
-from dsrl.rewards import worker as pool_worker
+from dsrl.workers import process
 from dsrl.rollout.tools.builtin import BUILTINS, ToolTimeout
 from dsrl.rollout.tools.parse import truncate
 from dsrl.rollout.tools.specs import MULTI_TURN_KEY, ToolSpec, import_file, load_tool_class
@@ -28,9 +28,9 @@ def initialize(
     specs: tuple[ToolSpec, ...], yaml_path: str | None, max_length: int, side: str,
     parent_pid: int, log_file: str | None, log_max_mb: int, memory_limit_mb: int, ready,
 ) -> None:
-    """The tool pool's initializer: ``dsrl.rewards.worker.setup``, then every tool built once."""
+    """The tool pool's initializer: ``dsrl.workers.process.setup``, then every tool built once."""
     global _max_length, _side
-    pool_worker.setup(
+    process.setup(
         parent_pid, log_file, log_max_mb, memory_limit_mb, ready,
         what="tool", memory_key=MEMORY_KEY,
     )
@@ -40,7 +40,7 @@ def initialize(
             _tools[spec.name] = _build(spec, yaml_path)
         except BaseException as exc:  # noqa: BLE001 -- whatever a tool's module or constructor does
             message = f"tool {spec.name!r} ({spec.source}) could not be built in a worker:\n{traceback.format_exc()}"
-            pool_worker.keep_load_error(message + (pool_worker.memory_hint() if isinstance(exc, MemoryError) else ""))
+            process.keep_load_error(message + (process.memory_hint() if isinstance(exc, MemoryError) else ""))
             return
 
 
@@ -66,10 +66,10 @@ def run_call(name: str, arguments: dict, create_kwargs: dict) -> tuple:
     except ToolTimeout as exc:
         return "timeout", truncate(str(exc), _max_length, _side), time.perf_counter() - start
     except BaseException as exc:  # noqa: BLE001 -- SystemExit and KeyboardInterrupt inside a tool too
-        message = pool_worker.describe(exc, code) if code else f"{type(exc).__name__}: {exc}"
+        message = process.describe(exc, code) if code else f"{type(exc).__name__}: {exc}"
         return "exception", truncate(message, _max_length, _side), time.perf_counter() - start
     finally:
-        pool_worker.bound_log()
+        process.bound_log()
     text = as_text(result)
     if text is None:
         message = (
