@@ -3,11 +3,11 @@ recipes and DeepSpeed configs from any directory and runs as ``dsrl-train`` and 
 
 from __future__ import annotations
 
-import configparser
 import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 
 import pytest
@@ -17,9 +17,7 @@ from tests.conftest import REPO, write_model_stub, write_parquet_stub
 
 
 def test_the_package_list_names_every_package_of_the_source_tree():
-    setup = configparser.ConfigParser()
-    setup.read(REPO / "setup.cfg")
-    listed = set(setup["options"]["packages"].split())
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     on_disk = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "dsrl").rglob("__init__.py")}
     assert listed == on_disk | {"dsrl.ds_configs", "dsrl.configs"}
 
