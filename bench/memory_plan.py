@@ -40,15 +40,14 @@ sys.path.insert(0, str(REPO))
 
 from dsrl.config import load_and_validate
 from dsrl.plan.plan import (
-    GIB,
     Device,
     Zero,
     detect_device,
     model_states,
     plan_for_config,
-    read_shape,
     update_gradients,
 )
+from dsrl.plan.shape import GIB, read_shape
 
 MIB = 2**20
 QUICKSTART = ["configs/grpo.yaml", "configs/cpu.yaml", "configs/quickstart.yaml"]

@@ -36,15 +36,14 @@ from dsrl.config import SCHEMA, ConfigError, describe_keys, load_and_validate, t
 from dsrl.tracking.console import logger, setup_logging
 from dsrl.runtime.launch import LaunchError, RendezvousError, join
 from dsrl.plan.plan import (
-    GIB,
     Device,
-    PlanError,
     detect_device,
     parse_size,
     plan_for_config,
     plan_problems,
     render,
 )
+from dsrl.plan.shape import GIB, PlanError
 from dsrl.runtime.redaction import redact_text
 from dsrl.checkpoint.run_folder import RunFolderBusy
 from dsrl.runtime.signals import Interrupted, RunSignals, TrainingInterrupted

@@ -9,7 +9,6 @@ import pytest
 
 from dsrl import config as C
 from dsrl.plan.plan import (
-    GIB,
     Device,
     Pass,
     Zero,
@@ -21,9 +20,9 @@ from dsrl.plan.plan import (
     plan_for_config,
     plan_memory,
     plan_problems,
-    read_shape,
     update_gradients,
 )
+from dsrl.plan.shape import GIB, read_shape
 from tests.conftest import QUICKSTART, recipe, run_train_without_torch
 
 REPO = Path(__file__).resolve().parents[2]
