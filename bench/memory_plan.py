@@ -39,14 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dsrl.config import load_and_validate
-from dsrl.plan.plan import (
-    Device,
-    Zero,
-    detect_device,
-    model_states,
-    plan_for_config,
-    update_gradients,
-)
+from dsrl.plan.inputs import Device, Zero, detect_device
+from dsrl.plan.plan import model_states, plan_for_config, update_gradients
 from dsrl.plan.shape import GIB, read_shape
 
 MIB = 2**20

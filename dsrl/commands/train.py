@@ -35,14 +35,8 @@ from pathlib import Path
 from dsrl.config import SCHEMA, ConfigError, describe_keys, load_and_validate, to_yaml
 from dsrl.tracking.console import logger, setup_logging
 from dsrl.runtime.launch import LaunchError, RendezvousError, join
-from dsrl.plan.plan import (
-    Device,
-    detect_device,
-    parse_size,
-    plan_for_config,
-    plan_problems,
-    render,
-)
+from dsrl.plan.inputs import Device, detect_device, parse_size
+from dsrl.plan.plan import plan_for_config, plan_problems, render
 from dsrl.plan.shape import GIB, PlanError
 from dsrl.runtime.redaction import redact_text
 from dsrl.checkpoint.run_folder import RunFolderBusy

@@ -8,15 +8,11 @@ from pathlib import Path
 import pytest
 
 from dsrl import config as C
+from dsrl.plan.inputs import Device, Pass, Zero, inputs_from_config, parse_size
 from dsrl.plan.plan import (
-    Device,
-    Pass,
-    Zero,
     _fits,
-    inputs_from_config,
     log_prob_head,
     model_states,
-    parse_size,
     plan_for_config,
     plan_memory,
     plan_problems,
