@@ -40,8 +40,9 @@ sys.path.insert(0, str(REPO))
 
 from dsrl.config import load_and_validate
 from dsrl.plan.inputs import Device, Zero, detect_device
-from dsrl.plan.plan import model_states, plan_for_config, update_gradients
+from dsrl.plan.plan import plan_for_config
 from dsrl.plan.shape import GIB, read_shape
+from dsrl.plan.terms import model_states, update_gradients
 
 MIB = 2**20
 QUICKSTART = ["configs/grpo.yaml", "configs/cpu.yaml", "configs/quickstart.yaml"]

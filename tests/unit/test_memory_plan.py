@@ -9,16 +9,9 @@ import pytest
 
 from dsrl import config as C
 from dsrl.plan.inputs import Device, Pass, Zero, inputs_from_config, parse_size
-from dsrl.plan.plan import (
-    _fits,
-    log_prob_head,
-    model_states,
-    plan_for_config,
-    plan_memory,
-    plan_problems,
-    update_gradients,
-)
+from dsrl.plan.plan import _fits, plan_for_config, plan_memory, plan_problems
 from dsrl.plan.shape import GIB, read_shape
+from dsrl.plan.terms import log_prob_head, model_states, update_gradients
 from tests.conftest import QUICKSTART, recipe, run_train_without_torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,7 +93,7 @@ def test_the_log_prob_head_holds_three_logit_tensors_in_an_update_and_one_withou
 def test_the_constants_restated_without_torch_match_the_engines():
     from dsrl.engines.forward import CHUNK_ELEMENTS
     from dsrl.engines.weight_sync import DEFAULT_BUCKET_BYTES
-    from dsrl.plan.plan import LOGIT_CHUNK_ELEMENTS, PUSH_BUCKET_BYTES
+    from dsrl.plan.terms import LOGIT_CHUNK_ELEMENTS, PUSH_BUCKET_BYTES
 
     assert (LOGIT_CHUNK_ELEMENTS, PUSH_BUCKET_BYTES) == (CHUNK_ELEMENTS, DEFAULT_BUCKET_BYTES)
 
