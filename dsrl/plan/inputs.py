@@ -71,7 +71,7 @@ def detect_device() -> Device | None:
 
 
 @dataclass(frozen=True)
-class Zero:
+class ZeroSetup:
     """A role's ZeRO setup, as its DeepSpeed JSON gives it."""
 
     stage: int
@@ -85,7 +85,7 @@ class Zero:
     sub_group_size: int = ZERO_DEFAULTS["sub_group_size"]  # ZeRO-3 steps the optimizer this many elements at a time
 
     @classmethod
-    def from_json(cls, ds: dict[str, Any]) -> Zero:
+    def from_json(cls, ds: dict[str, Any]) -> ZeroSetup:
         zero = {**ZERO_DEFAULTS, **ds.get("zero_optimization", {})}
 
         def offloaded(name: str) -> bool:
@@ -131,15 +131,15 @@ class PlanInputs:
     dtype_bytes: int
     prompt_length: int
     response_length: int
-    actor: Zero
+    actor: ZeroSetup
     actor_trained: int  # trained parameters: all, or LoRA's adapters
     actor_checkpointing: bool
     shared_prompts: bool  # model.shared_prompt_forward: actor and reference forwards run each prompt once
     update: Pass
     old_log_prob: Pass | None  # None when folded into the update
-    ref: Zero | None  # the reference engine; None without a KL term or with LoRA
+    ref: ZeroSetup | None  # the reference engine; None without a KL term or with LoRA
     ref_pass: Pass | None  # the reference forward (the actor's engine with LoRA); None without a KL term
-    critic: Zero | None
+    critic: ZeroSetup | None
     critic_checkpointing: bool
     critic_update: Pass | None
     critic_values: Pass | None
@@ -194,7 +194,7 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
         dtype_bytes=DTYPE_BYTES[model.dtype],
         prompt_length=data.max_prompt_length,
         response_length=data.max_response_length,
-        actor=Zero.from_json(read_ds_json(actor.deepspeed_config, "actor_rollout_ref.actor.deepspeed_config")),
+        actor=ZeroSetup.from_json(read_ds_json(actor.deepspeed_config, "actor_rollout_ref.actor.deepspeed_config")),
         actor_trained=shape.lora_parameters(model.lora_rank, model.target_modules) if lora else shape.parameters(),
         actor_checkpointing=model.enable_gradient_checkpointing,
         shared_prompts=model.shared_prompt_forward,
@@ -203,10 +203,10 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
             batch_rows, rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_use_dynamic_bsz,
             rollout.log_prob_max_token_len_per_gpu,
         ),
-        ref=Zero.from_json(read_ds_json(arr.ref.deepspeed_config, "actor_rollout_ref.ref.deepspeed_config")) if needs_ref else None,
+        ref=ZeroSetup.from_json(read_ds_json(arr.ref.deepspeed_config, "actor_rollout_ref.ref.deepspeed_config")) if needs_ref else None,
         ref_pass=_pass(batch_rows, arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_use_dynamic_bsz,
                        arr.ref.log_prob_max_token_len_per_gpu) if needs_kl else None,
-        critic=Zero.from_json(read_ds_json(critic.deepspeed_config, "critic.deepspeed_config")) if gae else None,
+        critic=ZeroSetup.from_json(read_ds_json(critic.deepspeed_config, "critic.deepspeed_config")) if gae else None,
         critic_checkpointing=critic.model.enable_gradient_checkpointing,
         critic_update=_pass(critic.ppo_mini_batch_size * n // N, critic.ppo_micro_batch_size_per_gpu,
                             critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu) if gae else None,

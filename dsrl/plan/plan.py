@@ -46,20 +46,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsrl.config.deepspeed_json import read_ds_json
-from dsrl.plan.inputs import Device, Pass, PlanInputs, Zero, inputs_from_config
+from dsrl.plan.inputs import Device, Pass, PlanInputs, ZeroSetup, inputs_from_config
 from dsrl.plan.shape import GIB, read_shape
 from dsrl.plan.terms import (
     PUSH_BUCKET_BYTES,
     KvBudget,
     Term,
-    _moved_to_host,
-    _rollout_terms,
-    _trained_states,
     activations,
-    buckets,
     gathered,
     log_prob_head,
     model_states,
+    moved_to_host,
+    reduce_bucket,
+    rollout_terms,
+    trained_states,
     update_gradients,
 )
 
@@ -107,13 +107,13 @@ class Plan:
 def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
     """The per-rank, per-phase plan of ``inputs`` on ``device``."""
     s, b = inputs.shape, inputs.dtype_bytes
-    actor, critic = _trained_states(inputs)
+    actor, critic = trained_states(inputs)
     on_gpu = device.kind == "cuda"
-    actor += buckets("actor", inputs.actor, s.parameters(), b, touched_only=not on_gpu)
+    actor += reduce_bucket("actor", inputs.actor, s.parameters(), b, touched_only=not on_gpu)
     if critic:
-        critic += buckets("critic", inputs.critic, s.parameters(lm_head=False), b, touched_only=not on_gpu)
+        critic += reduce_bucket("critic", inputs.critic, s.parameters(lm_head=False), b, touched_only=not on_gpu)
     ref = model_states("ref", inputs.ref, s.parameters(), 0, b, inputs.world_size) if inputs.ref else []
-    rollout_awake, kv, rollout_asleep = _rollout_terms(inputs, device)
+    rollout_awake, kv, rollout_asleep = rollout_terms(inputs, device)
     static = inputs.rollout == "vllm" and not inputs.sleep_mode
     resident = actor + critic + ref
     engines = {"actor": gathered("actor", inputs.actor, s.parameters(), b)}
@@ -126,7 +126,7 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
 
     phases = []
     if on_gpu and not static:
-        during_gen = _moved_to_host(actor, inputs.actor) + (_moved_to_host(critic, inputs.critic) if critic else []) + ref
+        during_gen = moved_to_host(actor, inputs.actor) + (moved_to_host(critic, inputs.critic) if critic else []) + ref
         asleep = "trained engines' device states moved to the host (ZeRO-3: all; ZeRO-1/2: all but the parameters)"
     else:
         during_gen = resident
@@ -149,7 +149,7 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
             terms.append(log_prob_head(s, micro, inputs, grad=False))
         return Phase(name, terms, rollout_note)
 
-    def update_phase(name: str, role: str, zero: Zero, micro: Pass, trained: int, checkpointing: bool, head: bool) -> Phase:
+    def update_phase(name: str, role: str, zero: ZeroSetup, micro: Pass, trained: int, checkpointing: bool, head: bool) -> Phase:
         terms = resident + rollout_asleep + running(role) + update_gradients(role, zero, trained, b, inputs.world_size)
         terms += activations(inputs, micro, grad=True, checkpointing=checkpointing, shared=head and inputs.shared_prompts)
         if head:
@@ -283,7 +283,7 @@ def fixes(plan: Plan, phase: Phase) -> list[str]:
         if zero is None or zero.offload_param:
             continue
         name = "zero3_offload_inference" if role == "ref" else "zero3_offload"  # the shipped offload setups
-        offloaded = dataclasses.replace(i, **{role: Zero.from_json(read_ds_json(name, key))})
+        offloaded = dataclasses.replace(i, **{role: ZeroSetup.from_json(read_ds_json(name, key))})
         if _fits(offloaded, device, phase.name):
             found.append(f"{key}={name}")
     return found or ["a larger device, more ranks (ZeRO partitions shrink with the world size) or shorter sequences"]
@@ -291,7 +291,7 @@ def fixes(plan: Plan, phase: Phase) -> list[str]:
 
 def kv_tokens_at(inputs: PlanInputs, device: Device, utilization: float) -> int:
     """vLLM's KV tokens per engine at ``utilization``."""
-    return _rollout_terms(dataclasses.replace(inputs, gpu_memory_utilization=utilization), device)[1].tokens
+    return rollout_terms(dataclasses.replace(inputs, gpu_memory_utilization=utilization), device)[1].tokens
 
 
 def plan_problems(plan: Plan) -> list[str]:

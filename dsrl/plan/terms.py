@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsrl.plan.inputs import Device, Pass, PlanInputs, Zero
+from dsrl.plan.inputs import Device, Pass, PlanInputs, ZeroSetup
 from dsrl.plan.shape import DTYPE_BYTES, GIB, ModelShape, kv_bytes_per_token
 
 # dsrl.engines.forward.CHUNK_ELEMENTS and dsrl.engines.weight_sync.DEFAULT_BUCKET_BYTES, restated here (this
@@ -46,7 +46,7 @@ class KvBudget:
                 f"({wanted:,} sequences x {self.sequence:,} tokens): {enough}")  # fmt: skip
 
 
-def model_states(role: str, zero: Zero, params: int, trained: int, b: int, N: int) -> list[Term]:
+def model_states(role: str, zero: ZeroSetup, params: int, trained: int, b: int, N: int) -> list[Term]:
     """The resident states of a DeepSpeed engine (``trained`` 0: the reference, no optimizer). ZeRO-3's gradient
     partition is allocated once and stays; the gradients of stages 1-2 live in the update only
     (``update_gradients``)."""
@@ -68,7 +68,7 @@ def model_states(role: str, zero: Zero, params: int, trained: int, b: int, N: in
     return terms
 
 
-def update_gradients(role: str, zero: Zero, trained: int, b: int, N: int) -> list[Term]:
+def update_gradients(role: str, zero: ZeroSetup, trained: int, b: int, N: int) -> list[Term]:
     """The gradients an update holds beyond the resident states until its optimizer step frees them: ZeRO-1/2's
     (DeepSpeed's estimator's factors: the partition in the model dtype and in fp32), ZeRO-3's float32 copy of
     one sub-group of its partition, which the optimizer step reads; the fp32 part on the host under
@@ -86,7 +86,7 @@ def update_gradients(role: str, zero: Zero, trained: int, b: int, N: int) -> lis
             Term(f"{role} fp32 gradients", *where(4 * trained // N), f"4 B x T / {N}")]
 
 
-def buckets(role: str, zero: Zero, params: int, b: int, *, touched_only: bool) -> list[Term]:
+def reduce_bucket(role: str, zero: ZeroSetup, params: int, b: int, *, touched_only: bool) -> list[Term]:
     """A trained engine's reduce bucket (contiguous gradients), allocated once and kept. ``touched_only`` (a CPU):
     it counts only as far as the model fills it (pages never written are not resident). Stage 2's all-gather
     bucket only chunks a collective into the parameters themselves: nothing kept."""
@@ -94,7 +94,7 @@ def buckets(role: str, zero: Zero, params: int, b: int, *, touched_only: bool) -
     return [Term(f"{role} reduce bucket", b * elements, 0, f"{zero.reduce_bucket:,} elements")]
 
 
-def gathered(role: str, zero: Zero, params: int, b: int) -> list[Term]:
+def gathered(role: str, zero: ZeroSetup, params: int, b: int) -> list[Term]:
     """ZeRO-3's gathered parameters: at most ``stage3_max_live_parameters`` plus the prefetch bucket. They stay
     gathered after the engine ran (within the reuse distance) until the colocation empties the partition cache
     before a generation, which it does on a GPU only."""
@@ -136,7 +136,7 @@ def log_prob_head(shape: ModelShape, micro: Pass, inputs: PlanInputs, *, grad: b
     return Term("log-prob head", copies * logits + chunks, 0, f"{copies} x {positions:,} x {shape.vocab:,} vocab + fp32 chunks")
 
 
-def _trained_states(inputs: PlanInputs) -> tuple[list[Term], list[Term]]:
+def trained_states(inputs: PlanInputs) -> tuple[list[Term], list[Term]]:
     """The actor's and the critic's resident states."""
     s, b, N = inputs.shape, inputs.dtype_bytes, inputs.world_size
     actor = model_states("actor", inputs.actor, s.parameters(), inputs.actor_trained, b, N)
@@ -147,7 +147,7 @@ def _trained_states(inputs: PlanInputs) -> tuple[list[Term], list[Term]]:
     return actor, critic
 
 
-def _moved_to_host(terms: list[Term], zero: Zero) -> list[Term]:
+def moved_to_host(terms: list[Term], zero: ZeroSetup) -> list[Term]:
     """``terms`` as ``colocation.offload_targets`` leaves them while the rollout engine is awake on a GPU: under
     ZeRO-3 every device state moves to the host, under ZeRO-1/2 all but the parameters (the push reads them); an
     engine with offloaded parameters moves nothing."""
@@ -160,7 +160,7 @@ def _moved_to_host(terms: list[Term], zero: Zero) -> list[Term]:
     ]
 
 
-def _rollout_terms(inputs: PlanInputs, device: Device) -> tuple[list[Term], KvBudget, list[Term]]:
+def rollout_terms(inputs: PlanInputs, device: Device) -> tuple[list[Term], KvBudget, list[Term]]:
     """The rollout engine while it generates, its KV budget, and what it keeps while it sleeps."""
     s, rb, tp = inputs.shape, inputs.rollout_dtype_bytes, inputs.tensor_parallel
     length = inputs.prompt_length + inputs.response_length

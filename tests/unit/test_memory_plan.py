@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dsrl import config as C
-from dsrl.plan.inputs import Device, Pass, Zero, inputs_from_config, parse_size
+from dsrl.plan.inputs import Device, Pass, ZeroSetup, inputs_from_config, parse_size
 from dsrl.plan.plan import _fits, plan_for_config, plan_memory, plan_problems
 from dsrl.plan.shape import GIB, read_shape
 from dsrl.plan.terms import log_prob_head, model_states, update_gradients
@@ -21,7 +21,7 @@ H200 = Device("cuda", 141 * GIB, "test")
 
 
 def zero(stage, *, offload_param=False, offload_optimizer=False, grad_accum_dtype="fp32"):
-    return Zero(stage, offload_param, offload_optimizer, False, 50_000_000, 50_000_000, 10**9, grad_accum_dtype)
+    return ZeroSetup(stage, offload_param, offload_optimizer, False, 50_000_000, 50_000_000, 10**9, grad_accum_dtype)
 
 
 def totals(terms):
