@@ -1,4 +1,4 @@
-"""The memory plan (``dsrl.plan.plan``, ``dsrl-train --plan``) against measured memory, against DeepSpeed's own
+"""The memory plan (``dsrl.plan``, ``dsrl-train --plan``) against measured memory, against DeepSpeed's own
 estimators, and every shipped recipe's plan on 8 x 141 GiB.
 
     python bench/memory_plan.py measure [--cases quickstart,wide-z3-offload,wide-z3,wide-z2] [--json PATH]

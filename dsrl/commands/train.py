@@ -123,7 +123,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str
 
 
 def _size(text: str) -> int:
-    """``--device-memory``'s bytes (``dsrl.plan.plan.parse_size``), an argparse error otherwise."""
+    """``--device-memory``'s bytes (``dsrl.plan.inputs.parse_size``), an argparse error otherwise."""
     try:
         return parse_size(text)
     except ValueError as err:

@@ -1,6 +1,6 @@
 """What the memory plan reads: the device's memory (``--device-memory``, ``nvidia-smi``, or the machine's on a CPU)
 and, from a validated config and its roles' DeepSpeed JSON files, every setting a term depends on (``PlanInputs``).
-Nothing here counts bytes; the plan's fixes are tried by replacing fields of a ``PlanInputs``."""
+Nothing here counts what a phase holds; the plan's fixes are tried by replacing fields of a ``PlanInputs``."""
 
 from __future__ import annotations
 

@@ -1,43 +1,8 @@
-"""The memory plan of a run (``dsrl-train ... --plan``): what each rank holds in each phase of a step, in device
-and host memory, from the resolved config, the roles' DeepSpeed JSON files and the model's ``config.json`` alone
-(no weights, no torch), and the check ``--validate-only`` applies (``trainer.memory_plan_check``).
-
-Phases, in the order of a step (``dsrl.trainer.loop``): ``rollout`` (generation; ``dsrl.rollout.colocation`` moves the
-trained engines' device states to the host first, unless the rollout engine keeps its memory for good),
-``old_log_prob`` (no-grad actor forward), ``ref`` (reference forward, with a KL term), ``values`` and
-``update_critic`` (gae), ``update_actor``. Each phase lists every role's resident states (a sleeping rollout
-engine's too) plus the working memory of the phase itself.
-
-Terms (bytes per rank; N = world size, P = parameters, T = trained parameters, b = bytes of
-``actor_rollout_ref.model.dtype``, g = bytes of the JSON's ``data_types.grad_accum_dtype`` (b when absent)):
-
-- parameters: ZeRO-3 keeps ``b P / N`` (on the host under ``offload_param``), stages 0-2 the whole ``b P``.
-- gradients: ZeRO-3 its partition buffer ``g T / N`` (on the host under ``offload_optimizer``), allocated once;
-  stages 1-2 the factors of DeepSpeed's own estimator, ``b T / N`` plus ``4 T / N`` fp32 (the fp32 part on the host
-  under ``offload_optimizer``), in the update only: the optimizer step frees them.
-- master weights ``4 T / N`` and Adam's two moments ``8 T / N`` (on the host under ``offload_optimizer``); a
-  float32 model under ZeRO-3 without optimizer offload trains its partition in place (no separate master copy).
-- DeepSpeed buffers: the reduce bucket (``reduce_bucket_size`` elements, contiguous gradients), kept by a
-  trained engine; under ZeRO-3 the gathered parameters, at most
-  ``stage3_max_live_parameters`` elements (the whole model when smaller) plus the prefetch bucket, held from the
-  engine's first pass of a step on (on a CPU from the step before: only a GPU's generation empties them).
-- activations of one micro-batch of ``t`` tokens (a count of rows times prompt + response length, each row at
-  its maximum; or a token budget, filled with full-length rows): without gradient checkpointing every layer
-  keeps ``t A`` (``layer_activation_bytes``), and backward holds one more layer's worth of gradients; with it
-  each layer keeps its input ``t h b`` and one layer is recomputed at a time. A no-grad forward holds one
-  layer's working set (``forward_working_bytes``). ``model.shared_prompt_forward`` runs each group's prompt once
-  (fewer tokens) and keeps its KV cache, indexed out to every row and concatenated with the responses'.
-- the log-prob head (``dsrl.engines.forward``): logits only for the response positions, ``rows x (R + 1) x V``
-  in the model dtype; an update also holds their gradient and the slice's zero-padded gradient (three such
-  tensors), plus a few float32 chunks of ``LOGIT_CHUNK_ELEMENTS``.
-- rollout: vLLM takes ``gpu_memory_utilization`` of the device for weights, KV cache and its own working memory
-  (``VLLM_RESERVE_BYTES``, unverified on GPU); its KV cache holds ``kv_tokens`` tokens against the
-  ``n x prompts x (prompt + response)`` a step generates. The transformers rollout keeps a full copy of the
-  weights and one generate call's KV cache (``rollout.kv_cache_max_gb``, ``rollout.micro_batch_size``).
-
-On a CPU machine (``Device.kind == "cpu"``) device and host are the same memory: a phase needs its device and
-host terms together, times the ranks on the machine, and nothing is moved between them.
-"""
+"""The memory plan of a run (``dsrl-train ... --plan``): what each rank holds in each phase of a step, on the device
+and on the host (``plan_memory``, printed by ``render``), and the check ``--validate-only`` applies
+(``trainer.memory_plan_check``: ``plan_problems``, each fix it offers checked against the plan). It reads only the
+resolved config, the roles' DeepSpeed JSON files and the model's ``config.json``: no weights, no torch. The phases,
+the terms and their formulas: docs/memory-plan-design.md."""
 
 from __future__ import annotations
 

@@ -157,7 +157,7 @@ class HFRollout:
             raise ValueError(f"update_weights: unknown names {unknown[:5]}, parameters not received {missing[:5]}")
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache one token takes in every layer (``dsrl.plan.plan.kv_bytes_per_token``)."""
+        """Bytes of KV cache one token takes in every layer (``dsrl.plan.shape.kv_bytes_per_token``)."""
         config = self.model.config
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

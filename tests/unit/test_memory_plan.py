@@ -1,4 +1,4 @@
-"""The memory plan (dsrl.plan.plan, dsrl-train --plan): its arithmetic on hand-computed cases, the shapes it reads
+"""The memory plan (dsrl.plan, dsrl-train --plan): its arithmetic on hand-computed cases, the shapes it reads
 against real models' parameter counts, the refusal of --validate-only and trainer.memory_plan_check, the CLI."""
 
 import dataclasses
