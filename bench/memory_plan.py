@@ -1,4 +1,4 @@
-"""The memory plan (``dsrl.plan.plan``, ``dsrl-train --plan``) against measured memory, against DeepSpeed's own
+"""The memory plan (``dsrl.plan``, ``dsrl-train --plan``) against measured memory, against DeepSpeed's own
 estimators, and every shipped recipe's plan on 8 x 141 GiB.
 
     python bench/memory_plan.py measure [--cases quickstart,wide-z3-offload,wide-z3,wide-z2] [--json PATH]
@@ -39,16 +39,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dsrl.config import load_and_validate
-from dsrl.plan.plan import (
-    GIB,
-    Device,
-    Zero,
-    detect_device,
-    model_states,
-    plan_for_config,
-    read_shape,
-    update_gradients,
-)
+from dsrl.plan.inputs import Device, ZeroSetup, detect_device
+from dsrl.plan.plan import plan_for_config
+from dsrl.plan.shape import GIB, read_shape
+from dsrl.plan.terms import model_states, update_gradients
 
 MIB = 2**20
 QUICKSTART = ["configs/grpo.yaml", "configs/cpu.yaml", "configs/quickstart.yaml"]
@@ -206,7 +200,7 @@ def estimator_table() -> list[dict]:
         largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
         planned = read_shape("", str(REPO / path)).parameters()
         for stage, offload in ((3, False), (3, True), (2, False), (2, True)):
-            zero = Zero(stage, offload and stage == 3, offload, offload, 0, 0, 0, "fp32")
+            zero = ZeroSetup(stage, offload and stage == 3, offload, offload, 0, 0, 0, "fp32")
             terms = model_states("actor", zero, planned, planned, 2, world)
             if stage != 3:  # the update's gradients; ZeRO-3's partition is resident (its step's copy is not counted)
                 terms += update_gradients("actor", zero, planned, 2, world)

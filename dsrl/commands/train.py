@@ -35,16 +35,9 @@ from pathlib import Path
 from dsrl.config import SCHEMA, ConfigError, describe_keys, load_and_validate, to_yaml
 from dsrl.tracking.console import logger, setup_logging
 from dsrl.runtime.launch import LaunchError, RendezvousError, join
-from dsrl.plan.plan import (
-    GIB,
-    Device,
-    PlanError,
-    detect_device,
-    parse_size,
-    plan_for_config,
-    plan_problems,
-    render,
-)
+from dsrl.plan.inputs import Device, detect_device, parse_size
+from dsrl.plan.plan import plan_for_config, plan_problems, render
+from dsrl.plan.shape import GIB, PlanError
 from dsrl.runtime.redaction import redact_text
 from dsrl.checkpoint.run_folder import RunFolderBusy
 from dsrl.runtime.signals import Interrupted, RunSignals, TrainingInterrupted
@@ -130,7 +123,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str
 
 
 def _size(text: str) -> int:
-    """``--device-memory``'s bytes (``dsrl.plan.plan.parse_size``), an argparse error otherwise."""
+    """``--device-memory``'s bytes (``dsrl.plan.inputs.parse_size``), an argparse error otherwise."""
     try:
         return parse_size(text)
     except ValueError as err:

@@ -46,7 +46,7 @@ from dsrl.algorithms import logprobs_from_logits
 from dsrl.engines.forward import kv_cache
 from dsrl.config import pushes_lora_adapters
 from dsrl.engines.lora import add_adapters
-from dsrl.plan.plan import kv_bytes_per_token
+from dsrl.plan.shape import kv_bytes_per_token
 from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded, stop_and_pad_ids
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -157,7 +157,7 @@ class HFRollout:
             raise ValueError(f"update_weights: unknown names {unknown[:5]}, parameters not received {missing[:5]}")
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache one token takes in every layer (``dsrl.plan.plan.kv_bytes_per_token``)."""
+        """Bytes of KV cache one token takes in every layer (``dsrl.plan.shape.kv_bytes_per_token``)."""
         config = self.model.config
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -1,4 +1,4 @@
-"""The memory plan (dsrl.plan.plan, dsrl-train --plan): its arithmetic on hand-computed cases, the shapes it reads
+"""The memory plan (dsrl.plan, dsrl-train --plan): its arithmetic on hand-computed cases, the shapes it reads
 against real models' parameter counts, the refusal of --validate-only and trainer.memory_plan_check, the CLI."""
 
 import dataclasses
@@ -8,22 +8,10 @@ from pathlib import Path
 import pytest
 
 from dsrl import config as C
-from dsrl.plan.plan import (
-    GIB,
-    Device,
-    Pass,
-    Zero,
-    _fits,
-    inputs_from_config,
-    log_prob_head,
-    model_states,
-    parse_size,
-    plan_for_config,
-    plan_memory,
-    plan_problems,
-    read_shape,
-    update_gradients,
-)
+from dsrl.plan.inputs import Device, Pass, ZeroSetup, inputs_from_config, parse_size
+from dsrl.plan.plan import _fits, plan_for_config, plan_memory, plan_problems
+from dsrl.plan.shape import GIB, read_shape
+from dsrl.plan.terms import log_prob_head, model_states, update_gradients
 from tests.conftest import QUICKSTART, recipe, run_train_without_torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +21,7 @@ H200 = Device("cuda", 141 * GIB, "test")
 
 
 def zero(stage, *, offload_param=False, offload_optimizer=False, grad_accum_dtype="fp32"):
-    return Zero(stage, offload_param, offload_optimizer, False, 50_000_000, 50_000_000, 10**9, grad_accum_dtype)
+    return ZeroSetup(stage, offload_param, offload_optimizer, False, 50_000_000, 50_000_000, 10**9, grad_accum_dtype)
 
 
 def totals(terms):
@@ -105,7 +93,7 @@ def test_the_log_prob_head_holds_three_logit_tensors_in_an_update_and_one_withou
 def test_the_constants_restated_without_torch_match_the_engines():
     from dsrl.engines.forward import CHUNK_ELEMENTS
     from dsrl.engines.weight_sync import DEFAULT_BUCKET_BYTES
-    from dsrl.plan.plan import LOGIT_CHUNK_ELEMENTS, PUSH_BUCKET_BYTES
+    from dsrl.plan.terms import LOGIT_CHUNK_ELEMENTS, PUSH_BUCKET_BYTES
 
     assert (LOGIT_CHUNK_ELEMENTS, PUSH_BUCKET_BYTES) == (CHUNK_ELEMENTS, DEFAULT_BUCKET_BYTES)
 

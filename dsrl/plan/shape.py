@@ -1,0 +1,137 @@
+"""A model's shape, read from its ``config.json`` alone (no weights, no torch): parameters, activation bytes and
+KV cache bytes per token, for the memory plan (``dsrl.plan.plan``) and the transformers rollout's KV budget
+(``dsrl.rollout.hf``). Dense decoders only; anything else raises ``PlanError``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "bf16": 2, "fp32": 4, "fp16": 2}
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # "all-linear"
+
+
+class PlanError(ValueError):
+    """The plan cannot be made (no config.json, an architecture it does not know): one line with the fix."""
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """KV cache of one token in every layer: keys and values, KV heads x head size each."""
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A dense decoder's shape, as its ``config.json`` gives it (Qwen2/Qwen3/Llama/Mistral/SmolLM layouts)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+    attention_bias: bool  # biases on q, k, v (Qwen2's always; others say so in attention_bias)
+    qk_norm: bool  # Qwen3's RMSNorm of each head's q and k
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], source: str) -> ModelShape:
+        """The shape in ``config`` (a parsed config.json read from ``source``); raises PlanError."""
+        if any(key in config for key in ("num_experts", "num_local_experts", "n_routed_experts")):
+            raise PlanError(f"{source}: a mixture-of-experts model; the memory plan knows dense decoders only")
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size") if k not in config]
+        if missing:
+            raise PlanError(f"{source}: config.json has no {', '.join(missing)}; fix: point at a transformers model's config.json")
+        heads = config["num_attention_heads"]
+        model_type = config.get("model_type", "")
+        return cls(
+            hidden=config["hidden_size"],
+            layers=config["num_hidden_layers"],
+            heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            intermediate=config["intermediate_size"],
+            vocab=config["vocab_size"],
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+        )
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_parameters(self) -> int:
+        """One decoder layer: attention (q, k, v, o and their biases, Qwen3's q/k norms), the gated MLP, two norms."""
+        h = self.hidden
+        attention = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        if self.attention_bias:
+            attention += self.q_dim + 2 * self.kv_dim
+        if self.qk_norm:
+            attention += 2 * self.head_dim
+        return attention + 3 * h * self.intermediate + 2 * h
+
+    def parameters(self, *, lm_head: bool = True) -> int:
+        """The model's parameters; ``lm_head=False``: the backbone (a critic's, before its value head)."""
+        embeddings = self.vocab * self.hidden
+        head = embeddings if lm_head and not self.tied_embeddings else 0
+        return embeddings + self.layers * self.layer_parameters() + self.hidden + head
+
+    def lora_parameters(self, rank: int, targets: Any) -> int:
+        """Trained parameters of LoRA adapters of ``rank`` on ``targets`` ("all-linear" or module names)."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+        names = LORA_TARGETS if targets == "all-linear" else [name for name in targets if name in shapes]
+        return self.layers * sum(rank * sum(shapes[name]) for name in names)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, dtype_bytes)
+
+    def layer_activation_bytes(self, dtype_bytes: int) -> int:
+        """Bytes one token keeps for the backward of one decoder layer: the two norms' inputs (and their float32
+        upcasts), q, k, v before and after rotary embedding, the attention output, and the MLP's gate, up, its
+        activation and their product (SDPA keeps no attention matrix)."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        model_dtype = 2 * h + 2 * h + 2 * (q + 2 * kv) + q + 4 * i
+        return model_dtype * dtype_bytes + 2 * h * 4
+
+    def forward_working_bytes(self, dtype_bytes: int) -> int:
+        """Bytes one token holds at once in a no-grad forward: the residual stream and a norm's output, then the
+        larger of q, k, v and the MLP's gate, up and activation."""
+        return (2 * self.hidden + max(self.q_dim + 2 * self.kv_dim, 3 * self.intermediate)) * dtype_bytes
+
+
+def model_config_path(model_path: str) -> Path | None:
+    """``config.json`` of ``model_path``: in the directory, or in the Hugging Face cache for a hub id (nothing is
+    downloaded); None when neither has it."""
+    local = Path(model_path).expanduser()
+    if local.is_dir():
+        return local / "config.json" if (local / "config.json").is_file() else None
+    from huggingface_hub import try_to_load_from_cache  # no torch
+
+    cached = try_to_load_from_cache(model_path, "config.json")
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def read_shape(model_path: str, model_config: str | None = None) -> ModelShape:
+    """The shape of ``model_path`` (from ``model_config``, a config.json path, when given); raises PlanError."""
+    path = Path(model_config).expanduser() if model_config else model_config_path(model_path)
+    if path is None or not path.is_file():
+        raise PlanError(
+            f"no config.json for {model_path} here (not a local directory, not in the Hugging Face cache); fix: "
+            f"`hf download {model_path} config.json`, or pass --model-config PATH/TO/config.json"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise PlanError(f"{path} cannot be read as JSON ({err}); fix: point at a transformers model's config.json") from None
+    return ModelShape.from_config(config, str(path))
