@@ -16,7 +16,7 @@ This package must not import torch: it runs before anything heavy so a bad confi
   instead, "did you mean" for the rest.
 - ``loading``: the YAML layers and overrides merged onto the defaults, interpolation checks, ``resolve``
   (values that follow from others), the files a config names, ``to_dict``/``to_yaml``.
-- ``rules``: ``validate`` with its groups of rules, and ``load_and_validate``.
+- ``validate``: ``validate`` with its groups of rules, and ``load_and_validate``.
 - ``files``: the checks of the files a config names that read only headers (parquet data, local model
   directories), and ``parquet_paths`` (a directory of data stands for its ``*.parquet`` files).
 - ``deepspeed_json``: a role's DeepSpeed JSON checked and its "auto" keys filled from the run config, for
@@ -43,7 +43,7 @@ from dsrl.config.loading import (
     to_yaml,
 )
 from dsrl.config.reference import describe_keys
-from dsrl.config.rules import load_and_validate, validate
+from dsrl.config.validate import load_and_validate, validate
 from dsrl.config.schema import (
     ADV_ESTIMATORS,
     BYPASS_LOSS_TYPES,
