@@ -914,10 +914,10 @@ def _schema(cls: type = Config, prefix: str = "") -> dict[str, KeyInfo]:
 
 
 SCHEMA = _schema()
-_LEAF_KEYS = tuple(key for key, info in SCHEMA.items() if not dataclasses.is_dataclass(info.type))
+LEAF_KEYS = tuple(key for key, info in SCHEMA.items() if not dataclasses.is_dataclass(info.type))
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     """A value as it would be written in an override: null, true, [a,b]."""
     if isinstance(value, (DictConfig, ListConfig)):
         value = OmegaConf.to_container(value, resolve=False)
@@ -926,11 +926,11 @@ def _show(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_show(v) for v in value) + "]"
+        return "[" + ",".join(show(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k}: {show(v)}" for k, v in value.items()) + "}"
     return " ".join(str(value).split())
 
 
-def _violation(key: str, value: Any, rule: str, fix: str) -> str:
-    return f"{key}={_show(value)}: {rule}; fix: {fix}"
+def violation(key: str, value: Any, rule: str, fix: str) -> str:
+    return f"{key}={show(value)}: {rule}; fix: {fix}"

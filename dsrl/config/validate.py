@@ -19,7 +19,7 @@ from dsrl.config.files import file_kind, model_dir_problems, not_regular, parque
 from dsrl.config.loading import (
     ConfigError,
     ConfigFiles,
-    _load,
+    load_layers,
     policy_loss_param_key,
     resolve,
     rollout_name,
@@ -35,6 +35,7 @@ from dsrl.config.schema import (
     GROUP_ESTIMATORS,
     KL_CTRL_TYPES,
     KL_KINDS,
+    LEAF_KEYS,
     LENGTH_WEIGHTED_ESTIMATORS,
     LOGGERS,
     MEMORY_PLAN_CHECKS,
@@ -57,14 +58,13 @@ from dsrl.config.schema import (
     TOOL_FORMATS,
     TRUNCATE_SIDES,
     TRUNCATION_MODES,
-    _LEAF_KEYS,
     BypassCorrectionConfig,
     Config,
     RolloutCorrectionConfig,
-    _show,
-    _violation,
     lora_enabled,
     pushes_lora_adapters,
+    show,
+    violation,
 )
 
 
@@ -104,7 +104,7 @@ def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset())
     fills in derived values; reads nothing heavy.
     """
     violations: list[str] = []
-    nonfinite = [key for key in _LEAF_KEYS if not _is_missing(cfg, key) and _nonfinite(OmegaConf.select(cfg, key))]
+    nonfinite = [key for key in LEAF_KEYS if not _is_missing(cfg, key) and _nonfinite(OmegaConf.select(cfg, key))]
 
     def need(ok: Any, key: str, rule: str, fix: str, value: Any = _VALUE_AT_KEY) -> None:
         """Record a violation at ``key`` unless ``ok``; it shows the value at ``key`` unless given one. A key
@@ -112,14 +112,14 @@ def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset())
         if not ok and key not in nonfinite:
             if value is _VALUE_AT_KEY:
                 value = MISSING if _is_missing(cfg, key) else OmegaConf.select(cfg, key)
-            violations.append(_violation(key, value, rule, fix))
+            violations.append(violation(key, value, rule, fix))
 
-    for key in _LEAF_KEYS:
+    for key in LEAF_KEYS:
         need(not _is_missing(cfg, key), key, "required", f"set {key} ({SCHEMA[key].help})")
     for key in nonfinite:
         rule = "must be finite (inf and nan are not numbers a run can use)"
-        fix = f"set it to a finite number (the default is {_show(SCHEMA[key].default)})"
-        violations.append(_violation(key, OmegaConf.select(cfg, key), rule, fix))
+        fix = f"set it to a finite number (the default is {show(SCHEMA[key].default)})"
+        violations.append(violation(key, OmegaConf.select(cfg, key), rule, fix))
     _batch_rules(cfg, world_size, need)
     violations += import_user_modules(cfg.algorithm.import_modules)  # before the name checks: they register names
     _estimator_rules(cfg, need)
@@ -459,7 +459,7 @@ def _loss_param_rules(cfg: Config, given: Collection[str], need: Need) -> None:
         "clip_cov_ratio": (0 < losses.clip_cov_ratio <= 1, "must be in (0, 1]: a fraction of the tokens", "set it to 0.0002"),
         "clip_cov_ub": (
             losses.clip_cov_lb < losses.clip_cov_ub,
-            f"must be > clip_cov_lb ({_show(losses.clip_cov_lb)}): the covariance band is (clip_cov_lb, clip_cov_ub)",
+            f"must be > clip_cov_lb ({show(losses.clip_cov_lb)}): the covariance band is (clip_cov_lb, clip_cov_ub)",
             "set clip_cov_lb=1.0 and clip_cov_ub=5.0",
         ),
         "kl_cov_ratio": (0 < losses.kl_cov_ratio <= 1, "must be in (0, 1]: a fraction of the tokens", "set it to 0.0002"),
@@ -736,14 +736,14 @@ def _rollout_correction_rules(cfg: Config, need: Need) -> None:
                 value == name.default,
                 key,
                 f"configures the bypass_mode loss, not {OmegaConf.select(cfg, loss_key)}",
-                f"set {loss_key}=bypass_mode, or leave {key} at {_show(name.default)}",
+                f"set {loss_key}=bypass_mode, or leave {key} at {show(name.default)}",
             )
         elif corr.bypass_mode:  # verl hands algorithm.rollout_correction to the loss: the two must agree
             need(
                 corr[name.name] == value,
                 f"{algo_prefix}.{name.name}",
                 f"in bypass mode verl's loss takes its settings from {algo_prefix}, dsrl's from {loss_prefix}, "
-                f"which has {name.name}={_show(value)}",
+                f"which has {name.name}={show(value)}",
                 "set both keys to the same value",
             )
     need(
@@ -1170,7 +1170,7 @@ def _reward_manager_rules(cfg: Config, need: Need) -> None:
                 OmegaConf.select(buffer, name) == default,
                 f"{prefix}.overlong_buffer_cfg.{name}",
                 f"has no effect while {prefix}.overlong_buffer_cfg.enable is false",
-                f"set {prefix}.overlong_buffer_cfg.enable=true, or remove it (the default is {_show(default)})",
+                f"set {prefix}.overlong_buffer_cfg.enable=true, or remove it (the default is {show(default)})",
             )
         need(
             kwargs.max_resp_len is None,
@@ -1341,7 +1341,7 @@ def load_and_validate(
     command that reads only some keys of a run config (``dsrl-eval``), whether it reads a dotted key; problems at
     the known keys it does not read are left out (a training config's missing train_files, say).
     """
-    cfg, violations, given = _load(files, overrides)
+    cfg, violations, given = load_layers(files, overrides)
     violations += validate(cfg, world_size, given)
     if reads is not None:  # a problem's line starts with its key: key=value: rule; fix: ...
         violations = [line for line in violations if (key := line.partition("=")[0]) not in SCHEMA or reads(key)]

@@ -1046,7 +1046,7 @@ def test_the_critic_geometry_follows_the_actor_unless_set(files):
         "ppo_mini_batch_size": 4, "ppo_epochs": 2, "shuffle": False, "loss_agg_mode": "seq-mean-token-mean",
         "use_dynamic_bsz": True,
     }
-    overrides = [f"actor_rollout_ref.actor.{key}={schema._show(value)}" for key, value in actor.items()]
+    overrides = [f"actor_rollout_ref.actor.{key}={schema.show(value)}" for key, value in actor.items()]
     cfg, _ = C.load_and_validate(recipe("ppo"), files + overrides, 1)
     assert {key: cfg.critic[key] for key in actor} == actor  # as verl: a script that sets the actor's sets both
     cfg, _ = C.load_and_validate(recipe("ppo"), files + overrides + ["critic.ppo_mini_batch_size=8"], 1)
