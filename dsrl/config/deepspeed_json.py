@@ -17,7 +17,8 @@ from typing import Any, Optional
 
 from dsrl.config.files import not_regular
 from dsrl.config.loading import deepspeed_config_path
-from dsrl.config.schema import DS_CONFIG_DIR, MODEL_DTYPES, violation
+from dsrl.config.names import MODEL_DTYPES
+from dsrl.config.schema import DS_CONFIG_DIR, violation
 
 _SECTIONS = ("bf16", "fp16", "optimizer", "scheduler", "zero_optimization")  # each a JSON object when present
 

@@ -16,13 +16,13 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dsrl.config.files import not_regular
+from dsrl.config.names import SUM_PI_SQUARED_ESTIMATORS
 from dsrl.config.schema import (
     DS_CONFIG_DIR,
     LEAF_KEYS,
     OLDER_NAMES,
     RECIPE_DIR,
     SCHEMA,
-    SUM_PI_SQUARED_ESTIMATORS,
     Config,
     show,
     violation,

@@ -26,16 +26,14 @@ from dsrl.config.loading import (
     secret_notes,
 )
 from dsrl.config.user_code import import_user_modules, registered_names, registered_policy_loss_params
-from dsrl.config.schema import (
+from dsrl.config.names import (
     ADV_ESTIMATORS,
     BYPASS_LOSS_TYPES,
     CHECKPOINT_CONTENTS,
     CRITIC_ESTIMATORS,
-    FINAL_MODEL_DIR,
     GROUP_ESTIMATORS,
     KL_CTRL_TYPES,
     KL_KINDS,
-    LEAF_KEYS,
     LENGTH_WEIGHTED_ESTIMATORS,
     LOGGERS,
     MEMORY_PLAN_CHECKS,
@@ -52,12 +50,16 @@ from dsrl.config.schema import (
     ROLLOUT_IS_LEVELS,
     ROLLOUT_RS_OPTIONS,
     ROLLOUT_NAMES,
-    SCHEMA,
     SLEEP_LEVELS,
     SUM_PI_SQUARED_ESTIMATORS,
     TOOL_FORMATS,
     TRUNCATE_SIDES,
     TRUNCATION_MODES,
+)
+from dsrl.config.schema import (
+    FINAL_MODEL_DIR,
+    LEAF_KEYS,
+    SCHEMA,
     BypassCorrectionConfig,
     Config,
     RolloutCorrectionConfig,

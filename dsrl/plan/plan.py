@@ -53,7 +53,8 @@ from typing import Any
 
 from dsrl.config.deepspeed_json import read_ds_json, zero_stage
 from dsrl.config.loading import rollout_name
-from dsrl.config.schema import ADV_ESTIMATORS, SUM_PI_SQUARED_ESTIMATORS, lora_enabled
+from dsrl.config.names import ADV_ESTIMATORS, SUM_PI_SQUARED_ESTIMATORS
+from dsrl.config.schema import lora_enabled
 
 GIB = 2**30
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "bf16": 2, "fp32": 4, "fp16": 2}
