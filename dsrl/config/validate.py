@@ -26,6 +26,7 @@ from dsrl.config.loading import (
     secret_notes,
 )
 from dsrl.config.user_code import import_user_modules, registered_names, registered_policy_loss_params
+from dsrl.config.rules.need import Need, critic_used, is_missing, ref_used
 from dsrl.config.names import (
     ADV_ESTIMATORS,
     BYPASS_LOSS_TYPES,
@@ -85,12 +86,6 @@ def _divisor_at_most(n: int, limit: int) -> int:
 
 
 _VALUE_AT_KEY = object()
-Need = Callable[..., None]  # validate's need(ok, key, rule, fix, value=...), handed to each group of rules
-
-
-def _is_missing(cfg: Config, key: str) -> bool:
-    parent, _, name = key.rpartition(".")
-    return OmegaConf.is_missing(OmegaConf.select(cfg, parent), name)
 
 
 def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset()) -> list[str]:
@@ -106,18 +101,18 @@ def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset())
     fills in derived values; reads nothing heavy.
     """
     violations: list[str] = []
-    nonfinite = [key for key in LEAF_KEYS if not _is_missing(cfg, key) and _nonfinite(OmegaConf.select(cfg, key))]
+    nonfinite = [key for key in LEAF_KEYS if not is_missing(cfg, key) and _nonfinite(OmegaConf.select(cfg, key))]
 
     def need(ok: Any, key: str, rule: str, fix: str, value: Any = _VALUE_AT_KEY) -> None:
         """Record a violation at ``key`` unless ``ok``; it shows the value at ``key`` unless given one. A key
         holding inf or nan has its one violation already (nan fails every comparison)."""
         if not ok and key not in nonfinite:
             if value is _VALUE_AT_KEY:
-                value = MISSING if _is_missing(cfg, key) else OmegaConf.select(cfg, key)
+                value = MISSING if is_missing(cfg, key) else OmegaConf.select(cfg, key)
             violations.append(violation(key, value, rule, fix))
 
     for key in LEAF_KEYS:
-        need(not _is_missing(cfg, key), key, "required", f"set {key} ({SCHEMA[key].help})")
+        need(not is_missing(cfg, key), key, "required", f"set {key} ({SCHEMA[key].help})")
     for key in nonfinite:
         rule = "must be finite (inf and nan are not numbers a run can use)"
         fix = f"set it to a finite number (the default is {show(SCHEMA[key].default)})"
@@ -147,14 +142,6 @@ def _nonfinite(value: Any) -> bool:
     """Whether ``value`` is, or is a list holding, an inf or a nan."""
     values = list(value) if isinstance(value, ListConfig) else [value]
     return any(isinstance(v, float) and not math.isfinite(v) for v in values)
-
-
-def _critic_used(cfg: Config) -> bool:
-    return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
-
-
-def _ref_used(cfg: Config) -> bool:
-    return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
 
 
 def _mini_batch_rules(cfg: Config, role: str, world_size: int, need: Need) -> None:
@@ -246,7 +233,7 @@ def _batch_rules(cfg: Config, world_size: int, need: Need) -> None:
     longest = data.max_prompt_length + data.max_response_length
     actor = cfg.actor_rollout_ref.actor
     no_grad_passes = [("actor_rollout_ref.rollout", "log_prob_", actor), ("actor_rollout_ref.ref", "log_prob_", actor)]
-    if _critic_used(cfg):
+    if critic_used(cfg):
         no_grad_passes.append(("critic", "forward_", cfg.critic))
     for role, prefix, trained in no_grad_passes:
         section = OmegaConf.select(cfg, role)
@@ -262,7 +249,7 @@ def _batch_rules(cfg: Config, world_size: int, need: Need) -> None:
             f"set it to at least {longest}",
         )
     _mini_batch_rules(cfg, "actor_rollout_ref.actor", world_size, need)
-    if _critic_used(cfg):
+    if critic_used(cfg):
         _mini_batch_rules(cfg, "critic", world_size, need)
 
 
@@ -436,7 +423,7 @@ def _loss_rules(cfg: Config, need: Need) -> None:
     need(0 <= algo.gamma <= 1, "algorithm.gamma", "must be in [0, 1]", "set it to 1.0")
     need(0 <= algo.lam <= 1, "algorithm.lam", "must be in [0, 1]", "set it to 1.0")
     _optim_rules(cfg, prefix, need)
-    if _critic_used(cfg):
+    if critic_used(cfg):
         _optim_rules(cfg, "critic", need)
         need(cfg.critic.cliprange_value > 0, "critic.cliprange_value", "must be > 0", "set it to 0.5")
 
@@ -940,7 +927,7 @@ def _lora_rules(cfg: Config, given: Collection[str], need: Need) -> None:
 def _file_rules(cfg: Config, need: Need) -> None:
     data = cfg.data
     for key in ("data.train_files", "data.val_files"):
-        if _is_missing(cfg, key) or (key == "data.val_files" and data.val_files is None):
+        if is_missing(cfg, key) or (key == "data.val_files" and data.val_files is None):
             continue
         files = OmegaConf.select(cfg, key)
         paths = list(files) if isinstance(files, ListConfig) else [files]
@@ -1004,10 +991,10 @@ def _file_rules(cfg: Config, need: Need) -> None:
     if run_dir:  # a validation-only run writes nothing there
         need(False, "trainer.default_local_dir", *run_dir)
     model_keys = ["actor_rollout_ref.model.path"] + (
-        ["critic.model.path"] if _critic_used(cfg) and cfg.critic.model.path else []
+        ["critic.model.path"] if critic_used(cfg) and cfg.critic.model.path else []
     )
     for key in model_keys:
-        if _is_missing(cfg, key):
+        if is_missing(cfg, key):
             continue
         path = OmegaConf.select(cfg, key)
         problem = model_path_problem(path)
@@ -1068,8 +1055,8 @@ def _ds_geometry(section: Any, n: int, world_size: int) -> tuple[Optional[int], 
 def _deepspeed_rules(cfg: Config, world_size: int, need: Need) -> None:
     """The DeepSpeed JSON of each role the run builds, checked and filled as its engine will do it
     (``deepspeed_json.fill_ds_json``), so a bad one fails before torch loads."""
-    roles = ["actor_rollout_ref.actor"] + (["critic"] if _critic_used(cfg) else [])
-    roles += ["actor_rollout_ref.ref"] if _ref_used(cfg) else []
+    roles = ["actor_rollout_ref.actor"] + (["critic"] if critic_used(cfg) else [])
+    roles += ["actor_rollout_ref.ref"] if ref_used(cfg) else []
     for role in roles:
         section, key = OmegaConf.select(cfg, role), f"{role}.deepspeed_config"
         trains = role != "actor_rollout_ref.ref"
