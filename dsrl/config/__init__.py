@@ -17,8 +17,9 @@ This package must not import torch: it runs before anything heavy so a bad confi
   instead, "did you mean" for the rest.
 - ``loading``: the YAML layers and overrides merged onto the defaults, interpolation checks, ``resolve``
   (values that follow from others), the files a config names, ``to_dict``/``to_yaml``.
-- ``validate``: ``validate`` with its groups of rules, and ``load_and_validate``.
-- ``files``: the checks of the files a config names that read only headers (parquet data, local model
+- ``rules``: the rules a config must meet, one module per concern (geometry, algorithm, rollout, paths, run).
+- ``validate``: ``validate``, which runs every group of rules, and ``load_and_validate``.
+- ``files``: the checks of the files a config names that read only headers (parquet data, model paths and
   directories), and ``parquet_paths`` (a directory of data stands for its ``*.parquet`` files).
 - ``deepspeed_json``: a role's DeepSpeed JSON checked and its "auto" keys filled from the run config, for
   validation and for the engines alike.

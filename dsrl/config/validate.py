@@ -1,5 +1,5 @@
-"""The rules a loaded config must meet (``validate``, one group of rules per concern) and ``load_and_validate``,
-which loads, validates, resolves and freezes a run's config."""
+"""``validate``, which runs every group of rules (``dsrl.config.rules``) over a loaded config, and
+``load_and_validate``, which loads, validates, resolves and freezes a run's config."""
 
 from __future__ import annotations
 
@@ -9,30 +9,17 @@ from typing import Any, Callable
 
 from omegaconf import MISSING, ListConfig, OmegaConf
 
-from dsrl.config.loading import (
-    ConfigError,
-    ConfigFiles,
-    load_layers,
-    resolve,
-    secret_notes,
-)
-from dsrl.config.user_code import import_user_modules
+from dsrl.config.loading import ConfigError, ConfigFiles, load_layers, resolve, secret_notes
 from dsrl.config.rules import algorithm, geometry, paths, rollout, run
 from dsrl.config.rules.need import is_missing
-from dsrl.config.schema import (
-    LEAF_KEYS,
-    SCHEMA,
-    Config,
-    show,
-    violation,
-)
-
+from dsrl.config.schema import LEAF_KEYS, SCHEMA, Config, show, violation
+from dsrl.config.user_code import import_user_modules
 
 _VALUE_AT_KEY = object()
 
 
 def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset()) -> list[str]:
-    """Every violation of the rules below, one line each (dotted key, value, rule, fix); [] when valid.
+    """Every violation of the rules in ``dsrl.config.rules``, one line each (dotted key, value, rule, fix); [] if none.
 
     ``given``: the keys the config's files and overrides set (``load_and_validate`` passes them); a policy loss
     parameter given for a loss that does not read it is refused (at its default it is not known to be set).
