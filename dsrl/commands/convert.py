@@ -60,8 +60,7 @@ from dsrl.checkpoint.save import (
     state_problem,
     step_dir,
 )
-from dsrl.config.files import model_dir_problems
-from dsrl.config.rules import model_path_problem
+from dsrl.config.files import model_dir_problems, model_path_problem
 from dsrl.config.schema import lora_enabled
 from dsrl.data.datasets import load_tokenizer
 from dsrl.engines.critic import ValueModel

@@ -10,14 +10,16 @@ each as one line: dotted key, value, rule, fix. The config it returns is resolve
 
 This package must not import torch: it runs before anything heavy so a bad config fails in a second.
 
-- ``schema``: the typed tree (one dataclass per section; every key's default and documentation), the name
-  tuples the rules check against, ``SCHEMA`` (every dotted key) and the one line a problem is reported as.
+- ``schema``: the typed tree (one dataclass per section; every key's default and documentation), ``SCHEMA`` (every
+  dotted key) and the one line a problem is reported as (``violation``).
+- ``names``: the names each key may take, which the rules check against; some restate ``dsrl.algorithms``' registries.
 - ``verl_keys``: keys the tree does not know: verl's FSDP/Megatron-only keys with the dsrl key to use
   instead, "did you mean" for the rest.
 - ``loading``: the YAML layers and overrides merged onto the defaults, interpolation checks, ``resolve``
   (values that follow from others), the files a config names, ``to_dict``/``to_yaml``.
-- ``rules``: ``validate`` with its groups of rules, and ``load_and_validate``.
-- ``files``: the checks of the files a config names that read only headers (parquet data, local model
+- ``rules``: the rules a config must meet, one module per concern (geometry, algorithm, rollout, paths, run).
+- ``validate``: ``validate``, which runs every group of rules, and ``load_and_validate``.
+- ``files``: the checks of the files a config names that read only headers (parquet data, model paths and
   directories), and ``parquet_paths`` (a directory of data stands for its ``*.parquet`` files).
 - ``deepspeed_json``: a role's DeepSpeed JSON checked and its "auto" keys filled from the run config, for
   validation and for the engines alike.
@@ -43,29 +45,31 @@ from dsrl.config.loading import (
     to_yaml,
 )
 from dsrl.config.reference import describe_keys
-from dsrl.config.rules import load_and_validate, validate
-from dsrl.config.schema import (
+from dsrl.config.validate import load_and_validate, validate
+from dsrl.config.names import (
     ADV_ESTIMATORS,
     BYPASS_LOSS_TYPES,
-    DS_CONFIG_DIR,
     GROUP_ESTIMATORS,
     KL_CTRL_TYPES,
     KL_KINDS,
     LENGTH_WEIGHTED_ESTIMATORS,
-    LOGGED_SAMPLES,
     LOSS_AGG_MODES,
     MODEL_DTYPES,
     PF_PPO_METHODS,
     POLICY_LOSS_MODES,
     POLICY_LOSS_PARAMS,
-    RECIPE_DIR,
-    RESUME_HARMLESS_KEYS,
     ROLLOUT_IS_LEVELS,
     ROLLOUT_RS_OPTIONS,
     ROLLOUT_NAMES,
-    SCHEMA,
     SUM_PI_SQUARED_ESTIMATORS,
     TRUNCATION_MODES,
+)
+from dsrl.config.schema import (
+    DS_CONFIG_DIR,
+    LOGGED_SAMPLES,
+    RECIPE_DIR,
+    RESUME_HARMLESS_KEYS,
+    SCHEMA,
     Config,
     KeyInfo,
     lora_enabled,
@@ -74,28 +78,29 @@ from dsrl.config.schema import (
 from dsrl.config.user_code import import_user_modules
 
 __all__ = [
-    # schema
+    # names
     "ADV_ESTIMATORS",
     "BYPASS_LOSS_TYPES",
-    "DS_CONFIG_DIR",
     "GROUP_ESTIMATORS",
     "KL_CTRL_TYPES",
     "KL_KINDS",
     "LENGTH_WEIGHTED_ESTIMATORS",
-    "LOGGED_SAMPLES",
     "LOSS_AGG_MODES",
     "MODEL_DTYPES",
     "PF_PPO_METHODS",
     "POLICY_LOSS_MODES",
     "POLICY_LOSS_PARAMS",
-    "RECIPE_DIR",
-    "RESUME_HARMLESS_KEYS",
     "ROLLOUT_IS_LEVELS",
     "ROLLOUT_RS_OPTIONS",
     "ROLLOUT_NAMES",
-    "SCHEMA",
     "SUM_PI_SQUARED_ESTIMATORS",
     "TRUNCATION_MODES",
+    # schema
+    "DS_CONFIG_DIR",
+    "LOGGED_SAMPLES",
+    "RECIPE_DIR",
+    "RESUME_HARMLESS_KEYS",
+    "SCHEMA",
     "Config",
     "KeyInfo",
     # loading
@@ -114,7 +119,7 @@ __all__ = [
     "to_yaml",
     # files
     "parquet_paths",
-    # rules
+    # validate
     "load_and_validate",
     "validate",
     # deepspeed_json, user_code, reference

@@ -17,7 +17,8 @@ from typing import Any, Optional
 
 from dsrl.config.files import not_regular
 from dsrl.config.loading import deepspeed_config_path
-from dsrl.config.schema import DS_CONFIG_DIR, MODEL_DTYPES, _violation
+from dsrl.config.names import MODEL_DTYPES
+from dsrl.config.schema import DS_CONFIG_DIR, violation
 
 _SECTIONS = ("bf16", "fp16", "optimizer", "scheduler", "zero_optimization")  # each a JSON object when present
 
@@ -28,7 +29,7 @@ class DeepSpeedJsonError(ValueError):
 
     def __init__(self, key: str, value: str, problems: list[tuple[str, str]]):
         self.problems = problems
-        super().__init__("\n".join(_violation(key, value, rule, fix) for rule, fix in problems))
+        super().__init__("\n".join(violation(key, value, rule, fix) for rule, fix in problems))
 
 
 def read_ds_json(name_or_path: str, key: str) -> dict[str, Any]:

@@ -4,8 +4,9 @@ without tokenizer files, as an empty tokenizer that turns every prompt into 0 to
 
 - Data files (``data.train_files``, ``data.val_files``): parquet by their magic bytes; a directory stands for the
   ``*.parquet`` files in it (``parquet_paths``, which the loader uses too).
-- Local model directories: ``config.json`` with a ``model_type``; the weights ``from_pretrained`` would load
-  (every shard of an index), complete by their headers; the tokenizer's vocabulary files.
+- Model paths: a local directory or a hub id owner/name (``model_path_problem``). In a local directory,
+  ``config.json`` with a ``model_type``; the weights ``from_pretrained`` would load (every shard of an index),
+  complete by their headers; the tokenizer's vocabulary files.
 - ``not_regular``: what every check asks before it opens a file (here, and for the DeepSpeed JSON, the YAML layers,
   the reward file and the user's modules): reading a FIFO blocks until something writes to it, a device may never end.
 
@@ -15,6 +16,7 @@ Only headers are read: no torch, transformers or pyarrow.
 from __future__ import annotations
 
 import json
+import re
 import stat
 import zipfile
 from collections.abc import Sequence
@@ -172,3 +174,13 @@ def model_dir_problems(path: Path, *, tokenizer: bool) -> list[tuple[str, str]]:
             )
         )
     return problems
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def model_path_problem(path: str) -> Optional[str]:
+    """None if ``path`` is an existing directory or looks like a hub id owner/name that is not a local path."""
+    if Path(path).expanduser().is_dir() or (_HUB_ID.match(path) and not Path(path).exists()):
+        return None
+    return "no such model directory (a hub id is owner/name)"

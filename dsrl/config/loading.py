@@ -16,18 +16,18 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dsrl.config.files import not_regular
+from dsrl.config.names import SUM_PI_SQUARED_ESTIMATORS
 from dsrl.config.schema import (
     DS_CONFIG_DIR,
+    LEAF_KEYS,
     OLDER_NAMES,
     RECIPE_DIR,
     SCHEMA,
-    SUM_PI_SQUARED_ESTIMATORS,
-    _LEAF_KEYS,
     Config,
-    _show,
-    _violation,
+    show,
+    violation,
 )
-from dsrl.config.verl_keys import _unknown_key
+from dsrl.config.verl_keys import unknown_key
 from dsrl.runtime.redaction import secret_environment
 
 
@@ -70,18 +70,18 @@ def _merge(cfg: DictConfig, user: dict, prefix: str, violations: list[str], give
             if isinstance(value, dict) and value:
                 _merge(cfg, value, key + ".", violations, given)  # report each leaf: fsdp_config.param_offload has its own fix
             else:
-                violations.append(_unknown_key(key, value))
+                violations.append(unknown_key(key, value))
         elif dataclasses.is_dataclass(info.type) and isinstance(value, dict):
             _merge(cfg, value, key + ".", violations, given)
         elif value == MISSING:
-            violations.append(_violation(key, value, "??? marks a value still to be given", f"set {key} ({info.help})"))
+            violations.append(violation(key, value, "??? marks a value still to be given", f"set {key} ({info.help})"))
         else:
             try:
                 OmegaConf.update(cfg, key, value, merge=info.type is dict)  # a free-form dict gains keys
                 given.add(key)
             except OmegaConfBaseException:
                 expected = _type_name(info.type)
-                violations.append(_violation(key, value, f"expected {expected}", f"set {key} to {expected}"))
+                violations.append(violation(key, value, f"expected {expected}", f"set {key} to {expected}"))
 
 
 ConfigFiles = Union[str, Path, list, tuple, None]  # one YAML path, several (merged left to right), or none
@@ -123,7 +123,7 @@ def _read_layer(name: str, violations: list[str]) -> Optional[DictConfig]:
         )
         return None
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        violations.append(f"config file {name}: not valid YAML ({_show(err)}); fix: correct the YAML syntax")
+        violations.append(f"config file {name}: not valid YAML ({show(err)}); fix: correct the YAML syntax")
         return None
     if not isinstance(layer, DictConfig):
         violations.append(f"config file {name}: the top level is a list, not a mapping of keys; fix: write key: value lines")
@@ -131,7 +131,7 @@ def _read_layer(name: str, violations: list[str]) -> Optional[DictConfig]:
     return layer
 
 
-def _load(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, list[str], set[str]]:
+def load_layers(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, list[str], set[str]]:
     """The typed tree with the YAML files (left to right) and the overrides applied, the problems met on the way,
     and the keys the files and overrides set.
 
@@ -155,31 +155,31 @@ def _load(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, list[st
             layers.append(OmegaConf.from_dotlist([item]))
         except (yaml.YAMLError, OmegaConfBaseException) as err:
             violations.append(
-                f"{key}={value}: not a valid value ({_show(err)}); fix: lists as [a,b], quote strings with special characters"
+                f"{key}={value}: not a valid value ({show(err)}); fix: lists as [a,b], quote strings with special characters"
             )
     if unreadable:
         raise ConfigError(violations)
     given: set[str] = set()
     for layer in layers:
         _merge(cfg, OmegaConf.to_container(layer, resolve=False), "", violations, given)
-    for key in _LEAF_KEYS:  # an interpolation like ${trainer.project_name} must resolve to a value of the key's type
+    for key in LEAF_KEYS:  # an interpolation like ${trainer.project_name} must resolve to a value of the key's type
         try:
             OmegaConf.select(cfg, key, throw_on_missing=False)
         except OmegaConfBaseException as err:
             parent, _, name = key.rpartition(".")
             raw = OmegaConf.to_container(OmegaConf.select(cfg, parent), resolve=False)[name]
             violations.append(
-                _violation(key, raw, f"cannot be resolved ({str(err).splitlines()[0]})", "fix the ${...} reference")
+                violation(key, raw, f"cannot be resolved ({str(err).splitlines()[0]})", "fix the ${...} reference")
             )
             OmegaConf.update(cfg, key, SCHEMA[key].default, merge=False)
     for old, new in OLDER_NAMES.items():  # an older name at its default, null, is not set
         old_value, new_value = OmegaConf.select(cfg, old), OmegaConf.select(cfg, new)
         if {old, new} <= given and old_value is not None and old_value != new_value:
-            violations.append(_violation(
+            violations.append(violation(
                 old,
                 old_value,
-                f"is verl's older name of {new}, which the config sets to {_show(new_value)}: two values for one setting",
-                f"set only {new} (to {_show(old_value)} if that is the value you meant)",
+                f"is verl's older name of {new}, which the config sets to {show(new_value)}: two values for one setting",
+                f"set only {new} (to {show(old_value)} if that is the value you meant)",
             ))
     return cfg, violations, given
 
@@ -187,7 +187,7 @@ def _load(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, list[st
 def load_config(files: ConfigFiles, overrides: list[str]) -> Config:
     """Defaults <- the YAML ``files`` (paths or recipe names, left to right) <- ``overrides`` (``key=value``).
     Raises ConfigError."""
-    cfg, violations, _ = _load(files, overrides)
+    cfg, violations, _ = load_layers(files, overrides)
     if violations:
         raise ConfigError(violations)
     return cfg  # type: ignore[return-value]  # a DictConfig typed by Config: attribute access as on the dataclass
@@ -248,7 +248,7 @@ def secret_notes(cfg: Config) -> list[str]:
     ``${oc.env:NAME}`` or typed in: what dsrl shows has *** in its place, but a file or folder it names does not."""
     secrets = secret_environment()
     notes = []
-    for key in _LEAF_KEYS:
+    for key in LEAF_KEYS:
         value = OmegaConf.select(cfg, key)
         if isinstance(value, (DictConfig, ListConfig)):
             value = OmegaConf.to_container(value, resolve=True)

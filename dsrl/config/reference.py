@@ -8,7 +8,7 @@ from typing import Any, Union, get_args, get_origin
 
 from omegaconf import MISSING
 
-from dsrl.config.schema import SCHEMA, _show
+from dsrl.config.schema import SCHEMA, show
 
 
 def _type_text(tp: Any) -> str:
@@ -34,6 +34,6 @@ def describe_keys(prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(info.type):
             lines.append(f"# {key}: {info.help}")
         else:
-            default = "??? (required)" if info.default == MISSING else _show(info.default)
+            default = "??? (required)" if info.default == MISSING else show(info.default)
             lines.append(f"{key}: {_type_text(info.type)} = {default}  # {info.help}")
     return lines

@@ -1,8 +1,6 @@
 """The typed config tree: one dataclass per section, each key with its default and one-line documentation;
 ``SCHEMA``, every dotted key with its type, documentation and default; and the one line a problem is reported as.
-
-The name tuples below restate the registries of ``dsrl.algorithms``, which the config may not import (it must
-not import torch), so a test keeps them in sync.
+The names a key may take are in ``dsrl.config.names``.
 """
 
 from __future__ import annotations
@@ -14,81 +12,7 @@ from typing import Any, NamedTuple, Optional, get_type_hints
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-ADV_ESTIMATORS = (
-    "gae",
-    "grpo",
-    "grpo_vectorized",
-    "rloo",
-    "rloo_vectorized",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "remax",
-    "opo",
-    "optimal_token_baseline",
-    "tir_optimal_token_baseline",
-    "gpg",
-    "grpo_passk",
-    "gdpo",
-)
-# Estimators whose baseline comes from the other responses to the same prompt.
-GROUP_ESTIMATORS = (
-    "grpo",
-    "grpo_vectorized",
-    "rloo",
-    "rloo_vectorized",
-    "reinforce_plus_plus_baseline",
-    "opo",
-    "optimal_token_baseline",
-    "tir_optimal_token_baseline",
-    "gpg",
-    "grpo_passk",
-    "gdpo",
-)
-CRITIC_ESTIMATORS = ("gae",)
-# Estimators with the option algorithm.length_weighted_baseline (dsrl.algorithms.estimator_options).
-LENGTH_WEIGHTED_ESTIMATORS = ("rloo", "rloo_vectorized", "reinforce_plus_plus_baseline")
-PF_PPO_METHODS = ("pow", "max_min", "max_random")  # dsrl.algorithms.PF_PPO_METHODS
-REWARD_MANAGERS = ("naive", "dapo")  # verl's reward_model.reward_manager names dsrl has
-# Estimators whose token weights need sum_pi_squared = sum_v pi(v | s_t)^2 from the actor forward.
-SUM_PI_SQUARED_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
-POLICY_LOSS_MODES = (
-    "vanilla", "gspo", "cispo", "gpg", "dppo_tv", "dppo_kl", "sapo", "clip_cov", "kl_cov", "geo_mean", "dro", "bypass_mode"
-)
-# The parameters each built-in policy loss declares (dsrl.algorithms.policy_loss_params), by verl's names: a name is
-# read from actor_rollout_ref.actor.policy_loss.<name>, else actor_rollout_ref.actor.<name> (policy_loss_param_key).
-POLICY_LOSS_PARAMS = {
-    "sapo": ("tau_pos", "tau_neg"),
-    "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
-    "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
-    "dro": ("dro_beta",),
-    "bypass_mode": ("rollout_correction",),
-}
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-_KL_BASE_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-# A '+' suffix keeps the value of the base kind and takes the gradient of k2 (unbiased gradient).
-KL_KINDS = _KL_BASE_KINDS + tuple(f"{kind}+" for kind in _KL_BASE_KINDS)
-KL_CTRL_TYPES = ("fixed", "adaptive")
-TRUNCATION_MODES = ("error", "left", "right")
-ROLLOUT_NAMES = ("hf", "vllm")
-# verl 0.9.1's rollout-correction vocabulary (dsrl.algorithms.ROLLOUT_IS_LEVELS, ROLLOUT_RS_OPTIONS,
-# BYPASS_LOSS_TYPES): rollout_is levels, rollout_rs options (comma-separated lists), bypass_mode loss types.
-ROLLOUT_IS_LEVELS = ("token", "sequence")
-ROLLOUT_RS_OPTIONS = (
-    "token_k1", "token_k2", "token_k3",
-    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-    "seq_max_k2", "seq_max_k3",
-)  # fmt: skip
-BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
-SLEEP_LEVELS = (1, 2)
-LOGGERS = ("console", "mlflow")
-RESUME_MODES = ("auto", "disable", "resume_path")
-MEMORY_PLAN_CHECKS = ("error", "warn", "ignore")  # trainer.memory_plan_check
 LOGGED_SAMPLES = 16  # training rollouts per trainer.log_samples_freq table
-# What a checkpoint holds (verl's checkpoint.save_contents); a ZeRO checkpoint keeps the weights inside the
-# optimizer partitions, so model, optimizer and extra (trainer state) are always saved together.
-CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
-REQUIRED_CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
 # Keys (regular expressions over dotted keys) that may change when a run resumes: how long it runs, how
 # often it validates and saves, where it logs. Every other key shapes the run and must match the checkpoint
 # unless trainer.resume_allow_config_change is set.
@@ -116,10 +40,6 @@ OLDER_NAMES = {
 FINAL_MODEL_DIR = "huggingface"
 # A LoRA actor's adapter as a PEFT directory, inside each exported model's folder (verl's name for it).
 ADAPTER_DIR = "lora_adapter"
-LR_SCHEDULES = ("constant", "cosine")
-MODEL_DTYPES = ("bfloat16", "float32")
-PREPARED_TASKS = ("gsm8k", "math", "arithmetic", "calculator")  # scripts/prepare_data.py --task, and the folder it writes
-
 
 
 def _shipped(folder: str) -> Path:
@@ -422,10 +342,6 @@ class ValKwargsConfig:
     top_p: float = _f(1.0, "validation nucleus sampling mass")
     top_k: int = _f(-1, "validation top-k; -1 disables")
     do_sample: bool = _f(False, "sample during validation; false = greedy decoding")
-
-
-TOOL_FORMATS = ("hermes",)  # how the model writes a tool call: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-TRUNCATE_SIDES = ("left", "right", "middle")
 
 
 @dataclass
@@ -914,10 +830,10 @@ def _schema(cls: type = Config, prefix: str = "") -> dict[str, KeyInfo]:
 
 
 SCHEMA = _schema()
-_LEAF_KEYS = tuple(key for key, info in SCHEMA.items() if not dataclasses.is_dataclass(info.type))
+LEAF_KEYS = tuple(key for key, info in SCHEMA.items() if not dataclasses.is_dataclass(info.type))
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     """A value as it would be written in an override: null, true, [a,b]."""
     if isinstance(value, (DictConfig, ListConfig)):
         value = OmegaConf.to_container(value, resolve=False)
@@ -926,11 +842,11 @@ def _show(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_show(v) for v in value) + "]"
+        return "[" + ",".join(show(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k}: {show(v)}" for k, v in value.items()) + "}"
     return " ".join(str(value).split())
 
 
-def _violation(key: str, value: Any, rule: str, fix: str) -> str:
-    return f"{key}={_show(value)}: {rule}; fix: {fix}"
+def violation(key: str, value: Any, rule: str, fix: str) -> str:
+    return f"{key}={show(value)}: {rule}; fix: {fix}"

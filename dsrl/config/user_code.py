@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from dsrl.config.files import not_regular
-from dsrl.config.schema import _violation
+from dsrl.config.schema import violation
 
 # The registries of dsrl.algorithms by the config key that names their entries: (module, function listing the names).
 REGISTRIES = {
@@ -32,7 +32,7 @@ def import_user_modules(entries: Iterable[str]) -> list[str]:
     failed and where, fix) for each that did not import."""
     fix = "fix that module, or remove it from algorithm.import_modules (a .py path or an importable module name)"
     problems = ((entry, _import(entry)) for entry in entries)
-    return [_violation("algorithm.import_modules", entry, f"import failed: {problem}", fix) for entry, problem in problems if problem]
+    return [violation("algorithm.import_modules", entry, f"import failed: {problem}", fix) for entry, problem in problems if problem]
 
 
 def _import(entry: str) -> Optional[str]:

@@ -7,7 +7,7 @@ import difflib
 import fnmatch
 from typing import Any, Optional
 
-from dsrl.config.schema import _LEAF_KEYS, SCHEMA, _violation
+from dsrl.config.schema import LEAF_KEYS, SCHEMA, violation
 
 
 def _ds_config_key(key: str) -> str:
@@ -23,7 +23,7 @@ def _ds_config_key(key: str) -> str:
 LORA_KEYS = ("lora_rank", "lora_alpha", "target_modules", "exclude_modules", "lora_adapter_path")
 
 
-def _verl_only_key(key: str) -> Optional[tuple[str, str]]:
+def verl_only_key(key: str) -> Optional[tuple[str, str]]:
     """(rule, fix) for a verl key that dsrl replaces or does not need; None for other keys."""
     ds = _ds_config_key(key)
     offloaded = "zero3_offload_inference" if ds.startswith("actor_rollout_ref.ref") else "zero3_offload"
@@ -91,15 +91,15 @@ def _verl_only_key(key: str) -> Optional[tuple[str, str]]:
     return None
 
 
-def _unknown_key(key: str, value: Any) -> str:
-    verl_only = _verl_only_key(key)
+def unknown_key(key: str, value: Any) -> str:
+    verl_only = verl_only_key(key)
     if verl_only is not None:
-        return _violation(key, value, *verl_only)
-    close = difflib.get_close_matches(key, _LEAF_KEYS, n=1, cutoff=0.6)
+        return violation(key, value, *verl_only)
+    close = difflib.get_close_matches(key, LEAF_KEYS, n=1, cutoff=0.6)
     if close:
-        return _violation(key, value, "unknown key", f"did you mean {close[0]}?")
+        return violation(key, value, "unknown key", f"did you mean {close[0]}?")
     section = key.rpartition(".")[0]
     while section and section not in SCHEMA:  # the deepest section the key would sit in
         section = section.rpartition(".")[0]
     listing = f"python scripts/train.py --show-keys {section}".rstrip()
-    return _violation(key, value, "unknown key", f"remove it (no dsrl key is close; {listing} lists the keys)")
+    return violation(key, value, "unknown key", f"remove it (no dsrl key is close; {listing} lists the keys)")

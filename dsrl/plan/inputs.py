@@ -14,7 +14,8 @@ from typing import Any
 
 from dsrl.config.deepspeed_json import read_ds_json, zero_stage
 from dsrl.config.loading import rollout_name
-from dsrl.config.schema import ADV_ESTIMATORS, SUM_PI_SQUARED_ESTIMATORS, lora_enabled
+from dsrl.config.names import ADV_ESTIMATORS, SUM_PI_SQUARED_ESTIMATORS
+from dsrl.config.schema import lora_enabled
 from dsrl.plan.shape import DTYPE_BYTES, ModelShape
 
 # DeepSpeed's defaults for the ZeRO keys the plan reads, where the JSON leaves them out.

@@ -44,7 +44,8 @@ holds the rank) over the base weights it reads from the model directory, which a
 the adapters alone: they are written as a PEFT directory and loaded under a new id
 (``dsrl.rollout.vllm_lora``), which every later ``generate`` request names; the previous adapter is evicted.
 Until the first push the engine generates with the base weights alone. A level-2 sleep would drop base weights
-that no push brings back, so adapter pushes need level 1 (``_vllm_rules`` refuses level 2).
+that no push brings back, so adapter pushes need level 1 (``dsrl.config.rules.rollout.vllm_rules`` refuses
+level 2).
 
 Memory. With sleep mode (GPUs), the engine sleeps right after it is built (so the DeepSpeed
 engines built next find the device free) and around every generation (see

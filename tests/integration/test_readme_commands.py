@@ -487,12 +487,12 @@ def test_the_verl_table_is_what_validation_says(gsm8k_checkout):
 
 def test_every_dotted_key_in_the_readme_is_a_dsrl_key_or_a_translated_verl_key():
     from dsrl.config import SCHEMA
-    from dsrl.config.verl_keys import _verl_only_key
+    from dsrl.config.verl_keys import verl_only_key
 
     table_settings = {setting.lstrip("+").partition("=")[0] for setting, _ in verl_table()}
     unknown = sorted(
         key
         for key in set(DOTTED_KEY.findall(TEXT))
-        if key not in SCHEMA and _verl_only_key(key) is None and key not in table_settings
+        if key not in SCHEMA and verl_only_key(key) is None and key not in table_settings
     )
     assert unknown == [], f"README.md names keys dsrl does not have: {unknown}"

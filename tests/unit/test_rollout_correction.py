@@ -214,7 +214,7 @@ def test_bad_options_and_thresholds_are_refused(kwargs, message):
 
 def test_the_config_rules_accept_what_the_parser_accepts():
     """dsrl.config (no torch) mirrors the parser's grammar, adding that an exactly on-policy ratio 1 is kept."""
-    from dsrl.config.rules import _threshold_problem
+    from dsrl.config.rules.rollout import _threshold_problem
 
     for spec in (2.0, "2.0", "0.5_5.0", 1.5, "1_3.0", "0.2_1.0", "1.0_1.0"):
         assert _threshold_problem(spec, "is") is None and parse_is_threshold(spec)

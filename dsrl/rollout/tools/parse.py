@@ -6,7 +6,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from dsrl.config.schema import TOOL_FORMATS
+from dsrl.config.names import TOOL_FORMATS
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
 

@@ -9,7 +9,7 @@ from concurrent.futures import wait
 from dataclasses import dataclass, field
 
 from dsrl.config.loading import tool_config_file
-from dsrl.config.schema import TRUNCATE_SIDES
+from dsrl.config.names import TRUNCATE_SIDES
 from dsrl.workers.pool import WorkerPool, default_num_workers
 from dsrl.rollout.tools import worker
 from dsrl.rollout.tools.parse import ToolCall

@@ -1,0 +1,166 @@
+"""The batch geometry against the world size: prompts per step, the trained roles' mini- and micro-batches, the
+no-grad passes' micro-batches and token budgets; and each role's DeepSpeed JSON, filled with that geometry."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from dsrl.config.deepspeed_json import DeepSpeedJsonError, clip_grad, fill_ds_json
+from dsrl.config.rules.need import Need, critic_used, ref_used
+from dsrl.config.schema import Config
+
+
+def batch_rules(cfg: Config, world_size: int, need: Need) -> None:
+    data, rollout = cfg.data, cfg.actor_rollout_ref.rollout
+    model = cfg.actor_rollout_ref.model
+    need(
+        not (model.shared_prompt_forward and model.enable_gradient_checkpointing),
+        "actor_rollout_ref.model.shared_prompt_forward",
+        "needs the prompts' KV cache under autograd, which gradient checkpointing turns off",
+        "set actor_rollout_ref.model.enable_gradient_checkpointing=false or shared_prompt_forward=false",
+    )
+    need(data.train_batch_size > 0, "data.train_batch_size", "must be > 0 (prompts per step)", "set it to e.g. 8")
+    if data.train_batch_size > 0:
+        need(
+            data.train_batch_size % world_size == 0,
+            "data.train_batch_size",
+            f"must be divisible by the world size {world_size} (each rank takes train_batch_size/world_size prompts and generates their n responses itself, so train_batch_size*n splits evenly too)",
+            f"use a multiple of {world_size}, e.g. {-(-data.train_batch_size // world_size) * world_size}",
+        )
+    need(
+        rollout.n >= 1,
+        "actor_rollout_ref.rollout.n",
+        "must be >= 1 (responses per prompt)",
+        "set it to 1, or 4-16 for group estimators",
+    )
+    need(
+        data.val_batch_size is None or data.val_batch_size > 0,
+        "data.val_batch_size",
+        "must be > 0 or null",
+        "set it to null (whole set) or a positive count",
+    )
+    need(
+        data.max_prompt_length > 0,
+        "data.max_prompt_length",
+        "must be > 0",
+        "set it to the longest prompt in tokens, e.g. 512",
+    )
+    need(data.max_response_length > 0, "data.max_response_length", "must be > 0", "set it to e.g. 512")
+    longest = data.max_prompt_length + data.max_response_length
+    actor = cfg.actor_rollout_ref.actor
+    no_grad_passes = [("actor_rollout_ref.rollout", "log_prob_", actor), ("actor_rollout_ref.ref", "log_prob_", actor)]
+    if critic_used(cfg):
+        no_grad_passes.append(("critic", "forward_", cfg.critic))
+    for role, prefix, trained in no_grad_passes:
+        section = OmegaConf.select(cfg, role)
+        micro, budget = f"{prefix}micro_batch_size_per_gpu", f"{prefix}max_token_len_per_gpu"
+        need(section[micro] > 0, f"{role}.{micro}", "must be > 0 (sequences per forward)", "set it to e.g. 8")
+        dynamic = section.use_dynamic_bsz if role == "critic" else section.log_prob_use_dynamic_bsz
+        # The training budget it defaults to is checked with the training rules: one problem, one line.
+        checked = trained.use_dynamic_bsz and section[budget] == trained.ppo_max_token_len_per_gpu
+        need(
+            not dynamic or checked or section[budget] >= longest,
+            f"{role}.{budget}",
+            "must hold one whole sequence (max_prompt_length + max_response_length)",
+            f"set it to at least {longest}",
+        )
+    _mini_batch_rules(cfg, "actor_rollout_ref.actor", world_size, need)
+    if critic_used(cfg):
+        _mini_batch_rules(cfg, "critic", world_size, need)
+
+
+def _mini_batch_rules(cfg: Config, role: str, world_size: int, need: Need) -> None:
+    """ppo_mini_batch_size and ppo_micro_batch_size_per_gpu of ``role`` (actor or critic) against the batch."""
+    section = OmegaConf.select(cfg, role)
+    batch, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
+    mini, micro = section.ppo_mini_batch_size, section.ppo_micro_batch_size_per_gpu
+    need(
+        mini > 0,
+        f"{role}.ppo_mini_batch_size",
+        "must be > 0 (prompts per optimizer step)",
+        "set it to a divisor of data.train_batch_size",
+    )
+    need(micro > 0, f"{role}.ppo_micro_batch_size_per_gpu", "must be > 0", "set it to e.g. 4")
+    need(section.ppo_epochs >= 1, f"{role}.ppo_epochs", "must be >= 1", "set it to 1")
+    need(
+        section.ppo_max_token_len_per_gpu > 0,
+        f"{role}.ppo_max_token_len_per_gpu",
+        "must be > 0",
+        "set it to e.g. 16384",
+    )
+    if mini <= 0 or micro <= 0 or batch <= 0:
+        return
+    need(
+        mini % world_size == 0,
+        f"{role}.ppo_mini_batch_size",
+        f"must be divisible by the world size {world_size} (each rank trains on its share of every mini-batch)",
+        f"use a multiple of {world_size}",
+    )
+    need(
+        batch % mini == 0,
+        f"{role}.ppo_mini_batch_size",
+        f"must divide data.train_batch_size={batch} (one optimizer step per mini-batch)",
+        f"use a divisor of {batch}",
+    )
+    if section.use_dynamic_bsz:
+        need(
+            section.ppo_max_token_len_per_gpu >= cfg.data.max_prompt_length + cfg.data.max_response_length,
+            f"{role}.ppo_max_token_len_per_gpu",
+            "must hold one whole sequence (max_prompt_length + max_response_length)",
+            f"set it to at least {cfg.data.max_prompt_length + cfg.data.max_response_length}",
+        )
+    elif mini % world_size == 0 and n > 0:
+        per_rank = mini * n // world_size
+        need(
+            per_rank % micro == 0,
+            f"{role}.ppo_micro_batch_size_per_gpu",
+            f"must divide the per-rank mini-batch ppo_mini_batch_size*n/world_size = {mini}*{n}/{world_size} = {per_rank} sequences",
+            f"use a divisor of {per_rank}, e.g. {_divisor_at_most(per_rank, micro)}, or use_dynamic_bsz=true",
+        )
+
+
+def _divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, max(1, min(n, limit)) + 1) if n % d == 0)
+
+
+def deepspeed_rules(cfg: Config, world_size: int, need: Need) -> None:
+    """The DeepSpeed JSON of each role the run builds, checked and filled as its engine will do it
+    (``deepspeed_json.fill_ds_json``), so a bad one fails before torch loads."""
+    roles = ["actor_rollout_ref.actor"] + (["critic"] if critic_used(cfg) else [])
+    roles += ["actor_rollout_ref.ref"] if ref_used(cfg) else []
+    for role in roles:
+        section, key = OmegaConf.select(cfg, role), f"{role}.deepspeed_config"
+        trains = role != "actor_rollout_ref.ref"
+        if trains:
+            micro, accumulation = _ds_geometry(section, cfg.actor_rollout_ref.rollout.n, world_size)
+        else:  # the reference: one forward per micro-batch, no accumulation
+            micro, accumulation = section.log_prob_micro_batch_size_per_gpu, 1
+        try:
+            fill_ds_json(
+                section.deepspeed_config,
+                key=key,
+                prefix=role,
+                world_size=world_size,
+                micro_batch_size_per_gpu=micro if micro and micro > 0 else None,
+                gradient_accumulation_steps=accumulation,
+                dtype=cfg.actor_rollout_ref.model.dtype,
+                optim=section.optim if trains else None,
+                grad_clip=clip_grad(section) if trains else None,
+            )
+        except DeepSpeedJsonError as err:
+            for rule, fix in err.problems:
+                need(False, key, rule, fix)
+
+
+def _ds_geometry(section: Any, n: int, world_size: int) -> tuple[Optional[int], Optional[int]]:
+    """(DeepSpeed micro-batch size, accumulation steps) of a trained role, as ``engines.training.mini_batch_geometry``
+    derives them; (None, None) where the batch rules refuse the mini-batch already."""
+    rows, micro = section.ppo_mini_batch_size * n, section.ppo_micro_batch_size_per_gpu
+    if rows <= 0 or micro <= 0 or rows % world_size:
+        return None, None
+    per_rank = rows // world_size
+    if section.use_dynamic_bsz:
+        return 1, per_rank
+    return (micro, per_rank // micro) if per_rank % micro == 0 else (None, None)

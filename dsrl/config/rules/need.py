@@ -1,0 +1,27 @@
+"""What the groups of rules share: ``Need``, the callable ``validate`` hands each group to record a violation with,
+and the questions several groups ask of a config (is a key missing, does the run train a critic, use a reference)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from omegaconf import OmegaConf
+
+from dsrl.config.names import CRITIC_ESTIMATORS
+from dsrl.config.schema import Config
+
+
+Need = Callable[..., None]  # validate's need(ok, key, rule, fix, value=...), handed to each group of rules
+
+
+def is_missing(cfg: Config, key: str) -> bool:
+    parent, _, name = key.rpartition(".")
+    return OmegaConf.is_missing(OmegaConf.select(cfg, parent), name)
+
+
+def critic_used(cfg: Config) -> bool:
+    return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
+
+
+def ref_used(cfg: Config) -> bool:
+    return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
