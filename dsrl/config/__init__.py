@@ -45,7 +45,7 @@ from dsrl.config.loading import (
     to_yaml,
 )
 from dsrl.config.reference import describe_keys
-from dsrl.config.validate import load_and_validate, validate
+from dsrl.config.rules import load_and_validate, validate
 from dsrl.config.names import (
     ADV_ESTIMATORS,
     BYPASS_LOSS_TYPES,

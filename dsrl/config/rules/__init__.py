@@ -1,5 +1,13 @@
-"""``validate``, which runs every group of rules (``dsrl.config.rules``) over a loaded config, and
-``load_and_validate``, which loads, validates, resolves and freezes a run's config."""
+"""The rules a loaded config must meet, one module per concern, and the driver that runs them: ``validate``
+(every group over a loaded config) and ``load_and_validate`` (load, validate, resolve, freeze). Each group is a
+function ``<group>_rules(cfg, ..., need)`` recording each violation with ``need(ok, key, rule, fix)`` (``need.Need``).
+
+- ``geometry``: the batch sizes against the world size, and each role's DeepSpeed JSON.
+- ``algorithm``: the estimator and its options, the losses and their parameters, KL, the optimizers, group filtering.
+- ``rollout``: the engine and vLLM's keys, rollout correction, the mismatch stop, multi-turn, LoRA.
+- ``paths``: the data, reward and model files, and the run folder.
+- ``run``: the reward workers, the reward manager, and the trainer.
+"""
 
 from __future__ import annotations
 
