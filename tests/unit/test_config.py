@@ -286,10 +286,11 @@ def test_each_recipe_runs_under_the_cpu_overlay(name, world_size, files):
     assert cfg.actor_rollout_ref.rollout.name == "hf" and cfg.actor_rollout_ref.model.dtype == "float32"
 
 
-def test_the_readme_gpu_command_validates_as_written(gsm8k_checkout):
-    """README: deepspeed --num_gpus 8 scripts/train.py configs/opo.yaml (after prepare_data.py --task gsm8k)."""
-    readme = (REPO / "README.md").read_text()
-    assert "deepspeed --num_gpus 8 scripts/train.py configs/opo.yaml\n" in readme
+def test_the_docs_gpu_command_validates_as_written(gsm8k_checkout):
+    """docs/getting-started.md: deepspeed --num_gpus 8 scripts/train.py configs/opo.yaml (after prepare_data.py --task
+    gsm8k)."""
+    page = (REPO / "docs" / "getting-started.md").read_text()
+    assert "deepspeed --num_gpus 8 scripts/train.py configs/opo.yaml\n" in page
     result = subprocess.run(
         [sys.executable, TRAIN, str(REPO / "configs" / "opo.yaml"), "--validate-only", "--world-size", "8"],
         capture_output=True, text=True, cwd=gsm8k_checkout, timeout=60,
