@@ -2,7 +2,7 @@
 and on the host (``plan_memory``, printed by ``render``), and the check ``--validate-only`` applies
 (``trainer.memory_plan_check``: ``plan_problems``, each fix it offers checked against the plan). It reads only the
 resolved config, the roles' DeepSpeed JSON files and the model's ``config.json``: no weights, no torch. The phases,
-the terms and their formulas: docs/memory-plan-design.md."""
+the terms and their formulas: docs/architecture.md, section 13."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 (``Term``), counted from the model's shape and the ``PlanInputs``: an engine's resident states and its update's
 gradients, DeepSpeed's buffers, a micro-batch's activations, the log-prob head, and the rollout engine with its KV
 budget. No torch: the engines' constants the terms need are restated here. The formulas and why:
-docs/memory-plan-design.md."""
+docs/architecture.md, section 13."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def gathered(role: str, zero: ZeroSetup, params: int, b: int) -> list[Term]:
 
 
 def activations(inputs: PlanInputs, micro: Pass, *, grad: bool, checkpointing: bool, shared: bool) -> list[Term]:
-    """A micro-batch's activations through the decoder layers (docs/memory-plan-design.md). ``shared``
+    """A micro-batch's activations through the decoder layers (docs/architecture.md, section 13). ``shared``
     (``model.shared_prompt_forward``, actor and reference): a group's prompt runs once, and its KV cache, indexed
     out to every row, stays while the responses run."""
     shape, b = inputs.shape, inputs.dtype_bytes
