@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -390,7 +391,7 @@ def gdpo(
         )
     groups = _Groups(inputs.group_ids, torch.float32)
     normalised = [_group_normalised(r.to(torch.float32), groups, norm_adv_by_std) for r in components.values()]
-    total = sum(w * a for w, a in zip(weights, normalised))  # [B]
+    total = cast(Tensor, sum(w * a for w, a in zip(weights, normalised, strict=True)))  # [B]
     advantages = _broadcast(masked_whiten_(total, _lengths(inputs, torch.float32)), inputs.response_mask)
     return advantages, advantages
 
@@ -430,7 +431,7 @@ def rloo(inputs: EstimatorInputs, *, length_weighted_baseline: bool, **_: object
 def rloo_vectorized(inputs: EstimatorInputs, *, length_weighted_baseline: bool, **_: object) -> tuple[Tensor, Tensor]:
     """`rloo`, except that a group of one gets advantage 0 rather than its score: verl 0.9.1's two
     RLOO forms disagree there, and each name gives its own form's numbers."""
-    advantages, _ = rloo(inputs, length_weighted_baseline=length_weighted_baseline)
+    advantages = rloo(inputs, length_weighted_baseline=length_weighted_baseline)[0]
     groups = _Groups(inputs.group_ids, advantages.dtype)
     advantages = advantages * (groups.size[groups.index] > 1).unsqueeze(-1)
     return advantages, advantages

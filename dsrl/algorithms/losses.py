@@ -224,7 +224,9 @@ def policy_loss(
         clip_ratio_c=clip_ratio_c,
         **{**entry.params, **params},
     )
-    normalisers = dict(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor, dp_size=dp_size)
+    normalisers: dict[str, Any] = dict(
+        num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor, dp_size=dp_size
+    )
     if entry.aggregates:
         loss, metrics = entry.fn(
             **inputs, loss_agg_mode=loss_agg_mode, rollout_is_weights=rollout_is_weights, **normalisers

@@ -256,7 +256,7 @@ def rejection_mask(
         else:
             stat = reductions[level.removeprefix("seq_")](token_stat)[:, None].expand_as(mask)
         hi = math.log(upper) if kind == "k1" else upper
-        lo = math.log(lower) if kind == "k1" else None
+        lo = math.log(lower) if lower is not None else None  # parse_rs gives k1 options, and only them, a lower bound
         keep = (stat <= hi) & (stat >= lo) if lo is not None else stat <= hi
         keep_all = keep_all * keep.to(mask.dtype)
         prefix = f"rollout_rs_{option}"
@@ -347,7 +347,8 @@ def correct_rollout(
         ``(weights [B, T] or None, kept response mask [B, T], metrics)``.
     """
     log_ratio = torch.where(response_mask.bool(), train_log_probs - rollout_log_probs, 0.0)
-    weights, metrics = None, {}
+    weights: Tensor | None = None
+    metrics: dict[str, Tensor] = {}
     if rollout_is is not None:
         weights, metrics = importance_weights(
             log_ratio,

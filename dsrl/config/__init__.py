@@ -35,8 +35,8 @@ from dsrl.config.loading import (
     ConfigError,
     ConfigFiles,
     config_file_path,
-    default_rollout_name,
     deepspeed_config_path,
+    default_rollout_name,
     load_config,
     policy_loss_param_values,
     resolve,
@@ -44,8 +44,6 @@ from dsrl.config.loading import (
     to_dict,
     to_yaml,
 )
-from dsrl.config.reference import describe_keys
-from dsrl.config.rules import load_and_validate, validate
 from dsrl.config.names import (
     ADV_ESTIMATORS,
     BYPASS_LOSS_TYPES,
@@ -59,11 +57,13 @@ from dsrl.config.names import (
     POLICY_LOSS_MODES,
     POLICY_LOSS_PARAMS,
     ROLLOUT_IS_LEVELS,
-    ROLLOUT_RS_OPTIONS,
     ROLLOUT_NAMES,
+    ROLLOUT_RS_OPTIONS,
     SUM_PI_SQUARED_ESTIMATORS,
     TRUNCATION_MODES,
 )
+from dsrl.config.reference import describe_keys
+from dsrl.config.rules import load_and_validate, validate
 from dsrl.config.schema import (
     DS_CONFIG_DIR,
     LOGGED_SAMPLES,

@@ -140,6 +140,7 @@ def fill_ds_json(
                 f"a DeepSpeed scheduler is refused: dsrl steps the lr once per training step from {prefix}.optim",
                 f"remove the scheduler section and set {prefix}.optim.lr_scheduler_type / lr_warmup_steps",
             ))
+        assert grad_clip is not None, "a training engine's config is filled with its optim and grad_clip together"
         fill(ds, "gradient_clipping", float(grad_clip), f"{prefix}.optim.clip_grad")
         # ZeRO discards optimizer steps whose gradient norm is not finite; dsrl relies on it (engines/training.py).
         if stage == 0:

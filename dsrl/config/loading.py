@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from pathlib import Path
 from collections.abc import Iterable
-from typing import Any, Optional, Union, get_args, get_origin
+from pathlib import Path
+from typing import Any, Optional, Union, cast, get_args, get_origin
 
 import yaml
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
@@ -25,6 +25,7 @@ from dsrl.config.schema import (
     SCHEMA,
     Config,
     show,
+    value_at,
     violation,
 )
 from dsrl.config.verl_keys import unknown_key
@@ -161,19 +162,19 @@ def load_layers(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, l
         raise ConfigError(violations)
     given: set[str] = set()
     for layer in layers:
-        _merge(cfg, OmegaConf.to_container(layer, resolve=False), "", violations, given)
+        _merge(cfg, _as_dict(layer), "", violations, given)
     for key in LEAF_KEYS:  # an interpolation like ${trainer.project_name} must resolve to a value of the key's type
         try:
-            OmegaConf.select(cfg, key, throw_on_missing=False)
+            value_at(cfg, key, throw_on_missing=False)
         except OmegaConfBaseException as err:
             parent, _, name = key.rpartition(".")
-            raw = OmegaConf.to_container(OmegaConf.select(cfg, parent), resolve=False)[name]
+            raw = _as_dict(value_at(cfg, parent))[name]
             violations.append(
                 violation(key, raw, f"cannot be resolved ({str(err).splitlines()[0]})", "fix the ${...} reference")
             )
             OmegaConf.update(cfg, key, SCHEMA[key].default, merge=False)
     for old, new in OLDER_NAMES.items():  # an older name at its default, null, is not set
-        old_value, new_value = OmegaConf.select(cfg, old), OmegaConf.select(cfg, new)
+        old_value, new_value = value_at(cfg, old), value_at(cfg, new)
         if {old, new} <= given and old_value is not None and old_value != new_value:
             violations.append(violation(
                 old,
@@ -212,7 +213,7 @@ def policy_loss_param_values(cfg: Config, names: Iterable[str]) -> dict[str, Any
         key = policy_loss_param_key(name)
         if key is None and name not in own:
             continue
-        value = own[name] if key is None else OmegaConf.select(cfg, key)
+        value = own[name] if key is None else value_at(cfg, key)
         values[name] = OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
     return values
 
@@ -249,7 +250,7 @@ def secret_notes(cfg: Config) -> list[str]:
     secrets = secret_environment()
     notes = []
     for key in LEAF_KEYS:
-        value = OmegaConf.select(cfg, key)
+        value = value_at(cfg, key)
         if isinstance(value, (DictConfig, ListConfig)):
             value = OmegaConf.to_container(value, resolve=True)
         names = sorted(name for name, secret in secrets.items() if secret in str(value))
@@ -283,7 +284,14 @@ def rollout_name(cfg: Config) -> str:
 
 def to_dict(cfg: Config) -> dict:
     """The config as plain nested dicts, interpolations resolved (for MLflow params and artifacts)."""
-    return OmegaConf.to_container(cfg, resolve=True)
+    return _as_dict(cfg, resolve=True)
+
+
+def _as_dict(section: object, resolve: bool = False) -> dict:
+    """A config section (a DictConfig at run time, typed as its dataclass) as plain nested dicts."""
+    container = OmegaConf.to_container(cast(DictConfig, section), resolve=resolve)
+    assert isinstance(container, dict)  # a DictConfig's container is a dict
+    return container
 
 
 def to_yaml(cfg: Config) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Optional, get_type_hints
+from typing import Any, NamedTuple, Optional, cast, get_type_hints
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
@@ -820,17 +820,23 @@ def _schema(cls: type = Config, prefix: str = "") -> dict[str, KeyInfo]:
     keys: dict[str, KeyInfo] = {}
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             keys[prefix + f.name] = KeyInfo(tp, f.metadata["help"], None)
             keys.update(_schema(tp, f"{prefix}{f.name}."))
         else:
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]
             keys[prefix + f.name] = KeyInfo(tp, f.metadata["help"], default)
     return keys
 
 
 SCHEMA = _schema()
 LEAF_KEYS = tuple(key for key, info in SCHEMA.items() if not dataclasses.is_dataclass(info.type))
+
+
+def value_at(cfg: object, key: str, **select: Any) -> Any:
+    """The value at dotted ``key`` of a loaded config (None where absent): ``OmegaConf.select`` on the DictConfig
+    that a ``Config`` (or a section of one) is at run time; ``select``: its keyword arguments."""
+    return OmegaConf.select(cast(DictConfig, cfg), key, **select)
 
 
 def show(value: Any) -> str:

@@ -66,6 +66,8 @@ def import_file_once(path: Path, prefix: str):
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # before running it: dataclasses and pickling inside the file look it up
     try:

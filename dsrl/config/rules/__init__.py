@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from omegaconf import MISSING, ListConfig, OmegaConf
 
 from dsrl.config.loading import ConfigError, ConfigFiles, load_layers, resolve, secret_notes
 from dsrl.config.rules import algorithm, geometry, paths, rollout, run
 from dsrl.config.rules.need import is_missing
-from dsrl.config.schema import LEAF_KEYS, SCHEMA, Config, show, violation
+from dsrl.config.schema import LEAF_KEYS, SCHEMA, Config, show, value_at, violation
 from dsrl.config.user_code import import_user_modules
 
 _VALUE_AT_KEY = object()
@@ -39,14 +39,14 @@ def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset())
     fills in derived values; reads nothing heavy.
     """
     violations: list[str] = []
-    nonfinite = [key for key in LEAF_KEYS if not is_missing(cfg, key) and _nonfinite(OmegaConf.select(cfg, key))]
+    nonfinite = [key for key in LEAF_KEYS if not is_missing(cfg, key) and _nonfinite(value_at(cfg, key))]
 
     def need(ok: Any, key: str, rule: str, fix: str, value: Any = _VALUE_AT_KEY) -> None:
         """Record a violation at ``key`` unless ``ok``; it shows the value at ``key`` unless given one. A key
         holding inf or nan has its one violation already (nan fails every comparison)."""
         if not ok and key not in nonfinite:
             if value is _VALUE_AT_KEY:
-                value = MISSING if is_missing(cfg, key) else OmegaConf.select(cfg, key)
+                value = MISSING if is_missing(cfg, key) else value_at(cfg, key)
             violations.append(violation(key, value, rule, fix))
 
     for key in LEAF_KEYS:
@@ -54,7 +54,7 @@ def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset())
     for key in nonfinite:
         rule = "must be finite (inf and nan are not numbers a run can use)"
         fix = f"set it to a finite number (the default is {show(SCHEMA[key].default)})"
-        violations.append(violation(key, OmegaConf.select(cfg, key), rule, fix))
+        violations.append(violation(key, value_at(cfg, key), rule, fix))
     geometry.batch_rules(cfg, world_size, need)
     violations += import_user_modules(cfg.algorithm.import_modules)  # before the name checks: they register names
     algorithm.estimator_rules(cfg, need)
@@ -92,12 +92,13 @@ def load_and_validate(
     command that reads only some keys of a run config (``dsrl-eval``), whether it reads a dotted key; problems at
     the known keys it does not read are left out (a training config's missing train_files, say).
     """
-    cfg, violations, given = load_layers(files, overrides)
+    loaded, violations, given = load_layers(files, overrides)
+    cfg = cast(Config, loaded)  # the structured DictConfig, read through its dataclass's attributes
     violations += validate(cfg, world_size, given)
     if reads is not None:  # a problem's line starts with its key: key=value: rule; fix: ...
         violations = [line for line in violations if (key := line.partition("=")[0]) not in SCHEMA or reads(key)]
     if violations:
         raise ConfigError(violations)
     notes = resolve(cfg) + secret_notes(cfg)
-    OmegaConf.set_readonly(cfg, True)
+    OmegaConf.set_readonly(loaded, True)
     return cfg, notes

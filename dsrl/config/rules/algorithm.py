@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from omegaconf import OmegaConf
-
 from dsrl.config.loading import policy_loss_param_key
 from dsrl.config.names import (
     ADV_ESTIMATORS,
@@ -24,7 +22,7 @@ from dsrl.config.names import (
     SUM_PI_SQUARED_ESTIMATORS,
 )
 from dsrl.config.rules.need import Need, critic_used
-from dsrl.config.schema import Config, show
+from dsrl.config.schema import Config, show, value_at
 from dsrl.config.user_code import registered_names, registered_policy_loss_params
 
 
@@ -157,7 +155,7 @@ def estimator_option_rules(cfg: Config, need: Need) -> None:
     else:
         for name, default in (("reweight_method", "pow"), ("weight_pow", 2.0)):
             need(
-                OmegaConf.select(pf, name) == default,
+                value_at(pf, name) == default,
                 f"algorithm.pf_ppo.{name}",
                 "has no effect while algorithm.use_pf_ppo is false",
                 f"set algorithm.use_pf_ppo=true, or remove it (the default is {default})",
@@ -197,7 +195,7 @@ def loss_rules(cfg: Config, need: Need) -> None:
     )
     for key in (f"{prefix}.loss_agg_mode", "critic.loss_agg_mode"):
         need(
-            OmegaConf.select(cfg, key) in LOSS_AGG_MODES,
+            value_at(cfg, key) in LOSS_AGG_MODES,
             key,
             "unknown loss aggregation",
             f"use one of {', '.join(LOSS_AGG_MODES)}",
@@ -246,7 +244,7 @@ def _kl_kind_rule(key: str, value: str, need: Need) -> None:
 
 
 def _optim_rules(cfg: Config, role: str, need: Need) -> None:
-    optim = OmegaConf.select(cfg, f"{role}.optim")
+    optim = value_at(cfg, f"{role}.optim")
     need(optim.lr > 0, f"{role}.optim.lr", "must be > 0", "set it to e.g. 1e-6 (actor) or 1e-5 (critic)")
     need(optim.weight_decay >= 0, f"{role}.optim.weight_decay", "must be >= 0", "set it to 0.01 or 0")
     need(
@@ -268,7 +266,7 @@ def _optim_rules(cfg: Config, role: str, need: Need) -> None:
     need(0 <= optim.min_lr_ratio <= 1, f"{role}.optim.min_lr_ratio", "must be in [0, 1]", "set it to e.g. 0.1, or 0")
     need(optim.num_cycles > 0, f"{role}.optim.num_cycles", "must be > 0", "set it to 0.5 (one half-cosine)")
     for key in (f"{role}.optim.clip_grad", f"{role}.grad_clip"):
-        value = OmegaConf.select(cfg, key)
+        value = value_at(cfg, key)
         need(value is None or value >= 0, key, "must be >= 0", "set it to 1.0, or 0 to turn clipping off")
 
 

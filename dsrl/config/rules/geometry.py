@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
-
 from dsrl.config.deepspeed_json import DeepSpeedJsonError, clip_grad, fill_ds_json
 from dsrl.config.rules.need import Need, critic_used, ref_used
-from dsrl.config.schema import Config
+from dsrl.config.schema import Config, value_at
 
 
 def batch_rules(cfg: Config, world_size: int, need: Need) -> None:
@@ -50,11 +48,13 @@ def batch_rules(cfg: Config, world_size: int, need: Need) -> None:
     need(data.max_response_length > 0, "data.max_response_length", "must be > 0", "set it to e.g. 512")
     longest = data.max_prompt_length + data.max_response_length
     actor = cfg.actor_rollout_ref.actor
-    no_grad_passes = [("actor_rollout_ref.rollout", "log_prob_", actor), ("actor_rollout_ref.ref", "log_prob_", actor)]
+    no_grad_passes: list[tuple[str, str, Any]] = [
+        ("actor_rollout_ref.rollout", "log_prob_", actor), ("actor_rollout_ref.ref", "log_prob_", actor)
+    ]
     if critic_used(cfg):
         no_grad_passes.append(("critic", "forward_", cfg.critic))
     for role, prefix, trained in no_grad_passes:
-        section = OmegaConf.select(cfg, role)
+        section = value_at(cfg, role)
         micro, budget = f"{prefix}micro_batch_size_per_gpu", f"{prefix}max_token_len_per_gpu"
         need(section[micro] > 0, f"{role}.{micro}", "must be > 0 (sequences per forward)", "set it to e.g. 8")
         dynamic = section.use_dynamic_bsz if role == "critic" else section.log_prob_use_dynamic_bsz
@@ -73,7 +73,7 @@ def batch_rules(cfg: Config, world_size: int, need: Need) -> None:
 
 def _mini_batch_rules(cfg: Config, role: str, world_size: int, need: Need) -> None:
     """ppo_mini_batch_size and ppo_micro_batch_size_per_gpu of ``role`` (actor or critic) against the batch."""
-    section = OmegaConf.select(cfg, role)
+    section = value_at(cfg, role)
     batch, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
     mini, micro = section.ppo_mini_batch_size, section.ppo_micro_batch_size_per_gpu
     need(
@@ -131,7 +131,7 @@ def deepspeed_rules(cfg: Config, world_size: int, need: Need) -> None:
     roles = ["actor_rollout_ref.actor"] + (["critic"] if critic_used(cfg) else [])
     roles += ["actor_rollout_ref.ref"] if ref_used(cfg) else []
     for role in roles:
-        section, key = OmegaConf.select(cfg, role), f"{role}.deepspeed_config"
+        section, key = value_at(cfg, role), f"{role}.deepspeed_config"
         trains = role != "actor_rollout_ref.ref"
         if trains:
             micro, accumulation = _ds_geometry(section, cfg.actor_rollout_ref.rollout.n, world_size)

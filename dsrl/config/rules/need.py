@@ -8,15 +8,14 @@ from typing import Callable
 from omegaconf import OmegaConf
 
 from dsrl.config.names import CRITIC_ESTIMATORS
-from dsrl.config.schema import Config
-
+from dsrl.config.schema import Config, value_at
 
 Need = Callable[..., None]  # validate's need(ok, key, rule, fix, value=...), handed to each group of rules
 
 
 def is_missing(cfg: Config, key: str) -> bool:
     parent, _, name = key.rpartition(".")
-    return OmegaConf.is_missing(OmegaConf.select(cfg, parent), name)
+    return OmegaConf.is_missing(value_at(cfg, parent), name)
 
 
 def critic_used(cfg: Config) -> bool:

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from omegaconf import ListConfig, OmegaConf
+from omegaconf import ListConfig
 
 from dsrl.config.files import (
     file_kind,
@@ -20,7 +20,7 @@ from dsrl.config.files import (
 )
 from dsrl.config.names import PREPARED_TASKS
 from dsrl.config.rules.need import Need, critic_used, is_missing
-from dsrl.config.schema import FINAL_MODEL_DIR, Config
+from dsrl.config.schema import FINAL_MODEL_DIR, Config, value_at
 
 
 def file_rules(cfg: Config, need: Need) -> None:
@@ -28,7 +28,7 @@ def file_rules(cfg: Config, need: Need) -> None:
     for key in ("data.train_files", "data.val_files"):
         if is_missing(cfg, key) or (key == "data.val_files" and data.val_files is None):
             continue
-        files = OmegaConf.select(cfg, key)
+        files = value_at(cfg, key)
         paths = list(files) if isinstance(files, ListConfig) else [files]
         if not paths or not all(isinstance(p, str) for p in paths):
             need(
@@ -95,7 +95,7 @@ def file_rules(cfg: Config, need: Need) -> None:
     for key in model_keys:
         if is_missing(cfg, key):
             continue
-        path = OmegaConf.select(cfg, key)
+        path = value_at(cfg, key)
         problem = model_path_problem(path)
         out = "" if Path(path) == Path("outputs", "tiny_model") else f" --out {path}"  # the script's default, or --out
         need(
@@ -132,8 +132,8 @@ def _run_dir_problem(folder: Path) -> Optional[tuple[str, str]]:
         return (f"{where} is not writable by this user (checkpoints and the final model are written there)",
                 "point it at a folder you can write to, or change its permissions")
     final = folder / FINAL_MODEL_DIR
-    kind = "a symlink" if final.is_symlink() else file_kind(final)
-    if kind not in (None, "a directory"):  # a directory there is an earlier run's export, which the new one replaces
-        return (f"{final} is {kind}, where the final model is exported (only an earlier export, a folder, is replaced)",
+    final_kind = "a symlink" if final.is_symlink() else file_kind(final)
+    if final_kind not in (None, "a directory"):  # a directory there is an earlier run's export, which the new one replaces
+        return (f"{final} is {final_kind}, where the final model is exported (only an earlier export, a folder, is replaced)",
                 f"move {final} away, or point trainer.default_local_dir at another folder")
     return None

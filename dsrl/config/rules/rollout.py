@@ -10,7 +10,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import ListConfig, OmegaConf
+from omegaconf import ListConfig
 
 from dsrl.config.loading import rollout_name
 from dsrl.config.names import (
@@ -32,6 +32,7 @@ from dsrl.config.schema import (
     lora_enabled,
     pushes_lora_adapters,
     show,
+    value_at,
 )
 
 
@@ -136,7 +137,7 @@ def vllm_rules(cfg: Config, need: Need) -> None:
         )
         for key in (f"{prefix}.temperature", f"{prefix}.val_kwargs.temperature"):
             need(
-                OmegaConf.select(cfg, key) <= 2,
+                value_at(cfg, key) <= 2,
                 key,
                 "vLLM samples with temperatures in [0, 2] only",
                 "set it to at most 2 (1.0 samples from the policy itself)",
@@ -158,7 +159,7 @@ def rollout_correction_rules(cfg: Config, need: Need) -> None:
     _correction_rules(corr, algo_prefix, need)
     _correction_rules(loss_corr, loss_prefix, need)
     loss_key = "actor_rollout_ref.actor.policy_loss.loss_mode"
-    bypass = OmegaConf.select(cfg, loss_key) == "bypass_mode"
+    bypass = value_at(cfg, loss_key) == "bypass_mode"
     need(
         not corr.bypass_mode or bypass,
         f"{algo_prefix}.bypass_mode",
@@ -174,17 +175,17 @@ def rollout_correction_rules(cfg: Config, need: Need) -> None:
         f"set {algo_prefix}.bypass_mode=true, or another loss_mode",
     )
     for name in dataclasses.fields(BypassCorrectionConfig):
-        key, value = f"{loss_prefix}.{name.name}", loss_corr[name.name]
+        key, value = f"{loss_prefix}.{name.name}", getattr(loss_corr, name.name)
         if not bypass:
             need(
                 value == name.default,
                 key,
-                f"configures the bypass_mode loss, not {OmegaConf.select(cfg, loss_key)}",
+                f"configures the bypass_mode loss, not {value_at(cfg, loss_key)}",
                 f"set {loss_key}=bypass_mode, or leave {key} at {show(name.default)}",
             )
         elif corr.bypass_mode:  # verl hands algorithm.rollout_correction to the loss: the two must agree
             need(
-                corr[name.name] == value,
+                getattr(corr, name.name) == value,
                 f"{algo_prefix}.{name.name}",
                 f"in bypass mode verl's loss takes its settings from {algo_prefix}, dsrl's from {loss_prefix}, "
                 f"which has {name.name}={show(value)}",
@@ -283,7 +284,7 @@ def _threshold_problem(spec: Any, kind: str) -> Optional[str]:
         if kind == "k":
             return f"{text!r} is an interval; only k1 options and rollout_is_threshold take 'L_U'"
         lower, _, upper = (_number(part) for part in text.partition("_"))
-        if None in (lower, upper) or not 0 < lower <= 1 <= upper:
+        if lower is None or upper is None or not 0 < lower <= 1 <= upper:
             return f"{text!r} is not 'L_U' with 0 < L <= 1 <= U"
         return None
     value = _number(text)
@@ -366,7 +367,7 @@ def lora_rules(cfg: Config, given: Collection[str], need: Need) -> None:
         value = getattr(model, key)
         names = list(value) if isinstance(value, ListConfig) else None
         ok = (value is None and allow_none) or (isinstance(value, str) and value != "") or (
-            bool(names) and all(isinstance(name, str) and name for name in names))
+            names is not None and bool(names) and all(isinstance(name, str) and name for name in names))
         need(ok, f"{prefix}.{key}", "must be all-linear, a module name pattern, or a list of module names",
              f"set {prefix}.{key}=all-linear or [q_proj,v_proj]" + (" (or null)" if allow_none else ""))
     if model.lora_adapter_path is not None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from dsrl.config.names import (
     CHECKPOINT_CONTENTS,
     LOGGERS,
@@ -19,7 +17,7 @@ from dsrl.config.names import (
     TRUNCATION_MODES,
 )
 from dsrl.config.rules.need import Need
-from dsrl.config.schema import Config, show
+from dsrl.config.schema import Config, show, value_at
 
 
 def reward_rules(cfg: Config, need: Need) -> None:
@@ -97,7 +95,7 @@ def reward_manager_rules(cfg: Config, need: Need) -> None:
         defaults = (("len", 0), ("penalty_factor", 0.0), ("log", False))
         for name, default in defaults:
             need(
-                OmegaConf.select(buffer, name) == default,
+                value_at(buffer, name) == default,
                 f"{prefix}.overlong_buffer_cfg.{name}",
                 f"has no effect while {prefix}.overlong_buffer_cfg.enable is false",
                 f"set {prefix}.overlong_buffer_cfg.enable=true, or remove it (the default is {show(default)})",
@@ -147,7 +145,8 @@ def trainer_rules(cfg: Config, need: Need) -> None:
     )
     need(data.prompt_key, "data.prompt_key", "must name a column", "set it to prompt")
     for key in ("train_max_samples", "val_max_samples"):
-        need(data[key] == -1 or data[key] >= 1, f"data.{key}", "must be >= 1, or -1 for all rows", "set it to -1")
+        rows = getattr(data, key)
+        need(rows == -1 or rows >= 1, f"data.{key}", "must be >= 1, or -1 for all rows", "set it to -1")
     need(trainer.log_val_generations >= 0, "trainer.log_val_generations", "must be >= 0", "set it to 0 (none) or e.g. 16")
     need(
         trainer.log_samples_freq == -1 or trainer.log_samples_freq >= 1,
@@ -163,7 +162,7 @@ def trainer_rules(cfg: Config, need: Need) -> None:
     )
     for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
         need(
-            OmegaConf.select(cfg, f"{role}.strategy") == "deepspeed",
+            value_at(cfg, f"{role}.strategy") == "deepspeed",
             f"{role}.strategy",
             "dsrl trains with DeepSpeed ZeRO only (no FSDP or Megatron)",
             f"remove it and choose the ZeRO setup with {role}.deepspeed_config: zero3_offload | zero3 | zero2 or a JSON path",
@@ -195,7 +194,7 @@ def trainer_rules(cfg: Config, need: Need) -> None:
     )
     for key in ("trainer.save_freq", "trainer.test_freq"):
         need(
-            OmegaConf.select(cfg, key) == -1 or OmegaConf.select(cfg, key) >= 1,
+            value_at(cfg, key) == -1 or value_at(cfg, key) >= 1,
             key,
             "must be -1 (never) or >= 1 (every that many steps)",
             "set it to -1 or e.g. 10",
@@ -230,7 +229,7 @@ def trainer_rules(cfg: Config, need: Need) -> None:
             "set trainer.resume_mode=resume_path, or remove it",
         )
     for key in ("trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep"):
-        kept = OmegaConf.select(cfg, key)
+        kept = value_at(cfg, key)
         need(kept is None or kept >= 1, key, "must be null (keep all) or >= 1", "set it to null or e.g. 3")
     need(
         trainer.max_consecutive_skips >= 1,
