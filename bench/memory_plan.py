@@ -107,10 +107,11 @@ def reset_peak() -> None:
 def worker(out: Path, args: list[str]) -> int:
     """One run of ``dsrl.commands.train.main(args)`` with the per-phase peaks written to ``out`` (JSON, bytes)."""
     from dsrl.trainer import loop as trainer
+    from dsrl.trainer import setup
     from dsrl.commands.train import main
 
     record: dict = {"phases": {}}
-    in_phase, actor_engine = trainer.in_phase, trainer.ActorEngine
+    in_phase, actor_engine = trainer.in_phase, setup.ActorEngine
 
     @contextlib.contextmanager
     def measured_phase(name: str):
@@ -135,7 +136,7 @@ def worker(out: Path, args: list[str]) -> int:
             record["baseline"] = status_kib("VmRSS") * 1024
             super().__init__(cfg, *a, **k)
 
-    trainer.in_phase, trainer.ActorEngine = measured_phase, MeasuredActor
+    trainer.in_phase, setup.ActorEngine = measured_phase, MeasuredActor
     code = main(args)
     out.write_text(json.dumps(record))
     return code

@@ -34,12 +34,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dsrl.checkpoint import run_folder
 from dsrl.algorithms import (
-    AdaptiveKLController,
     EstimatorInputs,
     agg_loss,
-    FixedKLController,
     apply_kl_penalty,
     compute_advantages,
     estimator_options,
@@ -51,20 +48,18 @@ from dsrl.algorithms import (
 from dsrl.trainer.balance import balance_across_ranks, pf_ppo_resample
 from dsrl.checkpoint.save import (
     HF_DIR,
-    CheckpointError,
     adapter_dir,
     export_hf_model,
     save_checkpoint,
     state_config,
     step_dir,
 )
-from dsrl.config import LOGGED_SAMPLES, Config, ConfigError, import_user_modules, to_dict, to_yaml
-from dsrl.tracking.console import final_summary, logger, setup_logging, startup_summary
+from dsrl.config import LOGGED_SAMPLES, Config
+from dsrl.tracking.console import final_summary, logger, setup_logging
 from dsrl.data.batch import Batch
-from dsrl.data.datasets import PromptSampler, load_prompts, load_tokenizer
 from dsrl.trainer.dynamic_sampling import fill_batch, metric_values
-from dsrl.runtime.distributed import all_gather_rows, all_reduce, gather_problems, global_mean
-from dsrl.engines import ActorEngine, AdapterOffReference, CriticEngine, ReferenceEngine, init_distributed
+from dsrl.runtime.distributed import all_gather_rows, all_reduce, global_mean
+from dsrl.engines import init_distributed
 from dsrl.engines.training import global_counts
 from dsrl.trainer.metrics import (
     batch_metrics,
@@ -77,19 +72,16 @@ from dsrl.trainer.metrics import (
     variance_proxy_metrics,
 )
 from dsrl.runtime.phases import in_phase
-from dsrl.checkpoint.resume import checkpoint_to_resume, check_settings, check_train_data, data_identity, restore, trainer_state
-from dsrl.rewards import FailureStreak, RewardScorer, check_reward_rules, numeric_extras
-from dsrl.rollout import HFRollout, SamplingParams
+from dsrl.checkpoint.resume import trainer_state
+from dsrl.rewards import numeric_extras
+from dsrl.rollout import SamplingParams
 from dsrl.rollout.colocation import colocated_generation
-from dsrl.rollout.multi_turn import MultiTurnRollout
-from dsrl.rollout.tools import ToolSet
-from dsrl.trainer.stops import RolloutMismatch
 from dsrl.trainer.preflight import Cluster
-from dsrl.trainer.facts import final_facts, lora_facts, run_tags, startup_facts
-from dsrl.trainer.scoring import Scores, StepScorer
+from dsrl.trainer.facts import final_facts
+from dsrl.trainer.scoring import Scores
 from dsrl.runtime.seeding import seed_all
 from dsrl.runtime.signals import Interrupted, RunSignals, TrainingInterrupted
-from dsrl.tracking import Tracker, flatten
+from dsrl.trainer.setup import TrainerSetup
 from dsrl.trainer.validation import (
     gather_rows,
     prompt_batch,
@@ -131,7 +123,7 @@ def validation_score(metrics: dict[str, float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-class Trainer:
+class Trainer(TrainerSetup):
     def __init__(self, cfg: Config, cluster: Cluster | None = None):
         """Every role built and the checkpoint to resume restored. Before any model loads: the run folder is
         taken, the checkpoint checked, and the user's modules, tokenizer, prompts and reward function loaded;
@@ -150,148 +142,6 @@ class Trainer:
         except BaseException as err:
             self.close("KILLED" if isinstance(err, Interrupted) else "FAILED")
             raise
-
-    def _take_run_folder(self) -> None:
-        """Rank 0 locks the run folder for this run (``dsrl.checkpoint.run_folder``); every rank stops if it cannot. A
-        validation-only run writes nothing there but its reward workers' log, and takes no lock."""
-        self._locked = not self.cfg.trainer.val_only
-        if not self._locked:
-            return
-        busy = [None]
-        if self.rank == 0:
-            try:
-                run_folder.lock(self.checkpoint_root)
-            except (run_folder.RunFolderBusy, OSError) as err:
-                busy[0] = str(err)
-        dist.broadcast_object_list(busy, src=0)
-        if busy[0] is not None:
-            self._locked = False
-            raise run_folder.RunFolderBusy(busy[0])
-
-    def _build(self) -> None:
-        cfg = self.cfg
-        model_cfg, actor_cfg, algo = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor, cfg.algorithm
-        trained = ["actor"] + (["critic"] if algo.adv_estimator == "gae" else [])
-        self.resume_from, resume_state = checkpoint_to_resume(cfg, self.checkpoint_root, trained)
-        if self.resume_from is not None:
-            check_settings(cfg, self.resume_from, resume_state, self.world_size)  # every rank holds the state
-        problems: list[str] = []
-        try:
-            # The user's modules (their estimators and losses registered on this rank), tokenizer, prompts and reward
-            # function: what fails here fails in seconds, before any model loads.
-            problems = import_user_modules(algo.import_modules)
-            if not problems:
-                self.tokenizer = load_tokenizer(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
-                if cfg.actor_rollout_ref.rollout.multi_turn.enable:  # before the prompts: their template lists the tools
-                    log = self.checkpoint_root / f"tool_workers_rank{self.rank}.log"
-                    self.tools = ToolSet.from_config(cfg, log_file=log)
-                self.train_prompts, train_stats = self._load_prompts(cfg.data.train_files, cfg.data.train_max_samples)
-                self.val_prompts, val_stats = (
-                    self._load_prompts(cfg.data.val_files, cfg.data.val_max_samples) if cfg.data.val_files else (None, None)
-                )
-                self.sampler = PromptSampler(self.train_prompts, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-                check_reward_rules(
-                    {"data.train_files": self.train_prompts, "data.val_files": self.val_prompts},
-                    custom_path=cfg.custom_reward_function.path,
-                    math_verify_sources=cfg.reward.math_verify_sources,
-                )
-                # The run's folder holds the workers' prints and tracebacks: a chatty reward function floods no console.
-                log = self.checkpoint_root / f"reward_workers_rank{self.rank}.log"
-                self.scorer = RewardScorer.from_config(cfg, log_file=log)
-                self.scoring = StepScorer(cfg, self.scorer, self.tokenizer)
-        except ConfigError as err:
-            problems = err.violations
-        except (ValueError, OSError) as err:
-            problems = [" ".join(str(err).split())]
-        problems = gather_problems(problems)
-        if problems:
-            raise ConfigError(problems)
-        # What the checkpoints record of the training files: rank 0 writes the states and checks a resume's.
-        self.train_data = data_identity(cfg.data.train_files) if self.rank == 0 else []
-        if self.resume_from is not None:
-            changed = [None]
-            if self.rank == 0:
-                try:
-                    check_train_data(cfg, self.resume_from, resume_state, self.train_data)
-                except CheckpointError as err:
-                    changed[0] = str(err)
-            dist.broadcast_object_list(changed, src=0)
-            if changed[0] is not None:
-                raise CheckpointError(changed[0])
-        self.prompt_stats = {"train": train_stats, "val": val_stats}
-        # As verl: the lr schedule spans total_training_steps when set, and the run stops at it or
-        # at the end of total_epochs, whichever comes first.
-        epoch_steps = cfg.trainer.total_epochs * self.sampler.batches_per_epoch
-        schedule_steps = cfg.trainer.total_training_steps or epoch_steps
-        self.total_steps = min(schedule_steps, epoch_steps)
-
-        needs_ref = actor_cfg.use_kl_loss or algo.use_kl_in_reward
-        uses_vllm = cfg.actor_rollout_ref.rollout.name == "vllm"
-        if uses_vllm:
-            from dsrl.rollout.vllm import VLLMRollout  # needs the vllm package
-
-            # Before the DeepSpeed engines take device memory; with sleep mode it sleeps right away.
-            self.rollout = VLLMRollout.from_config(cfg)
-            # vLLM seeded the global generators with its engine seed; the trainer's draws stay per rank (each
-            # generate call seeds the ranks of a tensor-parallel group alike: dsrl.rollout.base.seeded).
-            seed_all(cfg.trainer.seed + self.rank)
-        self.actor = ActorEngine(cfg, total_training_steps=schedule_steps)
-        self.ref = None
-        if needs_ref:  # a LoRA actor is its own reference, with the adapters off
-            self.ref = AdapterOffReference(cfg, self.actor) if self.actor.lora else ReferenceEngine(cfg)
-        self.critic = CriticEngine(cfg, total_training_steps=schedule_steps) if algo.adv_estimator == "gae" else None
-        if not uses_vllm:
-            self.rollout = HFRollout.from_config(cfg)
-        if self.tools is not None:
-            self.rollout = MultiTurnRollout.from_config(self.rollout, self.tokenizer, self.tools, cfg)
-        self.reward_failures = FailureStreak(cfg)  # reward.max_failed_steps
-        self.rollout_mismatch = RolloutMismatch(cfg)  # algorithm.rollout_mismatch
-
-        if algo.kl_ctrl.type == "adaptive":
-            self.kl_ctrl = AdaptiveKLController(algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
-        else:
-            self.kl_ctrl = FixedKLController(algo.kl_ctrl.kl_coef)
-
-        self.global_step = 0
-        if self.resume_from is not None:
-            restore(self.resume_from, resume_state, roles=self._trained_roles(), sampler=self.sampler,
-                    kl_ctrl=self.kl_ctrl, rank=self.rank, root=self.checkpoint_root, seed=cfg.trainer.seed)
-            self.global_step = resume_state["global_step"]
-        self.initial_step = self.global_step  # where this run started (a resumed run's checkpoint)
-        self.tracker = Tracker(
-            cfg.trainer.logger,
-            project_name=cfg.trainer.project_name,
-            experiment_name=cfg.trainer.experiment_name,
-            total_steps=self.total_steps,
-            rank=self.rank,
-            run_id=resume_state["mlflow_run_id"] if resume_state else None,
-            tags=run_tags(cfg, self.world_size),
-            initial_step=self.global_step,
-        )
-        if self.resume_from is None:  # a resumed run has them (MLflow refuses to change a param)
-            lora = {"lora": lora_facts(self.actor.module)} if self.actor.lora else {}  # the adapter as PEFT made it
-            self.tracker.log_params(flatten({**to_dict(cfg), **lora}))
-        self.tracker.log_text(to_yaml(cfg), "config/resolved.yaml")
-        for name, role in (("actor", self.actor), ("reference", self.ref), ("critic", self.critic)):
-            if hasattr(role, "ds_config"):  # an engine of its own
-                self.tracker.log_dict(role.ds_config, f"config/deepspeed_{name}.json")
-        self.last_checkpoint = self.resume_from
-        self.model_dir = None
-        if self.rank == 0:
-            logger.info(startup_summary(startup_facts(self)))
-
-    def close(self, status: str) -> None:
-        """The end of the run, however it ends: the MLflow run ends as ``status`` (FINISHED, FAILED or KILLED),
-        the reward workers stop, the run folder is given back. Idempotent."""
-        if self.tracker is not None:
-            self.tracker.finish(status)
-        if self.scorer is not None:
-            self.scorer.close()
-        if self.tools is not None:
-            self.tools.close()
-        if self._locked:
-            run_folder.release(self.checkpoint_root)
-            self._locked = False
 
     # ---- checkpoints --------------------------------------------------------------------------
 
@@ -341,21 +191,6 @@ class Trainer:
                 )
 
     # ---- phases -------------------------------------------------------------------------------
-
-    def _load_prompts(self, files, max_samples: int) -> tuple[list, dict[str, int]]:
-        data = self.cfg.data
-        return load_prompts(
-            files,
-            self.tokenizer,
-            prompt_key=data.prompt_key,
-            max_prompt_length=data.max_prompt_length,
-            filter_overlong_prompts=data.filter_overlong_prompts,
-            truncation=data.truncation,
-            max_samples=max_samples,
-            chat_template_kwargs={
-                **({"tools": self.tools.schemas} if self.tools is not None else {}), **data.apply_chat_template_kwargs
-            },
-        )
 
     def _first_group_id(self) -> int:
         return self.rank * (self.cfg.data.train_batch_size // self.world_size)
