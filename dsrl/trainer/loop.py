@@ -77,6 +77,7 @@ from dsrl.rewards import numeric_extras
 from dsrl.rollout import SamplingParams
 from dsrl.rollout.colocation import colocated_generation
 from dsrl.trainer.preflight import Cluster
+from dsrl.trainer.stops import TrainingStopped
 from dsrl.trainer.facts import final_facts
 from dsrl.trainer.scoring import Scores
 from dsrl.runtime.seeding import seed_all
@@ -104,10 +105,6 @@ class PhaseTimer:
         with in_phase(phase):  # named by a collective that times out in it
             yield
         self.seconds[f"timing_s/{phase}"] = self.seconds.get(f"timing_s/{phase}", 0.0) + time.perf_counter() - start
-
-
-class TrainingStopped(RuntimeError):
-    """The run cannot go on (e.g. too many optimizer steps in a row with non-finite values)."""
 
 
 def generation_row(texts: tuple[str, str], data_source: str, score: float, extras: dict) -> dict:

@@ -13,7 +13,7 @@ from dsrl.checkpoint.save import CheckpointError
 from dsrl.config import ConfigError, import_user_modules, to_dict, to_yaml
 from dsrl.data.datasets import PromptSampler, load_prompts, load_tokenizer
 from dsrl.engines import ActorEngine, AdapterOffReference, CriticEngine, ReferenceEngine
-from dsrl.rewards import FailureStreak, RewardScorer, check_reward_rules
+from dsrl.rewards import RewardScorer, check_reward_rules
 from dsrl.rollout import HFRollout
 from dsrl.rollout.multi_turn import MultiTurnRollout
 from dsrl.rollout.tools import ToolSet
@@ -23,7 +23,7 @@ from dsrl.tracking import Tracker, flatten
 from dsrl.tracking.console import logger, startup_summary
 from dsrl.trainer.facts import lora_facts, run_tags, startup_facts
 from dsrl.trainer.scoring import StepScorer
-from dsrl.trainer.stops import RolloutMismatch
+from dsrl.trainer.stops import FailureStreak, RolloutMismatch
 
 
 class TrainerSetup:
