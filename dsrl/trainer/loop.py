@@ -176,17 +176,6 @@ class Trainer(TrainerSetup):
             return in_checkpoint
         return export_hf_model(self.actor.module, self.tokenizer, self.checkpoint_root / HF_DIR)
 
-    def _check_skips(self, step: int) -> None:
-        limit = self.cfg.trainer.max_consecutive_skips
-        for role in self._trained_roles().values():
-            if role.skips.consecutive >= limit:
-                bad = ", ".join(f"{name}={value}" for name, value in role.skips.last_bad.items())
-                raise TrainingStopped(
-                    f"step {step}: {role.skips.consecutive} {role.skips.prefix} optimizer steps in a row skipped for "
-                    f"non-finite values (last: {bad}); trainer.max_consecutive_skips={limit}. Look for a reward or "
-                    "advantage that is not finite, or lower the learning rate; resume from the last checkpoint"
-                )
-
     # ---- phases -------------------------------------------------------------------------------
 
     def _first_group_id(self) -> int:
@@ -596,11 +585,10 @@ class Trainer(TrainerSetup):
                 metrics = self.step(self._prompt_batch(self._next_records(), first_group_id=self._first_group_id()))
                 self.global_step += 1
                 step, last = self.global_step, self.global_step == self.total_steps
-                self._check_skips(step)
-                stop = self.reward_failures.record(metrics, step, self.scorer.first_failure)
-                stop = stop or self.rollout_mismatch.record(metrics, step)
-                if stop:
-                    raise TrainingStopped(stop)
+                for check in self.stops:  # dsrl.trainer.stops
+                    stop = check.record(metrics, step)
+                    if stop:
+                        raise TrainingStopped(stop)
                 if self.val_prompts is not None and cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
                     with in_phase("validate"):
                         val = self.validate()

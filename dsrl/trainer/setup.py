@@ -23,7 +23,7 @@ from dsrl.tracking import Tracker, flatten
 from dsrl.tracking.console import logger, startup_summary
 from dsrl.trainer.facts import lora_facts, run_tags, startup_facts
 from dsrl.trainer.scoring import StepScorer
-from dsrl.trainer.stops import FailureStreak, RolloutMismatch
+from dsrl.trainer.stops import FailureStreak, RolloutMismatch, SkipLimit
 
 
 class TrainerSetup:
@@ -122,8 +122,8 @@ class TrainerSetup:
             self.rollout = HFRollout.from_config(cfg)
         if self.tools is not None:
             self.rollout = MultiTurnRollout.from_config(self.rollout, self.tokenizer, self.tools, cfg)
-        self.reward_failures = FailureStreak(cfg)  # reward.max_failed_steps
-        self.rollout_mismatch = RolloutMismatch(cfg)  # algorithm.rollout_mismatch
+        # asked in this order after every step; the first to answer stops the run
+        self.stops = [SkipLimit(cfg, self._trained_roles()), FailureStreak(cfg, self.scorer), RolloutMismatch(cfg)]
 
         if algo.kl_ctrl.type == "adaptive":
             self.kl_ctrl = AdaptiveKLController(algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
