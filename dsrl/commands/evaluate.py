@@ -233,9 +233,8 @@ def evaluate_model(cfg, rollout, scorer, tokenizer, prompts, *, threshold: float
 
     from dsrl.rollout import SamplingParams
     from dsrl.trainer.scoring import StepScorer
-    from dsrl.trainer.loop import validation_score
-    from dsrl.trainer.validation import gather_rows, prompt_batch, row_metrics, score_chunks, shard_chunks
-    from dsrl.trainer.validation import with_responses
+    from dsrl.trainer.batches import prompt_batch, with_responses
+    from dsrl.trainer.validation import gather_rows, row_metrics, score_chunks, shard_chunks, validation_score
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # The trainer's validation seed before training.
@@ -503,7 +502,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
 def write_outputs(args, cfg, results: list[ModelResult], tracker) -> dict:
     """The report (written to ``--out``) and the MLflow metrics and tables (rank 0)."""
-    from dsrl.trainer.loop import generation_row
+    from dsrl.trainer.validation import generation_row
 
     n = cfg.actor_rollout_ref.rollout.val_kwargs.n
     report = {

@@ -24,7 +24,6 @@ SIGINT, 129 SIGHUP); a second signal during the loop exits at once with that cod
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 from collections.abc import Iterator
@@ -83,13 +82,14 @@ from dsrl.trainer.scoring import Scores
 from dsrl.runtime.seeding import seed_all
 from dsrl.runtime.signals import Interrupted, RunSignals, TrainingInterrupted
 from dsrl.trainer.setup import TrainerSetup
+from dsrl.trainer.batches import prompt_batch, with_responses
 from dsrl.trainer.validation import (
     gather_rows,
-    prompt_batch,
+    generation_row,
     row_metrics,
     score_chunks,
     shard_chunks,
-    with_responses,
+    validation_score,
 )
 
 
@@ -105,19 +105,6 @@ class PhaseTimer:
         with in_phase(phase):  # named by a collective that times out in it
             yield
         self.seconds[f"timing_s/{phase}"] = self.seconds.get(f"timing_s/{phase}", 0.0) + time.perf_counter() - start
-
-
-def generation_row(texts: tuple[str, str], data_source: str, score: float, extras: dict) -> dict:
-    """One row of a generations table: prompt, response, score, data source, then the reward's extras."""
-    prompt, response = texts
-    return {"prompt": prompt, "response": response, "score": score, "data_source": data_source, **extras}
-
-
-def validation_score(metrics: dict[str, float]) -> float:
-    """One number for a validation: the ``val-core/<data_source>/<var>/mean@N`` values averaged over
-    the data sources (the core variable is ``acc`` when the reward gives it, else the reward)."""
-    values = [v for k, v in metrics.items() if k.startswith("val-core/") and k.rpartition("/")[2].startswith("mean@")]
-    return sum(values) / len(values) if values else math.nan
 
 
 class Trainer(TrainerSetup):
