@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -70,7 +68,7 @@ from dsrl.trainer.metrics import (
     throughput_metrics,
     variance_proxy_metrics,
 )
-from dsrl.runtime.phases import in_phase
+from dsrl.runtime.phases import PhaseTimer, in_phase
 from dsrl.checkpoint.resume import trainer_state
 from dsrl.rewards import numeric_extras
 from dsrl.rollout import SamplingParams
@@ -91,20 +89,6 @@ from dsrl.trainer.validation import (
     shard_chunks,
     validation_score,
 )
-
-
-class PhaseTimer:
-    """Wall-clock seconds per phase of one step, as ``timing_s/<phase>``."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
-        with in_phase(phase):  # named by a collective that times out in it
-            yield
-        self.seconds[f"timing_s/{phase}"] = self.seconds.get(f"timing_s/{phase}", 0.0) + time.perf_counter() - start
 
 
 class Trainer(TrainerSetup):
