@@ -61,9 +61,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsrl.commands.train import split_files_and_overrides
 from dsrl.config import ConfigError, load_and_validate
-from dsrl.config.loading import config_file_path
+from dsrl.config.loading import config_file_path, split_files_and_overrides
 from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from dsrl.commands.tiny_runs import build_tiny_inputs, markdown_table, run_logged
 

@@ -43,9 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dsrl.commands.train import refuse
 from dsrl.config import SCHEMA, ConfigError, load_and_validate, to_dict
 from dsrl.tracking import flatten
+from dsrl.tracking.console import refuse
 
 # The keys dsrl-eval reads (regular expressions over dotted keys); problems at other keys are not its business.
 EVAL_KEYS = (
