@@ -52,7 +52,7 @@ from dsrl.checkpoint.save import (
     step_dir,
 )
 from dsrl.config import LOGGED_SAMPLES, Config
-from dsrl.tracking.console import final_summary, logger, setup_logging
+from dsrl.tracking.console import final_summary, logger, setup_logging, startup_summary
 from dsrl.data.batch import Batch
 from dsrl.trainer.dynamic_sampling import fill_batch, metric_values
 from dsrl.runtime.distributed import all_gather_rows, all_reduce, global_mean
@@ -75,7 +75,7 @@ from dsrl.rollout import SamplingParams
 from dsrl.rollout.colocation import colocated_generation
 from dsrl.trainer.preflight import Cluster
 from dsrl.trainer.stops import TrainingStopped
-from dsrl.trainer.facts import final_facts
+from dsrl.trainer.facts import final_facts, startup_facts
 from dsrl.trainer.scoring import Scores
 from dsrl.runtime.seeding import seed_all
 from dsrl.runtime.signals import Interrupted, RunSignals, TrainingInterrupted
@@ -93,10 +93,10 @@ from dsrl.trainer.validation import (
 
 class Trainer(TrainerSetup):
     def __init__(self, cfg: Config, cluster: Cluster | None = None):
-        """Every role built and the checkpoint to resume restored. Before any model loads: the run folder is
-        taken, the checkpoint checked, and the user's modules, tokenizer, prompts and reward function loaded;
-        a problem with any of them on any rank is reported by rank 0 for all (``gather_problems``). ``cluster``:
-        the ranks' hosts, from the preflight of a launched run (``dsrl.trainer.preflight``)."""
+        """Every role built and the checkpoint to resume restored (``dsrl.trainer.setup``). Before any model loads:
+        the run folder is taken, the checkpoint checked, and the user's modules, tokenizer, prompts and reward
+        function loaded; a problem with any of them on any rank is reported by rank 0 for all. ``cluster``: the
+        ranks' hosts, from the preflight of a launched run (``dsrl.trainer.preflight``)."""
         init_distributed(cfg.actor_rollout_ref.nccl_timeout)
         self.cfg, self.cluster = cfg, cluster
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -104,9 +104,19 @@ class Trainer(TrainerSetup):
         seed_all(cfg.trainer.seed + self.rank)  # python, numpy, torch and the accelerator
         self.checkpoint_root = Path(cfg.trainer.default_local_dir)
         self.scorer = self.tracker = self.tools = None
+        self.model_dir = None  # the exported model, once fit has run
         self._take_run_folder()
         try:
-            self._build()
+            resume_state = self._choose_checkpoint()
+            self._load_user_files()
+            self._check_train_data(resume_state)
+            self._setup_engines()
+            self._setup_stops()
+            self._setup_kl_controller()
+            self._restore(resume_state)
+            self._setup_tracking(resume_state)
+            if self.rank == 0:
+                logger.info(startup_summary(startup_facts(self)))
         except BaseException as err:
             self.close("KILLED" if isinstance(err, Interrupted) else "FAILED")
             raise
