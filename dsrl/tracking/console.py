@@ -175,7 +175,7 @@ FAILURE_FIELDS = (
 
 def refuse(header: str, problems: list[str]) -> int:
     """Exit code 2 with the problems (one line each) printed once, by rank 0; a run of several ranks has
-    gathered every rank's (``checked_cluster``, ``dsrl.trainer.loop.Trainer``)."""
+    gathered every rank's (the preflight, ``dsrl.trainer.setup.problems_of_every_rank``)."""
     if os.environ.get("RANK", "0") == "0":
         print(redact_text(f"dsrl: {header}:"), file=sys.stderr)
         for problem in problems:
