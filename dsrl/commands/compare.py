@@ -230,7 +230,7 @@ def mlflow_name(metric: str) -> str:
 
 def read_run(client, experiment_id: str, name: str) -> dict:
     """The newest run called ``name`` in the experiment: its id, validation scores by step (the mean of its
-    ``val-core/*/mean@N`` metrics at each step, as ``dsrl.trainer.loop.validation_score``) and each of
+    ``val-core/*/mean@N`` metrics at each step, as ``dsrl.trainer.validation.validation_score``) and each of
     ``STEP_METRICS`` by step."""
     runs = client.search_runs(
         [experiment_id], filter_string=f"tags.mlflow.runName = '{name}'", order_by=["attributes.start_time DESC"],

@@ -1,25 +1,12 @@
-"""The training loop: one SPMD loop per rank that drives every model role in-process.
+"""The training loop: one SPMD loop per rank that drives every model role in-process (start-up: ``dsrl.trainer.setup``).
 
-Each step is a sequence of phase calls, each timed as ``timing_s/<phase>``: gen (with
-update_weights) -> balance (rows across ranks) -> reward -> old_log_prob -> ref -> values -> adv (with
-PF-PPO's redraw of the rows, and the truncated responses masked out of the actor's loss) -> update_critic ->
-update_actor, then validation every ``trainer.test_freq`` steps and a checkpoint every ``trainer.save_freq``
-steps (``dsrl.checkpoint.save``). With DAPO's dynamic sampling (``algorithm.filter_groups``) gen also scores,
-drops the groups whose metric does not vary and generates more rounds of prompts until the batch is full
-(``dsrl.trainer.dynamic_sampling``); reward then has run. An exactly on-policy step
-that needs the actor's log-probs only for metrics folds the old_log_prob pass into update_actor
-(``Trainer.folds_old_log_prob``); so does bypass mode (``algorithm.rollout_correction.bypass_mode``), where
-the rollout engine's log-probs are the old ones and the update records the actor's for the metrics. Tensor
-math lives in ``dsrl.algorithms`` and the engines; this file only orders the calls.
-
-Around the loop: the run folder's lock (``dsrl.checkpoint.run_folder``), the checkpoint to resume and its checks
-(``dsrl.checkpoint.resume``), the facts the console's summaries show (``dsrl.trainer.facts``).
-
-Stopping (``dsrl.runtime.signals``). SIGTERM, SIGINT or SIGHUP during the loop lets every rank finish the current
-step; a checkpoint is saved and ``fit`` raises ``TrainingInterrupted``. Anywhere else (start-up, the
-validation before training, ``val_only``, the export) the signal raises ``Interrupted`` at once. Either way
-the MLflow run ends KILLED and scripts/train.py exits with 128 + the signal number (143 SIGTERM, 130
-SIGINT, 129 SIGHUP); a second signal during the loop exits at once with that code.
+Each step is one timed call per phase (``timing_s/<phase>``): gen (with update_weights) -> balance -> reward ->
+old_log_prob -> ref -> values -> adv (PF-PPO's redraw, the truncated responses masked out of the actor's loss) ->
+update_critic -> update_actor. DAPO's dynamic sampling scores in gen (``dsrl.trainer.dynamic_sampling``); an exactly
+on-policy step, and bypass mode, fold old_log_prob into update_actor (``Trainer.folds_old_log_prob``). After a step:
+the run-stopping checks (``dsrl.trainer.stops``), validation every ``trainer.test_freq`` steps, a checkpoint every
+``trainer.save_freq`` (``dsrl.checkpoint.save``) or after a signal (``dsrl.runtime.signals``: every rank finishes the
+step first). Tensor math lives in ``dsrl.algorithms`` and the engines; this file only orders the calls.
 """
 
 from __future__ import annotations
