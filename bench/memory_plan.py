@@ -100,11 +100,13 @@ def reset_peak() -> None:
 
 def worker(out: Path, args: list[str]) -> int:
     """One run of ``dsrl.commands.train.main(args)`` with the per-phase peaks written to ``out`` (JSON, bytes)."""
+    from dsrl.runtime import phases
     from dsrl.trainer import loop as trainer
+    from dsrl.trainer import setup
     from dsrl.commands.train import main
 
     record: dict = {"phases": {}}
-    in_phase, actor_engine = trainer.in_phase, trainer.ActorEngine
+    in_phase, actor_engine = phases.in_phase, setup.ActorEngine
 
     @contextlib.contextmanager
     def measured_phase(name: str):
@@ -129,7 +131,9 @@ def worker(out: Path, args: list[str]) -> int:
             record["baseline"] = status_kib("VmRSS") * 1024
             super().__init__(cfg, *a, **k)
 
-    trainer.in_phase, trainer.ActorEngine = measured_phase, MeasuredActor
+    # the loop's own phases (gen) and its PhaseTimer's (the passes and updates)
+    trainer.in_phase = phases.in_phase = measured_phase
+    setup.ActorEngine = MeasuredActor
     code = main(args)
     out.write_text(json.dumps(record))
     return code

@@ -51,7 +51,8 @@ def zero_advantage_share(group_ids, scores) -> tuple[int, int]:
 
 def run_arm(overrides: list[str], out: Path) -> dict:
     """Train one arm in this process; the per-step spies' counts and the logged metrics."""
-    from dsrl.trainer.loop import Trainer, validation_score
+    from dsrl.trainer.loop import Trainer
+    from dsrl.trainer.validation import validation_score
 
     cfg, _ = load_and_validate(QUICKSTART, [*overrides, f"trainer.default_local_dir={out}"], 1)
     trainer = Trainer(cfg)

@@ -85,7 +85,8 @@ def arm_overrides(args: argparse.Namespace, name: str) -> tuple[list[str], list[
 
 def run_arm(files: list[str], overrides: list[str], out: Path) -> dict:
     """Train one arm in this process; the logged metrics and the calls counted in the generated batches."""
-    from dsrl.trainer.loop import Trainer, validation_score
+    from dsrl.trainer.loop import Trainer
+    from dsrl.trainer.validation import validation_score
 
     cfg, _ = load_and_validate(files, [*overrides, f"trainer.default_local_dir={out}"], 1)
     trainer = Trainer(cfg)

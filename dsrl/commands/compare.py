@@ -61,9 +61,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsrl.commands.train import split_files_and_overrides
 from dsrl.config import ConfigError, load_and_validate
-from dsrl.config.loading import config_file_path
+from dsrl.config.loading import config_file_path, split_files_and_overrides
 from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from dsrl.commands.tiny_runs import build_tiny_inputs, markdown_table, run_logged
 
@@ -231,7 +230,7 @@ def mlflow_name(metric: str) -> str:
 
 def read_run(client, experiment_id: str, name: str) -> dict:
     """The newest run called ``name`` in the experiment: its id, validation scores by step (the mean of its
-    ``val-core/*/mean@N`` metrics at each step, as ``dsrl.trainer.loop.validation_score``) and each of
+    ``val-core/*/mean@N`` metrics at each step, as ``dsrl.trainer.validation.validation_score``) and each of
     ``STEP_METRICS`` by step."""
     runs = client.search_runs(
         [experiment_id], filter_string=f"tags.mlflow.runName = '{name}'", order_by=["attributes.start_time DESC"],

@@ -43,9 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dsrl.commands.train import refuse
 from dsrl.config import SCHEMA, ConfigError, load_and_validate, to_dict
 from dsrl.tracking import flatten
+from dsrl.tracking.console import refuse
 
 # The keys dsrl-eval reads (regular expressions over dotted keys); problems at other keys are not its business.
 EVAL_KEYS = (
@@ -233,9 +233,8 @@ def evaluate_model(cfg, rollout, scorer, tokenizer, prompts, *, threshold: float
 
     from dsrl.rollout import SamplingParams
     from dsrl.trainer.scoring import StepScorer
-    from dsrl.trainer.loop import validation_score
-    from dsrl.trainer.validation import gather_rows, prompt_batch, row_metrics, score_chunks, shard_chunks
-    from dsrl.trainer.validation import with_responses
+    from dsrl.trainer.batches import prompt_batch, with_responses
+    from dsrl.trainer.validation import gather_rows, row_metrics, score_chunks, shard_chunks, validation_score
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # The trainer's validation seed before training.
@@ -420,28 +419,27 @@ def evaluate(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from dsrl.tracking.console import logger, setup_logging
-    from dsrl.data.datasets import load_prompts, load_tokenizer
-    from dsrl.runtime.distributed import gather_problems
+    from dsrl.data.datasets import load_tokenizer
     from dsrl.engines import init_distributed
     from dsrl.rewards import RewardScorer, check_reward_rules
     from dsrl.runtime.seeding import seed_all
     from dsrl.tracking import Tracker
+    from dsrl.trainer.setup import load_run_prompts, problems_of_every_rank
 
     init_distributed(cfg.actor_rollout_ref.nccl_timeout)
     rank = dist.get_rank()
     setup_logging(rank)
     seed_all(cfg.trainer.seed + rank)
     data = cfg.data
-    problems, loaded, scorer = [], [], None
-    try:
+    loaded, scorer = [], None
+
+    def load() -> list[str]:
+        nonlocal scorer
+        problems = []
         for model_cfg in configs:
             model = model_cfg.actor_rollout_ref.model
             tokenizer = load_tokenizer(model.path, trust_remote_code=model.trust_remote_code)
-            prompts, _ = load_prompts(
-                data.val_files, tokenizer, prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length,
-                filter_overlong_prompts=data.filter_overlong_prompts, truncation=data.truncation,
-                max_samples=data.val_max_samples, chat_template_kwargs=dict(data.apply_chat_template_kwargs),
-            )
+            prompts, _ = load_run_prompts(cfg, data.val_files, data.val_max_samples, tokenizer)
             loaded.append((tokenizer, prompts))
         if len(loaded) == 2 and [(r.data_source, r.ground_truth) for r in loaded[0][1]] != [
             (r.data_source, r.ground_truth) for r in loaded[1][1]
@@ -459,11 +457,9 @@ def evaluate(args: argparse.Namespace) -> int:
                            math_verify_sources=cfg.reward.math_verify_sources)
         log = None if args.out is None else args.out.parent / f"reward_workers_rank{rank}.log"
         scorer = RewardScorer.from_config(cfg, log_file=log)
-    except ConfigError as err:
-        problems = err.violations
-    except (ValueError, OSError) as err:
-        problems = [" ".join(str(err).split())]
-    problems = gather_problems(problems)
+        return problems
+
+    problems = problems_of_every_rank(load)
     if problems:
         if scorer is not None:
             scorer.close()
@@ -503,7 +499,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
 def write_outputs(args, cfg, results: list[ModelResult], tracker) -> dict:
     """The report (written to ``--out``) and the MLflow metrics and tables (rank 0)."""
-    from dsrl.trainer.loop import generation_row
+    from dsrl.trainer.validation import generation_row
 
     n = cfg.actor_rollout_ref.rollout.val_kwargs.n
     report = {

@@ -33,7 +33,8 @@ import traceback
 from pathlib import Path
 
 from dsrl.config import SCHEMA, ConfigError, describe_keys, load_and_validate, to_yaml
-from dsrl.tracking.console import logger, setup_logging
+from dsrl.config.loading import split_files_and_overrides
+from dsrl.tracking.console import logger, refuse, setup_logging
 from dsrl.runtime.launch import LaunchError, RendezvousError, join
 from dsrl.plan.inputs import Device, detect_device, parse_size
 from dsrl.plan.plan import plan_for_config, plan_problems, render
@@ -128,30 +129,6 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def split_files_and_overrides(items: list[str]) -> tuple[list[str], list[str]]:
-    """The leading config files and the ``key=value`` overrides after them."""
-    files = []
-    for item in items:
-        if "=" in item:
-            break
-        files.append(item)
-    overrides = items[len(files) :]
-    misplaced = [item for item in overrides if "=" not in item]
-    if misplaced:
-        raise ValueError(f"{misplaced[0]}: config files come before the key=value overrides")
-    return files, overrides
-
-
-def refuse(header: str, problems: list[str]) -> int:
-    """Exit code 2 with the problems (one line each) printed once, by rank 0; a run of several ranks has
-    gathered every rank's (``checked_cluster``, ``dsrl.trainer.loop.Trainer``)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(redact_text(f"dsrl: {header}:"), file=sys.stderr)
-        for problem in problems:
-            print(redact_text(f"  {problem}"), file=sys.stderr, flush=True)
-    return 2
 
 
 def checked_cluster(cfg, problems: list[str], launch, where: str, timeout_s: int | None):

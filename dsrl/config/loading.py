@@ -102,6 +102,20 @@ def tool_config_file(name: str) -> str:
     return str(shipped) if not Path(name).expanduser().exists() and Path(name).suffix == "" and shipped.is_file() else name
 
 
+def split_files_and_overrides(items: list[str]) -> tuple[list[str], list[str]]:
+    """The leading config files and the ``key=value`` overrides after them."""
+    files = []
+    for item in items:
+        if "=" in item:
+            break
+        files.append(item)
+    overrides = items[len(files) :]
+    misplaced = [item for item in overrides if "=" not in item]
+    if misplaced:
+        raise ValueError(f"{misplaced[0]}: config files come before the key=value overrides")
+    return files, overrides
+
+
 def _read_layer(name: str, violations: list[str]) -> Optional[DictConfig]:
     path = config_file_path(name)
     recipes = ", ".join(sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")))

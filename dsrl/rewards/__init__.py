@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterable
 from dsrl.rewards import arithmetic, calculator, gsm8k, worded
 from dsrl.rewards import math as math_answer
 from dsrl.rewards.custom import load_custom_reward_function
-from dsrl.rewards.failure_streak import FailureStreak
 from dsrl.rewards.overlong import overlong_penalties
 from dsrl.workers.pool import default_num_workers
 from dsrl.rewards.scorer import FAILURE_COUNTS, RewardScorer, numeric_extras, reward_components
@@ -104,7 +103,6 @@ def make_compute_score(math_verify_sources: Iterable[str] = ()) -> Callable:
 
 __all__ = [
     "FAILURE_COUNTS",
-    "FailureStreak",
     "RewardScorer",
     "check_reward_rules",
     "compute_score",

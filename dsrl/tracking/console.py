@@ -1,4 +1,4 @@
-"""What a run prints: log lines, the progress of training, the start-up and the final summary.
+"""What a run prints: log lines, the progress of training, the start-up and the final summary, the refusals.
 
 Log lines (``setup_logging``), one per record of the ``dsrl`` logger and its children, on stdout::
 
@@ -171,6 +171,16 @@ FAILURE_FIELDS = (
     ("tracking_dropped", "tracking/dropped"),
     ("rollout_mismatch", "training/rollout_mismatch_streak"),
 )
+
+
+def refuse(header: str, problems: list[str]) -> int:
+    """Exit code 2 with the problems (one line each) printed once, by rank 0; a run of several ranks has
+    gathered every rank's (the preflight, ``dsrl.trainer.setup.problems_of_every_rank``)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(redact_text(f"dsrl: {header}:"), file=sys.stderr)
+        for problem in problems:
+            print(redact_text(f"  {problem}"), file=sys.stderr, flush=True)
+    return 2
 
 
 def validation_keys(metrics: dict[str, float]) -> list[str]:

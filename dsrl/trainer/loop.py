@@ -1,45 +1,26 @@
-"""The training loop: one SPMD loop per rank that drives every model role in-process.
+"""The training loop: one SPMD loop per rank that drives every model role in-process (start-up: ``dsrl.trainer.setup``).
 
-Each step is a sequence of phase calls, each timed as ``timing_s/<phase>``: gen (with
-update_weights) -> balance (rows across ranks) -> reward -> old_log_prob -> ref -> values -> adv (with
-PF-PPO's redraw of the rows, and the truncated responses masked out of the actor's loss) -> update_critic ->
-update_actor, then validation every ``trainer.test_freq`` steps and a checkpoint every ``trainer.save_freq``
-steps (``dsrl.checkpoint.save``). With DAPO's dynamic sampling (``algorithm.filter_groups``) gen also scores,
-drops the groups whose metric does not vary and generates more rounds of prompts until the batch is full
-(``dsrl.trainer.dynamic_sampling``); reward then has run. An exactly on-policy step
-that needs the actor's log-probs only for metrics folds the old_log_prob pass into update_actor
-(``Trainer.folds_old_log_prob``); so does bypass mode (``algorithm.rollout_correction.bypass_mode``), where
-the rollout engine's log-probs are the old ones and the update records the actor's for the metrics. Tensor
-math lives in ``dsrl.algorithms`` and the engines; this file only orders the calls.
-
-Around the loop: the run folder's lock (``dsrl.checkpoint.run_folder``), the checkpoint to resume and its checks
-(``dsrl.checkpoint.resume``), the facts the console's summaries show (``dsrl.trainer.facts``).
-
-Stopping (``dsrl.runtime.signals``). SIGTERM, SIGINT or SIGHUP during the loop lets every rank finish the current
-step; a checkpoint is saved and ``fit`` raises ``TrainingInterrupted``. Anywhere else (start-up, the
-validation before training, ``val_only``, the export) the signal raises ``Interrupted`` at once. Either way
-the MLflow run ends KILLED and scripts/train.py exits with 128 + the signal number (143 SIGTERM, 130
-SIGINT, 129 SIGHUP); a second signal during the loop exits at once with that code.
+Each step is one timed call per phase (``timing_s/<phase>``): gen (with update_weights) -> balance -> reward ->
+old_log_prob -> ref -> values -> adv (PF-PPO's redraw, the truncated responses masked out of the actor's loss) ->
+update_critic -> update_actor. DAPO's dynamic sampling scores in gen (``dsrl.trainer.dynamic_sampling``); an exactly
+on-policy step, and bypass mode, fold old_log_prob into update_actor (``Trainer.folds_old_log_prob``). After a step:
+the run-stopping checks (``dsrl.trainer.stops``), validation every ``trainer.test_freq`` steps, a checkpoint every
+``trainer.save_freq`` (``dsrl.checkpoint.save``) or after a signal (``dsrl.runtime.signals``: every rank finishes the
+step first). Tensor math lives in ``dsrl.algorithms`` and the engines; this file only orders the calls.
 """
 
 from __future__ import annotations
 
-import math
 import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from dsrl.checkpoint import run_folder
 from dsrl.algorithms import (
-    AdaptiveKLController,
     EstimatorInputs,
     agg_loss,
-    FixedKLController,
     apply_kl_penalty,
     compute_advantages,
     estimator_options,
@@ -51,20 +32,18 @@ from dsrl.algorithms import (
 from dsrl.trainer.balance import balance_across_ranks, pf_ppo_resample
 from dsrl.checkpoint.save import (
     HF_DIR,
-    CheckpointError,
     adapter_dir,
     export_hf_model,
     save_checkpoint,
     state_config,
     step_dir,
 )
-from dsrl.config import LOGGED_SAMPLES, Config, ConfigError, import_user_modules, to_dict, to_yaml
+from dsrl.config import LOGGED_SAMPLES, Config
 from dsrl.tracking.console import final_summary, logger, setup_logging, startup_summary
 from dsrl.data.batch import Batch
-from dsrl.data.datasets import PromptSampler, load_prompts, load_tokenizer
 from dsrl.trainer.dynamic_sampling import fill_batch, metric_values
-from dsrl.runtime.distributed import all_gather_rows, all_reduce, gather_problems, global_mean
-from dsrl.engines import ActorEngine, AdapterOffReference, CriticEngine, ReferenceEngine, init_distributed
+from dsrl.runtime.distributed import all_gather_rows, all_reduce, global_mean
+from dsrl.engines import init_distributed
 from dsrl.engines.training import global_counts
 from dsrl.trainer.metrics import (
     batch_metrics,
@@ -76,67 +55,35 @@ from dsrl.trainer.metrics import (
     throughput_metrics,
     variance_proxy_metrics,
 )
-from dsrl.runtime.phases import in_phase
-from dsrl.checkpoint.resume import checkpoint_to_resume, check_settings, check_train_data, data_identity, restore, trainer_state
-from dsrl.rewards import FailureStreak, RewardScorer, check_reward_rules, numeric_extras
-from dsrl.rollout import HFRollout, SamplingParams
+from dsrl.runtime.phases import PhaseTimer, in_phase
+from dsrl.checkpoint.resume import trainer_state
+from dsrl.rewards import numeric_extras
+from dsrl.rollout import SamplingParams
 from dsrl.rollout.colocation import colocated_generation
-from dsrl.rollout.multi_turn import MultiTurnRollout
-from dsrl.rollout.tools import ToolSet
-from dsrl.trainer.stops import RolloutMismatch
 from dsrl.trainer.preflight import Cluster
-from dsrl.trainer.facts import final_facts, lora_facts, run_tags, startup_facts
-from dsrl.trainer.scoring import Scores, StepScorer
+from dsrl.trainer.stops import TrainingStopped
+from dsrl.trainer.facts import final_facts, startup_facts
+from dsrl.trainer.scoring import Scores
 from dsrl.runtime.seeding import seed_all
 from dsrl.runtime.signals import Interrupted, RunSignals, TrainingInterrupted
-from dsrl.tracking import Tracker, flatten
+from dsrl.trainer.setup import TrainerSetup
+from dsrl.trainer.batches import prompt_batch, with_responses
 from dsrl.trainer.validation import (
     gather_rows,
-    prompt_batch,
+    generation_row,
     row_metrics,
     score_chunks,
     shard_chunks,
-    with_responses,
+    validation_score,
 )
 
 
-class PhaseTimer:
-    """Wall-clock seconds per phase of one step, as ``timing_s/<phase>``."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
-        with in_phase(phase):  # named by a collective that times out in it
-            yield
-        self.seconds[f"timing_s/{phase}"] = self.seconds.get(f"timing_s/{phase}", 0.0) + time.perf_counter() - start
-
-
-class TrainingStopped(RuntimeError):
-    """The run cannot go on (e.g. too many optimizer steps in a row with non-finite values)."""
-
-
-def generation_row(texts: tuple[str, str], data_source: str, score: float, extras: dict) -> dict:
-    """One row of a generations table: prompt, response, score, data source, then the reward's extras."""
-    prompt, response = texts
-    return {"prompt": prompt, "response": response, "score": score, "data_source": data_source, **extras}
-
-
-def validation_score(metrics: dict[str, float]) -> float:
-    """One number for a validation: the ``val-core/<data_source>/<var>/mean@N`` values averaged over
-    the data sources (the core variable is ``acc`` when the reward gives it, else the reward)."""
-    values = [v for k, v in metrics.items() if k.startswith("val-core/") and k.rpartition("/")[2].startswith("mean@")]
-    return sum(values) / len(values) if values else math.nan
-
-
-class Trainer:
+class Trainer(TrainerSetup):
     def __init__(self, cfg: Config, cluster: Cluster | None = None):
-        """Every role built and the checkpoint to resume restored. Before any model loads: the run folder is
-        taken, the checkpoint checked, and the user's modules, tokenizer, prompts and reward function loaded;
-        a problem with any of them on any rank is reported by rank 0 for all (``gather_problems``). ``cluster``:
-        the ranks' hosts, from the preflight of a launched run (``dsrl.trainer.preflight``)."""
+        """Every role built and the checkpoint to resume restored (``dsrl.trainer.setup``). Before any model loads:
+        the run folder is taken, the checkpoint checked, and the user's modules, tokenizer, prompts and reward
+        function loaded; a problem with any of them on any rank is reported by rank 0 for all. ``cluster``: the
+        ranks' hosts, from the preflight of a launched run (``dsrl.trainer.preflight``)."""
         init_distributed(cfg.actor_rollout_ref.nccl_timeout)
         self.cfg, self.cluster = cfg, cluster
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -144,154 +91,22 @@ class Trainer:
         seed_all(cfg.trainer.seed + self.rank)  # python, numpy, torch and the accelerator
         self.checkpoint_root = Path(cfg.trainer.default_local_dir)
         self.scorer = self.tracker = self.tools = None
+        self.model_dir = None  # the exported model, once fit has run
         self._take_run_folder()
         try:
-            self._build()
+            resume_state = self._choose_checkpoint()
+            self._load_user_files()
+            self._check_train_data(resume_state)
+            self._setup_engines()
+            self._setup_stops()
+            self._setup_kl_controller()
+            self._restore(resume_state)
+            self._setup_tracking(resume_state)
+            if self.rank == 0:
+                logger.info(startup_summary(startup_facts(self)))
         except BaseException as err:
             self.close("KILLED" if isinstance(err, Interrupted) else "FAILED")
             raise
-
-    def _take_run_folder(self) -> None:
-        """Rank 0 locks the run folder for this run (``dsrl.checkpoint.run_folder``); every rank stops if it cannot. A
-        validation-only run writes nothing there but its reward workers' log, and takes no lock."""
-        self._locked = not self.cfg.trainer.val_only
-        if not self._locked:
-            return
-        busy = [None]
-        if self.rank == 0:
-            try:
-                run_folder.lock(self.checkpoint_root)
-            except (run_folder.RunFolderBusy, OSError) as err:
-                busy[0] = str(err)
-        dist.broadcast_object_list(busy, src=0)
-        if busy[0] is not None:
-            self._locked = False
-            raise run_folder.RunFolderBusy(busy[0])
-
-    def _build(self) -> None:
-        cfg = self.cfg
-        model_cfg, actor_cfg, algo = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor, cfg.algorithm
-        trained = ["actor"] + (["critic"] if algo.adv_estimator == "gae" else [])
-        self.resume_from, resume_state = checkpoint_to_resume(cfg, self.checkpoint_root, trained)
-        if self.resume_from is not None:
-            check_settings(cfg, self.resume_from, resume_state, self.world_size)  # every rank holds the state
-        problems: list[str] = []
-        try:
-            # The user's modules (their estimators and losses registered on this rank), tokenizer, prompts and reward
-            # function: what fails here fails in seconds, before any model loads.
-            problems = import_user_modules(algo.import_modules)
-            if not problems:
-                self.tokenizer = load_tokenizer(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
-                if cfg.actor_rollout_ref.rollout.multi_turn.enable:  # before the prompts: their template lists the tools
-                    log = self.checkpoint_root / f"tool_workers_rank{self.rank}.log"
-                    self.tools = ToolSet.from_config(cfg, log_file=log)
-                self.train_prompts, train_stats = self._load_prompts(cfg.data.train_files, cfg.data.train_max_samples)
-                self.val_prompts, val_stats = (
-                    self._load_prompts(cfg.data.val_files, cfg.data.val_max_samples) if cfg.data.val_files else (None, None)
-                )
-                self.sampler = PromptSampler(self.train_prompts, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-                check_reward_rules(
-                    {"data.train_files": self.train_prompts, "data.val_files": self.val_prompts},
-                    custom_path=cfg.custom_reward_function.path,
-                    math_verify_sources=cfg.reward.math_verify_sources,
-                )
-                # The run's folder holds the workers' prints and tracebacks: a chatty reward function floods no console.
-                log = self.checkpoint_root / f"reward_workers_rank{self.rank}.log"
-                self.scorer = RewardScorer.from_config(cfg, log_file=log)
-                self.scoring = StepScorer(cfg, self.scorer, self.tokenizer)
-        except ConfigError as err:
-            problems = err.violations
-        except (ValueError, OSError) as err:
-            problems = [" ".join(str(err).split())]
-        problems = gather_problems(problems)
-        if problems:
-            raise ConfigError(problems)
-        # What the checkpoints record of the training files: rank 0 writes the states and checks a resume's.
-        self.train_data = data_identity(cfg.data.train_files) if self.rank == 0 else []
-        if self.resume_from is not None:
-            changed = [None]
-            if self.rank == 0:
-                try:
-                    check_train_data(cfg, self.resume_from, resume_state, self.train_data)
-                except CheckpointError as err:
-                    changed[0] = str(err)
-            dist.broadcast_object_list(changed, src=0)
-            if changed[0] is not None:
-                raise CheckpointError(changed[0])
-        self.prompt_stats = {"train": train_stats, "val": val_stats}
-        # As verl: the lr schedule spans total_training_steps when set, and the run stops at it or
-        # at the end of total_epochs, whichever comes first.
-        epoch_steps = cfg.trainer.total_epochs * self.sampler.batches_per_epoch
-        schedule_steps = cfg.trainer.total_training_steps or epoch_steps
-        self.total_steps = min(schedule_steps, epoch_steps)
-
-        needs_ref = actor_cfg.use_kl_loss or algo.use_kl_in_reward
-        uses_vllm = cfg.actor_rollout_ref.rollout.name == "vllm"
-        if uses_vllm:
-            from dsrl.rollout.vllm import VLLMRollout  # needs the vllm package
-
-            # Before the DeepSpeed engines take device memory; with sleep mode it sleeps right away.
-            self.rollout = VLLMRollout.from_config(cfg)
-            # vLLM seeded the global generators with its engine seed; the trainer's draws stay per rank (each
-            # generate call seeds the ranks of a tensor-parallel group alike: dsrl.rollout.base.seeded).
-            seed_all(cfg.trainer.seed + self.rank)
-        self.actor = ActorEngine(cfg, total_training_steps=schedule_steps)
-        self.ref = None
-        if needs_ref:  # a LoRA actor is its own reference, with the adapters off
-            self.ref = AdapterOffReference(cfg, self.actor) if self.actor.lora else ReferenceEngine(cfg)
-        self.critic = CriticEngine(cfg, total_training_steps=schedule_steps) if algo.adv_estimator == "gae" else None
-        if not uses_vllm:
-            self.rollout = HFRollout.from_config(cfg)
-        if self.tools is not None:
-            self.rollout = MultiTurnRollout.from_config(self.rollout, self.tokenizer, self.tools, cfg)
-        self.reward_failures = FailureStreak(cfg)  # reward.max_failed_steps
-        self.rollout_mismatch = RolloutMismatch(cfg)  # algorithm.rollout_mismatch
-
-        if algo.kl_ctrl.type == "adaptive":
-            self.kl_ctrl = AdaptiveKLController(algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
-        else:
-            self.kl_ctrl = FixedKLController(algo.kl_ctrl.kl_coef)
-
-        self.global_step = 0
-        if self.resume_from is not None:
-            restore(self.resume_from, resume_state, roles=self._trained_roles(), sampler=self.sampler,
-                    kl_ctrl=self.kl_ctrl, rank=self.rank, root=self.checkpoint_root, seed=cfg.trainer.seed)
-            self.global_step = resume_state["global_step"]
-        self.initial_step = self.global_step  # where this run started (a resumed run's checkpoint)
-        self.tracker = Tracker(
-            cfg.trainer.logger,
-            project_name=cfg.trainer.project_name,
-            experiment_name=cfg.trainer.experiment_name,
-            total_steps=self.total_steps,
-            rank=self.rank,
-            run_id=resume_state["mlflow_run_id"] if resume_state else None,
-            tags=run_tags(cfg, self.world_size),
-            initial_step=self.global_step,
-        )
-        if self.resume_from is None:  # a resumed run has them (MLflow refuses to change a param)
-            lora = {"lora": lora_facts(self.actor.module)} if self.actor.lora else {}  # the adapter as PEFT made it
-            self.tracker.log_params(flatten({**to_dict(cfg), **lora}))
-        self.tracker.log_text(to_yaml(cfg), "config/resolved.yaml")
-        for name, role in (("actor", self.actor), ("reference", self.ref), ("critic", self.critic)):
-            if hasattr(role, "ds_config"):  # an engine of its own
-                self.tracker.log_dict(role.ds_config, f"config/deepspeed_{name}.json")
-        self.last_checkpoint = self.resume_from
-        self.model_dir = None
-        if self.rank == 0:
-            logger.info(startup_summary(startup_facts(self)))
-
-    def close(self, status: str) -> None:
-        """The end of the run, however it ends: the MLflow run ends as ``status`` (FINISHED, FAILED or KILLED),
-        the reward workers stop, the run folder is given back. Idempotent."""
-        if self.tracker is not None:
-            self.tracker.finish(status)
-        if self.scorer is not None:
-            self.scorer.close()
-        if self.tools is not None:
-            self.tools.close()
-        if self._locked:
-            run_folder.release(self.checkpoint_root)
-            self._locked = False
 
     # ---- checkpoints --------------------------------------------------------------------------
 
@@ -329,33 +144,7 @@ class Trainer:
             return in_checkpoint
         return export_hf_model(self.actor.module, self.tokenizer, self.checkpoint_root / HF_DIR)
 
-    def _check_skips(self, step: int) -> None:
-        limit = self.cfg.trainer.max_consecutive_skips
-        for role in self._trained_roles().values():
-            if role.skips.consecutive >= limit:
-                bad = ", ".join(f"{name}={value}" for name, value in role.skips.last_bad.items())
-                raise TrainingStopped(
-                    f"step {step}: {role.skips.consecutive} {role.skips.prefix} optimizer steps in a row skipped for "
-                    f"non-finite values (last: {bad}); trainer.max_consecutive_skips={limit}. Look for a reward or "
-                    "advantage that is not finite, or lower the learning rate; resume from the last checkpoint"
-                )
-
     # ---- phases -------------------------------------------------------------------------------
-
-    def _load_prompts(self, files, max_samples: int) -> tuple[list, dict[str, int]]:
-        data = self.cfg.data
-        return load_prompts(
-            files,
-            self.tokenizer,
-            prompt_key=data.prompt_key,
-            max_prompt_length=data.max_prompt_length,
-            filter_overlong_prompts=data.filter_overlong_prompts,
-            truncation=data.truncation,
-            max_samples=max_samples,
-            chat_template_kwargs={
-                **({"tools": self.tools.schemas} if self.tools is not None else {}), **data.apply_chat_template_kwargs
-            },
-        )
 
     def _first_group_id(self) -> int:
         return self.rank * (self.cfg.data.train_batch_size // self.world_size)
@@ -764,11 +553,10 @@ class Trainer:
                 metrics = self.step(self._prompt_batch(self._next_records(), first_group_id=self._first_group_id()))
                 self.global_step += 1
                 step, last = self.global_step, self.global_step == self.total_steps
-                self._check_skips(step)
-                stop = self.reward_failures.record(metrics, step, self.scorer.first_failure)
-                stop = stop or self.rollout_mismatch.record(metrics, step)
-                if stop:
-                    raise TrainingStopped(stop)
+                for check in self.stops:  # dsrl.trainer.stops
+                    stop = check.record(metrics, step)
+                    if stop:
+                        raise TrainingStopped(stop)
                 if self.val_prompts is not None and cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
                     with in_phase("validate"):
                         val = self.validate()

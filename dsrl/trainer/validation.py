@@ -4,7 +4,8 @@ A rank's share of the prompts is ``prompts[rank::world]``, cut into chunks (``sh
 makes the same number of generate calls (a generate call is a collective within a tensor-parallel group); a rank
 whose share ends early generates for a filler prompt it does not score. The chunks' responses are scored on their
 rank (``score_chunks``), the rows meet in one gather (``gather_rows``, in dataset order) and become verl's
-validation metrics (``row_metrics``)."""
+validation metrics (``row_metrics``), with one headline number (``validation_score``) and a table of the
+generations (``generation_row``)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,8 @@ import torch
 import torch.distributed as dist
 
 from dsrl.data.batch import Batch
-from dsrl.data.datasets import collate_prompts
 from dsrl.trainer.metrics import validation_metrics
 from dsrl.rewards import FAILURE_COUNTS, numeric_extras
-from dsrl.rollout.base import RolloutOutput
 from dsrl.trainer.scoring import StepScorer
 
 
@@ -31,25 +30,6 @@ class ScoredResponse(NamedTuple):
     score: float  # the response's score (the reward function's, plus any overlong penalty)
     extras: dict  # what the reward function returned besides the score
     texts: tuple[str, str] | None  # (prompt, response), for the rows whose texts were asked for
-
-
-def prompt_batch(records, pad_token_id: int, first_group_id: int) -> Batch:
-    """Left-padded prompts; group ids are global row numbers from ``first_group_id``, unique across ranks."""
-    fields = collate_prompts(records, pad_token_id)
-    group_ids = torch.arange(first_group_id, first_group_id + len(fields["data_sources"]))
-    empty = torch.empty(len(group_ids), 0, dtype=torch.long)
-    return Batch(**fields, response_ids=empty, response_mask=empty, group_ids=group_ids)
-
-
-def with_responses(prompts: Batch, out: RolloutOutput, n: int) -> Batch:
-    """The rows of ``prompts`` repeated ``n`` times (a prompt's rows contiguous) with the rollout's responses."""
-    repeat = torch.arange(len(prompts)).repeat_interleave(n)
-    return prompts.select(repeat).replace(
-        response_ids=out.response_ids,
-        response_mask=out.response_mask,
-        rollout_log_probs=out.log_probs,
-        response_attention_mask=out.attention_mask,
-    )
 
 
 def shard_chunks(
@@ -119,3 +99,16 @@ def row_metrics(rows: list[ScoredResponse]) -> dict[str, float]:
     """``dsrl.trainer.metrics.validation_metrics`` of gathered rows (verl's seed)."""
     variables, preds = response_variables(rows)
     return validation_metrics([row.data_source for row in rows], [row.index for row in rows], variables, preds)
+
+
+def generation_row(texts: tuple[str, str], data_source: str, score: float, extras: dict) -> dict:
+    """One row of a generations table: prompt, response, score, data source, then the reward's extras."""
+    prompt, response = texts
+    return {"prompt": prompt, "response": response, "score": score, "data_source": data_source, **extras}
+
+
+def validation_score(metrics: dict[str, float]) -> float:
+    """One number for a validation: the ``val-core/<data_source>/<var>/mean@N`` values averaged over
+    the data sources (the core variable is ``acc`` when the reward gives it, else the reward)."""
+    values = [v for k, v in metrics.items() if k.startswith("val-core/") and k.rpartition("/")[2].startswith("mean@")]
+    return sum(values) / len(values) if values else math.nan

@@ -321,11 +321,12 @@ def resume_setup(tiny_model_dir, arithmetic_data, world_of_one, tmp_path, monkey
     past the checks raises 'a model was loaded'."""
     from dsrl.config import load_and_validate
     import dsrl.trainer.loop
+    import dsrl.trainer.setup
 
     def models_must_not_load(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(dsrl.trainer.loop, "ActorEngine", models_must_not_load)
+    monkeypatch.setattr(dsrl.trainer.setup, "ActorEngine", models_must_not_load)
     base = [
         f"actor_rollout_ref.model.path={tiny_model_dir}",
         f"data.train_files={arithmetic_data / 'train.parquet'}",
@@ -390,7 +391,7 @@ def test_auto_resume_falls_back_past_damaged_checkpoints_saying_why(resume_setup
     from dsrl.config import load_and_validate
     from dsrl.checkpoint.resume import data_identity
 
-    import dsrl.trainer.loop
+    import dsrl.trainer.setup
 
     base, build = resume_setup
     saved, _ = load_and_validate(recipe("grpo"), base, world_size=1)
@@ -405,7 +406,7 @@ def test_auto_resume_falls_back_past_damaged_checkpoints_saying_why(resume_setup
 
     chosen = []
     choose = dsrl.checkpoint.resume.checkpoint_to_resume
-    monkeypatch.setattr(dsrl.trainer.loop, "checkpoint_to_resume", lambda *a: chosen.append(choose(*a)[0]) or (None, None))
+    monkeypatch.setattr(dsrl.trainer.setup, "checkpoint_to_resume", lambda *a: chosen.append(choose(*a)[0]) or (None, None))
     with caplog.at_level("INFO", logger="dsrl"), pytest.raises(AssertionError, match="a model was loaded"):
         build()
     assert chosen == [step_dir(tmp_path, 2)]
