@@ -5,9 +5,11 @@ policy losses are registries by name; `register_estimator` / `register_policy_lo
 """
 
 from dsrl.algorithms.estimators import (
+    ESTIMATOR_NEEDS,
     EstimatorInputs,
     compute_advantages,
     estimator_names,
+    estimator_needs,
     estimator_options,
     reads_policy,
     register_estimator,
@@ -49,6 +51,7 @@ from dsrl.algorithms.tensor_ops import (
 
 __all__ = [
     "BYPASS_LOSS_TYPES",
+    "ESTIMATOR_NEEDS",
     "KL_KINDS",
     "LOSS_AGG_MODES",
     "PF_PPO_METHODS",
@@ -64,6 +67,7 @@ __all__ = [
     "correct_rollout",
     "entropy_from_logits",
     "estimator_names",
+    "estimator_needs",
     "estimator_options",
     "kl_penalty",
     "logprobs_from_logits",

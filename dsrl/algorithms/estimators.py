@@ -15,7 +15,7 @@ Shared conventions:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import cast
 
@@ -78,13 +78,17 @@ class EstimatorInputs:
                 )
 
 
+# What an estimator may need of a step, beyond the rewards and the mask (`register_estimator`'s `needs`).
+ESTIMATOR_NEEDS = ("critic", "groups", "sum_pi_squared", "greedy_baseline")
+
 _ESTIMATORS: dict[str, EstimatorFn] = {}
 _POLICY_FREE: set[str] = set()  # estimators that read neither old_log_probs nor sum_pi_squared
 _OPTIONS: dict[str, dict[str, object]] = {}  # estimator -> its own keyword options and their defaults
+_NEEDS: dict[str, frozenset[str]] = {}  # estimator -> what it needs of a step
 
 
 def register_estimator(
-    name: str, *, reads_policy: bool = True, options: dict[str, object] | None = None
+    name: str, *, reads_policy: bool = True, options: dict[str, object] | None = None, needs: Iterable[str] = ()
 ) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator registering an advantage estimator under `name`.
 
@@ -96,14 +100,24 @@ def register_estimator(
     for each option the config has.
     `reads_policy=False` declares that it never reads `inputs.old_log_probs` or `inputs.sum_pi_squared`:
     the trainer may then fold the old-log-prob pass of an exactly on-policy step into the update and
-    pass them as None. Registering a taken name raises `ValueError`.
+    pass them as None.
+    `needs` declares what the step must give it, from `ESTIMATOR_NEEDS`: `"critic"` (a critic trained beside
+    the actor: `inputs.values`), `"groups"` (its baseline comes from the other responses to the same prompt:
+    `rollout.n > 1`), `"sum_pi_squared"` (the actor's forward computes `inputs.sum_pi_squared`),
+    `"greedy_baseline"` (a greedy response per prompt, scored: `inputs.reward_baselines`). The config's rules,
+    the memory plan and the trainer read them (`estimator_needs`). Registering a taken name, or an unknown need,
+    raises `ValueError`.
     """
+    unknown = sorted(set(needs) - set(ESTIMATOR_NEEDS))
+    if unknown:
+        raise ValueError(f"advantage estimator {name!r}: unknown needs {unknown}; known: {', '.join(ESTIMATOR_NEEDS)}")
 
     def decorator(fn: EstimatorFn) -> EstimatorFn:
         if name in _ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered; register under another name")
         _ESTIMATORS[name] = fn
         _OPTIONS[name] = dict(options or {})
+        _NEEDS[name] = frozenset(needs)
         if not reads_policy:
             _POLICY_FREE.add(name)
         return fn
@@ -114,6 +128,11 @@ def register_estimator(
 def reads_policy(name: str) -> bool:
     """Whether estimator `name` may read `old_log_probs` or `sum_pi_squared` (see `register_estimator`)."""
     return name not in _POLICY_FREE
+
+
+def estimator_needs(name: str) -> frozenset[str]:
+    """What estimator `name` needs of a step (see `register_estimator`)."""
+    return _NEEDS[_checked_name(name)]
 
 
 def estimator_names() -> list[str]:
@@ -237,7 +256,7 @@ def _time_major(x: Tensor, dtype: torch.dtype) -> Tensor:
 # critic-based and token-level estimators
 
 
-@register_estimator("gae", reads_policy=False)
+@register_estimator("gae", reads_policy=False, needs=("critic",))
 def gae(inputs: EstimatorInputs, *, gamma: float, lam: float, **_: object) -> tuple[Tensor, Tensor]:
     """Generalised Advantage Estimation (Schulman et al. 2015, https://arxiv.org/abs/1506.02438).
 
@@ -281,6 +300,7 @@ def gae(inputs: EstimatorInputs, *, gamma: float, lam: float, **_: object) -> tu
 
 
 @register_estimator("reinforce_plus_plus", reads_policy=False)
+
 def reinforce_plus_plus(inputs: EstimatorInputs, *, gamma: float, **_: object) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025, https://arxiv.org/abs/2501.03262): whitened discounted return.
 
@@ -311,7 +331,7 @@ def reinforce_plus_plus(inputs: EstimatorInputs, *, gamma: float, **_: object) -
     return advantages, returns
 
 
-@register_estimator("remax", reads_policy=False)
+@register_estimator("remax", reads_policy=False, needs=("greedy_baseline",))
 def remax(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
     """ReMax (Li et al. 2023, https://arxiv.org/abs/2310.10505): the greedy response's score as baseline.
 
@@ -331,7 +351,7 @@ def remax(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
 # outcome estimators with a group baseline
 
 
-@register_estimator("grpo", reads_policy=False)
+@register_estimator("grpo", reads_policy=False, needs=("groups",))
 def grpo(inputs: EstimatorInputs, *, norm_adv_by_std: bool, **_: object) -> tuple[Tensor, Tensor]:
     """GRPO (Shao et al. 2024, https://arxiv.org/abs/2402.03300) and Dr.GRPO (Liu et al. 2025,
     https://arxiv.org/abs/2503.20783) outcome advantages.
@@ -349,7 +369,7 @@ def grpo(inputs: EstimatorInputs, *, norm_adv_by_std: bool, **_: object) -> tupl
     return advantages, advantages
 
 
-register_estimator("grpo_vectorized", reads_policy=False)(grpo)
+register_estimator("grpo_vectorized", reads_policy=False, needs=("groups",))(grpo)
 
 
 def _group_normalised(scores: Tensor, groups: _Groups, norm_adv_by_std: bool) -> Tensor:
@@ -360,7 +380,7 @@ def _group_normalised(scores: Tensor, groups: _Groups, norm_adv_by_std: bool) ->
     return centred
 
 
-@register_estimator("gdpo", reads_policy=False, options={"gdpo_reward_weights": None})
+@register_estimator("gdpo", reads_policy=False, options={"gdpo_reward_weights": None}, needs=("groups",))
 def gdpo(
     inputs: EstimatorInputs, *, norm_adv_by_std: bool, gdpo_reward_weights: list[float] | None, **_: object
 ) -> tuple[Tensor, Tensor]:
@@ -396,7 +416,7 @@ def gdpo(
     return advantages, advantages
 
 
-@register_estimator("rloo", reads_policy=False, options={"length_weighted_baseline": False})
+@register_estimator("rloo", reads_policy=False, options={"length_weighted_baseline": False}, needs=("groups",))
 def rloo(inputs: EstimatorInputs, *, length_weighted_baseline: bool, **_: object) -> tuple[Tensor, Tensor]:
     """RLOO, leave-one-out baseline (Ahmadian et al. 2024, https://arxiv.org/abs/2402.14740).
 
@@ -427,7 +447,7 @@ def rloo(inputs: EstimatorInputs, *, length_weighted_baseline: bool, **_: object
     return advantages, advantages
 
 
-@register_estimator("rloo_vectorized", reads_policy=False, options={"length_weighted_baseline": False})
+@register_estimator("rloo_vectorized", reads_policy=False, options={"length_weighted_baseline": False}, needs=("groups",))
 def rloo_vectorized(inputs: EstimatorInputs, *, length_weighted_baseline: bool, **_: object) -> tuple[Tensor, Tensor]:
     """`rloo`, except that a group of one gets advantage 0 rather than its score: verl 0.9.1's two
     RLOO forms disagree there, and each name gives its own form's numbers."""
@@ -437,7 +457,7 @@ def rloo_vectorized(inputs: EstimatorInputs, *, length_weighted_baseline: bool, 
     return advantages, advantages
 
 
-@register_estimator("opo", reads_policy=False)
+@register_estimator("opo", reads_policy=False, needs=("groups",))
 def opo(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
     """OPO, length-weighted group baseline (Hao et al. 2025, https://arxiv.org/abs/2505.23585).
 
@@ -465,7 +485,7 @@ def _length_weighted_mean(scores: Tensor, lengths: Tensor, groups: _Groups) -> T
     return torch.where((groups.size > 1) & (total_length > 0), groups.sum(lengths * scores) / total_length, 0.0)
 
 
-@register_estimator("reinforce_plus_plus_baseline", reads_policy=False, options={"length_weighted_baseline": False})
+@register_estimator("reinforce_plus_plus_baseline", reads_policy=False, options={"length_weighted_baseline": False}, needs=("groups",))
 def reinforce_plus_plus_baseline(
     inputs: EstimatorInputs, *, length_weighted_baseline: bool, **_: object
 ) -> tuple[Tensor, Tensor]:
@@ -490,7 +510,7 @@ def reinforce_plus_plus_baseline(
     return advantages, advantages
 
 
-@register_estimator("gpg", reads_policy=False)
+@register_estimator("gpg", reads_policy=False, needs=("groups",))
 def gpg(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
     """GPG, group policy gradient (Chu et al. 2025, https://arxiv.org/abs/2504.02546).
 
@@ -505,7 +525,7 @@ def gpg(inputs: EstimatorInputs, **_: object) -> tuple[Tensor, Tensor]:
     return advantages, advantages
 
 
-@register_estimator("grpo_passk", reads_policy=False)
+@register_estimator("grpo_passk", reads_policy=False, needs=("groups",))
 def grpo_passk(inputs: EstimatorInputs, *, norm_adv_by_std: bool, **_: object) -> tuple[Tensor, Tensor]:
     """Pass@k advantage (Chen et al. 2025, https://arxiv.org/abs/2503.19595).
 
@@ -538,7 +558,7 @@ def grpo_passk(inputs: EstimatorInputs, *, norm_adv_by_std: bool, **_: object) -
 # optimal token baseline
 
 
-@register_estimator("optimal_token_baseline")
+@register_estimator("optimal_token_baseline", needs=("groups", "sum_pi_squared"))
 def optimal_token_baseline(inputs: EstimatorInputs, *, handle_zero_tail: bool, **_: object) -> tuple[Tensor, Tensor]:
     """Optimal Token Baseline, a per-position group baseline weighted by path variance (Li et al.
     2026, "The Optimal Token Baseline: Variance Reduction for Long-Horizon LLM-RL", PMLR 306,
@@ -557,7 +577,7 @@ def optimal_token_baseline(inputs: EstimatorInputs, *, handle_zero_tail: bool, *
     return _otb(inputs, handle_zero_tail=handle_zero_tail, compact=False, name="optimal_token_baseline")
 
 
-@register_estimator("tir_optimal_token_baseline")
+@register_estimator("tir_optimal_token_baseline", needs=("groups", "sum_pi_squared"))
 def tir_optimal_token_baseline(
     inputs: EstimatorInputs, *, handle_zero_tail: bool, **_: object
 ) -> tuple[Tensor, Tensor]:

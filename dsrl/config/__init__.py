@@ -46,6 +46,7 @@ from dsrl.config.loading import (
 )
 from dsrl.config.names import (
     ADV_ESTIMATORS,
+    ESTIMATOR_NEEDS,
     BYPASS_LOSS_TYPES,
     GROUP_ESTIMATORS,
     KL_CTRL_TYPES,
@@ -80,6 +81,7 @@ from dsrl.config.user_code import import_user_modules
 __all__ = [
     # names
     "ADV_ESTIMATORS",
+    "ESTIMATOR_NEEDS",
     "BYPASS_LOSS_TYPES",
     "GROUP_ESTIMATORS",
     "KL_CTRL_TYPES",

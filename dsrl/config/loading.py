@@ -16,7 +16,6 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dsrl.config.files import not_regular
-from dsrl.config.names import SUM_PI_SQUARED_ESTIMATORS
 from dsrl.config.schema import (
     DS_CONFIG_DIR,
     LEAF_KEYS,
@@ -28,6 +27,7 @@ from dsrl.config.schema import (
     value_at,
     violation,
 )
+from dsrl.config.user_code import estimator_needs
 from dsrl.config.verl_keys import unknown_key
 from dsrl.runtime.redaction import secret_environment
 
@@ -235,8 +235,9 @@ def policy_loss_param_values(cfg: Config, names: Iterable[str]) -> dict[str, Any
 def resolve(cfg: Config) -> list[str]:
     """Fill in the values that follow from others; returns a note for each setting dsrl changed.
 
-    clip_ratio_low/high null -> clip_ratio; rollout.name null -> this machine's engine (``default_rollout_name``). The OTB estimators need sum_pi_squared from the actor forward,
-    so they turn ``actor.calculate_sum_pi_squared`` on rather than fail after the first rollout.
+    clip_ratio_low/high null -> clip_ratio; rollout.name null -> this machine's engine (``default_rollout_name``). An
+    estimator that needs sum_pi_squared from the actor forward (OTB) turns ``actor.calculate_sum_pi_squared`` on
+    rather than fail after the first rollout.
     """
     actor = cfg.actor_rollout_ref.actor
     if actor.clip_ratio_low is None:
@@ -250,7 +251,7 @@ def resolve(cfg: Config) -> list[str]:
         why = "a CUDA device and the vllm package are present" if rollout.name == "vllm" else "no CUDA device with vllm here"
         notes.append(f"actor_rollout_ref.rollout.name set to {rollout.name}: {why}")
     estimator = cfg.algorithm.adv_estimator
-    if estimator in SUM_PI_SQUARED_ESTIMATORS and not actor.calculate_sum_pi_squared:
+    if "sum_pi_squared" in estimator_needs(estimator) and not actor.calculate_sum_pi_squared:
         actor.calculate_sum_pi_squared = True
         notes.append(
             f"actor_rollout_ref.actor.calculate_sum_pi_squared set to true: {estimator} needs sum_pi_squared (its token weights 1 - 2*pi + sum pi^2)"

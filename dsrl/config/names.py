@@ -10,41 +10,33 @@ from __future__ import annotations
 # ----------------------------------------------------------------------------------------------
 # the registries of dsrl.algorithms, restated
 
-ADV_ESTIMATORS = (
-    "gae",
-    "grpo",
-    "grpo_vectorized",
-    "rloo",
-    "rloo_vectorized",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "remax",
-    "opo",
-    "optimal_token_baseline",
-    "tir_optimal_token_baseline",
-    "gpg",
-    "grpo_passk",
-    "gdpo",
-)
-# Estimators whose baseline comes from the other responses to the same prompt.
-GROUP_ESTIMATORS = (
-    "grpo",
-    "grpo_vectorized",
-    "rloo",
-    "rloo_vectorized",
-    "reinforce_plus_plus_baseline",
-    "opo",
-    "optimal_token_baseline",
-    "tir_optimal_token_baseline",
-    "gpg",
-    "grpo_passk",
-    "gdpo",
-)
-CRITIC_ESTIMATORS = ("gae",)
+# Each built-in estimator and what it needs of a step (dsrl.algorithms.register_estimator's `needs`): "critic" (a
+# critic trained beside the actor), "groups" (its baseline comes from the other responses to the same prompt),
+# "sum_pi_squared" (sum_v pi(v | s_t)^2 from the actor's forward), "greedy_baseline" (a greedy response per prompt,
+# scored: ReMax). The rules, the memory plan and the trainer read these; a user's estimator declares its own
+# (config.user_code.estimator_needs reads them from the registry).
+ESTIMATOR_NEEDS: dict[str, tuple[str, ...]] = {
+    "gae": ("critic",),
+    "grpo": ("groups",),
+    "grpo_vectorized": ("groups",),
+    "rloo": ("groups",),
+    "rloo_vectorized": ("groups",),
+    "reinforce_plus_plus": (),
+    "reinforce_plus_plus_baseline": ("groups",),
+    "remax": ("greedy_baseline",),
+    "opo": ("groups",),
+    "optimal_token_baseline": ("groups", "sum_pi_squared"),
+    "tir_optimal_token_baseline": ("groups", "sum_pi_squared"),
+    "gpg": ("groups",),
+    "grpo_passk": ("groups",),
+    "gdpo": ("groups",),
+}
+ADV_ESTIMATORS = tuple(ESTIMATOR_NEEDS)
+GROUP_ESTIMATORS = tuple(name for name, needs in ESTIMATOR_NEEDS.items() if "groups" in needs)
+CRITIC_ESTIMATORS = tuple(name for name, needs in ESTIMATOR_NEEDS.items() if "critic" in needs)
+SUM_PI_SQUARED_ESTIMATORS = tuple(name for name, needs in ESTIMATOR_NEEDS.items() if "sum_pi_squared" in needs)
 # Estimators with the option algorithm.length_weighted_baseline (dsrl.algorithms.estimator_options).
 LENGTH_WEIGHTED_ESTIMATORS = ("rloo", "rloo_vectorized", "reinforce_plus_plus_baseline")
-# Estimators whose token weights need sum_pi_squared = sum_v pi(v | s_t)^2 from the actor forward.
-SUM_PI_SQUARED_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 POLICY_LOSS_MODES = (
     "vanilla", "gspo", "cispo", "gpg", "dppo_tv", "dppo_kl", "sapo", "clip_cov", "kl_cov", "geo_mean", "dro", "bypass_mode"
 )

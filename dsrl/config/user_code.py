@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from dsrl.config.files import not_regular
+from dsrl.config.names import ESTIMATOR_NEEDS
 from dsrl.config.schema import violation
 
 # The registries of dsrl.algorithms by the config key that names their entries: (module, function listing the names).
@@ -109,3 +110,15 @@ def registered_policy_loss_params(mode: str) -> tuple[str, ...]:
     if module is None or mode not in module.policy_loss_names():
         return ()
     return tuple(module.policy_loss_params(mode))
+
+
+def estimator_needs(name: str) -> frozenset[str]:
+    """What the estimator ``name`` needs of a step (``dsrl.algorithms.register_estimator``'s ``needs``): a built-in's
+    from ``ESTIMATOR_NEEDS``, a user's as its module registered them (read from the registry, which that module
+    imported); empty for a name nothing registered."""
+    if name in ESTIMATOR_NEEDS:
+        return frozenset(ESTIMATOR_NEEDS[name])
+    module = sys.modules.get(REGISTRIES["algorithm.adv_estimator"][0])
+    if module is None or name not in module.estimator_names():
+        return frozenset()
+    return frozenset(module.estimator_needs(name))

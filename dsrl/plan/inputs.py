@@ -14,8 +14,9 @@ from typing import Any
 
 from dsrl.config.deepspeed_json import read_ds_json, zero_stage
 from dsrl.config.loading import rollout_name
-from dsrl.config.names import ADV_ESTIMATORS, SUM_PI_SQUARED_ESTIMATORS
+from dsrl.config.names import ADV_ESTIMATORS
 from dsrl.config.schema import lora_enabled
+from dsrl.config.user_code import estimator_needs
 from dsrl.plan.shape import DTYPE_BYTES, ModelShape
 
 # DeepSpeed's defaults for the ZeRO keys the plan reads, where the JSON leaves them out.
@@ -170,7 +171,8 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
     lora = lora_enabled(model)
     needs_kl = actor.use_kl_loss or algo.use_kl_in_reward
     needs_ref = needs_kl and not lora  # a LoRA actor is its own reference, with the adapters off
-    gae = algo.adv_estimator == "gae"
+    needs = estimator_needs(algo.adv_estimator)
+    trains_critic = "critic" in needs
     correction = algo.rollout_correction
     # Trainer.folds_old_log_prob: an exactly on-policy update whose step reads no old log-probs before it runs
     # the pass inside the update; the built-in estimators but those of sum_pi_squared read no policy.
@@ -181,7 +183,7 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
         and not (correction.rollout_is or correction.rollout_rs)
         and not actor.calculate_sum_pi_squared
         and algo.adv_estimator in ADV_ESTIMATORS
-        and algo.adv_estimator not in SUM_PI_SQUARED_ESTIMATORS
+        and "sum_pi_squared" not in needs
         and not actor.mask_truncated_completions
     )
     name = rollout_name(cfg)
@@ -207,12 +209,12 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
         ref=ZeroSetup.from_json(read_ds_json(arr.ref.deepspeed_config, "actor_rollout_ref.ref.deepspeed_config")) if needs_ref else None,
         ref_pass=_pass(batch_rows, arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_use_dynamic_bsz,
                        arr.ref.log_prob_max_token_len_per_gpu) if needs_kl else None,
-        critic=ZeroSetup.from_json(read_ds_json(critic.deepspeed_config, "critic.deepspeed_config")) if gae else None,
+        critic=ZeroSetup.from_json(read_ds_json(critic.deepspeed_config, "critic.deepspeed_config")) if trains_critic else None,
         critic_checkpointing=critic.model.enable_gradient_checkpointing,
         critic_update=_pass(critic.ppo_mini_batch_size * n // N, critic.ppo_micro_batch_size_per_gpu,
-                            critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu) if gae else None,
+                            critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu) if trains_critic else None,
         critic_values=_pass(batch_rows, critic.forward_micro_batch_size_per_gpu, critic.use_dynamic_bsz,
-                            critic.forward_max_token_len_per_gpu) if gae else None,
+                            critic.forward_max_token_len_per_gpu) if trains_critic else None,
         rollout=name,
         rollout_dtype_bytes=DTYPE_BYTES[rollout.dtype or model.dtype],
         n=n,

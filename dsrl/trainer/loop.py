@@ -23,6 +23,7 @@ from dsrl.algorithms import (
     agg_loss,
     apply_kl_penalty,
     compute_advantages,
+    estimator_needs,
     estimator_options,
     RolloutCorrection,
     reads_policy,
@@ -406,6 +407,7 @@ class Trainer(TrainerSetup):
         actor_cfg, rollout_cfg = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
         timer = PhaseTimer()
         metrics: dict[str, float] = {}
+        greedy_baseline = "greedy_baseline" in estimator_needs(algo.adv_estimator)  # ReMax
         with timer("step"):
             # timing_s/update_weights, /wake, /gen, /sleep (and sleep-mode memory on GPUs)
             with in_phase("gen"), self.colocated(metrics):
@@ -414,12 +416,12 @@ class Trainer(TrainerSetup):
                     metrics.update(sampling_metrics)
                 else:
                     batch = self.generate(prompts, self._sampling(validation=False))
-                if algo.adv_estimator == "remax":
+                if greedy_baseline:
                     greedy = self.generate(prompts, self._sampling(validation=False).replace(n=1, do_sample=False))
             if self.tools is not None:  # every conversation generated this step, ReMax's greedy ones too
                 metrics.update(multi_turn_metrics(self.rollout.take_stats()))
             with timer("reward"):
-                if algo.adv_estimator == "remax":  # scored before the rows move, like the responses below
+                if greedy_baseline:  # scored before the rows move, like the responses below
                     greedy_scores, _, _ = self.score(greedy)
                     batch = batch.replace(reward_baselines=greedy_scores.sum(-1).repeat_interleave(rollout_cfg.n))
             if cfg.trainer.balance_batch and self.world_size > 1:

@@ -15,6 +15,7 @@ from dsrl.checkpoint import run_folder
 from dsrl.checkpoint.resume import checkpoint_to_resume, check_settings, check_train_data, data_identity, restore
 from dsrl.checkpoint.save import CheckpointError
 from dsrl.config import ConfigError, import_user_modules, to_dict, to_yaml
+from dsrl.config.rules.need import critic_used
 from dsrl.data.datasets import PromptSampler, load_prompts, load_tokenizer
 from dsrl.engines import ActorEngine, AdapterOffReference, CriticEngine, ReferenceEngine
 from dsrl.rewards import RewardScorer, check_reward_rules
@@ -85,7 +86,7 @@ class TrainerSetup:
     def _choose_checkpoint(self) -> dict | None:
         """Sets ``resume_from``, the checkpoint to resume (``dsrl.checkpoint.resume``), checked against this run's
         settings; returns its state (None to start fresh)."""
-        trained = ["actor"] + (["critic"] if self.cfg.algorithm.adv_estimator == "gae" else [])
+        trained = ["actor"] + (["critic"] if critic_used(self.cfg) else [])
         self.resume_from, resume_state = checkpoint_to_resume(self.cfg, self.checkpoint_root, trained)
         if self.resume_from is not None:
             check_settings(self.cfg, self.resume_from, resume_state, self.world_size)  # every rank holds the state
@@ -175,7 +176,7 @@ class TrainerSetup:
         self.ref = None
         if needs_ref:  # a LoRA actor is its own reference, with the adapters off
             self.ref = AdapterOffReference(cfg, self.actor) if self.actor.lora else ReferenceEngine(cfg)
-        self.critic = CriticEngine(cfg, total_training_steps=steps) if algo.adv_estimator == "gae" else None
+        self.critic = CriticEngine(cfg, total_training_steps=steps) if critic_used(cfg) else None
         if not uses_vllm:
             self._setup_rollout()
 

@@ -9,8 +9,6 @@ from collections.abc import Collection
 from dsrl.config.loading import policy_loss_param_key
 from dsrl.config.names import (
     ADV_ESTIMATORS,
-    CRITIC_ESTIMATORS,
-    GROUP_ESTIMATORS,
     KL_CTRL_TYPES,
     KL_KINDS,
     LENGTH_WEIGHTED_ESTIMATORS,
@@ -19,17 +17,17 @@ from dsrl.config.names import (
     PF_PPO_METHODS,
     POLICY_LOSS_MODES,
     POLICY_LOSS_PARAMS,
-    SUM_PI_SQUARED_ESTIMATORS,
 )
 from dsrl.config.rules.need import Need, critic_used
 from dsrl.config.schema import Config, show, value_at
-from dsrl.config.user_code import registered_names, registered_policy_loss_params
+from dsrl.config.user_code import estimator_needs, registered_names, registered_policy_loss_params
 
 
 def estimator_rules(cfg: Config, need: Need) -> None:
     algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
     estimator = algo.adv_estimator
     known = registered_names("algorithm.adv_estimator", ADV_ESTIMATORS)
+    needs = estimator_needs(estimator)
     need(
         estimator in known,
         "algorithm.adv_estimator",
@@ -37,21 +35,21 @@ def estimator_rules(cfg: Config, need: Need) -> None:
         "register it with dsrl.algorithms.register_estimator in a module listed in algorithm.import_modules, or use "
         f"one of {', '.join(known)}",
     )
-    if estimator in GROUP_ESTIMATORS:
+    if "groups" in needs:
         need(
             cfg.actor_rollout_ref.rollout.n > 1,
             "actor_rollout_ref.rollout.n",
             f"{estimator} compares the responses to the same prompt, so it needs more than one",
             "set actor_rollout_ref.rollout.n=8 (4-16 is typical)",
         )
-    if estimator in CRITIC_ESTIMATORS:
+    if "critic" in needs:
         need(
             cfg.critic.model.path is not None,
             "critic.model.path",
             f"{estimator} learns a value function and needs a critic model",
             "set critic.model.path (usually the same as actor_rollout_ref.model.path)",
         )
-    elif estimator in known:  # the trainer builds a critic for gae only, so a user's estimator has none
+    elif estimator in known:  # the trainer builds a critic for the estimators that need one only
         need(
             cfg.critic.model.path is None,
             "critic.model.path",
@@ -64,7 +62,7 @@ def estimator_rules(cfg: Config, need: Need) -> None:
             f"{estimator} has no critic to warm up",
             "set trainer.critic_warmup=0",
         )
-    needs_sum_pi_squared = actor.calculate_sum_pi_squared or estimator in SUM_PI_SQUARED_ESTIMATORS
+    needs_sum_pi_squared = actor.calculate_sum_pi_squared or "sum_pi_squared" in needs
     need(
         not actor.use_fused_kernels or needs_sum_pi_squared,
         "actor_rollout_ref.actor.use_fused_kernels",
@@ -75,7 +73,7 @@ def estimator_rules(cfg: Config, need: Need) -> None:
         not (actor.use_fused_kernels and needs_sum_pi_squared),
         "actor_rollout_ref.actor.use_fused_kernels",
         "fused kernels never hold the logits that sum_pi_squared is computed from"
-        + (f" ({estimator} needs it)" if estimator in SUM_PI_SQUARED_ESTIMATORS else ""),
+        + (f" ({estimator} needs it)" if "sum_pi_squared" in needs else ""),
         "set actor_rollout_ref.actor.use_fused_kernels=false",
     )
     if estimator == "opo" and not algo.opo_allow_off_policy:
@@ -147,7 +145,7 @@ def estimator_option_rules(cfg: Config, need: Need) -> None:
     )
     if algo.use_pf_ppo:
         need(
-            estimator in CRITIC_ESTIMATORS,
+            "critic" in estimator_needs(estimator),
             "algorithm.use_pf_ppo",
             f"verl resamples the batch after GAE's advantages only; with {estimator} it would do nothing there",
             "set algorithm.adv_estimator=gae, or algorithm.use_pf_ppo=false",

@@ -7,8 +7,8 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
-from dsrl.config.names import CRITIC_ESTIMATORS
 from dsrl.config.schema import Config, value_at
+from dsrl.config.user_code import estimator_needs
 
 Need = Callable[..., None]  # validate's need(ok, key, rule, fix, value=...), handed to each group of rules
 
@@ -19,7 +19,7 @@ def is_missing(cfg: Config, key: str) -> bool:
 
 
 def critic_used(cfg: Config) -> bool:
-    return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
+    return "critic" in estimator_needs(cfg.algorithm.adv_estimator)
 
 
 def ref_used(cfg: Config) -> bool:

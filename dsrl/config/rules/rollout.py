@@ -20,7 +20,6 @@ from dsrl.config.names import (
     ROLLOUT_NAMES,
     ROLLOUT_RS_OPTIONS,
     SLEEP_LEVELS,
-    SUM_PI_SQUARED_ESTIMATORS,
     TOOL_FORMATS,
     TRUNCATE_SIDES,
 )
@@ -34,6 +33,7 @@ from dsrl.config.schema import (
     show,
     value_at,
 )
+from dsrl.config.user_code import estimator_needs
 
 
 def rollout_rules(cfg: Config, world_size: int, need: Need) -> None:
@@ -200,7 +200,7 @@ def rollout_correction_rules(cfg: Config, need: Need) -> None:
     if corr.bypass_mode:
         estimator, actor = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.actor
         for ok, key, what in (
-            (estimator not in SUM_PI_SQUARED_ESTIMATORS, "algorithm.adv_estimator", f"{estimator} needs sum_pi_squared"),
+            ("sum_pi_squared" not in estimator_needs(estimator), "algorithm.adv_estimator", f"{estimator} needs sum_pi_squared"),
             (not actor.calculate_sum_pi_squared, "actor_rollout_ref.actor.calculate_sum_pi_squared", "sum_pi_squared"),
         ):
             need(
