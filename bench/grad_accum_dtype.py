@@ -89,7 +89,7 @@ def one_step(size, model_dir: Path, config: Path, batch) -> dict:
         optimizer=type(actor.engine.basic_optimizer).__name__,
     )
     actor.engine.destroy()
-    del actor, zero, step
+    actor = zero = step = None  # freed before the next variant (the closures above are done with them)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

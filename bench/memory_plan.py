@@ -100,10 +100,10 @@ def reset_peak() -> None:
 
 def worker(out: Path, args: list[str]) -> int:
     """One run of ``dsrl.commands.train.main(args)`` with the per-phase peaks written to ``out`` (JSON, bytes)."""
+    from dsrl.commands.train import main
     from dsrl.runtime import phases
     from dsrl.trainer import loop as trainer
     from dsrl.trainer import setup
-    from dsrl.commands.train import main
 
     record: dict = {"phases": {}}
     in_phase, actor_engine = phases.in_phase, setup.ActorEngine

@@ -119,7 +119,7 @@ def measure(size: gpu_check.CheckSize, model_dir: Path, deepspeed_config, case: 
             (f"{case} {name} peak memory", peak, "GiB"),
         ]
     actor.engine.destroy()
-    del actor
+    actor = None  # freed before the next case (the lambdas above are done with it)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

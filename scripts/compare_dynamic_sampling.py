@@ -31,8 +31,8 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from dsrl.config import ConfigError, load_and_validate  # noqa: E402
 from dsrl.commands.tiny_runs import build_tiny_inputs  # noqa: E402
+from dsrl.config import ConfigError, load_and_validate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = [str(REPO / "configs" / name) for name in ("grpo.yaml", "cpu.yaml", "quickstart.yaml")]

@@ -320,10 +320,10 @@ def run(size: CheckSize, optimizer: str, out_dir: Path, started: float) -> None:
 
     from dsrl.data.batch import Batch
     from dsrl.engines import ActorEngine, init_distributed
-    from dsrl.trainer.metrics import rollout_logprob_metrics
-    from dsrl.rollout import HFRollout, SamplingParams
     from dsrl.engines.weight_sync import iter_full_parameters
+    from dsrl.rollout import HFRollout, SamplingParams
     from dsrl.rollout.colocation import colocated_generation
+    from dsrl.trainer.metrics import rollout_logprob_metrics
 
     accelerator = get_accelerator()
     on_cuda = accelerator.device_name() == "cuda"

@@ -101,7 +101,7 @@ def parse_rs(rollout_rs: str, threshold: float | str | None) -> dict[str, tuple[
         )
     specs = specs * len(options) if len(specs) == 1 else specs
     bounds: dict[str, tuple[float | None, float]] = {}
-    for option, spec in zip(options, specs):
+    for option, spec in zip(options, specs, strict=True):
         what = f"rollout_rs_threshold for {option}"
         if option.endswith("k1"):
             bounds[option] = _interval(spec if "_" in spec else f"{1.0 / _positive(spec, what)!r}_{spec}", what)

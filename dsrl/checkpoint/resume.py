@@ -45,9 +45,9 @@ from dsrl.checkpoint.save import (
     state_problem,
     step_dir,
 )
+from dsrl.checkpoint.universal import load_at_new_world_size
 from dsrl.config import Config
 from dsrl.config.files import parquet_paths
-from dsrl.checkpoint.universal import load_at_new_world_size
 
 logger = logging.getLogger("dsrl")
 
@@ -159,7 +159,7 @@ def restore(directory: Path, state: dict[str, Any], *, roles: dict, sampler, kl_
     for name, role in roles.items():
         role.skips.load_state_dict(state["skips"][name])
         role.lr_scheduler.load_state_dict(state["lr_schedulers"][name])
-        for group, lr in zip(role.lr_scheduler.optimizer.param_groups, role.lr_scheduler.get_last_lr()):
+        for group, lr in zip(role.lr_scheduler.optimizer.param_groups, role.lr_scheduler.get_last_lr(), strict=True):
             group["lr"] = lr  # the lr of the next step, whatever the optimizer state held
     seconds = time.perf_counter() - start
     logger.info(f"resumed from {directory} (step {state['global_step']}; loaded in {seconds:.2f} s)")
@@ -233,7 +233,7 @@ def check_train_data(cfg: Config, path: Path, state: dict[str, Any], train_data:
     changed = [
         f"{now['path']}: {then['bytes']:,} bytes, SHA-256 {then['sha256'][:12]}... then; {now['bytes']:,} bytes, "
         f"{now['sha256'][:12]}... now"
-        for then, now in zip(saved, train_data)
+        for then, now in zip(saved, train_data, strict=False)  # a change in their number is reported below
         if (then["bytes"], then["sha256"]) != (now["bytes"], now["sha256"])
     ]
     if len(saved) != len(train_data):

@@ -61,10 +61,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dsrl.commands.tiny_runs import build_tiny_inputs, markdown_table, run_logged
 from dsrl.config import ConfigError, load_and_validate
 from dsrl.config.loading import config_file_path, split_files_and_overrides
 from dsrl.runtime.launch import LAUNCHER_VARIABLES
-from dsrl.commands.tiny_runs import build_tiny_inputs, markdown_table, run_logged
 
 QUICK_TASK = ["cpu", "quickstart"]
 QUICK_STEPS, QUICK_VAL_EVERY = 20, 5
@@ -304,7 +304,7 @@ def plot_curves(arms: list[Arm], runs: dict[str, dict[int, dict]], path: Path) -
         ("relative gradient variance (actor/grad_var_relative)", lambda run: run["steps"]["grad_var_relative"]),
     ]
     figure, axes = plt.subplots(2, 2, figsize=(12, 8))
-    for ax, (title, series) in zip(axes.flat, panels):
+    for ax, (title, series) in zip(axes.flat, panels, strict=True):
         for arm in arms:
             curves = [series(run) for run in runs[arm.label].values()]
             steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
     with ThreadPoolExecutor(args.jobs) as pool:
-        codes = dict(zip(names, pool.map(train, names)))
+        codes = dict(zip(names, pool.map(train, names), strict=True))
     failed = [name for name, code in codes.items() if code != 0]
     if failed:
         logs = ", ".join(f"{name} (exit {codes[name]}): {out / 'runs' / name}.log" for name in failed)

@@ -49,6 +49,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
 from transformers import AutoModel, AutoModelForCausalLM
 
+from dsrl.checkpoint.resume import fields_problem
 from dsrl.checkpoint.save import (
     DS_TAG,
     STATE_FILE,
@@ -60,14 +61,13 @@ from dsrl.checkpoint.save import (
     state_problem,
     step_dir,
 )
+from dsrl.checkpoint.universal import convert as convert_to_universal
 from dsrl.config.files import model_dir_problems, model_path_problem
 from dsrl.config.schema import lora_enabled
 from dsrl.data.datasets import load_tokenizer
 from dsrl.engines.critic import ValueModel
 from dsrl.engines.deepspeed_setup import DTYPES
 from dsrl.engines.lora import add_adapters
-from dsrl.checkpoint.resume import fields_problem
-from dsrl.checkpoint.universal import convert as convert_to_universal
 
 ROLES = ("actor", "critic")
 # The config section of each role's model in the checkpoint's saved settings.

@@ -232,8 +232,8 @@ def evaluate_model(cfg, rollout, scorer, tokenizer, prompts, *, threshold: float
     import torch.distributed as dist
 
     from dsrl.rollout import SamplingParams
-    from dsrl.trainer.scoring import StepScorer
     from dsrl.trainer.batches import prompt_batch, with_responses
+    from dsrl.trainer.scoring import StepScorer
     from dsrl.trainer.validation import gather_rows, row_metrics, score_chunks, shard_chunks, validation_score
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -418,12 +418,12 @@ def evaluate(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from dsrl.tracking.console import logger, setup_logging
     from dsrl.data.datasets import load_tokenizer
     from dsrl.engines import init_distributed
     from dsrl.rewards import RewardScorer, check_reward_rules
     from dsrl.runtime.seeding import seed_all
     from dsrl.tracking import Tracker
+    from dsrl.tracking.console import logger, setup_logging
     from dsrl.trainer.setup import load_run_prompts, problems_of_every_rank
 
     init_distributed(cfg.actor_rollout_ref.nccl_timeout)
@@ -474,7 +474,7 @@ def evaluate(args: argparse.Namespace) -> int:
     try:
         tracker.log_params(eval_params(cfg, args.models))
         results, rollout = [], None
-        for model_cfg, (tokenizer, prompts) in zip(configs, loaded):
+        for model_cfg, (tokenizer, prompts) in zip(configs, loaded, strict=True):
             start = time.perf_counter()
             rollout = next_rollout(model_cfg, rollout)
             load_s = time.perf_counter() - start
@@ -512,7 +512,7 @@ def write_outputs(args, cfg, results: list[ModelResult], tracker) -> dict:
         ],
     }
     one = len(results) == 1
-    for label, result in zip("ab", results):
+    for label, result in zip("ab", results, strict=False):  # one model or two
         prefix = "" if one else f"model_{label}/"
         metrics = {prefix + name: value for name, value in {**result.metrics, **result.timing_s}.items()}
         tracker.log_metrics(metrics, step=0)

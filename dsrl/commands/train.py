@@ -32,16 +32,16 @@ import sys
 import traceback
 from pathlib import Path
 
+from dsrl.checkpoint.run_folder import RunFolderBusy
 from dsrl.config import SCHEMA, ConfigError, describe_keys, load_and_validate, to_yaml
 from dsrl.config.loading import split_files_and_overrides
-from dsrl.tracking.console import logger, refuse, setup_logging
-from dsrl.runtime.launch import LaunchError, RendezvousError, join
 from dsrl.plan.inputs import Device, detect_device, parse_size
 from dsrl.plan.plan import plan_for_config, plan_problems, render
 from dsrl.plan.shape import GIB, PlanError
+from dsrl.runtime.launch import LaunchError, RendezvousError, join
 from dsrl.runtime.redaction import redact_text
-from dsrl.checkpoint.run_folder import RunFolderBusy
 from dsrl.runtime.signals import Interrupted, RunSignals, TrainingInterrupted
+from dsrl.tracking.console import logger, refuse, setup_logging
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:

@@ -46,8 +46,8 @@ from dsrl.config.loading import (
 )
 from dsrl.config.names import (
     ADV_ESTIMATORS,
-    ESTIMATOR_NEEDS,
     BYPASS_LOSS_TYPES,
+    ESTIMATOR_NEEDS,
     GROUP_ESTIMATORS,
     KL_CTRL_TYPES,
     KL_KINDS,

@@ -13,7 +13,7 @@ in bf16 or fp32 and steps the lr itself once per training step.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 from dsrl.config.files import not_regular
 from dsrl.config.loading import deepspeed_config_path
@@ -71,11 +71,11 @@ def fill_ds_json(
     key: str,
     prefix: str,
     world_size: int,
-    micro_batch_size_per_gpu: Optional[int],
-    gradient_accumulation_steps: Optional[int],
+    micro_batch_size_per_gpu: int | None,
+    gradient_accumulation_steps: int | None,
     dtype: str,
     optim: Any = None,
-    grad_clip: Optional[float] = None,
+    grad_clip: float | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config of the role at ``prefix`` (named by ``key``): the JSON with the run's values filled in.
 

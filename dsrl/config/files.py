@@ -21,7 +21,6 @@ import stat
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional
 
 PARQUET_MAGIC = b"PAR1"  # the first and last 4 bytes of a parquet file
 # What from_pretrained loads, in its order of preference; the first present is checked.
@@ -39,7 +38,7 @@ _KINDS = {
 }
 
 
-def file_kind(path: Path) -> Optional[str]:
+def file_kind(path: Path) -> str | None:
     """What is at ``path``, a symlink followed: "a regular file", "a directory", "a FIFO", ...; None for nothing
     (or a symlink that points nowhere)."""
     try:
@@ -48,7 +47,7 @@ def file_kind(path: Path) -> Optional[str]:
         return None
 
 
-def not_regular(path: Path) -> Optional[str]:
+def not_regular(path: Path) -> str | None:
     """``not a regular file (a FIFO)`` when something other than a regular file is at ``path``; None for a regular
     file or nothing at all (the callers say "missing" in their own words)."""
     kind = file_kind(path)
@@ -65,7 +64,7 @@ def parquet_paths(files: str | Sequence[str]) -> list[str]:
     return paths
 
 
-def parquet_problem(path: Path) -> Optional[str]:
+def parquet_problem(path: Path) -> str | None:
     """Why the file at ``path`` is not a complete parquet file, or None."""
     if problem := not_regular(path):
         return problem
@@ -83,7 +82,7 @@ def parquet_problem(path: Path) -> Optional[str]:
     return None
 
 
-def _json(path: Path) -> tuple[object, Optional[str]]:
+def _json(path: Path) -> tuple[object, str | None]:
     """The JSON in ``path`` and None, or None and why it cannot be read."""
     try:
         return json.loads(path.read_bytes()), None
@@ -93,7 +92,7 @@ def _json(path: Path) -> tuple[object, Optional[str]]:
         return None, f"{path.name} is not valid JSON ({err})"
 
 
-def _weights_problem(path: Path) -> Optional[str]:
+def _weights_problem(path: Path) -> str | None:
     """Why the weights file ``path`` would not load in full, or None (read from its header)."""
     size = path.stat().st_size
     if path.suffix == ".safetensors":
@@ -179,7 +178,7 @@ def model_dir_problems(path: Path, *, tokenizer: bool) -> list[tuple[str, str]]:
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def model_path_problem(path: str) -> Optional[str]:
+def model_path_problem(path: str) -> str | None:
     """None if ``path`` is an existing directory or looks like a hub id owner/name that is not a local path."""
     if Path(path).expanduser().is_dir() or (_HUB_ID.match(path) and not Path(path).exists()):
         return None

@@ -9,7 +9,7 @@ import importlib.util
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Optional, Union, cast, get_args, get_origin
+from typing import Any, Union, cast, get_args, get_origin
 
 import yaml
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
@@ -85,7 +85,7 @@ def _merge(cfg: DictConfig, user: dict, prefix: str, violations: list[str], give
                 violations.append(violation(key, value, f"expected {expected}", f"set {key} to {expected}"))
 
 
-ConfigFiles = Union[str, Path, list, tuple, None]  # one YAML path, several (merged left to right), or none
+ConfigFiles = str | Path | list | tuple | None  # one YAML path, several (merged left to right), or none
 
 
 def config_file_path(name: str) -> Path:
@@ -116,7 +116,7 @@ def split_files_and_overrides(items: list[str]) -> tuple[list[str], list[str]]:
     return files, overrides
 
 
-def _read_layer(name: str, violations: list[str]) -> Optional[DictConfig]:
+def _read_layer(name: str, violations: list[str]) -> DictConfig | None:
     path = config_file_path(name)
     recipes = ", ".join(sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")))
     if problem := not_regular(path):
@@ -208,7 +208,7 @@ def load_config(files: ConfigFiles, overrides: list[str]) -> Config:
     return cfg  # type: ignore[return-value]  # a DictConfig typed by Config: attribute access as on the dataclass
 
 
-def policy_loss_param_key(name: str) -> Optional[str]:
+def policy_loss_param_key(name: str) -> str | None:
     """The key a policy loss's parameter ``name`` is read from: actor_rollout_ref.actor.policy_loss.<name>, else
     actor_rollout_ref.actor.<name> (where verl keeps them); None when neither exists (a user loss's own parameter,
     set in actor_rollout_ref.actor.policy_loss.params)."""

@@ -15,7 +15,6 @@ import sys
 import traceback
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Optional
 
 from dsrl.config.files import not_regular
 from dsrl.config.names import ESTIMATOR_NEEDS
@@ -36,7 +35,7 @@ def import_user_modules(entries: Iterable[str]) -> list[str]:
     return [violation("algorithm.import_modules", entry, f"import failed: {problem}", fix) for entry, problem in problems if problem]
 
 
-def _import(entry: str) -> Optional[str]:
+def _import(entry: str) -> str | None:
     """Import ``entry`` (a path to a .py file, or an importable module name) once per process; None when it
     imported, else what went wrong (the exception, and the file and line it was raised at). A module that calls
     ``sys.exit`` while imported fails like any other (it would end the run with nothing trained, exit code 0

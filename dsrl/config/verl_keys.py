@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from typing import Any, Optional
+from typing import Any
 
 from dsrl.config.schema import LEAF_KEYS, SCHEMA, violation
 
@@ -23,7 +23,7 @@ def _ds_config_key(key: str) -> str:
 LORA_KEYS = ("lora_rank", "lora_alpha", "target_modules", "exclude_modules", "lora_adapter_path")
 
 
-def verl_only_key(key: str) -> Optional[tuple[str, str]]:
+def verl_only_key(key: str) -> tuple[str, str] | None:
     """(rule, fix) for a verl key that dsrl replaces or does not need; None for other keys."""
     ds = _ds_config_key(key)
     offloaded = "zero3_offload_inference" if ds.startswith("actor_rollout_ref.ref") else "zero3_offload"

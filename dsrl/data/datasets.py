@@ -137,7 +137,7 @@ class PromptStore:
         """Rows per data source, in order of first appearance."""
         c = self._columns
         counts = np.bincount(c.source_codes[self._rows], minlength=len(c.sources))
-        return {source: int(n) for source, n in zip(c.sources, counts) if n}
+        return {source: int(n) for source, n in zip(c.sources, counts, strict=True) if n}
 
     @property
     def nbytes(self) -> int:

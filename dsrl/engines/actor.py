@@ -18,9 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from dsrl.algorithms import agg_loss, kl_penalty, policy_loss, policy_loss_params
 from dsrl.config import lora_enabled, policy_loss_param_values
-from dsrl.data.batch import Batch
-from dsrl.runtime.distributed import accelerator_device
 from dsrl.config.deepspeed_json import clip_grad
+from dsrl.data.batch import Batch
 from dsrl.engines.deepspeed_setup import (
     DTYPES,
     build_ds_config,
@@ -40,6 +39,7 @@ from dsrl.engines.grad_variance import MicroBatchGradNorms
 from dsrl.engines.lora import add_adapters, iter_adapter_parameters, iter_merged_parameters
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 from dsrl.engines.weight_sync import iter_full_parameters
+from dsrl.runtime.distributed import accelerator_device
 
 
 class ActorEngine:

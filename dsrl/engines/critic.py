@@ -15,9 +15,8 @@ from torch import nn
 from transformers import AutoModel
 
 from dsrl.algorithms import masked_mean, value_loss
-from dsrl.data.batch import Batch
-from dsrl.runtime.distributed import accelerator_device
 from dsrl.config.deepspeed_json import clip_grad
+from dsrl.data.batch import Batch
 from dsrl.engines.deepspeed_setup import (
     DTYPES,
     build_ds_config,
@@ -28,6 +27,7 @@ from dsrl.engines.deepspeed_setup import (
 )
 from dsrl.engines.forward import micro_batch_indices, model_inputs, pad_response
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
+from dsrl.runtime.distributed import accelerator_device
 
 
 class ValueModel(nn.Module):

@@ -52,7 +52,7 @@ def _rectangles(rows: list[int], prompt: list[int], response: list[int]) -> list
     """``k * (max prompt + max response columns)`` of ``rows[:k]`` for k = 1 .. len(rows): the
     ``[k, columns]`` input ``model_inputs`` builds (it keeps at least one response column)."""
     prompts, responses = accumulate((prompt[i] for i in rows), max), accumulate((response[i] for i in rows), max)
-    return [k * (p + max(1, r)) for k, (p, r) in enumerate(zip(prompts, responses), 1)]
+    return [k * (p + max(1, r)) for k, (p, r) in enumerate(zip(prompts, responses, strict=True), 1)]
 
 
 def _best_cut(run: list[int], prompt: list[int], response: list[int]) -> int:
@@ -222,7 +222,7 @@ def _chunk_grad(
     logits = logits.detach().requires_grad_()
     with torch.enable_grad():
         stats = _chunk_stats(logits, labels, temperature, grad_entropy is not None, False)
-    outputs, grads = zip(*((s, g) for s, g in zip(stats, (grad_log_probs, grad_entropy)) if g is not None))
+    outputs, grads = zip(*((s, g) for s, g in zip(stats, (grad_log_probs, grad_entropy), strict=False) if g is not None), strict=True)
     return torch.autograd.grad(outputs, logits, grads)[0]
 
 
@@ -241,7 +241,7 @@ class _ResponseStats(torch.autograd.Function):
         stats += [torch.empty_like(stats[0]) for _ in range(with_entropy + with_sum_pi_squared)]
         for idx in ctx.chunks:
             values = _chunk_stats(logits[idx], labels[idx], temperature, with_entropy, with_sum_pi_squared)
-            for out, value in zip(stats, values):
+            for out, value in zip(stats, values, strict=True):
                 out[idx] = value
         # Outputs after log_probs (entropy, when not differentiated, and sum_pi_squared) get no gradient.
         ctx.mark_non_differentiable(*stats[1 + (with_entropy and entropy_grad) :])
@@ -288,7 +288,7 @@ def response_stats(
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // logits.shape[-1])
     stats = _ResponseStats.apply(logits, labels, temperature, with_entropy, with_sum_pi_squared, entropy_grad, rows)
     names = ["log_probs"] + ["entropy"] * with_entropy + ["sum_pi_squared"] * with_sum_pi_squared
-    return dict(zip(names, stats))
+    return dict(zip(names, stats, strict=True))
 
 
 def pad_response(values: torch.Tensor, width: int) -> torch.Tensor:

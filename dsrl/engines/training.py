@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from dsrl.data.batch import Batch
-from dsrl.runtime.distributed import all_reduce
 from dsrl.engines.grad_variance import (
     SUM_SHARE_SQUARED,
     SUM_SQUARED_OVER_SHARE,
@@ -37,6 +36,7 @@ from dsrl.engines.grad_variance import (
     grad_variance,
     micro_batch_share,
 )
+from dsrl.runtime.distributed import all_reduce
 
 # loss_fn(micro, rows, num_tokens, num_seqs) -> (loss, metric contributions); ``rows`` are the micro-batch's
 # row numbers in the batch given to ``run_ppo_updates``; the contributions of all micro-batches and ranks add
@@ -179,7 +179,7 @@ def run_ppo_updates(
                     sums[SUM_SHARE_SQUARED] = sums.get(SUM_SHARE_SQUARED, 0.0) + squared.new_tensor(share**2)
             engine.step()
             names = sorted(sums)
-            totals = dict(zip(names, all_reduce(torch.stack([sums[name] for name in names])).tolist()))
+            totals = dict(zip(names, all_reduce(torch.stack([sums[name] for name in names])).tolist(), strict=True))
             grad_norm = float(engine.get_global_grad_norm())
             skips.record(applied=engine.was_step_applied(), loss=totals[loss_name], grad_norm=grad_norm)
             if grad_norms is not None:

@@ -28,8 +28,8 @@ from dsrl.rewards import arithmetic, calculator, gsm8k, worded
 from dsrl.rewards import math as math_answer
 from dsrl.rewards.custom import load_custom_reward_function
 from dsrl.rewards.overlong import overlong_penalties
-from dsrl.workers.pool import default_num_workers
 from dsrl.rewards.scorer import FAILURE_COUNTS, RewardScorer, numeric_extras, reward_components
+from dsrl.workers.pool import default_num_workers
 
 _RULES: dict[str, Callable[[str, str], float]] = {
     "arithmetic": arithmetic.compute_score,

@@ -136,7 +136,7 @@ class RewardScorer:
         logger.info("reward: %d worker processes ready in %.2f s%s", self.num_workers, self.startup_s, output)
 
     @classmethod
-    def from_config(cls, cfg, log_file: str | os.PathLike | None = None) -> "RewardScorer":
+    def from_config(cls, cfg, log_file: str | os.PathLike | None = None) -> RewardScorer:
         """The scorer of a run: ``custom_reward_function.*`` and ``reward.*`` of the config; the
         workers' output goes to ``log_file``."""
         fn, reward = cfg.custom_reward_function, cfg.reward
@@ -163,7 +163,7 @@ class RewardScorer:
         """Stop the workers (idempotent)."""
         self._workers.close()
 
-    def __enter__(self) -> "RewardScorer":
+    def __enter__(self) -> RewardScorer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -205,7 +205,7 @@ class RewardScorer:
         if lost:
             self._replace_broken_pool()
             again, _ = self._run([rows[i] for i in lost])
-            for i, outcome in zip(lost, again):
+            for i, outcome in zip(lost, again, strict=True):
                 outcomes[i] = ("crash", outcome[1]) if outcome[0] == "broken" else outcome
 
         scores, row_extras = [self.fallback_score] * n, [{}] * n
@@ -223,7 +223,7 @@ class RewardScorer:
                     "reward: %d of %d rows failed (%s) and scored %g; first: %s",
                     len(messages), n, kind, self.fallback_score, messages[0],
                 )
-        return scores, extras, {name: len(failures[kind]) for name, kind in zip(FAILURE_COUNTS, FAILURE_KINDS)}
+        return scores, extras, {name: len(failures[kind]) for name, kind in zip(FAILURE_COUNTS, FAILURE_KINDS, strict=True)}
 
     def _replace_broken_pool(self) -> None:
         self._workers.replace_if_broken()
@@ -330,4 +330,4 @@ def reward_components(
         columns.append(values)
     if problems:
         return [], problems
-    return [[float(v) for v in row] for row in zip(*columns)], []
+    return [[float(v) for v in row] for row in zip(*columns, strict=True)], []

@@ -120,7 +120,7 @@ def score_chunk(rows: list[tuple]) -> list[Outcome]:
     floats or dicts). A call that raises or returns the wrong number of results fails every row."""
     if process.load_error() is not None:
         return [("exception", process.load_error())] * len(rows)
-    data_sources, solution_strs, ground_truths, extra_infos = (list(column) for column in zip(*rows))
+    data_sources, solution_strs, ground_truths, extra_infos = (list(column) for column in zip(*rows, strict=True))
     try:
         results = _fn(
             data_sources=data_sources, solution_strs=solution_strs, ground_truths=ground_truths, extra_infos=extra_infos

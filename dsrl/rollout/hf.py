@@ -43,8 +43,8 @@ from transformers import (
 )
 
 from dsrl.algorithms import logprobs_from_logits
-from dsrl.engines.forward import kv_cache
 from dsrl.config import pushes_lora_adapters
+from dsrl.engines.forward import kv_cache
 from dsrl.engines.lora import add_adapters
 from dsrl.plan.shape import kv_bytes_per_token
 from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded, stop_and_pad_ids

@@ -131,7 +131,7 @@ class MultiTurnRollout:
         budget = sampling.max_tokens
         rows = [
             Conversation(ids[mask.bool()].tolist(), tools_kwargs[i // sampling.n])
-            for i, (ids, mask) in enumerate(zip(prompt_ids.repeat_interleave(sampling.n, 0), prompt_mask.repeat_interleave(sampling.n, 0)))
+            for i, (ids, mask) in enumerate(zip(prompt_ids.repeat_interleave(sampling.n, 0), prompt_mask.repeat_interleave(sampling.n, 0), strict=True))
         ]
         stats = self.stats
         out = self.engine.generate(prompt_ids, prompt_mask, sampling)

@@ -170,8 +170,8 @@ class VLLMRollout:
         per_prompt_seeds: bool = False,
         lora: LoraConfig | None = None,
     ):
-        from transformers import AutoTokenizer, GenerationConfig
         import vllm
+        from transformers import AutoTokenizer, GenerationConfig
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -366,7 +366,7 @@ class VLLMRollout:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
-        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
         caps = list(sampling.row_max_tokens or [sampling.max_tokens] * len(prompts))
         all_prompts, seeds, all_caps, mine, call_seed = self._group_requests(prompts, sampling.seed, caps)
         greedy = not sampling.do_sample
@@ -382,7 +382,7 @@ class VLLMRollout:
                 stop_token_ids=self.eos_token_ids,
                 detokenize=False,
             )
-            for seed, cap in zip(seeds, all_caps)
+            for seed, cap in zip(seeds, all_caps, strict=True)
         ]
         if call_seed is None:  # as the same on every rank of the group as a given seed
             call_seed = int(np.random.SeedSequence([self.engine_seed, self.generate_calls]).generate_state(1)[0])
@@ -408,7 +408,7 @@ class VLLMRollout:
             response_ids[row, :L] = torch.tensor(tokens, dtype=torch.long)
             response_mask[row, :L] = 1
             log_probs[row, :L] = torch.tensor(
-                [position[token].logprob for position, token in zip(completion.logprobs, tokens)]
+                [position[token].logprob for position, token in zip(completion.logprobs, tokens, strict=True)]
             )
         # vLLM ends a response at its first stop token and includes it ("stop"), or at max_tokens ("length").
         finish_reasons = [c.finish_reason for c in rows]

@@ -64,7 +64,7 @@ class RunSignals:
         self._at_kill: list[Callable[[], None]] = []
         self._previous: dict[int, object] = {}
 
-    def install(self) -> "RunSignals":
+    def install(self) -> RunSignals:
         for signum in SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
         return self
@@ -80,7 +80,7 @@ class RunSignals:
         self._at_kill.append(callback)
 
     @contextmanager
-    def deferred(self, rank: int) -> Iterator["RunSignals"]:
+    def deferred(self, rank: int) -> Iterator[RunSignals]:
         """Within ``with``: the first signal is recorded in ``signum`` for the loop to act on; a second one exits."""
         self.raise_swallowed()
         self.rank, self._deferring = rank, True

@@ -14,8 +14,8 @@ import threading
 import warnings
 from typing import Any
 
-from dsrl.tracking.console import ProgressConsole
 from dsrl.runtime.redaction import is_secret_name, redact, redact_text
+from dsrl.tracking.console import ProgressConsole
 from dsrl.tracking.mlflow_backend import STATUSES, MLflowBackend, default_tracking_uri, sanitize_metric_name
 
 __all__ = ["MLflowBackend", "Tracker", "flatten", "is_secret_name", "redact", "redact_text", "sanitize_metric_name"]
@@ -125,7 +125,7 @@ class Tracker:
         for backend in self.backends:
             if hasattr(backend, method):
                 self._guarded(f"{type(backend).__name__}.{method}",
-                              lambda: getattr(backend, method)(*args, **kwargs))
+                              lambda backend=backend: getattr(backend, method)(*args, **kwargs))
 
     def log_params(self, params: dict[str, Any]) -> None:
         """Flattened config keys; redacted, sent in batches of MLflow's per-request limit."""
@@ -165,7 +165,7 @@ class Tracker:
         atexit.unregister(self._finish_at_exit)
         for backend in self.backends:
             if isinstance(backend, MLflowBackend):
-                self._guarded("MLflowBackend.finish", lambda: backend.finish(status))
+                self._guarded("MLflowBackend.finish", lambda backend=backend: backend.finish(status))
             else:
                 self._guarded(f"{type(backend).__name__}.finish", backend.finish)
         sys.stdout.flush()

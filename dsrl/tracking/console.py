@@ -48,8 +48,9 @@ import shlex
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from dsrl.runtime.redaction import redact_text
 

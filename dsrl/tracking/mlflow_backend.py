@@ -28,10 +28,10 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dsrl.runtime.redaction import redact, redact_text
 
@@ -290,7 +290,7 @@ class MLflowBackend:
             size = self._limits.MAX_METRICS_PER_BATCH
             for start in range(0, len(metrics), size):
                 chunk = metrics[start:start + size]
-                self._send(kind, lambda: self.client.log_batch(self.run_id, metrics=chunk), len(chunk))
+                self._send(kind, lambda chunk=chunk: self.client.log_batch(self.run_id, metrics=chunk), len(chunk))
             self._done(merged)
 
     def _send(self, kind: str, call: Callable[[], Any], n_metrics: int) -> None:
@@ -317,7 +317,8 @@ class MLflowBackend:
         changed = sorted(k for k, v in values.items() if self._existing_params.get(k, v) != v)
         if changed:  # MLflow refuses to change a param; not a failure
             warnings.warn(f"tracking: {len(changed)} params differ from those of the continued MLflow run, which "
-                          "keeps its values: " + ", ".join(changed[:5]) + (", ..." if len(changed) > 5 else ""))
+                          "keeps its values: " + ", ".join(changed[:5]) + (", ..." if len(changed) > 5 else ""),
+                          stacklevel=2)
         new = [self._Param(k, v) for k, v in values.items() if k not in self._existing_params]
         size = self._limits.MAX_PARAMS_TAGS_PER_BATCH
         for start in range(0, len(new), size):

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dsrl.trainer.balance import take_global_rows
 from dsrl.data.batch import Batch
+from dsrl.trainer.balance import take_global_rows
 
 SCORE_METRICS = ("seq_reward", "score", "seq_final_reward")  # the row's score; else a reward extra
 KEPT = "kept"

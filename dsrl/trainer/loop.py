@@ -20,17 +20,17 @@ import torch.distributed as dist
 
 from dsrl.algorithms import (
     EstimatorInputs,
+    RolloutCorrection,
     agg_loss,
     apply_kl_penalty,
     compute_advantages,
     estimator_needs,
     estimator_options,
-    RolloutCorrection,
     reads_policy,
     rollout_correction,
     truncated_responses,
 )
-from dsrl.trainer.balance import balance_across_ranks, pf_ppo_resample
+from dsrl.checkpoint.resume import trainer_state
 from dsrl.checkpoint.save import (
     HF_DIR,
     adapter_dir,
@@ -40,12 +40,21 @@ from dsrl.checkpoint.save import (
     step_dir,
 )
 from dsrl.config import LOGGED_SAMPLES, Config
-from dsrl.tracking.console import final_summary, logger, setup_logging, startup_summary
 from dsrl.data.batch import Batch
-from dsrl.trainer.dynamic_sampling import fill_batch, metric_values
-from dsrl.runtime.distributed import all_gather_rows, all_reduce, global_mean
 from dsrl.engines import init_distributed
 from dsrl.engines.training import global_counts
+from dsrl.rewards import numeric_extras
+from dsrl.rollout import SamplingParams
+from dsrl.rollout.colocation import colocated_generation
+from dsrl.runtime.distributed import all_gather_rows, all_reduce, global_mean
+from dsrl.runtime.phases import PhaseTimer, in_phase
+from dsrl.runtime.seeding import seed_all
+from dsrl.runtime.signals import Interrupted, RunSignals, TrainingInterrupted
+from dsrl.tracking.console import final_summary, logger, setup_logging, startup_summary
+from dsrl.trainer.balance import balance_across_ranks, pf_ppo_resample
+from dsrl.trainer.batches import prompt_batch, with_responses
+from dsrl.trainer.dynamic_sampling import fill_batch, metric_values
+from dsrl.trainer.facts import final_facts, startup_facts
 from dsrl.trainer.metrics import (
     batch_metrics,
     memory_metrics,
@@ -56,19 +65,10 @@ from dsrl.trainer.metrics import (
     throughput_metrics,
     variance_proxy_metrics,
 )
-from dsrl.runtime.phases import PhaseTimer, in_phase
-from dsrl.checkpoint.resume import trainer_state
-from dsrl.rewards import numeric_extras
-from dsrl.rollout import SamplingParams
-from dsrl.rollout.colocation import colocated_generation
 from dsrl.trainer.preflight import Cluster
-from dsrl.trainer.stops import TrainingStopped
-from dsrl.trainer.facts import final_facts, startup_facts
 from dsrl.trainer.scoring import Scores
-from dsrl.runtime.seeding import seed_all
-from dsrl.runtime.signals import Interrupted, RunSignals, TrainingInterrupted
 from dsrl.trainer.setup import TrainerSetup
-from dsrl.trainer.batches import prompt_batch, with_responses
+from dsrl.trainer.stops import TrainingStopped
 from dsrl.trainer.validation import (
     gather_rows,
     generation_row,
@@ -187,7 +187,7 @@ class Trainer(TrainerSetup):
             infos = batch.extra_infos or [{}] * len(batch)
             batch = batch.replace(extra_infos=[
                 {**info, "num_turns": talk["num_turns"], "num_tool_calls": talk["num_tool_calls"]}
-                for info, talk in zip(infos, out.conversations)
+                for info, talk in zip(infos, out.conversations, strict=True)
             ])
         return batch
 
@@ -268,7 +268,7 @@ class Trainer(TrainerSetup):
         responses = self.scoring.response_texts(sample)
         table = [
             generation_row((self.scoring.prompt_text(sample, i), responses[i]), source, score, {})
-            for i, (source, score) in enumerate(zip(sample.data_sources, sample.token_level_scores.sum(-1).tolist()))
+            for i, (source, score) in enumerate(zip(sample.data_sources, sample.token_level_scores.sum(-1).tolist(), strict=True))
         ]
         self.tracker.log_table(table, f"generations/train_step_{self.global_step + 1}.json")
 
@@ -340,7 +340,7 @@ class Trainer(TrainerSetup):
             **gathered,
             group_ids=group_ids[:, 0],
             reward_baselines=None if baselines is None else baselines[:, 0],
-            reward_components=None if components is None else dict(zip(algo.gdpo_reward_keys, components.unbind(-1))),
+            reward_components=None if components is None else dict(zip(algo.gdpo_reward_keys, components.unbind(-1), strict=True)),
         )
         options = {key: algo[key] for key in estimator_options(algo.adv_estimator) if key in algo}
         advantages, returns = compute_advantages(

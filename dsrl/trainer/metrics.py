@@ -44,7 +44,7 @@ def _stats(named: dict[str, torch.Tensor]) -> dict[str, tuple[float, float, floa
     )
     return {
         name: (total / count, hi, -neg_lo) if count else (NAN, NAN, NAN)
-        for name, (total, count), (hi, neg_lo) in zip(named, sums.tolist(), ends.tolist())
+        for name, (total, count), (hi, neg_lo) in zip(named, sums.tolist(), ends.tolist(), strict=True)
     }
 
 
@@ -343,9 +343,9 @@ def reward_metrics(counts: Mapping[str, float], extras: Mapping[str, list[float]
     sums = [sum(extras.get(name, [])) for name in extra_names]
     sizes = [len(extras.get(name, [])) for name in extra_names]
     totals = all_reduce(torch.tensor([float(v) for v in [*counts.values(), *sums, *sizes]], dtype=torch.float64)).tolist()
-    metrics = dict(zip(counts, totals))
+    metrics = dict(zip(counts, totals, strict=False))  # the counts' totals come first
     k = len(extra_names)
-    for name, total, size in zip(extra_names, totals[len(counts) : len(counts) + k], totals[len(counts) + k :]):
+    for name, total, size in zip(extra_names, totals[len(counts) : len(counts) + k], totals[len(counts) + k :], strict=True):
         metrics[f"reward/{name}/mean"] = total / size
     return metrics
 
@@ -363,7 +363,7 @@ def multi_turn_metrics(stats) -> dict[str, float]:
     counts |= {f"tool/fail_{kind}": count for kind, count in stats.failures.items()}
     counts["rows"] = len(stats.turns)
     counts |= {f"stop/{reason}": count for reason, count in stats.stops.items()}
-    totals = dict(zip(counts, all_reduce(torch.tensor(list(counts.values()), dtype=torch.float64)).tolist()))
+    totals = dict(zip(counts, all_reduce(torch.tensor(list(counts.values()), dtype=torch.float64)).tolist(), strict=True))
     rows = max(totals.pop("rows"), 1.0)
     return {
         "multi_turn/turns_per_response/mean": turns_mean,

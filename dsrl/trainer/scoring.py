@@ -11,8 +11,8 @@ import torch
 
 from dsrl.config import Config
 from dsrl.data.batch import Batch, last_response_token
-from dsrl.runtime.distributed import gather_problems
 from dsrl.rewards import RewardScorer, overlong_penalties, reward_components
+from dsrl.runtime.distributed import gather_problems
 
 
 @dataclass
@@ -33,7 +33,7 @@ class StepScorer:
 
     def response_texts(self, batch: Batch) -> list[str]:
         return self.tokenizer.batch_decode(
-            [ids[mask.bool()] for ids, mask in zip(batch.response_ids, batch.response_attention)], skip_special_tokens=True
+            [ids[mask.bool()] for ids, mask in zip(batch.response_ids, batch.response_attention, strict=True)], skip_special_tokens=True
         )
 
     def prompt_text(self, batch: Batch, row: int) -> str:
@@ -52,7 +52,7 @@ class StepScorer:
                 buffer_len=buffer.len,
                 penalty_factor=buffer.penalty_factor,
             )
-            scores = [score + penalty for score, penalty in zip(scores, penalties)]
+            scores = [score + penalty for score, penalty in zip(scores, penalties, strict=True)]
             if buffer.log:
                 extras = {**extras, "overlong_reward": penalties, "overlong": [penalty < 0 for penalty in penalties]}
         token_level = torch.zeros_like(batch.response_mask, dtype=torch.float32)

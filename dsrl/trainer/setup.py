@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from dsrl.algorithms import AdaptiveKLController, FixedKLController
 from dsrl.checkpoint import run_folder
-from dsrl.checkpoint.resume import checkpoint_to_resume, check_settings, check_train_data, data_identity, restore
+from dsrl.checkpoint.resume import check_settings, check_train_data, checkpoint_to_resume, data_identity, restore
 from dsrl.checkpoint.save import CheckpointError
 from dsrl.config import ConfigError, import_user_modules, to_dict, to_yaml
 from dsrl.config.rules.need import critic_used

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from dsrl.data.batch import Batch
-from dsrl.trainer.metrics import validation_metrics
 from dsrl.rewards import FAILURE_COUNTS, numeric_extras
+from dsrl.trainer.metrics import validation_metrics
 from dsrl.trainer.scoring import StepScorer
 
 
@@ -65,7 +65,7 @@ def score_chunks(
         for name, count in scores.counts.items():
             failures[name] += count
         for i, (source, shard_row, score) in enumerate(
-            zip(batch.data_sources, batch.group_ids.tolist(), scores.token_level.sum(-1).tolist())
+            zip(batch.data_sources, batch.group_ids.tolist(), scores.token_level.sum(-1).tolist(), strict=True)
         ):
             index = rank + world_size * shard_row
             texts = (scoring.prompt_text(batch, i), scores.responses[i]) if index < texts_below else None

@@ -12,8 +12,8 @@ function ``<group>_rules(cfg, ..., need)`` recording each violation with ``need(
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
-from typing import Any, Callable, cast
+from collections.abc import Callable, Collection
+from typing import Any, cast
 
 from omegaconf import MISSING, ListConfig, OmegaConf
 

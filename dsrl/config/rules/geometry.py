@@ -3,7 +3,7 @@ no-grad passes' micro-batches and token budgets; and each role's DeepSpeed JSON,
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from dsrl.config.deepspeed_json import DeepSpeedJsonError, clip_grad, fill_ds_json
 from dsrl.config.rules.need import Need, critic_used, ref_used
@@ -154,7 +154,7 @@ def deepspeed_rules(cfg: Config, world_size: int, need: Need) -> None:
                 need(False, key, rule, fix)
 
 
-def _ds_geometry(section: Any, n: int, world_size: int) -> tuple[Optional[int], Optional[int]]:
+def _ds_geometry(section: Any, n: int, world_size: int) -> tuple[int | None, int | None]:
     """(DeepSpeed micro-batch size, accumulation steps) of a trained role, as ``engines.training.mini_batch_geometry``
     derives them; (None, None) where the batch rules refuse the mini-batch already."""
     rows, micro = section.ppo_mini_batch_size * n, section.ppo_micro_batch_size_per_gpu

@@ -3,7 +3,7 @@ and the questions several groups ask of a config (is a key missing, does the run
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from omegaconf import OmegaConf
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 from omegaconf import ListConfig
 
@@ -115,7 +114,7 @@ def _named_by(file: str, entry: str) -> str:
     return file if file == entry else f"{file} (in the directory {entry})"
 
 
-def _run_dir_problem(folder: Path) -> Optional[tuple[str, str]]:
+def _run_dir_problem(folder: Path) -> tuple[str, str] | None:
     """(rule, fix) when the run could not write its checkpoints and final model into ``folder`` (made when missing):
     something other than a folder in the way, a folder this user cannot write to, or something other than an
     earlier export where the final model goes; None when it can."""

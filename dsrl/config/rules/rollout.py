@@ -8,7 +8,7 @@ import dataclasses
 import math
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import ListConfig
 
@@ -261,7 +261,7 @@ def _correction_rules(section: Any, prefix: str, need: Need) -> None:
     elif len(specs) not in (1, len(options)):
         problem = f"{len(specs)} thresholds for {len(options)} rollout_rs options"
     else:
-        for option, spec in zip(options, specs * len(options) if len(specs) == 1 else specs):
+        for option, spec in zip(options, specs * len(options) if len(specs) == 1 else specs, strict=True):
             if problem is None and (found := _threshold_problem(spec, "k1" if option.endswith("k1") else "k")):
                 problem = f"{option}: {found}"
     need(
@@ -273,7 +273,7 @@ def _correction_rules(section: Any, prefix: str, need: Need) -> None:
     )
 
 
-def _threshold_problem(spec: Any, kind: str) -> Optional[str]:
+def _threshold_problem(spec: Any, kind: str) -> str | None:
     """What is wrong with a threshold of ``kind`` (``is``: rollout_is_threshold, ``k1``: a k1 option's, ``k``: a k2/k3
     option's) such that an exactly on-policy ratio 1 is kept; None when nothing is. A number U: > 1 (is), >= 1 (k1),
     > 0 (k); 'L_U' (is, k1): 0 < L <= 1 <= U."""
@@ -294,7 +294,7 @@ def _threshold_problem(spec: Any, kind: str) -> Optional[str]:
     return None
 
 
-def _number(text: str) -> Optional[float]:
+def _number(text: str) -> float | None:
     try:
         value = float(text)
     except ValueError:

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from dsrl.config.names import TOOL_FORMATS
+
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 from dsrl.config.loading import tool_config_file
 from dsrl.config.names import TRUNCATE_SIDES
-from dsrl.workers.pool import WorkerPool, default_num_workers
 from dsrl.rollout.tools import worker
 from dsrl.rollout.tools.parse import ToolCall
 from dsrl.rollout.tools.specs import MULTI_TURN_KEY, ToolFileError, ToolSpec, argument_problem, load_tool_specs
+from dsrl.workers.pool import WorkerPool, default_num_workers
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class ToolSet:
         logger.info("tools %s: %d worker processes ready in %.2f s", sorted(self._specs), self._workers.num_workers, self.startup_s)
 
     @classmethod
-    def from_config(cls, cfg, log_file: str | os.PathLike | None = None) -> "ToolSet":
+    def from_config(cls, cfg, log_file: str | os.PathLike | None = None) -> ToolSet:
         """The tools of a run: ``actor_rollout_ref.rollout.multi_turn.*``; the workers' log rotates at
         ``reward.log_max_mb``. ValueError with every problem of the tool files."""
         multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
@@ -112,7 +112,7 @@ class ToolSet:
         """Stop the workers, each with its process group (idempotent)."""
         self._workers.close()
 
-    def __enter__(self) -> "ToolSet":
+    def __enter__(self) -> ToolSet:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -144,9 +144,9 @@ class ToolSet:
         lost = [j for j, outcome in enumerate(outcomes) if outcome[0] == "broken"]
         if lost:
             self._workers.replace_if_broken()
-            for j, outcome in zip(lost, self._dispatch([requests[todo[j]] for j in lost])):
+            for j, outcome in zip(lost, self._dispatch([requests[todo[j]] for j in lost]), strict=True):
                 outcomes[j] = ("crash", *outcome[1:]) if outcome[0] == "broken" else outcome
-        for i, (kind, text, seconds) in zip(todo, outcomes):
+        for i, (kind, text, seconds) in zip(todo, outcomes, strict=True):
             name = requests[i].call.name
             if kind == "ok":
                 results[i] = ToolResult(text, None, seconds)

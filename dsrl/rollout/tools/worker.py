@@ -13,10 +13,10 @@ import reprlib
 import time
 import traceback
 
-from dsrl.workers import process
 from dsrl.rollout.tools.builtin import BUILTINS, ToolTimeout
 from dsrl.rollout.tools.parse import truncate
 from dsrl.rollout.tools.specs import MULTI_TURN_KEY, ToolSpec, import_file, load_tool_class
+from dsrl.workers import process
 
 # name -> (call(arguments, create_kwargs), the user's function a traceback should point into; None: a built-in)
 _tools: dict[str, tuple] = {}
