@@ -28,9 +28,9 @@ from dsrl.config.schema import ADAPTER_DIR
 from dsrl.engines import ActorEngine
 from dsrl.engines.weight_sync import iter_full_parameters
 from tests.conftest import recipe
-from tests.integration.test_engines import ACTOR_TRAINING, make_batch, training_batch
-from tests.integration.test_trainer import trainer_for
-from tests.resume_helpers import _differences
+from tests.helpers.engines import ACTOR_TRAINING, make_batch, training_batch
+from tests.helpers.resume import _differences
+from tests.helpers.trainer import trainer_for
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ the quickstart): runs killed with SIGKILL (mid-step, and at each phase of writin
 stopped by SIGTERM, then resumed, are bit-identical to an uninterrupted run at every step after the
 resume: metrics, DeepSpeed partitions and optimizer states, RNG, trainer state, the exported model.
 
-Each run is a real process (``tests/train_worker.py``): the configuration as shipped but for the tiny
+Each run is a real process (``tests/helpers/train_worker.py``): the configuration as shipped but for the tiny
 model, the test data and reward, and ``STEPS`` steps with a checkpoint after each (``resume_overrides``).
 Under the CPU overlay every recipe takes one optimizer step per training step, so the resume points
 below are also optimizer-step counts: 2 (DeepSpeed's CPU Adam once took the third step differently in a
@@ -20,7 +20,8 @@ import time
 import pytest
 import torch
 
-from tests.resume_helpers import (
+from tests.helpers.resume import (
+    LORA,
     SHIPPED,
     STEPS,
     Baselines,
@@ -35,8 +36,8 @@ from tests.resume_helpers import (
 
 # Each resumed chain starts from the uninterrupted run's step-2 checkpoint; three are killed with SIGKILL on the
 # way, at a phase of writing a checkpoint or in the middle of a step (and RLOO's is stopped by SIGTERM below): (kill point, the checkpoint the next run resumes
-# from: a kill while a checkpoint is written falls back to the one before). tests/dist/test_resume_2ranks.py
-# resumes the same configurations at step 3, and tests/unit/test_adam_resume.py the optimizer at every count.
+# from: a kill while a checkpoint is written falls back to the one before). tests/checkpoint/test_resume_2ranks.py
+# resumes the same configurations at step 3, and tests/checkpoint/test_adam_resume.py the optimizer at every count.
 RESUME_AT = 2
 KILLS = {
     "grpo": [("save_engines@4", 3)],
@@ -72,10 +73,6 @@ def test_killed_and_resumed_run_is_bit_identical(name, baselines, overrides_for,
     resume_chain(name, start, KILLS.get(name, []), out=tmp_path, overrides=overrides_for(name, tmp_path / "ckpt"),
                  world=1, free_port=free_port)
     assert assert_same_run(baselines.result(name), tmp_path, first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
-
-
-LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
-        "actor_rollout_ref.model.target_modules=all-linear"]
 
 
 # GRPO's recipe has a KL loss: the reference log-probs are the LoRA actor's with its adapters off.
@@ -155,7 +152,7 @@ def test_second_signal_exits_at_once(signum, tmp_path):
 def test_resume_with_dynamic_sampling_is_bit_identical(overrides_for, free_port, deepspeed_cpu_ops, tmp_path):
     """algorithm.filter_groups draws extra prompt batches in a step; the checkpoint's sampler position counts
     them, so a run killed mid-step and resumed draws the same prompts as the uninterrupted one."""
-    from tests.integration.test_trainer_dynamic_sampling import FILTERING, PARITY_REWARD
+    from tests.helpers.trainer import FILTERING, PARITY_REWARD
 
     reward = tmp_path / "parity_reward.py"
     reward.write_text(PARITY_REWARD)
@@ -171,7 +168,7 @@ def test_resume_with_dynamic_sampling_is_bit_identical(overrides_for, free_port,
     assert assert_same_run(baseline, chain, first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
 
 
-@pytest.mark.slow  # the loop's state is the same with tools (multi-turn trains in tests/integration/test_trainer_multi_turn.py)
+@pytest.mark.slow  # the loop's state is the same with tools (multi-turn trains in tests/trainer/test_trainer_multi_turn.py)
 def test_resume_with_tool_calls_is_bit_identical(tool_model_dir, calculator_data, ds_test_config, free_port,
                                                  deepspeed_cpu_ops, tmp_path):
     """TIR-OTB with the calculator (configs/tir_otb.yaml, the tool task's CPU overlay): every turn of a

@@ -1,21 +1,21 @@
 """Exact resume on two CPU ranks under the real ``deepspeed`` launcher, in every configuration dsrl ships
 (each recipe under the CPU overlay, and the quickstart): a run resumed from the uninterrupted run's
-step-3 checkpoint (tests/integration/test_resume.py resumes at step 2), in PPO's case killed with SIGKILL on
+step-3 checkpoint (tests/checkpoint/test_resume.py resumes at step 2), in PPO's case killed with SIGKILL on
 the way (the launcher then stops the other rank) and resumed again, is bit-identical to the uninterrupted
 run at every later step: each rank's metrics, partitions, optimizer state and RNG.
 
 What two ranks add to a resume is the same code in every recipe (each rank's partitions, RNG and share of
 the prompts, rows moved between ranks); what a recipe adds is resumed on one rank in every configuration.
 So the default run keeps PPO (the one with a second trained engine); the quickstart's two-rank resume is in the
-default run as tests/dist/test_multinode.py (resumed under three launchers, bit-identical to one node), and the
-other six here are ``slow`` (``python -m pytest -m slow tests/dist``), about two minutes each on two cores.
+default run as tests/runtime/test_multinode.py (resumed under three launchers, bit-identical to one node), and the
+other six here are ``slow`` (``python -m pytest -m slow tests/checkpoint/test_resume_2ranks.py``), about two minutes each on two cores.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.resume_helpers import SHIPPED, STEPS, Baselines, assert_same_run, resume_chain, resume_overrides
+from tests.helpers.resume import SHIPPED, STEPS, Baselines, assert_same_run, resume_chain, resume_overrides
 
 pytestmark = pytest.mark.dist
 

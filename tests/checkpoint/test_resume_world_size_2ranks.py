@@ -22,8 +22,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 from dsrl.checkpoint.save import DS_TAG, step_dir
 from dsrl.checkpoint.universal import convert, universal_dir
-from tests.integration.test_resume import LORA
-from tests.resume_helpers import logged_steps, resume_overrides, run_worker
+from tests.helpers.resume import LORA, logged_steps, resume_overrides, run_worker
 
 pytestmark = pytest.mark.dist
 

@@ -17,9 +17,9 @@ from dsrl.checkpoint.save import HF_DIR, sha256_file, step_dir
 from dsrl.config.schema import ADAPTER_DIR
 from dsrl.commands.convert import VALUE_HEAD_FILE, main
 from dsrl.runtime.launch import LAUNCHER_VARIABLES
-from tests.integration.test_engines import make_batch
-from tests.integration.test_trainer import trainer_for
-from tests.resume_helpers import REPO
+from tests.helpers.engines import make_batch
+from tests.helpers.resume import REPO
+from tests.helpers.trainer import trainer_for
 
 EXPORT = ("trainer.save_freq=1", "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
           "trainer.val_before_train=false", "trainer.test_freq=-1")

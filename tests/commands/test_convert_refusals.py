@@ -1,5 +1,5 @@
 """``dsrl-convert`` refuses, in one line with the fix and exit code 2, what is not a dsrl checkpoint or not a place to
-write (damaged checkpoints and missing parts of real ones: ``tests/integration/test_convert.py``)."""
+write (damaged checkpoints and missing parts of real ones: ``tests/commands/test_convert.py``)."""
 
 from __future__ import annotations
 

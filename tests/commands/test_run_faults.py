@@ -1,10 +1,10 @@
 """Faults outside the training loop and in what runs share, tried as a user meets them (issue 20): the real
 ``scripts/train.py`` in a subprocess on the tiny model, the quickstart's configuration.
 
-Shared resources (two runs without a launcher: tests/dist/test_multinode.py): two runs creating one new MLflow sqlite
+Shared resources (two runs without a launcher: tests/runtime/test_multinode.py): two runs creating one new MLflow sqlite
 store both track. Signals: Ctrl-C while the run starts, SIGHUP during training. User code: a reward file that
 fails to import stops the run before any model loads. Late errors: a disk that cannot take the checkpoint
-(a stale WORLD_SIZE without a launcher: tests/dist/test_multinode.py). Secrets in a path stay out of the console.
+(a stale WORLD_SIZE without a launcher: tests/runtime/test_multinode.py). Secrets in a path stay out of the console.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from tests.integration.test_trainer import trainer_for
+from tests.helpers.trainer import trainer_for
 
 
 def with_sources(src, dst, sources):

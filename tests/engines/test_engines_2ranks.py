@@ -1,6 +1,6 @@
 """Two CPU ranks under the real ``deepspeed`` launcher: ZeRO-3 + offload actor, rollout copies, sync.
 
-The worker (``engines_2ranks_worker.py``) writes one JSON per rank; the same script run as a world
+The worker (``tests/helpers/engines_2ranks_worker.py``) writes one JSON per rank; the same script run as a world
 of one on the whole batch gives the parameters a 2-rank update must reproduce: that pins down the
 loss normalisation by global counts and the compensation of DeepSpeed's gradient averaging.
 """
@@ -19,7 +19,7 @@ import torch
 
 pytestmark = pytest.mark.dist
 
-WORKER = Path(__file__).with_name("engines_2ranks_worker.py")
+WORKER = Path(__file__).parents[1] / "helpers" / "engines_2ranks_worker.py"
 REPO = Path(__file__).resolve().parents[2]
 
 

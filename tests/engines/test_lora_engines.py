@@ -22,7 +22,7 @@ import torch
 
 from dsrl.engines import ActorEngine, AdapterOffReference, ReferenceEngine
 from dsrl.engines.lora import iter_merged_parameters, trainable_parameter_count
-from tests.integration.test_engines import (
+from tests.helpers.engines import (
     ACTOR_TRAINING,
     TEMPERATURE,
     assert_same_metrics,

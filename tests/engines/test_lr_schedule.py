@@ -11,6 +11,7 @@ from dsrl.config import load_config
 from dsrl.config.deepspeed_json import clip_grad
 from dsrl.engines.deepspeed_setup import lr_scheduler
 from tests.conftest import QUICKSTART
+from tests.helpers.engines import stepped
 
 LR = 0.1
 
@@ -21,17 +22,6 @@ def lrs(steps: int, total: int | None, *overrides: str) -> list[float]:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
     scheduler = lr_scheduler(optimizer, cfg.actor_rollout_ref.actor.optim, total_training_steps=total, prefix="actor")
     return stepped(scheduler, steps)
-
-
-def stepped(scheduler: torch.optim.lr_scheduler.LRScheduler, steps: int) -> list[float]:
-    """The lr of each of ``steps`` training steps under ``scheduler``."""
-    optimizer = scheduler.optimizer
-    seen = []
-    for _ in range(steps):
-        seen.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    return seen
 
 
 def verl_cosine(step: int, *, warmup: int, total: int, floor: float, cycles: float = 0.5) -> float:
@@ -87,4 +77,4 @@ def test_grad_clip_is_verls_older_name_of_clip_grad():
     cfg = load_config(QUICKSTART, ["actor_rollout_ref.actor.grad_clip=2.0"])  # over clip_grad's default
     assert clip_grad(cfg.actor_rollout_ref.actor) == 2.0
     assert clip_grad(cfg.critic) == 1.0
-    # both set to different values is refused (tests/unit/test_config_late_errors.py)
+    # both set to different values is refused (tests/config/test_config_paths.py)

@@ -1,6 +1,6 @@
 """``actor_rollout_ref.model.shared_prompt_forward``: each distinct prompt of a micro-batch runs once and its
 responses run on its KV cache. The same function of the parameters as one forward over every row: equal
-log-probs and gradients to float rounding (the engines under ZeRO-3: tests/integration/test_engines.py)."""
+log-probs and gradients to float rounding (the engines under ZeRO-3: tests/engines/test_engines.py)."""
 
 from __future__ import annotations
 

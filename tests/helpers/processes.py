@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # A process started from a background job of a non-interactive shell (``cmd &``, ``nohup``) inherits SIGINT,
 # SIGQUIT and SIGHUP ignored, and Python then leaves them so: the scripts start with their usual handlers, as a

@@ -1,4 +1,4 @@
-"""Runs of ``tests/train_worker.py`` that are killed and resumed, and the comparisons of their results.
+"""Runs of ``tests/helpers/train_worker.py`` that are killed and resumed, and the comparisons of their results.
 
 A run is a subprocess (one rank, or two under the deepspeed launcher) so that SIGKILL is real.
 Exactness is judged on everything a run leaves: every logged metric except wall-clock ones, and
@@ -25,8 +25,8 @@ from dsrl.config.schema import ADAPTER_DIR
 from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.conftest import QUICKSTART, RANK_LOCAL, recipe
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tests" / "train_worker.py"
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "tests" / "helpers" / "train_worker.py"
 STEPS = 5
 
 
@@ -60,6 +60,10 @@ def resume_overrides(name, *, model, data, ds_config, ckpt) -> list[str]:
     if name == "ppo":
         overrides += [f"critic.model.path={model}", f"critic.deepspeed_config={ds_config}"]
     return overrides
+
+
+LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+        "actor_rollout_ref.model.target_modules=all-linear"]
 
 
 # Two "nodes" on this machine: two names for it, each a host of the hostfile and of SLURM's node list.

@@ -41,7 +41,7 @@ def vllm_logprob_gap(model_dir, port: int, *flags: str) -> float:
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port)}
     result = subprocess.run([sys.executable, str(repo / "tests" / "vllm" / "logprob_check.py"), str(model_dir), *flags],

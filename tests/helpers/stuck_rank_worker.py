@@ -2,7 +2,7 @@
 and all-reduces there, over a process group made by ``init_distributed(timeout_s)``. It prints what scripts/train.py
 would print for the error it gets, and how long it waited; rank 1 sleeps past the timeout.
 
-    python tests/dist/stuck_rank_worker.py TIMEOUT_S SLEEP_S   (RANK, WORLD_SIZE=2, MASTER_ADDR/PORT set)
+    python tests/helpers/stuck_rank_worker.py TIMEOUT_S SLEEP_S   (RANK, WORLD_SIZE=2, MASTER_ADDR/PORT set)
 """
 
 import os

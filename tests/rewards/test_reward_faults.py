@@ -2,7 +2,7 @@
 reported as what they did, failures quoted with the user's line, a batch that hangs on every call cut
 short, a slow batch reported while it runs, the workers' output in a file of its own, no worker left
 behind however its trainer ends, and the ``reward.max_failed_steps`` key. Real pebble pools and
-processes throughout; the trainer's side is tests/integration/test_reward_stops_run.py."""
+processes throughout; the trainer's side is tests/trainer/test_reward_stops_run.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from dsrl.tracking.console import ProgressConsole
 from dsrl.rewards import FAILURE_COUNTS, RewardScorer
 from dsrl.rewards import scorer as scorer_module
 from tests.conftest import QUICKSTART, stub_file_overrides
-from tests.process_helpers import run_script, wait_gone
+from tests.helpers.processes import run_script, wait_gone
 
 FALLBACK = -1.0
 

@@ -19,7 +19,7 @@ from dsrl import config as C
 from dsrl.config import load_config
 from dsrl.rewards import FAILURE_COUNTS, RewardScorer, default_num_workers
 from tests.conftest import QUICKSTART, stub_file_overrides
-from tests.process_helpers import children, live, run_script
+from tests.helpers.processes import children, live, run_script
 
 REPO = Path(__file__).resolve().parents[2]
 FALLBACK = -1.0  # distinct from every score the test function returns

@@ -1,5 +1,5 @@
 """RewardScorer: custom functions by path, time limits, and counted failures (the pool itself:
-tests/unit/test_reward_pool.py)."""
+tests/rewards/test_reward_pool.py)."""
 
 import logging
 import textwrap

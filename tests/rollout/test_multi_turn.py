@@ -4,7 +4,7 @@ chat template renders for the whole conversation, the turn limits and the length
 
 The engine here is ``ScriptedEngine``: it answers each conversation with a turn chosen from its text so far
 (a tool call first, the tool's result after), so the expected layout is known token by token; the real
-engines run the loop in tests/integration/test_trainer_multi_turn.py and the vLLM tier."""
+engines run the loop in tests/trainer/test_trainer_multi_turn.py and the vLLM tier."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from dsrl.data.batch import Batch
 from dsrl.engines import ActorEngine
 from dsrl.rollout import HFRollout, SamplingParams
 from dsrl.engines.weight_sync import iter_full_parameters
-from tests.rollout_helpers import P, assert_eos_and_length_handling, prompts
+from tests.helpers.rollout import P, assert_eos_and_length_handling, prompts
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from dsrl.rollout.tools import TOOL_FAILURE_KINDS, ToolCall, ToolRequest, ToolSet
-from tests.process_helpers import live, wait_gone
+from tests.helpers.processes import live, wait_gone
 
 TOOL_TIMEOUT = 3.0
 

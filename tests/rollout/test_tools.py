@@ -1,5 +1,5 @@
 """The tools of multi-turn rollouts without worker processes: hermes parsing, truncation, the calculator,
-schemas from functions, argument checks and the tool files' problems (tests/unit/test_tool_pool.py runs them)."""
+schemas from functions, argument checks and the tool files' problems (tests/rollout/test_tool_pool.py runs them)."""
 
 from __future__ import annotations
 

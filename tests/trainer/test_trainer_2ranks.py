@@ -22,7 +22,7 @@ from tests.conftest import QUICKSTART, RANK_LOCAL
 pytestmark = pytest.mark.dist
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).parents[1] / "train_worker.py"
+WORKER = Path(__file__).parents[1] / "helpers" / "train_worker.py"
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_ranks_log_the_same_metrics(setup, tmp_path):
     assert step1["global_seqlen/balanced_max"] - step1["global_seqlen/balanced_min"] <= step1["global_seqlen/minmax_diff"]
 
 
-@pytest.mark.slow  # one rank's gate is tests/integration/test_rollout_mismatch_stops_run.py; the stop is all-reduced
+@pytest.mark.slow  # one rank's gate is tests/trainer/test_rollout_mismatch_stops_run.py; the stop is all-reduced
 def test_a_broken_push_stops_both_ranks_at_the_same_step(setup, tmp_path):
     """``algorithm.rollout_mismatch`` reads all-reduced metrics, so every rank counts the same streak and stops
     at the same step: each rank's rollout keeps its start-up weights (``--skip-push``), step 1 is healthy, steps 2
@@ -150,7 +150,7 @@ def test_dynamic_sampling_ranks_agree_on_rounds_and_kept_groups(setup, tmp_path)
     """algorithm.filter_groups on two ranks: each generates its shard of every round, one collective per round
     gives both the same verdicts, so both run the same rounds and train on the same global batch of
     train_batch_size groups (every all-reduced metric equal on both ranks)."""
-    from tests.integration.test_trainer_dynamic_sampling import FILTERING, PARITY_REWARD
+    from tests.helpers.trainer import FILTERING, PARITY_REWARD
 
     (tmp_path / "parity_reward.py").write_text(PARITY_REWARD)
     overrides, env, launcher = setup

@@ -9,20 +9,7 @@ from __future__ import annotations
 
 import math
 
-from tests.integration.test_trainer import run_config
-
-PARITY_REWARD = """
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    digits = sum(ch.isdigit() for ch in solution_str)
-    acc = 1.0 if int(ground_truth) % 2 == 0 else float(digits % 2)
-    return {"score": digits / 4.0, "acc": acc}
-"""
-
-FILTERING = [
-    "algorithm.filter_groups.enable=true",
-    "algorithm.filter_groups.metric=acc",
-    "algorithm.filter_groups.max_num_gen_batches=0",
-]
+from tests.helpers.trainer import FILTERING, PARITY_REWARD, run_config
 
 
 def test_grpo_with_dynamic_sampling_trains_two_steps(

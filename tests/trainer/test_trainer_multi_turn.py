@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.integration.test_trainer import changed_fraction, run_config
+from tests.helpers.trainer import changed_fraction, run_config
 
 TURNS_REWARD = """
 from dsrl.rewards.calculator import compute_score as calculator_score
@@ -55,7 +55,7 @@ def captured_batches(trainer):
 def test_each_estimator_family_trains_on_multi_turn_responses(
     name, tool_model_dir, calculator_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
 ):
-    from tests.integration.test_trainer import trainer_for
+    from tests.helpers.trainer import trainer_for
 
     reward = tmp_path / "turns_reward.py"
     reward.write_text(TURNS_REWARD)

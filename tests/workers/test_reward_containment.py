@@ -17,7 +17,7 @@ import pytest
 
 from dsrl.rewards import FAILURE_COUNTS, RewardScorer
 from dsrl.workers.pool import _WorkerContext
-from tests.process_helpers import live, run_script, wait_gone
+from tests.helpers.processes import live, run_script, wait_gone
 
 FALLBACK = -1.0
 MB = 2**20
