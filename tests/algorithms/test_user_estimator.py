@@ -9,6 +9,8 @@ import pytest
 from dsrl import config as C
 from tests.conftest import config_problems, recipe, write_model_stub, write_parquet_stub
 
+pytestmark = pytest.mark.e2e
+
 USER_CODE = """
 import torch
 

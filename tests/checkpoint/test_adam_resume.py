@@ -19,6 +19,8 @@ import torch
 
 from dsrl.engines.deepspeed_setup import bias_correction_from_step
 
+pytestmark = pytest.mark.e2e  # builds DeepSpeed's CPU ops (minutes on a fresh machine), then ~30 s of steps
+
 STEPS = 8
 
 

@@ -32,6 +32,8 @@ from tests.helpers.engines import ACTOR_TRAINING, make_batch, training_batch
 from tests.helpers.resume import _differences
 from tests.helpers.trainer import trainer_for
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def actor(world_of_one, make_cfg, ds_test_config):

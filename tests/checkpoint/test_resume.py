@@ -34,6 +34,8 @@ from tests.helpers.resume import (
     start_worker,
 )
 
+pytestmark = pytest.mark.e2e
+
 # Each resumed chain starts from the uninterrupted run's step-2 checkpoint; three are killed with SIGKILL on the
 # way, at a phase of writing a checkpoint or in the middle of a step (and RLOO's is stopped by SIGTERM below): (kill point, the checkpoint the next run resumes
 # from: a kill while a checkpoint is written falls back to the one before). tests/checkpoint/test_resume_2ranks.py

@@ -15,6 +15,8 @@ from scipy.stats import t
 
 from dsrl.commands.compare import main
 
+pytestmark = pytest.mark.e2e
+
 SEEDS, STEPS = (1, 2), 1
 
 

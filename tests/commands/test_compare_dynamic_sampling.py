@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import runpy
 
+import pytest
+
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
 
 # Every response to a prompt whose answer is even scores 1 (its group is all-equal: zero advantage); the others
 # score their digit count, which varies within a group even for the untrained model.

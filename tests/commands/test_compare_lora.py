@@ -10,6 +10,8 @@ import pytest
 from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.slow  # a measurement script's plumbing; LoRA's training runs are tests/trainer/test_trainer.py's
 def test_the_full_and_lora_arms_fill_the_table(tiny_model_dir, arithmetic_data, deepspeed_cpu_ops, monkeypatch, tmp_path):

@@ -8,7 +8,11 @@ import runpy
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
 
 
 def test_every_arm_trains_and_fills_the_table(tiny_model_dir, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path):

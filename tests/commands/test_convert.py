@@ -21,6 +21,8 @@ from tests.helpers.engines import make_batch
 from tests.helpers.resume import REPO
 from tests.helpers.trainer import trainer_for
 
+pytestmark = pytest.mark.e2e
+
 EXPORT = ("trainer.save_freq=1", "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
           "trainer.val_before_train=false", "trainer.test_freq=-1")
 # LoRA: no lr warm-up and a large lr, so that B leaves 0 at the first step and both steps move every adapter.

@@ -12,6 +12,8 @@ import pytest
 from tests.conftest import REPO
 from tests.helpers.evaluate import PROMPTS, check_report, common, run_eval
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def sampled(tiny_model_dir, arithmetic_data, tmp_path_factory):

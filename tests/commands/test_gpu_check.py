@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.e2e
+
 SCRIPT = REPO / "scripts" / "gpu_check.py"
 # No device in these runs: nothing to measure, and no known peak for an MFU.
 DEVICE_ONLY = ("actor update MFU (6N)", "memory freed by sleep", "peak memory allocated", "min free device memory")

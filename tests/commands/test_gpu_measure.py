@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.e2e
+
 STEPS = ("toolchain", "gpu_check", "logits_head", "recipe_geometry", "grad_accum_dtype")
 # Rows each measuring step must report (a name fragment), besides its exit code and seconds.
 EXPECTED = {

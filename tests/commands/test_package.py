@@ -15,6 +15,8 @@ import yaml
 
 from tests.conftest import REPO, write_model_stub, write_parquet_stub
 
+pytestmark = pytest.mark.e2e
+
 
 def test_the_package_list_names_every_package_of_the_source_tree():
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])

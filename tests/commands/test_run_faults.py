@@ -24,6 +24,8 @@ import pytest
 from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.conftest import QUICKSTART
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "s3cr3t-value-of-a-test-token"
 

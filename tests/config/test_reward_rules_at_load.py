@@ -9,6 +9,8 @@ import pytest
 
 from tests.helpers.trainer import trainer_for
 
+pytestmark = pytest.mark.e2e
+
 
 def with_sources(src, dst, sources):
     """``src``'s rows with data_source set from ``sources`` (cycled)."""

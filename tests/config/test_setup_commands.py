@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import config_problems, recipe
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[2]
 COMMAND = re.compile(r"(python scripts/\S+\.py.*)$")  # a fix that ends with a command
 

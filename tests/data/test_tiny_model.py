@@ -5,10 +5,13 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dsrl.rollout.multi_turn import MultiTurnRollout
+
+pytestmark = pytest.mark.e2e  # builds and warm-starts the tiny models (minutes)
 
 _spec = importlib.util.spec_from_file_location(
     "make_tiny_model", Path(__file__).parents[2] / "scripts" / "make_tiny_model.py"

@@ -46,6 +46,8 @@ import pytest
 from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.conftest import REPO, write_model_stub
 
+pytestmark = pytest.mark.e2e  # runs the docs' commands in a scratch checkout (minutes)
+
 DOCS = REPO / "docs"
 # The pages in the order their commands run: the README, the docs as its index lists them, CONTRIBUTING.md.
 PAGES = (

@@ -37,6 +37,8 @@ from tests.helpers.engines import (
     training_batch,
 )
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def z3(ds_test_config):

@@ -11,6 +11,8 @@ import torch
 from dsrl.data.batch import Batch
 from dsrl.engines import ActorEngine
 
+pytestmark = pytest.mark.e2e
+
 TEMPERATURE = 1.0
 
 

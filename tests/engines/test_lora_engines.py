@@ -32,6 +32,8 @@ from tests.helpers.engines import (
     training_batch,
 )
 
+pytestmark = pytest.mark.e2e
+
 RANK = 4
 LORA = (f"actor_rollout_ref.model.lora_rank={RANK}", "actor_rollout_ref.model.lora_alpha=8")
 

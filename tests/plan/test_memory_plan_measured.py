@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dsrl.runtime.launch import LAUNCHER_VARIABLES
+
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 # The plan leaves out what it cannot know from the shapes (allocator slack, Python objects, DeepSpeed's small

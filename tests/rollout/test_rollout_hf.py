@@ -14,6 +14,8 @@ from dsrl.rollout import HFRollout, SamplingParams
 from dsrl.engines.weight_sync import iter_full_parameters
 from tests.helpers.rollout import P, assert_eos_and_length_handling, prompts
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def rollout(tiny_model_dir) -> HFRollout:

@@ -17,6 +17,8 @@ import pytest
 
 from dsrl.tracking import Tracker
 
+pytestmark = pytest.mark.e2e
+
 mlflow = pytest.importorskip("mlflow")
 if shutil.which("mlflow") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "mlflow")):
     pytest.skip("the mlflow command (full mlflow, with its server) is not installed", allow_module_level=True)

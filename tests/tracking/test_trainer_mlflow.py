@@ -13,6 +13,8 @@ import yaml
 
 from tests.helpers.trainer import trainer_for
 
+pytestmark = pytest.mark.e2e
+
 mlflow = pytest.importorskip("mlflow")
 
 

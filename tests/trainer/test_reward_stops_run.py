@@ -15,6 +15,8 @@ from tests.conftest import recipe
 from tests.helpers.processes import children, wait_gone
 from tests.helpers.resume import finish, start_worker
 
+pytestmark = pytest.mark.e2e
+
 ROWS = 40  # responses per step: data.train_batch_size 8 (configs/cpu.yaml) x rollout.n 5 (grpo)
 
 # Fails every call of steps 1, 3 and 4 and none of step 2 (the steps' calls never overlap, so the count of

@@ -14,6 +14,8 @@ import pytest
 
 from tests.conftest import recipe
 
+pytestmark = pytest.mark.e2e
+
 mlflow = pytest.importorskip("mlflow")
 
 STEPS = 4

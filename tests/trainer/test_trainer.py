@@ -14,6 +14,8 @@ import torch
 
 from tests.helpers.trainer import changed_fraction, run_config, trainer_for
 
+pytestmark = pytest.mark.e2e
+
 ALGORITHM_CONFIGS = ("ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb", "dapo")
 # Recipes whose old-log-prob pass is read before the update (OTB's estimator, RLOO's in-reward KL); the
 # others are exactly on-policy under the CPU overlay and fold it into the update.

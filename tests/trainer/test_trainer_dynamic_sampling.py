@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from tests.helpers.trainer import FILTERING, PARITY_REWARD, run_config
+
+pytestmark = pytest.mark.e2e
 
 
 def test_grpo_with_dynamic_sampling_trains_two_steps(

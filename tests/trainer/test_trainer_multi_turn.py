@@ -14,6 +14,8 @@ import torch
 
 from tests.helpers.trainer import changed_fraction, run_config
 
+pytestmark = pytest.mark.e2e
+
 TURNS_REWARD = """
 from dsrl.rewards.calculator import compute_score as calculator_score
 
