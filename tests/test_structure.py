@@ -6,6 +6,10 @@ rollout code imports no reward code (tools share ``workers/``); runtime, workers
 of dsrl outside their room; the lower floors (config, plan, rewards, workers, runtime) know no model code; data
 and tracking know no engine or rollout; and no import cycle, between rooms or between modules. Each rule is also
 checked against an import it must refuse, so that none of them can pass vacuously.
+
+The tests' floor plan mirrors the package's: each test sits in the folder of the room it tests (tests/config/ for
+dsrl/config/), except the shared helpers, the docs test and the two tiers that run in environments of their own;
+tiers are markers, not folders.
 """
 
 from __future__ import annotations
@@ -204,3 +208,47 @@ def test_every_rule_is_exercised_by_a_refused_import():
 def test_a_cycle_is_found_between_rooms_and_between_modules():
     assert cycles(room_edges(ALL_IMPORTS | {("dsrl.config.schema", "dsrl.trainer.loop")})) != []
     assert cycles(IMPORT_TIME | {("dsrl.runtime.launch", "dsrl.commands.train")}) != []
+
+
+TESTS = REPO / "tests"
+# Folders of tests/ that are no room: shared helpers, the docs test, and the tiers that run in environments of their
+# own (.ci/vllm_tier.sh, .ci/verl_tier.sh). What is inside them is free.
+NOT_ROOMS = {"helpers", "docs", "vllm", "verl"}
+ROOT_FILES = {"__init__.py", "conftest.py", "test_structure.py"}
+
+
+def unmirrored_folders(tests: Path) -> list[str]:
+    """The folders under ``tests`` that are neither one of ``NOT_ROOMS`` nor the same place as a package folder of
+    dsrl/ (tests/config/ for dsrl/config/, tests/rollout/tools/ for dsrl/rollout/tools/)."""
+    found = []
+    for folder in sorted(p for p in tests.rglob("*") if p.is_dir()):
+        parts = folder.relative_to(tests).parts
+        if parts[0] in NOT_ROOMS or any(part == "__pycache__" or part.startswith(".") for part in parts):
+            continue
+        if not PACKAGE.joinpath(*parts, "__init__.py").is_file():
+            found.append("/".join(parts))
+    return found
+
+
+def loose_files(tests: Path) -> list[str]:
+    """The Python files at the top of ``tests`` other than the package marker, the fixtures and this file."""
+    return sorted(p.name for p in tests.glob("*.py") if p.name not in ROOT_FILES)
+
+
+def test_the_test_folders_mirror_the_package():
+    assert unmirrored_folders(TESTS) == [], "folders of tests/ that are no room of dsrl/: move each test to its room"
+    assert loose_files(TESTS) == [], "files loose in tests/: a test goes to its room's folder, a helper to helpers/"
+
+
+@pytest.mark.parametrize("stray", ["unit", "integration", "dist", "trainers", "config/late_errors"])
+def test_a_test_folder_that_mirrors_no_room_is_found(stray, tmp_path):
+    for folder in ("config", "rollout/tools", "helpers/anything", stray):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+    assert unmirrored_folders(tmp_path) == [stray]
+
+
+@pytest.mark.parametrize("loose", ["test_trainer.py", "resume_helpers.py"])
+def test_a_file_loose_in_tests_is_found(loose, tmp_path):
+    for name in (*ROOT_FILES, loose):
+        (tmp_path / name).touch()
+    assert loose_files(tmp_path) == [loose]

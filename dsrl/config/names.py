@@ -2,7 +2,7 @@
 
 The first group restates registries of ``dsrl.algorithms``, which the config may not import (it must not import
 torch): a built-in estimator, policy loss, KL kind or rollout-correction option added there is added here too, and
-``tests/unit/test_config_names.py`` fails until both agree. The second group is dsrl's own.
+``tests/config/test_config_names.py`` fails until both agree. The second group is dsrl's own.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ appended -- so every response ends on a token of the model's, and the score sits
 What the template renders between turns is found by rendering once without and once with the tool
 messages: the text after the model's end-of-turn token up to the next assistant header. The concatenation
 of the prompt, the turns and these pieces is then what the template renders for the whole conversation
-(``tests/unit/test_multi_turn.py`` checks it on the tiny model's template).
+(``tests/rollout/test_multi_turn.py`` checks it on the tiny model's template).
 """
 
 from __future__ import annotations

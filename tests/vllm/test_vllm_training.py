@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import QUICKSTART, RANK_LOCAL
-from tests.rollout_helpers import vllm_logprob_gap
+from tests.helpers.rollout import vllm_logprob_gap
 
 pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).parents[1] / "train_worker.py"
+WORKER = Path(__file__).parents[1] / "helpers" / "train_worker.py"
 # fp32 vLLM against the fp32 ZeRO-3 actor after every push (the tied output head included).
 FP32_ATOL = 1e-4
 

@@ -1,0 +1,47 @@
+"""Exact resume on two CPU ranks under the real ``deepspeed`` launcher, in every configuration dsrl ships
+(each recipe under the CPU overlay, and the quickstart): a run resumed from the uninterrupted run's
+step-3 checkpoint (tests/checkpoint/test_resume.py resumes at step 2), in PPO's case killed with SIGKILL on
+the way (the launcher then stops the other rank) and resumed again, is bit-identical to the uninterrupted
+run at every later step: each rank's metrics, partitions, optimizer state and RNG.
+
+What two ranks add to a resume is the same code in every recipe (each rank's partitions, RNG and share of
+the prompts, rows moved between ranks); what a recipe adds is resumed on one rank in every configuration.
+So the default run keeps PPO (the one with a second trained engine); the quickstart's two-rank resume is in the
+default run as tests/runtime/test_multinode.py (resumed under three launchers, bit-identical to one node), and the
+other six here are ``slow`` (``python -m pytest -m slow tests/checkpoint/test_resume_2ranks.py``), about two minutes each on two cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.resume import SHIPPED, STEPS, Baselines, assert_same_run, resume_chain, resume_overrides
+
+pytestmark = pytest.mark.dist
+
+RESUME_AT = 3
+KILLS = {"ppo": [("write_state@4", 3)]}
+
+
+@pytest.fixture(scope="module")
+def overrides_for(tiny_model_dir, arithmetic_data, ds_test_config):
+    ds_config = ds_test_config("zero3_offload")
+    return lambda name, ckpt: resume_overrides(
+        name, model=tiny_model_dir, data=arithmetic_data, ds_config=ds_config, ckpt=ckpt
+    )
+
+
+DEFAULT_RUN = ("ppo",)
+
+
+@pytest.mark.parametrize(
+    "name", [name if name in DEFAULT_RUN else pytest.param(name, marks=pytest.mark.slow) for name in SHIPPED]
+)
+def test_killed_and_resumed_run_is_bit_identical(name, overrides_for, free_port, tmp_path, deepspeed_cpu_ops):
+    baselines = Baselines(tmp_path / "baseline", overrides_for, free_port, world=2)
+    baseline = baselines.result(name)  # two ranks take both cores: one run at a time
+    chain = tmp_path / "chain"
+    start = baseline / "ckpt" / f"global_step_{RESUME_AT}"
+    resume_chain(name, start, KILLS.get(name, []), out=chain, overrides=overrides_for(name, chain / "ckpt"), world=2,
+                 free_port=free_port)
+    assert assert_same_run(baseline, chain, first_step=RESUME_AT + 1, ranks=(0, 1)) == STEPS - RESUME_AT + 1

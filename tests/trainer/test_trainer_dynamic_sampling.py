@@ -1,0 +1,47 @@
+"""DAPO's dynamic sampling (algorithm.filter_groups) in a real 2-step GRPO run on the tiny model (HF rollout).
+
+The reward gives ``acc`` = 1 to every response of a prompt whose answer is even (such groups are always dropped,
+``all_correct``) and the parity of the response's digit count otherwise, so a step needs more than one round of
+prompts to find ``data.train_batch_size`` groups whose acc varies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.helpers.trainer import FILTERING, PARITY_REWARD, run_config
+
+pytestmark = pytest.mark.e2e
+
+
+def test_grpo_with_dynamic_sampling_trains_two_steps(
+    tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    reward = tmp_path / "parity_reward.py"
+    reward.write_text(PARITY_REWARD)
+    trainer, logged, (before, after), _ = run_config(
+        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "run",
+        f"custom_reward_function.path={reward}", *FILTERING,
+    )
+    steps = [metrics for step, metrics in logged if "train/num_gen_batches" in metrics]
+    assert len(steps) == 2
+    batch = trainer.cfg.data.train_batch_size
+    for metrics in steps:
+        assert all(math.isfinite(v) for v in metrics.values())
+        rounds = metrics["train/num_gen_batches"]
+        assert metrics["dynamic_sampling/groups_kept"] == batch
+        assert metrics["dynamic_sampling/prompts_consumed"] == rounds * batch
+        assert metrics["dynamic_sampling/groups_generated"] == rounds * batch
+        dropped = sum(metrics[f"dynamic_sampling/dropped_{r}"] for r in ("all_correct", "all_wrong", "all_equal"))
+        assert dropped + metrics["dynamic_sampling/groups_informative"] == rounds * batch
+        assert metrics["dynamic_sampling/dropped_all_correct"] >= 1  # the even answers' groups
+        # the kept batch: the step trained on exactly train_batch_size prompts' groups
+        assert metrics["critic/score/mean"] >= 0 and metrics["actor/grad_norm"] > 0
+    # Every round drew a batch from the sampler: its position counts them all (a resume continues after them).
+    total_rounds = sum(int(m["train/num_gen_batches"]) for m in steps)
+    assert total_rounds > 2
+    per_epoch = trainer.sampler.batches_per_epoch
+    assert trainer.sampler.epoch * per_epoch + trainer.sampler.index == total_rounds
+    assert sum(not (before[k] == after[k]).all() for k in before) == len(before)
