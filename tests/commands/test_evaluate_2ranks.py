@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers.evaluate import PROMPTS, check_report, common, run_eval
+from tests.helpers.eval_runs import PROMPTS, check_report, common, run_eval
 
 pytestmark = pytest.mark.dist
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.helpers.evaluate import check_report, common, run_eval
+from tests.helpers.eval_runs import check_report, common, run_eval
 
 pytest.importorskip("vllm")
 
