@@ -50,9 +50,11 @@ def offload_targets(engine: Any) -> list[OffloadStateTypeEnum]:
     parameters (DeepSpeed refuses to move those).
 
     Gradients and their buffers always go. ZeRO-3 also moves its bf16 partition (1/world of the model);
-    under ZeRO-1/2 those are the full weights the push reads, so they stay. The fp32 master weights and the
-    Adam moments go unless the optimizer already keeps them in CPU memory; ZeRO-3 moves them only for
-    DeepSpeed's FusedAdam (it asserts so)."""
+    under ZeRO-1/2 those are the full weights the push reads, so they stay. So does ZeRO-3's partition of an
+    engine with frozen parameters (LoRA): DeepSpeed 0.19.8 holds only the trained ones in the buffer it
+    offloads, yet points every module parameter into it, the frozen base included. The fp32 master weights
+    and the Adam moments go unless the optimizer already keeps them in CPU memory; ZeRO-3 moves them only
+    for DeepSpeed's FusedAdam (it asserts so)."""
     if get_accelerator().device_name() == "cpu":
         return []
     optimizer = getattr(engine, "optimizer", None)
@@ -62,7 +64,7 @@ def offload_targets(engine: Any) -> list[OffloadStateTypeEnum]:
         return []
     targets = [OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_buffer]
     stage3 = engine.zero_optimization_stage() == 3
-    if stage3:
+    if stage3 and all(p.requires_grad for p in engine.module.parameters()):
         targets.append(OffloadStateTypeEnum.lp_params)
     if not _offloaded(engine.zero_offload_optimizer()) and (not stage3 or type(optimizer.optimizer) is FusedAdam):
         targets += [OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params]
@@ -113,11 +115,12 @@ def colocated_generation(
     """
     start = time.perf_counter()
     offloaded = []
-    if not rollout.static_memory:
-        offloaded = [(engine, targets) for engine in trainer_engines if (targets := offload_targets(engine))]
-    for engine, targets in offloaded:
-        engine.offload_states(include=targets)
     try:
+        if not rollout.static_memory:
+            for engine in trainer_engines:
+                if targets := offload_targets(engine):
+                    offloaded.append(engine)  # first: an offload that raises half-way still gets its reload
+                    engine.offload_states(include=targets)
         if get_accelerator().device_name() != "cpu":
             # Frees the gathered ZeRO-3 parameters; includes a gc.collect() (~0.4 s on the CPU quickstart,
             # where the "device" is host memory the rollout does not draw on).
@@ -153,5 +156,5 @@ def colocated_generation(
             metrics["rollout/free_mem_before_sleep_gib"] = before
             metrics["rollout/free_mem_after_sleep_gib"] = after
             metrics["rollout/sleep_freed_gib"] = after - before
-        for engine, _ in offloaded:
+        for engine in offloaded:
             engine.reload_states()

@@ -25,8 +25,10 @@ class Accelerator:
         self.calls.append("empty_cache")
 
 
-def engine(name, calls, *, stage=3, param_offload=None, optimizer_offload=None, optimizer="zero", inner=FusedAdam):
-    """A stand-in DeepSpeed engine recording offload/reload/empty_partition_cache."""
+def engine(name, calls, *, stage=3, param_offload=None, optimizer_offload=None, optimizer="zero", inner=FusedAdam,
+           frozen=False):
+    """A stand-in DeepSpeed engine recording offload/reload/empty_partition_cache; ``frozen``: a module with a
+    frozen parameter beside the trained one (LoRA)."""
     optim = {
         "zero": SimpleNamespace(offload_states=None, optimizer=object.__new__(inner)),
         "inference": object.__new__(DeepSpeedZeRoOffload),
@@ -36,8 +38,11 @@ def engine(name, calls, *, stage=3, param_offload=None, optimizer_offload=None, 
     def offload(device):
         return None if device is None else SimpleNamespace(device=OffloadDeviceEnum(device))
 
+    module = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1))
+    module[0].requires_grad_(not frozen)
     return SimpleNamespace(
         name=name,
+        module=module,
         optimizer=optim,
         zero_optimization_stage=lambda: stage,
         zero_offload_param=lambda: offload(param_offload),
@@ -85,6 +90,9 @@ def test_what_is_offloaded_depends_on_where_each_state_lives(monkeypatch):
     # ZeRO-3 moves optimizer states only for FusedAdam (DeepSpeed asserts so); torch's AdamW keeps them.
     assert targets(engine("torch adam", calls, inner=torch.optim.AdamW)) == sorted(GRADS + ["lp_params"])
     assert targets(engine("zero2 torch adam", calls, stage=2, inner=torch.optim.AdamW)) == sorted(GRADS + OPTIMIZER)
+    # A frozen base (LoRA) keeps ZeRO-3's partition on the device: DeepSpeed would map it into the trained buffer.
+    assert targets(engine("lora", calls, frozen=True)) == sorted(GRADS + OPTIMIZER)
+    assert targets(engine("zero2 lora", calls, stage=2, frozen=True)) == sorted(GRADS + OPTIMIZER)
     assert targets(engine("offloaded", calls, param_offload="cpu")) == []
     assert targets(engine("reference", calls, optimizer="inference")) == []
     assert targets(engine("no optimizer", calls, optimizer="none")) == []
@@ -175,3 +183,22 @@ def test_a_cpu_accelerator_releases_nothing(monkeypatch):
         calls.append("generate")
     assert calls == ["wake_up(['weights'])", "update_weights(['w'])", "wake_up(['kv_cache'])", "generate", "sleep"]
     assert "timing_s/release_memory" in metrics
+
+
+def test_a_failing_offload_still_reloads_what_was_offloaded(monkeypatch):
+    calls = []
+    monkeypatch.setattr(colocation, "get_accelerator", lambda: Accelerator("cuda", calls))
+    monkeypatch.setattr(colocation, "_free_device_memory", lambda: None)
+    actor, critic = engine("actor", calls), engine("critic", calls)
+
+    def broken_offload(include):
+        raise RuntimeError("start (0) + length (65536) exceeds dimension size (2048).")
+
+    critic.offload_states = broken_offload
+    phase = colocation.colocated_generation(
+        Rollout(calls), weights=lambda: iter([]), trainer_engines=[actor, critic], metrics={}
+    )
+    with pytest.raises(RuntimeError, match="exceeds dimension size"), phase:
+        pytest.fail("the body must not run")
+    # The critic too: DeepSpeed reloads whatever of its states the offload had moved before it raised.
+    assert calls[1:] == ["sleep", "actor.reload_states", "critic.reload_states"]
