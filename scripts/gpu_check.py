@@ -338,7 +338,7 @@ def run(size: CheckSize, optimizer: str, out_dir: Path, started: float) -> None:
         with colocated_generation(
             rollout,
             weights=lambda: iter_full_parameters(actor.module),
-            trainer_engines=[actor.engine],
+            trainer_engines={"actor": actor.engine},
             metrics=metrics,
         ):
             out = rollout.generate(prompt_ids, prompt_mask, sampling)

@@ -90,8 +90,11 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
 
     phases = []
     if on_gpu and not static:
-        during_gen = moved_to_host(actor, inputs.actor) + (moved_to_host(critic, inputs.critic) if critic else []) + ref
-        asleep = "trained engines' device states moved to the host (ZeRO-3: all; ZeRO-1/2: all but the parameters)"
+        lora = inputs.actor_trained < s.parameters()
+        critic_gen = moved_to_host(critic, inputs.critic) if critic else []
+        during_gen = moved_to_host(actor, inputs.actor, frozen=lora) + critic_gen + ref
+        asleep = ("trained engines' device states moved to the host (ZeRO-3: all; ZeRO-1/2: all but the parameters"
+                  + ("; a LoRA actor keeps its parameters)" if lora else ")"))
     else:
         during_gen = resident
         asleep = "nothing moves (" + ("vLLM keeps its memory for good)" if static else "a CPU: device and host are one memory)")

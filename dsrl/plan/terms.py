@@ -148,14 +148,16 @@ def trained_states(inputs: PlanInputs) -> tuple[list[Term], list[Term]]:
     return actor, critic
 
 
-def moved_to_host(terms: list[Term], zero: ZeroSetup) -> list[Term]:
+def moved_to_host(terms: list[Term], zero: ZeroSetup, *, frozen: bool = False) -> list[Term]:
     """``terms`` as ``colocation.offload_targets`` leaves them while the rollout engine is awake on a GPU: under
     ZeRO-3 every device state moves to the host, under ZeRO-1/2 all but the parameters (the push reads them); an
-    engine with offloaded parameters moves nothing."""
+    engine with offloaded parameters moves nothing. ``frozen``: the engine trains part of its parameters (LoRA),
+    and its ZeRO-3 partition stays on the device as well."""
     if zero.offload_param:
         return terms
+    keeps_parameters = zero.stage != 3 or frozen
     return [
-        term if zero.stage != 3 and term.name.endswith(" parameters") or not term.device
+        term if keeps_parameters and term.name.endswith(" parameters") or not term.device
         else Term(term.name, 0, term.host + term.device, term.note + " -> host")
         for term in terms
     ]

@@ -166,12 +166,13 @@ class Trainer(TrainerSetup):
     def colocated(self, metrics: dict[str, float]):
         """The rollout engine awake with the actor's current weights, the DeepSpeed engines' device
         memory released around it (``dsrl.rollout.colocation``; a collective on every rank)."""
-        engines = [role.engine for role in (self.actor, self.critic, self.ref) if hasattr(role, "engine")]
+        roles = {"actor": self.actor, "critic": self.critic, "ref": self.ref}
         return colocated_generation(
             self.rollout,
             weights=self.actor.rollout_weights,
-            trainer_engines=engines,
+            trainer_engines={name: role.engine for name, role in roles.items() if hasattr(role, "engine")},
             metrics=metrics,
+            offload_on_cpu=self.cfg.actor_rollout_ref.rollout.offload_states_on_cpu,
         )
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:

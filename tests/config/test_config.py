@@ -1072,6 +1072,19 @@ def test_sleep_mode_needs_the_vllm_rollout(files):
     assert problems("grpo", files + ["actor_rollout_ref.rollout.enable_sleep_mode=false"]) == []
 
 
+def test_offloading_on_a_cpu_needs_the_hf_rollout_and_an_engine_with_states_to_offload(files):
+    on = files + ["actor_rollout_ref.rollout.offload_states_on_cpu=true"]
+    key = "actor_rollout_ref.rollout.offload_states_on_cpu=true"
+    [v] = problems("grpo", on)  # the CPU overlay's zero3_offload: DeepSpeed refuses to offload its states
+    assert v.startswith(f"{key}: every trained engine offloads its parameters") and "deepspeed_config=zero3" in v
+    zero3 = ["actor_rollout_ref.actor.deepspeed_config=zero3"]
+    assert problems("grpo", on + zero3) == []
+    [v] = problems("grpo", on + zero3 + ["actor_rollout_ref.rollout.name=vllm"])
+    assert v.startswith(f"{key}: the vllm rollout keeps its memory on a CPU")
+    # PPO: the critic's states are enough
+    assert problems("ppo", on + critic_path(files) + ["critic.deepspeed_config=zero2"]) == []
+
+
 def test_lora_adapter_pushes_to_vllm_need_sleep_level_1(files):
     """A level-2 sleep drops the base weights; adapter pushes (lora.merge=false) never bring them back."""
     adapters = files + ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.lora_rank=8",

@@ -171,6 +171,10 @@ def test_lora_has_no_reference_engine_but_a_reference_pass_and_adapter_sized_opt
     shape = plan.inputs.shape
     assert update["actor Adam moments"].device == 8 * shape.lora_parameters(32, "all-linear") // 8
     assert "ref parameters" not in update
+    # While vLLM generates, ZeRO-3 keeps the partition of a frozen base on the device (colocation.offload_targets)
+    rollout = {term.name: term for term in plan.phases[0].terms}
+    assert rollout["actor parameters"].device == 2 * shape.parameters() // 8 and rollout["actor parameters"].host == 0
+    assert rollout["actor Adam moments"].device == 0 and rollout["actor Adam moments"].host > 0
 
 
 # ---------------------------------------------------------------- the CLI and trainer.memory_plan_check

@@ -104,7 +104,7 @@ def test_one_generation_phase_runs_in_the_design_order(vllm_rollout, actor, reco
     with colocation.colocated_generation(
         vllm_rollout,
         weights=lambda: iter_full_parameters(actor.module),
-        trainer_engines=[actor.engine],
+        trainer_engines={"actor": actor.engine},
         metrics=metrics,
     ) as rollout:
         recorded.append("body")

@@ -12,6 +12,7 @@ from typing import Any
 
 from omegaconf import ListConfig
 
+from dsrl.config.deepspeed_json import DeepSpeedJsonError, read_ds_json
 from dsrl.config.loading import rollout_name
 from dsrl.config.names import (
     BYPASS_LOSS_TYPES,
@@ -23,7 +24,7 @@ from dsrl.config.names import (
     TOOL_FORMATS,
     TRUNCATE_SIDES,
 )
-from dsrl.config.rules.need import Need
+from dsrl.config.rules.need import Need, critic_used
 from dsrl.config.schema import (
     BypassCorrectionConfig,
     Config,
@@ -148,6 +149,34 @@ def vllm_rules(cfg: Config, need: Need) -> None:
         f"{prefix}.max_model_len",
         f"must hold the longest prompt plus response, data.max_prompt_length + data.max_response_length = {sequence}",
         f"set it to null or at least {sequence}",
+    )
+
+
+def offload_on_cpu_rules(cfg: Config, need: Need) -> None:
+    """``rollout.offload_states_on_cpu`` needs a rollout that lets the trained engines offload on a CPU (the
+    transformers one: vLLM has no sleep mode there, so it keeps its memory and nothing is offloaded) and a trained
+    engine with states to offload (DeepSpeed refuses ``offload_states`` under ZeRO parameter offload)."""
+    if not cfg.actor_rollout_ref.rollout.offload_states_on_cpu:
+        return
+    key, name = "actor_rollout_ref.rollout.offload_states_on_cpu", rollout_name(cfg)
+    need(
+        name == "hf",
+        key,
+        f"the {name} rollout keeps its memory on a CPU (no sleep mode), so the trained engines never offload there",
+        "set actor_rollout_ref.rollout.name=hf, or remove the key",
+    )
+    roles = ["actor_rollout_ref.actor"] + (["critic"] if critic_used(cfg) else [])
+    try:
+        zero = {role: read_ds_json(value_at(cfg, role).deepspeed_config, f"{role}.deepspeed_config")
+                .get("zero_optimization", {}) for role in roles}  # fmt: skip
+    except DeepSpeedJsonError:
+        return  # reported by the DeepSpeed rules
+    need(
+        any((section.get("offload_param") or {}).get("device", "none") in ("none", None) for section in zero.values()),
+        key,
+        "every trained engine offloads its parameters (zero_optimization.offload_param), and DeepSpeed's "
+        "offload_states refuses those: nothing would be offloaded",
+        f"set {roles[0]}.deepspeed_config=zero3 (or zero2), or remove the key",
     )
 
 
