@@ -25,7 +25,9 @@ from dsrl.engines.weight_sync import iter_full_parameters
 from dsrl.rollout import HFRollout, SamplingParams
 from dsrl.rollout.colocation import colocated_generation, offload_targets
 from tests.conftest import recipe
-from tests.rollout_helpers import prompts
+from tests.helpers.rollout import prompts
+
+pytestmark = pytest.mark.e2e  # real DeepSpeed engines on the tiny model, and two-step training runs
 
 GIB = 2**30
 SETUPS = ("zero2", "zero3", "zero3_offload")
