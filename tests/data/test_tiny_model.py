@@ -146,3 +146,12 @@ def test_calculator_task_is_deterministic_and_reports_its_tool_use(tmp_path, cap
         [{"role": "tool", "content": "1"}], tokenize=False
     )
     assert rendered == "<|im_start|>user\n<tool_response>\n1\n</tool_response><|im_end|>\n"
+
+
+def test_a_tool_target_is_a_share_of_the_calculator_tasks_probe(tmp_path, capsys):
+    for argv in (["--tool-target", "0.3"], ["--task", "calculator", "--tool-target", "0"],
+                 ["--task", "calculator", "--tool-target", "1.5"]):
+        with pytest.raises(SystemExit):
+            make_tiny_model.main([*argv, "--out", str(tmp_path)])
+        assert "a share in (0, 1], with --task calculator" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before building anything

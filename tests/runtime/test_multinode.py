@@ -4,7 +4,8 @@ launcher side by side.
 
 - Under ``deepspeed --no_ssh --node_rank N`` (Kubernetes-style pods), srun's tasks (the variables srun sets) and
   Open MPI's ``mpirun`` (its ``OMPI_COMM_WORLD_*``), a run resumed from a one-node 2-rank run's checkpoint trains,
-  saves and ends bit-identical to that one-node run: every metric, checkpoint and the exported model.
+  saves and ends bit-identical to that one-node run: every metric, checkpoint and the exported model (srun's and
+  mpirun's: slow).
 - Each "node" with its own ``trainer.default_local_dir`` (no shared filesystem): the run stops at the preflight.
 - ``--preflight`` prints the cluster and exits.
 - A rank whose peers never come fails at the rendezvous timeout with what to check.
@@ -52,7 +53,11 @@ def one_node(tmp_path_factory, overrides_for, free_port):
     return Baselines(tmp_path_factory.mktemp("one_node"), overrides_for, free_port, world=2).result("quickstart")
 
 
-@pytest.mark.parametrize("launcher", ["no_ssh", "slurm", "mpi"])
+# The resume is the same under every launcher; what differs is how each launcher's variables become the rank and the
+# rendezvous, which tests/unit/test_launch.py reads from srun's and Open MPI's variables. So no_ssh's run stays in the
+# default run; srun's and mpirun's, minutes each, are slow (srun's variables still start the runs below).
+@pytest.mark.parametrize("launcher", ["no_ssh", pytest.param("slurm", marks=pytest.mark.slow),
+                                      pytest.param("mpi", marks=pytest.mark.slow)])
 def test_two_nodes_resume_train_and_save_bit_identical_to_one_node(launcher, one_node, overrides_for, free_port,
                                                                     deepspeed_cpu_ops, tmp_path):
     chain = tmp_path / "chain"
