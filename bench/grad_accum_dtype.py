@@ -106,23 +106,34 @@ def compare(x: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--micro", type=int, help="rows per micro-batch (default: OPO's 32; --smoke 2)")
-    parser.add_argument("--rows", type=int, help="rows of the one mini-batch (default: OPO's 1024 per rank; --smoke 64)")
+    parser.add_argument(
+        "--rows", type=int, help="rows of the one mini-batch (default: OPO's 1024 per rank; --smoke 64)"
+    )
     parser.add_argument("--lengths", help="prompt,response tokens per row (default 512,1024; --smoke 8,16)")
-    parser.add_argument("--config", help="ds_configs name or JSON path the variants copy (default zero3; --smoke zero3_offload)")
+    parser.add_argument(
+        "--config", help="ds_configs name or JSON path the variants copy (default zero3; --smoke zero3_offload)"
+    )
     parser.add_argument("--optimizer", choices=("recipe", "adamw"), default="recipe", help="as scripts/gpu_check.py's")
     parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU, 32 micro-batches by default")
     parser.add_argument("--json", type=Path, help="also write the table here")
     args = parser.parse_args(argv)
     size = recipe_geometry.SMOKE if args.smoke else recipe_geometry.SHAPES["qwen2.5-0.5b"]
     defaults = (2, 64, "8,16", size.deepspeed_config) if args.smoke else (32, 1024, "512,1024", "zero3")
-    micro, rows, lengths, config = (given or default for given, default in zip(
-        (args.micro, args.rows, args.lengths, args.config), defaults, strict=True))
+    micro, rows, lengths, config = (
+        given or default
+        for given, default in zip((args.micro, args.rows, args.lengths, args.config), defaults, strict=True)
+    )
     prompt_length, response_length = map(int, lengths.split(","))
     if rows % micro or rows % OPO_N:
         parser.error(f"--rows {rows}: must be a multiple of --micro {micro} and of {OPO_N} (rollout.n)")
     size = dataclasses.replace(
-        size, prompts=rows // OPO_N, n=OPO_N, micro_batch=micro,
-        prompt_length=prompt_length, max_tokens=response_length, deepspeed_config=Path(config).stem,
+        size,
+        prompts=rows // OPO_N,
+        n=OPO_N,
+        micro_batch=micro,
+        prompt_length=prompt_length,
+        max_tokens=response_length,
+        deepspeed_config=Path(config).stem,
     )
     problem = gpu_check.optimizer_problem(size, args.optimizer)
     if problem:
@@ -151,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
             (f"{dtype} accumulation buffer", run["buffer_mib"], f"MiB ({run['buffer_dtype']})"),
         ]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    got = ", ".join(f"{d} -> buffer {runs[d]['buffer_dtype']}, communication {runs[d]['communication_dtype']}" for d in VARIANTS)
+    got = ", ".join(
+        f"{d} -> buffer {runs[d]['buffer_dtype']}, communication {runs[d]['communication_dtype']}" for d in VARIANTS
+    )
     header = (
         f"[grad_accum_dtype] {device}; {Path(config).stem} ({runs['fp32']['optimizer']}) grad_accum_dtype {got}; {size.dtype}, "
         f"{n_params / 1e6:.1f}M parameters (random weights); one step over {rows // micro} micro-batches "

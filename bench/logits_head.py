@@ -96,9 +96,7 @@ class PeakMemory:
         return int(line.split()[1]) * 1024  # in kB
 
 
-def run_once(
-    name: str, B: int, T: int, V: int, device: torch.device
-) -> tuple[float, int, torch.Tensor, torch.Tensor]:
+def run_once(name: str, B: int, T: int, V: int, device: torch.device) -> tuple[float, int, torch.Tensor, torch.Tensor]:
     """(seconds, CPU seconds, peak bytes, log-probs, gradient of the logits) of one forward + backward."""
     g = torch.Generator(device).manual_seed(0)
     logits = torch.randn(B, T + 1, V, generator=g, device=device, dtype=torch.bfloat16).requires_grad_()

@@ -28,6 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 MODES = ("merged", "adapters")
+
+
 def measure(args: argparse.Namespace) -> dict:
     """One mode's medians (in this process: it builds the vLLM engine)."""
     import torch
@@ -41,13 +43,27 @@ def measure(args: argparse.Namespace) -> dict:
     from dsrl.rollout.vllm import VLLMRollout
 
     init_distributed()
-    settings = lora_config(OmegaConf.create({"lora_rank": args.rank, "lora_alpha": 2 * args.rank,
-                                             "target_modules": "all-linear", "exclude_modules": None}))
+    settings = lora_config(
+        OmegaConf.create(
+            {
+                "lora_rank": args.rank,
+                "lora_alpha": 2 * args.rank,
+                "target_modules": "all-linear",
+                "exclude_modules": None,
+            }
+        )
+    )
     merged = args.mode == "merged"
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32), settings).eval()
-    rollout = VLLMRollout(args.model, dtype="float32", max_model_len=args.prompt_len + args.max_tokens,
-                          enforce_eager=True, gpu_memory_utilization=0.1, enable_sleep_mode=False,
-                          lora=None if merged else settings)
+    rollout = VLLMRollout(
+        args.model,
+        dtype="float32",
+        max_model_len=args.prompt_len + args.max_tokens,
+        enforce_eager=True,
+        gpu_memory_utilization=0.1,
+        enable_sleep_mode=False,
+        lora=None if merged else settings,
+    )
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     prompts = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=generator)
@@ -61,14 +77,20 @@ def measure(args: argparse.Namespace) -> dict:
         rollout.update_weights(iter_merged_parameters(model) if merged else iter_adapter_parameters(model))
         push_s.append(time.perf_counter() - start)
         start = time.perf_counter()
-        out = rollout.generate(prompts, torch.ones_like(prompts), SamplingParams(n=args.n, max_tokens=args.max_tokens,
-                                                                                   seed=step))
+        out = rollout.generate(
+            prompts, torch.ones_like(prompts), SamplingParams(n=args.n, max_tokens=args.max_tokens, seed=step)
+        )
         gen_s.append(time.perf_counter() - start)
         tokens.append(int(out.response_mask.sum()))
     later = slice(1, None)
-    return {"mode": args.mode, "push_s": statistics.median(push_s[later]), "gen_s": statistics.median(gen_s[later]),
-            "tokens": statistics.median(tokens[later]), "first_push_s": push_s[0],
-            "params_m": sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n) / 1e6}
+    return {
+        "mode": args.mode,
+        "push_s": statistics.median(push_s[later]),
+        "gen_s": statistics.median(gen_s[later]),
+        "tokens": statistics.median(tokens[later]),
+        "first_push_s": push_s[0],
+        "params_m": sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n) / 1e6,
+    }
 
 
 def main() -> None:
@@ -88,17 +110,26 @@ def main() -> None:
     rows = []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     for mode in MODES:
-        child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--mode", mode], env=env, capture_output=True,
-                               text=True, check=False)
+        child = subprocess.run(
+            [sys.executable, __file__, *sys.argv[1:], "--mode", mode],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if child.returncode:
             sys.exit(f"{mode}: exit {child.returncode}\n{child.stderr[-3000:]}")
         [line] = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
         rows.append(json.loads(line.removeprefix("RESULT ")))
-    print(f"{args.model}: {rows[0]['params_m']:.1f}M parameters, LoRA rank {args.rank} on all linear layers, "
-          f"{args.prompts} prompts x n={args.n}, <= {args.max_tokens} tokens; medians of steps 2..{args.steps}")
+    print(
+        f"{args.model}: {rows[0]['params_m']:.1f}M parameters, LoRA rank {args.rank} on all linear layers, "
+        f"{args.prompts} prompts x n={args.n}, <= {args.max_tokens} tokens; medians of steps 2..{args.steps}"
+    )
     print(f"{'mode':<10}{'push_s':>10}{'first_push_s':>14}{'gen_s':>10}{'tokens':>8}")
     for row in rows:
-        print(f"{row['mode']:<10}{row['push_s']:>10.4f}{row['first_push_s']:>14.4f}{row['gen_s']:>10.3f}{row['tokens']:>8.0f}")
+        print(
+            f"{row['mode']:<10}{row['push_s']:>10.4f}{row['first_push_s']:>14.4f}{row['gen_s']:>10.3f}{row['tokens']:>8.0f}"
+        )
 
 
 if __name__ == "__main__":

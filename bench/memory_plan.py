@@ -76,7 +76,10 @@ PHASES = {"gen": "rollout", "old_log_prob": "old_log_prob", "ref": "ref", "value
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
                       "CROSS_SIZE", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_WORLD_SIZE")  # fmt: skip
 # Recipes on 8 x 141 GiB: the recipe, its model's shape, and overrides (the 8B line is grpo.yaml's header command).
-RECIPE_DATA = ["data.train_files=outputs/data/arithmetic/train.parquet", "data.val_files=outputs/data/arithmetic/test.parquet"]
+RECIPE_DATA = [
+    "data.train_files=outputs/data/arithmetic/train.parquet",
+    "data.val_files=outputs/data/arithmetic/test.parquet",
+]
 QWEN_05B = "bench/model_shapes/Qwen2.5-0.5B-Instruct.json"
 QWEN3_8B = "bench/model_shapes/Qwen3-8B.json"
 RECIPES = {
@@ -179,7 +182,10 @@ def measure_table(cases: list[str], models: dict[str, str], data: str, earlier: 
             predicted, actual = plan.need(phase), measured[phase.name]
             rows.append({"case": case, "phase": phase.name, "plan_mib": predicted / MIB, "measured_mib": actual / MIB,
                          "error": (predicted - actual) / actual})  # fmt: skip
-            print(f"{case:16} {phase.name:14} {predicted / MIB:10.1f} {actual / MIB:12.1f} {rows[-1]['error']:+8.0%}", flush=True)
+            print(
+                f"{case:16} {phase.name:14} {predicted / MIB:10.1f} {actual / MIB:12.1f} {rows[-1]['error']:+8.0%}",
+                flush=True,
+            )
     return rows
 
 
@@ -210,7 +216,9 @@ def estimator_table() -> list[dict]:
                 terms += update_gradients("actor", zero, planned, 2, world)
             device, host = sum(t.device for t in terms), sum(t.host for t in terms)
             if stage == 3:
-                cpu, gpu, _ = estimate_zero3_model_states_mem_needs(total, largest, world, 1, offload, offload, True, 1.0)
+                cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+                    total, largest, world, 1, offload, offload, True, 1.0
+                )
                 gpu -= 4 * largest  # the largest layer's gathered fp32 copy: the plan counts gathered parameters apart
             else:
                 cpu, gpu = estimate_zero2_model_states_mem_needs(total, world, 1, offload, 1.0)
@@ -236,7 +244,9 @@ def recipe_table() -> list[dict]:
                "kv": plan.kv.describe(), "over": [p.name for p in plan.over()]}  # fmt: skip
         rows.append(row)
         cells = "  ".join(f"{n} {p.device / GIB:.1f}/{p.host / GIB:.1f}" for n, p in phases.items())
-        print(f"{label:16} {cells}  | {plan.kv.describe()} | {'fits' if not row['over'] else 'EXCEEDS: ' + ', '.join(row['over'])}")
+        print(
+            f"{label:16} {cells}  | {plan.kv.describe()} | {'fits' if not row['over'] else 'EXCEEDS: ' + ', '.join(row['over'])}"
+        )
     return rows
 
 

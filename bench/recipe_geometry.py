@@ -103,15 +103,20 @@ def measure(size: gpu_check.CheckSize, model_dir: Path, deepspeed_config, case: 
     size = dataclasses.replace(size, prompts=rows // n, n=n, micro_batch=micro)  # one mini-batch: one optimizer step
     overrides = []
     if budget is not None:
-        overrides = ["actor_rollout_ref.actor.use_dynamic_bsz=true", f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}"]
+        overrides = [
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+        ]
     actor = build_actor(size, model_dir, deepspeed_config, *overrides)
     batch = random_batch(size, rows, seed=0)
     parts = len(micro_batch_indices(batch, micro_batch_size=micro, max_token_len=budget))
     tokens = batch.attention_mask.sum().item()
     actor.update(batch, temperature=1.0)  # warm-up: allocator, kernels, optimizer states
     table = []
-    for name, call in (("log-probs", lambda: actor.compute_log_probs(batch, temperature=1.0)),
-                       ("update", lambda: actor.update(batch, temperature=1.0))):
+    for name, call in (
+        ("log-probs", lambda: actor.compute_log_probs(batch, temperature=1.0)),
+        ("update", lambda: actor.update(batch, temperature=1.0)),
+    ):
         seconds, peak = timed(call)
         table += [
             (f"{case} {name} s per micro-batch", seconds / parts, f"s ({parts} micro-batches of {rows // parts} rows)"),

@@ -26,12 +26,20 @@ def main(argv: list[str] | None = None) -> int:
 
     client = MlflowClient(tracking_uri=args.tracking_uri)
     experiment = client.get_experiment_by_name(args.experiment)
-    runs = [] if experiment is None else client.search_runs(
-        [experiment.experiment_id], filter_string=f"tags.mlflow.runName = '{args.run_name}'",
-        order_by=["attributes.start_time DESC"], max_results=1,
+    runs = (
+        []
+        if experiment is None
+        else client.search_runs(
+            [experiment.experiment_id],
+            filter_string=f"tags.mlflow.runName = '{args.run_name}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
     )
     if not runs:
-        print(f"no run named {args.run_name!r} in experiment {args.experiment!r} at {args.tracking_uri}", file=sys.stderr)
+        print(
+            f"no run named {args.run_name!r} in experiment {args.experiment!r} at {args.tracking_uri}", file=sys.stderr
+        )
         return 1
     run = runs[0]
 

@@ -163,13 +163,20 @@ def bench_losses(inputs: EstimatorInputs, repeats: int, verl: ModuleType | None)
 
         return median_ms(run, repeats)
 
-    print(f"\n{'policy loss':<30} {'ms':>9} {'x vanilla':>9} {'':8} {'verl ms':>9} {'x verl':>7}   (forward + backward)")
+    print(
+        f"\n{'policy loss':<30} {'ms':>9} {'x vanilla':>9} {'':8} {'verl ms':>9} {'x verl':>7}   (forward + backward)"
+    )
     vanilla_ms = None
     for name in ["vanilla", *(n for n in policy_loss_names() if n != "vanilla")]:
         params = LOSS_PARAMS.get(name, {})
         ms = forward_backward(
             lambda lp: policy_loss(  # noqa: B023
-                name, old_log_probs=old_log_probs, log_probs=lp, advantages=advantages, response_mask=mask, **params  # noqa: B023
+                name,
+                old_log_probs=old_log_probs,
+                log_probs=lp,
+                advantages=advantages,
+                response_mask=mask,
+                **params,  # noqa: B023
             )
         )
         vanilla_ms = vanilla_ms or ms
@@ -178,11 +185,18 @@ def bench_losses(inputs: EstimatorInputs, repeats: int, verl: ModuleType | None)
             config = verl.verl_actor_config(params, {})
             verl_ms = forward_backward(
                 lambda lp: verl.verl_policy_loss(  # noqa: B023
-                    name, old_log_probs=old_log_probs, log_probs=lp, advantages=advantages, response_mask=mask,  # noqa: B023
-                    loss_agg_mode="token-mean", rollout_is_weights=None, config=config,  # noqa: B023
+                    name,
+                    old_log_probs=old_log_probs,
+                    log_probs=lp,
+                    advantages=advantages,
+                    response_mask=mask,  # noqa: B023
+                    loss_agg_mode="token-mean",
+                    rollout_is_weights=None,
+                    config=config,  # noqa: B023
                 )
             )
         print(f"{name:<30} {ms:9.1f} {ms / vanilla_ms:9.2f} {'':8} {ratio_columns(ms, verl_ms)}")
+
 
 if __name__ == "__main__":
     main()

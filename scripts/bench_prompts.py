@@ -183,7 +183,9 @@ def report(name: str, result: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=1_000_000, help="prompts in the synthetic file and the memory parts")
+    parser.add_argument(
+        "--rows", type=int, default=1_000_000, help="prompts in the synthetic file and the memory parts"
+    )
     parser.add_argument("--tokens", type=int, default=200, help="tokens per prompt (chat template included)")
     parser.add_argument("--load-rows", type=int, default=100_000, help="rows loaded through load_prompts")
     parser.add_argument("--old-datasets", help="a copy of the old dsrl/data/datasets.py: also time its loader")
@@ -225,7 +227,10 @@ def main() -> None:
     for name, result in results.items():
         report(name, result)
     parts = results["new memory"]["parts"]
-    print("new store parts (B/token): " + ", ".join(f"{k} {v / results['new memory']['tokens']:.3f}" for k, v in parts.items()))
+    print(
+        "new store parts (B/token): "
+        + ", ".join(f"{k} {v / results['new memory']['tokens']:.3f}" for k, v in parts.items())
+    )
     print(f"new store: a sampler batch of 1024 records built in {results['new memory']['batch_1024_ms']:.1f} ms")
 
 

@@ -22,22 +22,49 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from dsrl.config import ConfigError, load_and_validate  # noqa: E402
 
-PHASES = ("release_memory", "update_weights", "wake", "gen", "sleep", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+PHASES = (
+    "release_memory",
+    "update_weights",
+    "wake",
+    "gen",
+    "sleep",
+    "reward",
+    "old_log_prob",
+    "ref",
+    "values",
+    "adv",
+    "update_critic",
+    "update_actor",
+)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--config", nargs="+", default=["configs/grpo.yaml", "configs/cpu.yaml", "configs/quickstart.yaml"],
+        "--config",
+        nargs="+",
+        default=["configs/grpo.yaml", "configs/cpu.yaml", "configs/quickstart.yaml"],
         help="config files, merged left to right (default: the quickstart's)",
     )
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--profile", type=int, default=0, metavar="N", help="also print rank 0's N costliest functions (cProfile, internal time) over the steps")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print rank 0's N costliest functions (cProfile, internal time) over the steps",
+    )
     parser.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # the deepspeed launcher's
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    overrides = [*args.overrides, f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false",
-                 "trainer.test_freq=-1", "trainer.logger=[console]", "trainer.resume_mode=disable"]
+    overrides = [
+        *args.overrides,
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.logger=[console]",
+        "trainer.resume_mode=disable",
+    ]
     try:
         cfg, _ = load_and_validate(args.config, overrides, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as err:
@@ -69,7 +96,9 @@ def main() -> int:
             print(f"{phase:<16}{seconds:>10.3f}{seconds / step_s:>8.1%}")
     print(f"{'step':<16}{step_s:>10.3f}{1:>8.0%}")
     tokens = statistics.mean(m["perf/throughput"] for m in timed)
-    print(f"tokens/s per rank: {tokens:.0f}; response length mean {statistics.mean(m['response_length/mean'] for m in timed):.2f}")
+    print(
+        f"tokens/s per rank: {tokens:.0f}; response length mean {statistics.mean(m['response_length/mean'] for m in timed):.2f}"
+    )
     return 0
 
 

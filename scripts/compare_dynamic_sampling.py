@@ -122,7 +122,9 @@ def main() -> int:
     arms = {
         "grpo": common,
         "grpo + dynamic sampling": [
-            *common, *FILTERING, f"algorithm.filter_groups.max_num_gen_batches={args.max_rounds}"
+            *common,
+            *FILTERING,
+            f"algorithm.filter_groups.max_num_gen_batches={args.max_rounds}",
         ],
     }
     try:

@@ -47,8 +47,11 @@ ARMS = {
     "lora": [*LORA, "actor_rollout_ref.actor.optim.lr=2e-3"],
     "lora-same-lr": LORA,
 }
-WIDE_BATCH = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"]
+WIDE_BATCH = [
+    "data.train_batch_size=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+]
 VALIDATION = re.compile(r"validation at step (\d+): val-core/arithmetic/reward/mean@1=([0-9.]+)")
 STEP_SECONDS = re.compile(r" step \d+/\d+ .*step_s=([0-9.]+)")
 ACTOR = re.compile(r"^\s*actor:\s+(ZeRO-.*)$", re.M)  # the start-up summary's line
@@ -58,8 +61,11 @@ def build_wide_model() -> Path:
     """outputs/wide_model: make_tiny_model.py --wide, 97M parameters, untrained (for memory, not learning)."""
     out = REPO / "outputs" / "wide_model"
     if not (out / "config.json").is_file():
-        subprocess.run([sys.executable, "scripts/make_tiny_model.py", "--wide", "--sft-steps", "0", "--out", str(out)],
-                       cwd=REPO, check=True)
+        subprocess.run(
+            [sys.executable, "scripts/make_tiny_model.py", "--wide", "--sft-steps", "0", "--out", str(out)],
+            cwd=REPO,
+            check=True,
+        )
     return out
 
 
@@ -70,9 +76,18 @@ def folder_mib(path: Path) -> float:
 def run_arm(name: str, steps: int, overrides: list[str], out: Path) -> dict:
     """One training run in a child process; its console output is kept in ``out/<name>.log``."""
     run_dir = out / name
-    args = [sys.executable, "scripts/train.py", *RECIPE, *ARMS[name], f"trainer.total_training_steps={steps}",
-            f"trainer.test_freq={steps}", f"trainer.save_freq={steps}", "trainer.logger=[console]",
-            f"trainer.default_local_dir={run_dir}", *overrides]
+    args = [
+        sys.executable,
+        "scripts/train.py",
+        *RECIPE,
+        *ARMS[name],
+        f"trainer.total_training_steps={steps}",
+        f"trainer.test_freq={steps}",
+        f"trainer.save_freq={steps}",
+        "trainer.logger=[console]",
+        f"trainer.default_local_dir={run_dir}",
+        *overrides,
+    ]
     log = out / f"{name}.log"
     code, usage = run_logged(args, log, cwd=REPO)
     text = log.read_text()

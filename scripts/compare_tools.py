@@ -164,8 +164,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per arm (default 30)")
     parser.add_argument("--batch", type=int, default=4, help="prompts per step (data.train_batch_size, default 4)")
     parser.add_argument("--n", type=int, default=8, help="responses per prompt (rollout.n, default 8)")
-    parser.add_argument("--val-size", type=int, default=32, help="validation prompts (data.val_max_samples, default 32)")
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), metavar="ARM", help=f"of {list(ARMS)}")
+    parser.add_argument(
+        "--val-size", type=int, default=32, help="validation prompts (data.val_max_samples, default 32)"
+    )
+    parser.add_argument(
+        "--arms", nargs="+", choices=list(ARMS), default=list(ARMS), metavar="ARM", help=f"of {list(ARMS)}"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted config overrides for every arm")
     args = parser.parse_args(argv)
     for name in ("steps", "batch", "n", "val_size"):

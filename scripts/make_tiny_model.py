@@ -129,10 +129,22 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 # The tiny model's shape, and --wide's: the weights dominate memory and time (LoRA's and the pushes' measurements).
 SHAPES = {
-    "tiny": {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 2,
-             "num_key_value_heads": 1, "head_dim": 64},
-    "wide": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8, "num_attention_heads": 8,
-             "num_key_value_heads": 2, "head_dim": 128},
+    "tiny": {
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+    },
+    "wide": {
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+    },
 }
 
 
@@ -211,9 +223,11 @@ def supervised_warm_start(
         model,
         max_steps,
         lambda: model(**sft_batch(tokenizer, rng.sample(pool, SFT_BATCH_SIZE))).loss,
-        lambda step, loss: step % SFT_CHECK_EVERY == 0
-        and loss.item() < SFT_CHECK_BELOW_LOSS
-        and greedy_accuracy(model, tokenizer, probe) >= SFT_TARGET_ACCURACY,
+        lambda step, loss: (
+            step % SFT_CHECK_EVERY == 0
+            and loss.item() < SFT_CHECK_BELOW_LOSS
+            and greedy_accuracy(model, tokenizer, probe) >= SFT_TARGET_ACCURACY
+        ),
     )
 
 
@@ -349,9 +363,14 @@ def tool_rollouts(
         zip(
             second,
             generate_turns(
-                model, tokenizer, [prompts[i][: len(prompts[i]) - len(forced)] + turns[i] + tools[i] for i in second],
-                TOOL_ANSWER_MAX_NEW_TOKENS, do_sample,
-            ) if second else [],
+                model,
+                tokenizer,
+                [prompts[i][: len(prompts[i]) - len(forced)] + turns[i] + tools[i] for i in second],
+                TOOL_ANSWER_MAX_NEW_TOKENS,
+                do_sample,
+            )
+            if second
+            else [],
             strict=True,
         )
     )
@@ -399,7 +418,10 @@ def tool_warm_start(
         greedy = sum(r["score"] for r in tool_rollouts(model, tokenizer, probe, False, "<")) / len(probe)
         torch.manual_seed(seed)
         sampled = sum(r["score"] for r in tool_rollouts(model, tokenizer, probe, True, "<")) / len(probe)
-        print(f"step {step}: loss {loss.item():.3f}, forced calls scoring: greedy {greedy:.1%}, sampled {sampled:.1%}", flush=True)
+        print(
+            f"step {step}: loss {loss.item():.3f}, forced calls scoring: greedy {greedy:.1%}, sampled {sampled:.1%}",
+            flush=True,
+        )
         return sampled >= target
 
     return train_until(model, max_steps, step_loss, reached)
@@ -443,12 +465,14 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--sft-steps", type=int, default=1000, help="most supervised warm-start steps (0: untrained)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and training-batch seed")
     parser.add_argument(
-        "--tool-target", type=float,
+        "--tool-target",
+        type=float,
         help=f"--task calculator: stop once this share of the probe's forced calls succeed (default "
         f"{TOOL_TARGET_SUCCESS}, the model the docs measure; the tests' tool_model_dir builds with 0.4)",
     )
     parser.add_argument(
-        "--wide", action="store_true",
+        "--wide",
+        action="store_true",
         help="hidden 1024, 8 layers (97M parameters), untrained: for memory and speed measurements, with --sft-steps 0",
     )
     args = parser.parse_args(argv)

@@ -146,8 +146,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", required=True, choices=["arithmetic", "calculator", "worded", "gsm8k", "math"])
     parser.add_argument("--out", help="output directory (default: outputs/data/<task>)")
-    parser.add_argument("--train-size", type=int, help="rows in train.parquet (arithmetic, calculator: 5000; worded: 1200; else all)")
-    parser.add_argument("--test-size", type=int, help="rows in test.parquet (arithmetic, calculator: 200; worded: 100; else all)")
+    parser.add_argument(
+        "--train-size", type=int, help="rows in train.parquet (arithmetic, calculator: 5000; worded: 1200; else all)"
+    )
+    parser.add_argument(
+        "--test-size", type=int, help="rows in test.parquet (arithmetic, calculator: 200; worded: 100; else all)"
+    )
     parser.add_argument("--seed", type=int, default=arithmetic.DEFAULT_SEED, help="picks the rows (default 0)")
     parser.add_argument("--local-path", help="gsm8k/math: directory with a local copy of the hub dataset")
     args = parser.parse_args(argv)

@@ -97,7 +97,11 @@ def run_train_without_torch(args: list[str], **env: str) -> subprocess.Completed
     )
     return subprocess.run(
         [sys.executable, "-c", code, str(REPO / "scripts" / "train.py"), *args],
-        capture_output=True, text=True, cwd=REPO, timeout=60, env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env={**os.environ, **env},
     )
 
 
@@ -203,8 +207,18 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def prepared(task: str, out: Path) -> Path:
     """``scripts/prepare_data.py --task <task>`` into ``out``, 64 train and 8 test prompts."""
     subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--task", task, "--out", str(out),
-         "--train-size", "64", "--test-size", "8"],
+        [
+            sys.executable,
+            str(REPO / "scripts" / "prepare_data.py"),
+            "--task",
+            task,
+            "--out",
+            str(out),
+            "--train-size",
+            "64",
+            "--test-size",
+            "8",
+        ],
         check=True,
         capture_output=True,
     )
@@ -237,8 +251,11 @@ def tool_model_dir(tmp_path_factory) -> Path:
     differ within a group and the update moves every parameter. Sampled at temperature 1 it calls well formed on
     37% of the validation problems and answers 22% right (the docs' model: 44% and 31%). At 30% (220 steps) it
     calls on 20%, and PPO's 8 responses of a step held no call."""
-    sources = [REPO / "scripts" / "make_tiny_model.py", REPO / "dsrl" / "data" / "calculator.py",
-               REPO / "dsrl" / "data" / "arithmetic.py"]
+    sources = [
+        REPO / "scripts" / "make_tiny_model.py",
+        REPO / "dsrl" / "data" / "calculator.py",
+        REPO / "dsrl" / "data" / "arithmetic.py",
+    ]
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in sources) + " ".join(TOOL_MODEL_ARGS).encode())
     digest = digest.hexdigest()[:16]
     cache = Path(os.environ.get("DSRL_TEST_CACHE", Path.home() / ".cache" / "dsrl" / "test_models"))

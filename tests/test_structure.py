@@ -52,8 +52,12 @@ def imported(path: Path, *, top_level_only: bool) -> set[str]:
     ``top_level_only``: what runs at import time (module body, incl. if/try blocks), not imports inside functions."""
     tree = ast.parse(path.read_text())
     if top_level_only:
-        nodes = [n for stmt in tree.body if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                 for n in ast.walk(stmt)]
+        nodes = [
+            n
+            for stmt in tree.body
+            if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            for n in ast.walk(stmt)
+        ]
     else:
         nodes = list(ast.walk(tree))
     found = set()
@@ -79,25 +83,42 @@ def _in(module: str, *rooms: str) -> bool:
 
 LOWER_FLOORS = ("config", "plan", "rewards", "workers", "runtime")
 RULES = [
-    Rule("a command is imported by nothing but python -m dsrl (commands are leaves)",
-         lambda src, dst: dst in COMMANDS and src != "dsrl.__main__"),
-    Rule("only commands import the trainer's room",
-         lambda src, dst: _in(dst, "trainer") and not _in(src, "trainer", "commands")),
-    Rule("only dsrl-train imports the loop",
-         lambda src, dst: dst == "dsrl.trainer.loop" and src != "dsrl.commands.train"),
+    Rule(
+        "a command is imported by nothing but python -m dsrl (commands are leaves)",
+        lambda src, dst: dst in COMMANDS and src != "dsrl.__main__",
+    ),
+    Rule(
+        "only commands import the trainer's room",
+        lambda src, dst: _in(dst, "trainer") and not _in(src, "trainer", "commands"),
+    ),
+    Rule(
+        "only dsrl-train imports the loop", lambda src, dst: dst == "dsrl.trainer.loop" and src != "dsrl.commands.train"
+    ),
     Rule("engines import no rollout code", lambda src, dst: _in(src, "engines") and _in(dst, "rollout")),
-    Rule("rollout code imports no reward code (tools share workers/)",
-         lambda src, dst: _in(src, "rollout") and _in(dst, "rewards")),
-    Rule("runtime imports nothing of dsrl outside runtime/ (config sits above it)",
-         lambda src, dst: _in(src, "runtime") and not _in(dst, "runtime")),
-    Rule("workers/ imports nothing of dsrl outside workers/ (worker processes start without torch)",
-         lambda src, dst: _in(src, "workers") and not _in(dst, "workers")),
-    Rule("algorithms are pure torch: they import nothing of dsrl outside algorithms/",
-         lambda src, dst: _in(src, "algorithms") and not _in(dst, "algorithms")),
-    Rule("the lower floors know no model code",
-         lambda src, dst: _in(src, *LOWER_FLOORS) and _in(dst, "algorithms", "engines", "rollout")),
-    Rule("data and tracking know no engine or rollout",
-         lambda src, dst: _in(src, "data", "tracking") and _in(dst, "engines", "rollout")),
+    Rule(
+        "rollout code imports no reward code (tools share workers/)",
+        lambda src, dst: _in(src, "rollout") and _in(dst, "rewards"),
+    ),
+    Rule(
+        "runtime imports nothing of dsrl outside runtime/ (config sits above it)",
+        lambda src, dst: _in(src, "runtime") and not _in(dst, "runtime"),
+    ),
+    Rule(
+        "workers/ imports nothing of dsrl outside workers/ (worker processes start without torch)",
+        lambda src, dst: _in(src, "workers") and not _in(dst, "workers"),
+    ),
+    Rule(
+        "algorithms are pure torch: they import nothing of dsrl outside algorithms/",
+        lambda src, dst: _in(src, "algorithms") and not _in(dst, "algorithms"),
+    ),
+    Rule(
+        "the lower floors know no model code",
+        lambda src, dst: _in(src, *LOWER_FLOORS) and _in(dst, "algorithms", "engines", "rollout"),
+    ),
+    Rule(
+        "data and tracking know no engine or rollout",
+        lambda src, dst: _in(src, "data", "tracking") and _in(dst, "engines", "rollout"),
+    ),
 ]
 
 

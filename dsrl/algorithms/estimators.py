@@ -300,7 +300,6 @@ def gae(inputs: EstimatorInputs, *, gamma: float, lam: float, **_: object) -> tu
 
 
 @register_estimator("reinforce_plus_plus", reads_policy=False)
-
 def reinforce_plus_plus(inputs: EstimatorInputs, *, gamma: float, **_: object) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025, https://arxiv.org/abs/2501.03262): whitened discounted return.
 
@@ -447,7 +446,9 @@ def rloo(inputs: EstimatorInputs, *, length_weighted_baseline: bool, **_: object
     return advantages, advantages
 
 
-@register_estimator("rloo_vectorized", reads_policy=False, options={"length_weighted_baseline": False}, needs=("groups",))
+@register_estimator(
+    "rloo_vectorized", reads_policy=False, options={"length_weighted_baseline": False}, needs=("groups",)
+)
 def rloo_vectorized(inputs: EstimatorInputs, *, length_weighted_baseline: bool, **_: object) -> tuple[Tensor, Tensor]:
     """`rloo`, except that a group of one gets advantage 0 rather than its score: verl 0.9.1's two
     RLOO forms disagree there, and each name gives its own form's numbers."""
@@ -485,7 +486,9 @@ def _length_weighted_mean(scores: Tensor, lengths: Tensor, groups: _Groups) -> T
     return torch.where((groups.size > 1) & (total_length > 0), groups.sum(lengths * scores) / total_length, 0.0)
 
 
-@register_estimator("reinforce_plus_plus_baseline", reads_policy=False, options={"length_weighted_baseline": False}, needs=("groups",))
+@register_estimator(
+    "reinforce_plus_plus_baseline", reads_policy=False, options={"length_weighted_baseline": False}, needs=("groups",)
+)
 def reinforce_plus_plus_baseline(
     inputs: EstimatorInputs, *, length_weighted_baseline: bool, **_: object
 ) -> tuple[Tensor, Tensor]:

@@ -103,6 +103,7 @@ def _require_local(dp_size: int, normaliser: str, mode: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # policy losses
 
+
 @dataclass(frozen=True)
 class _RegisteredLoss:
     fn: PolicyLossFn
@@ -646,8 +647,10 @@ def geo_mean_policy_loss(
     clamped = torch.clamp(log_ratio, -clip_ratio_low, clip_ratio_high)
     clipped_log_ratio = sign * torch.minimum(sign * log_ratio, sign * clamped)
     lengths = response_mask.sum(dim=-1) + 1e-8
-    seq_losses = -masked_sum(advantages, response_mask, dim=-1) / lengths * torch.exp(
-        masked_sum(clipped_log_ratio, response_mask, dim=-1) / lengths
+    seq_losses = (
+        -masked_sum(advantages, response_mask, dim=-1)
+        / lengths
+        * torch.exp(masked_sum(clipped_log_ratio, response_mask, dim=-1) / lengths)
     )
     if rollout_is_weights is not None:
         log_weights = torch.log(rollout_is_weights + 1e-10)
@@ -756,7 +759,9 @@ def bypass_mode_policy_loss(
     if loss_type not in BYPASS_LOSS_TYPES:
         raise ValueError(f"bypass_mode's loss_type {loss_type!r} is unknown; use one of {', '.join(BYPASS_LOSS_TYPES)}")
     rollout_log_probs = old_log_probs
-    weights, kept, correction_metrics = correct_rollout(log_probs.detach(), rollout_log_probs, response_mask, **settings)
+    weights, kept, correction_metrics = correct_rollout(
+        log_probs.detach(), rollout_log_probs, response_mask, **settings
+    )
     if loss_type == "ppo_clip":
         loss_mat, metrics = vanilla_policy_loss(
             old_log_probs=rollout_log_probs,

@@ -261,7 +261,10 @@ def rejection_mask(
         keep_all = keep_all * keep.to(mask.dtype)
         prefix = f"rollout_rs_{option}"
         if level == "token":
-            high, low = masked_mean((stat > hi).float(), mask), masked_mean((stat < lo).float(), mask) if lo is not None else None
+            high, low = (
+                masked_mean((stat > hi).float(), mask),
+                masked_mean((stat < lo).float(), mask) if lo is not None else None,
+            )
             stat_max = stat.masked_fill(~bool_mask, -math.inf).max()
             stat_min = stat.masked_fill(~bool_mask, math.inf).min()
         else:

@@ -63,8 +63,16 @@ def data_identity(files) -> list[dict[str, Any]]:
     return [{"path": str(p), "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in paths]
 
 
-def trainer_state(*, sampler, kl_coef: float, roles: dict, mlflow_run_id, save_contents: list[str],
-                  config: dict[str, Any], train_data: list[dict[str, Any]]) -> dict[str, Any]:
+def trainer_state(
+    *,
+    sampler,
+    kl_coef: float,
+    roles: dict,
+    mlflow_run_id,
+    save_contents: list[str],
+    config: dict[str, Any],
+    train_data: list[dict[str, Any]],
+) -> dict[str, Any]:
     """The trainer's fields of a checkpoint state (``dsrl.checkpoint.save.save_checkpoint`` adds the rest). Collective
     (``frozen_checksum``)."""
     return {
@@ -95,20 +103,29 @@ _FIELDS = {
     "world_size": _count(1),
     "sampler": {"epoch": _count(0), "index": _count(0)},
     "kl_coef": _finite_number,
-    "skips": lambda v: isinstance(v, dict) and all(
-        isinstance(s, dict) and _count(0)(s.get("total")) and _count(0)(s.get("consecutive")) for s in v.values()
+    "skips": lambda v: (
+        isinstance(v, dict)
+        and all(
+            isinstance(s, dict) and _count(0)(s.get("total")) and _count(0)(s.get("consecutive")) for s in v.values()
+        )
     ),
     "lr_schedulers": lambda v: isinstance(v, dict) and all(isinstance(s, dict) for s in v.values()),
-    "frozen_checksums": lambda v: isinstance(v, dict) and all(
-        s is None or (isinstance(s, int) and not isinstance(s, bool)) for s in v.values()
+    "frozen_checksums": lambda v: (
+        isinstance(v, dict) and all(s is None or (isinstance(s, int) and not isinstance(s, bool)) for s in v.values())
     ),
     "mlflow_run_id": lambda v: v is None or isinstance(v, str),
     "save_contents": lambda v: isinstance(v, list) and all(isinstance(item, str) for item in v),
     "config": lambda v: isinstance(v, dict),
     "config_hash": lambda v: isinstance(v, str),
-    "train_data": lambda v: isinstance(v, list) and all(
-        isinstance(f, dict) and isinstance(f.get("path"), str) and _count(0)(f.get("bytes"))
-        and isinstance(f.get("sha256"), str) for f in v
+    "train_data": lambda v: (
+        isinstance(v, list)
+        and all(
+            isinstance(f, dict)
+            and isinstance(f.get("path"), str)
+            and _count(0)(f.get("bytes"))
+            and isinstance(f.get("sha256"), str)
+            for f in v
+        )
     ),
 }
 
@@ -133,8 +150,9 @@ def fields_problem(state: dict[str, Any], roles: Sequence[str]) -> str | None:
     return None
 
 
-def restore(directory: Path, state: dict[str, Any], *, roles: dict, sampler, kl_ctrl, rank: int, root: Path,
-            seed: int) -> None:
+def restore(
+    directory: Path, state: dict[str, Any], *, roles: dict, sampler, kl_ctrl, rank: int, root: Path, seed: int
+) -> None:
     """Load every trained role's engine (weights, optimizer, LR scheduler, step counters) and this rank's RNG,
     then the trainer's state: sampler position, KL coefficient, skip counters and LR schedules. A checkpoint of
     another world size (``check_settings`` let it through) is loaded through its universal form under ``root``
@@ -196,7 +214,9 @@ def checkpoint_to_resume(cfg: Config, root: Path, roles: Sequence[str]) -> tuple
         if problem is None:
             return path, state
         if explicit:
-            raise CheckpointError(f"trainer.resume_from_path={path}: not a complete dsrl checkpoint: {problem}; {_FIX_PATH}")
+            raise CheckpointError(
+                f"trainer.resume_from_path={path}: not a complete dsrl checkpoint: {problem}; {_FIX_PATH}"
+            )
         if rank == 0:
             logger.info(f"resume: skipping {path}: {problem}")
     return None, None
@@ -219,7 +239,8 @@ def check_settings(cfg: Config, path: Path, state: dict[str, Any], world_size: i
     differences = config_differences(saved, now)
     if differences and not cfg.trainer.resume_allow_config_change:
         raise CheckpointError(
-            f"{path}: the run's settings differ from the checkpoint's:\n  " + "\n  ".join(differences)
+            f"{path}: the run's settings differ from the checkpoint's:\n  "
+            + "\n  ".join(differences)
             + "\nfix: restore them, set trainer.resume_allow_config_change=true to resume anyway, "
             "or trainer.resume_mode=disable to start over"
         )

@@ -140,7 +140,7 @@ def frozen_checksum(module: torch.nn.Module, chunk: int = 1 << 24) -> int | None
             flat = p.detach().reshape(-1)
         ints = flat.view(bits[flat.element_size()])
         for start in range(0, ints.numel(), chunk):
-            total += ints[start:start + chunk].sum(dtype=torch.int64).cpu()
+            total += ints[start : start + chunk].sum(dtype=torch.int64).cpu()
     if partitioned:
         total = total.to(get_accelerator().current_device_name())
         dist.all_reduce(total)
@@ -152,8 +152,13 @@ def rng_state() -> dict[str, Any]:
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
-                  "has_gauss": has_gauss, "gauss": gauss},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "gauss": gauss,
+        },
         "torch": torch.get_rng_state(),
         "accelerator": get_accelerator().get_rng_state(),
     }
@@ -164,8 +169,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version_, tuple(internal), gauss))
     np_state = state["numpy"]
     np.random.set_state(
-        (np_state["name"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"], np_state["has_gauss"],
-         np_state["gauss"])
+        (
+            np_state["name"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["gauss"],
+        )
     )
     torch.set_rng_state(state["torch"])
     get_accelerator().set_rng_state(state["accelerator"])
@@ -229,8 +239,9 @@ def save_engines(directory: Path, engines: dict[str, Any]) -> None:
     for role, engine in engines.items():
         partial = _has_frozen(engine.module)
         with _frozen_left_out(engine.module) if partial else nullcontext():
-            engine.save_checkpoint(str(directory / role), tag=DS_TAG, save_latest=False,
-                                   exclude_frozen_parameters=partial)
+            engine.save_checkpoint(
+                str(directory / role), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=partial
+            )
 
 
 @contextmanager
@@ -304,8 +315,13 @@ def save_checkpoint(
     """Write ``root/global_step_<step>`` (see the module docstring) with the trainer's ``state`` plus
     step, world size, dsrl version and format; returns its path. Collective."""
     rank = dist.get_rank()
-    state = {**state, "format": FORMAT, "dsrl_version": version("dsrl"), "global_step": step,
-             "world_size": dist.get_world_size()}
+    state = {
+        **state,
+        "format": FORMAT,
+        "dsrl_version": version("dsrl"),
+        "global_step": step,
+        "world_size": dist.get_world_size(),
+    }
     final = step_dir(root, step)
     tmp = root / f".tmp_{final.name}"
     with _stop_when_unwritable(tmp, step):
@@ -334,8 +350,9 @@ def _check_every_rank_wrote(tmp: Path, step: int) -> None:
     checkpoint holding node 0's shards alone. The preflight checks this at start-up; a mount lost since is
     found here. Collective."""
     world = dist.get_world_size()
-    missing: list = [[r for r in range(world) if not (tmp / "rng" / f"rank_{r}.pt").is_file()]
-                     if dist.get_rank() == 0 else None]
+    missing: list = [
+        [r for r in range(world) if not (tmp / "rng" / f"rank_{r}.pt").is_file()] if dist.get_rank() == 0 else None
+    ]
     dist.broadcast_object_list(missing, src=0)
     if missing[0]:
         raise CheckpointWriteError(
@@ -489,8 +506,10 @@ def state_problem(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
     if not isinstance(state, dict) or "format" not in state:
         return None, f"{STATE_FILE} is not a dsrl checkpoint state"
     if state["format"] != FORMAT:
-        return None, (f"written by dsrl {state.get('dsrl_version', '?')} in checkpoint format {state['format']!r}, "
-                      f"which this dsrl ({version('dsrl')}, format {FORMAT}) does not read")
+        return None, (
+            f"written by dsrl {state.get('dsrl_version', '?')} in checkpoint format {state['format']!r}, "
+            f"which this dsrl ({version('dsrl')}, format {FORMAT}) does not read"
+        )
     if state.get(STATE_CHECKSUM) != state_checksum(state):
         return None, f"{STATE_FILE} was changed after it was written (its checksum does not match)"
     step = int(_STEP_DIR.match(directory.name).group(1)) if _STEP_DIR.match(directory.name) else None
@@ -523,8 +542,9 @@ def load_checkpoint(directory: Path, engines: dict[str, Any], rank: int) -> None
     """Restore every engine (weights, optimizer, LR scheduler, step counters) and this rank's RNG. Collective."""
     for role, engine in engines.items():
         # A LoRA actor's checkpoint lacks the frozen base (loaded from model.path; frozen_checksum checked it).
-        path, _ = engine.load_checkpoint(str(directory / role), tag=DS_TAG,
-                                         load_module_strict=not _has_frozen(engine.module))
+        path, _ = engine.load_checkpoint(
+            str(directory / role), tag=DS_TAG, load_module_strict=not _has_frozen(engine.module)
+        )
         if path is None:
             raise CheckpointError(f"{directory / role}: DeepSpeed found no {role} checkpoint to load")
     set_rng_state(torch.load(directory / "rng" / f"rank_{rank}.pt", weights_only=True))

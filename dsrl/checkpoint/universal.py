@@ -56,17 +56,24 @@ def new_rank_seed(seed: int, step: int, rank: int) -> int:
 def convert(checkpoint: Path, roles: list[str], out: Path) -> None:
     """Each role's ``checkpoint/<role>/ds`` in universal form under ``out/<role>/ds``."""
     for role in roles:
-        ds_to_universal(SimpleNamespace(
-            input_folder=str(checkpoint / role / DS_TAG), output_folder=str(out / role / DS_TAG),
-            num_extract_workers=1, num_merge_workers=1,  # in-process: no pool forked from a rank
-            # ZeRO-1/2's conversion asks for the tensor-parallel layout Megatron-style clients record; a model
-            # without tensor parallelism has none, and the injected default says so.
-            keep_temp_folder=False, strict=True, inject_missing_state=True,
-        ))
+        ds_to_universal(
+            SimpleNamespace(
+                input_folder=str(checkpoint / role / DS_TAG),
+                output_folder=str(out / role / DS_TAG),
+                num_extract_workers=1,
+                num_merge_workers=1,  # in-process: no pool forked from a rank
+                # ZeRO-1/2's conversion asks for the tensor-parallel layout Megatron-style clients record; a model
+                # without tensor parallelism has none, and the injected default says so.
+                keep_temp_folder=False,
+                strict=True,
+                inject_missing_state=True,
+            )
+        )
 
 
-def load_at_new_world_size(checkpoint: Path, state: dict[str, Any], engines: dict[str, Any], *, root: Path,
-                           seed: int, rank: int) -> None:
+def load_at_new_world_size(
+    checkpoint: Path, state: dict[str, Any], engines: dict[str, Any], *, root: Path, seed: int, rank: int
+) -> None:
     """Restore every engine (weights, optimizer, step counters) from ``checkpoint``, written by
     ``state["world_size"]`` ranks, at this world size through its universal conversion, and this rank's RNG
     (module doc). Collective."""
@@ -77,8 +84,10 @@ def load_at_new_world_size(checkpoint: Path, state: dict[str, Any], engines: dic
             start = time.perf_counter()
             shutil.rmtree(out, ignore_errors=True)  # left by a crash during an earlier conversion or load
             convert(checkpoint, list(engines), out)
-            logger.info(f"{checkpoint} ({state['world_size']} ranks) to universal form in {out}: converted in "
-                        f"{time.perf_counter() - start:.2f} s")
+            logger.info(
+                f"{checkpoint} ({state['world_size']} ranks) to universal form in {out}: converted in "
+                f"{time.perf_counter() - start:.2f} s"
+            )
         except Exception as err:  # noqa: BLE001 -- reported on every rank, not one rank's traceback and a hang
             problem[0] = f"{type(err).__name__}: {' '.join(str(err).split())}"
     dist.broadcast_object_list(problem, src=0)

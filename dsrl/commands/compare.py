@@ -123,22 +123,34 @@ def t_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[flo
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[str]]:
     parser = argparse.ArgumentParser(prog="dsrl-compare", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "args", nargs="+", metavar="config | key=value",
+        "args",
+        nargs="+",
+        metavar="config | key=value",
         help="the configs to compare (shipped recipe names or YAML files, e.g. grpo rloo opo otb), then dotted "
         "overrides for every run",
     )
-    parser.add_argument("--out", type=Path, required=True, help="the folder of the runs, the MLflow store and the report")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="the folder of the runs, the MLflow store and the report"
+    )
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated trainer.seed values (default 1,2,3)")
     parser.add_argument("--steps", type=int, help=f"training steps per run (--quick: {QUICK_STEPS})")
-    parser.add_argument("--val-every", type=int, help=f"validate every N steps, and before training (--quick: {QUICK_VAL_EVERY})")
     parser.add_argument(
-        "--task", nargs="*", help="config files merged after each config: the task's data, model and sizes "
+        "--val-every", type=int, help=f"validate every N steps, and before training (--quick: {QUICK_VAL_EVERY})"
+    )
+    parser.add_argument(
+        "--task",
+        nargs="*",
+        help="config files merged after each config: the task's data, model and sizes "
         f"(--quick: {' '.join(QUICK_TASK)})",
     )
     parser.add_argument("--experiment", default="dsrl-compare", help="the MLflow experiment (default dsrl-compare)")
-    parser.add_argument("--quick", action="store_true", help=f"the tiny model on the CPU quickstart's task, {QUICK_STEPS} steps")
     parser.add_argument(
-        "--jobs", type=int, help="runs at a time (default 1; --quick: one per CPU core, each run one thread)",
+        "--quick", action="store_true", help=f"the tiny model on the CPU quickstart's task, {QUICK_STEPS} steps"
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        help="runs at a time (default 1; --quick: one per CPU core, each run one thread)",
     )
     args = parser.parse_intermixed_args(argv)
     try:
@@ -192,8 +204,13 @@ def common_overrides(args: argparse.Namespace, overrides: list[str]) -> list[str
 
 def run_overrides(arm: Arm, common: list[str], out: Path, seed: int) -> list[str]:
     name = f"{arm.label}-seed{seed}"
-    return [*common, *arm.added, f"trainer.seed={seed}", f"trainer.experiment_name={name}",
-            f"trainer.default_local_dir={out / 'runs' / name}"]
+    return [
+        *common,
+        *arm.added,
+        f"trainer.seed={seed}",
+        f"trainer.experiment_name={name}",
+        f"trainer.default_local_dir={out / 'runs' / name}",
+    ]
 
 
 def validated_arms(configs: list[str], task: list[str], common: list[str], out: Path, seed: int) -> list[Arm]:
@@ -212,8 +229,10 @@ def validated_arms(configs: list[str], task: list[str], common: list[str], out: 
             problems += [f"{config}: {violation}" for violation in err.violations]
         arms.append(arm)
     labels = [arm.label for arm in arms]
-    problems += [f"{label}: named twice (configs are told apart by their file name)"
-                 for label in sorted({label for label in labels if labels.count(label) > 1})]
+    problems += [
+        f"{label}: named twice (configs are told apart by their file name)"
+        for label in sorted({label for label in labels if labels.count(label) > 1})
+    ]
     if problems:
         raise ConfigError(problems)
     return arms
@@ -233,7 +252,9 @@ def read_run(client, experiment_id: str, name: str) -> dict:
     ``val-core/*/mean@N`` metrics at each step, as ``dsrl.trainer.validation.validation_score``) and each of
     ``STEP_METRICS`` by step."""
     runs = client.search_runs(
-        [experiment_id], filter_string=f"tags.mlflow.runName = '{name}'", order_by=["attributes.start_time DESC"],
+        [experiment_id],
+        filter_string=f"tags.mlflow.runName = '{name}'",
+        order_by=["attributes.start_time DESC"],
         max_results=1,
     )
     if not runs:
@@ -311,7 +332,9 @@ def plot_curves(arms: list[Arm], runs: dict[str, dict[int, dict]], path: Path) -
             if not steps:
                 continue
             values = [[c[s] for c in curves] for s in steps]
-            ax.plot(steps, [statistics.fmean(v) for v in values], marker="o" if len(steps) < 12 else None, label=arm.label)
+            ax.plot(
+                steps, [statistics.fmean(v) for v in values], marker="o" if len(steps) < 12 else None, label=arm.label
+            )
             ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], alpha=0.2)
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -327,37 +350,41 @@ def report_markdown(report: dict, args: argparse.Namespace, command: str, wall_s
     rows = []
     for label, arm in report.items():
         s = arm["summary"]
-        rows.append({"config": label, **{col: cell(s[key]["mean"], s[key]["ci95_half_width"]) for col, key in COLUMNS.items()}})
+        rows.append(
+            {"config": label, **{col: cell(s[key]["mean"], s[key]["ci95_half_width"]) for col, key in COLUMNS.items()}}
+        )
     seeds = ",".join(map(str, args.seed_list))
     kl_types = ", ".join(f"{label}: {arm['kl_loss_type']}" for label, arm in report.items())
-    return "\n".join([
-        f"# dsrl-compare: {', '.join(report)}",
-        "",
-        f"`{command}`",
-        "",
-        f"{args.steps} steps per run, seeds {seeds}, validation every {args.val_every} steps; {wall_s / 60:.1f} min in all, "
-        f"{args.jobs} run(s) at a time. "
-        f"MLflow experiment `{args.experiment}` in `{args.out / 'mlflow.db'}`.",
-        "",
-        markdown_table(rows),
-        "",
-        f"Each cell: the mean over the {len(args.seed_list)} seeds ± the half-width of a 95% Student-t interval "
-        "(t(0.975, n-1) · s / √n, s the sample standard deviation over seeds).",
-        "",
-        "- final val score: the validation score (mean of val-core/<source>/<var>/mean@N) at the last step.",
-        "- KL to initial: actor/kl_loss, KL(policy ‖ reference) with the reference the initial policy, averaged over "
-        f"the step's response tokens, mean over the last quarter of the steps; estimator per config: {kl_types}.",
-        "- entropy: actor/entropy (token-mean over the step's responses), mean over the last quarter of the steps.",
-        "- grad var: actor/grad_var, the variance across micro-batches of the gradient each gives of the actor's loss "
-        "(trace of the covariance of the micro-batch estimates, measured by gradient hooks; "
-        "dsrl/engines/grad_variance.py); grad var (relative): the same over ‖G‖², G the step's gradient. "
-        "Means over all steps.",
-        "- train score: critic/score/mean (the training responses' mean score), mean over the last quarter of the steps.",
-        "- s/step: timing_s/step, mean over all steps.",
-        "",
-        "![curves](curves.png)",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"# dsrl-compare: {', '.join(report)}",
+            "",
+            f"`{command}`",
+            "",
+            f"{args.steps} steps per run, seeds {seeds}, validation every {args.val_every} steps; {wall_s / 60:.1f} min in all, "
+            f"{args.jobs} run(s) at a time. "
+            f"MLflow experiment `{args.experiment}` in `{args.out / 'mlflow.db'}`.",
+            "",
+            markdown_table(rows),
+            "",
+            f"Each cell: the mean over the {len(args.seed_list)} seeds ± the half-width of a 95% Student-t interval "
+            "(t(0.975, n-1) · s / √n, s the sample standard deviation over seeds).",
+            "",
+            "- final val score: the validation score (mean of val-core/<source>/<var>/mean@N) at the last step.",
+            "- KL to initial: actor/kl_loss, KL(policy ‖ reference) with the reference the initial policy, averaged over "
+            f"the step's response tokens, mean over the last quarter of the steps; estimator per config: {kl_types}.",
+            "- entropy: actor/entropy (token-mean over the step's responses), mean over the last quarter of the steps.",
+            "- grad var: actor/grad_var, the variance across micro-batches of the gradient each gives of the actor's loss "
+            "(trace of the covariance of the micro-batch estimates, measured by gradient hooks; "
+            "dsrl/engines/grad_variance.py); grad var (relative): the same over ‖G‖², G the step's gradient. "
+            "Means over all steps.",
+            "- train score: critic/score/mean (the training responses' mean score), mean over the last quarter of the steps.",
+            "- s/step: timing_s/step, mean over all steps.",
+            "",
+            "![curves](curves.png)",
+            "",
+        ]
+    )
 
 
 def json_ready(value):
@@ -383,7 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         arms = validated_arms(configs, task, common, out, args.seed_list[0])
     except ConfigError as err:
-        print("dsrl-compare: the configs have problems:\n" + "\n".join(f"  {v}" for v in err.violations), file=sys.stderr)
+        print(
+            "dsrl-compare: the configs have problems:\n" + "\n".join(f"  {v}" for v in err.violations), file=sys.stderr
+        )
         return 2
     (out / "runs").mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{out / 'mlflow.db'}"
@@ -416,17 +445,38 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     wall_s = time.perf_counter() - started
     experiment_id = client.get_experiment_by_name(args.experiment).experiment_id
-    runs = {arm.label: {seed: read_run(client, experiment_id, f"{arm.label}-seed{seed}") for seed in args.seed_list}
-            for arm in arms}
+    runs = {
+        arm.label: {seed: read_run(client, experiment_id, f"{arm.label}-seed{seed}") for seed in args.seed_list}
+        for arm in arms
+    }
     report = build_report(arms, runs, args.steps)
     command = "dsrl-compare " + shlex.join(argv if argv is not None else sys.argv[1:])
-    (out / "report.json").write_text(json.dumps(json_ready({
-        "command": command, "experiment": args.experiment, "tracking_uri": uri, "steps": args.steps,
-        "seeds": args.seed_list, "val_every": args.val_every, "jobs": args.jobs, "wall_s": wall_s, "confidence": CONFIDENCE,
-        "configs": report,
-        "curves": {label: {str(seed): {"validation": run["validation"], **run["steps"]} for seed, run in by_seed.items()}
-                   for label, by_seed in runs.items()},
-    }), indent=1))
+    (out / "report.json").write_text(
+        json.dumps(
+            json_ready(
+                {
+                    "command": command,
+                    "experiment": args.experiment,
+                    "tracking_uri": uri,
+                    "steps": args.steps,
+                    "seeds": args.seed_list,
+                    "val_every": args.val_every,
+                    "jobs": args.jobs,
+                    "wall_s": wall_s,
+                    "confidence": CONFIDENCE,
+                    "configs": report,
+                    "curves": {
+                        label: {
+                            str(seed): {"validation": run["validation"], **run["steps"]}
+                            for seed, run in by_seed.items()
+                        }
+                        for label, by_seed in runs.items()
+                    },
+                }
+            ),
+            indent=1,
+        )
+    )
     plot_curves(arms, runs, out / "curves.png")
     markdown = report_markdown(report, args, command, wall_s)
     (out / "report.md").write_text(markdown)

@@ -90,28 +90,41 @@ def checked_state(directory: Path, role: str) -> dict[str, Any]:
         raise ConvertError(f"{directory}: no such directory; {_FIX_CHECKPOINT}")
     if not (directory / STATE_FILE).exists():  # state_problem says so, after these two foreign kinds
         if (directory / "config.json").is_file():
-            raise ConvertError(f"{directory} is a Hugging Face model already (config.json, no {STATE_FILE}): "
-                               "nothing to convert; load it with from_pretrained")
+            raise ConvertError(
+                f"{directory} is a Hugging Face model already (config.json, no {STATE_FILE}): "
+                "nothing to convert; load it with from_pretrained"
+            )
         if steps := complete_steps(directory):
-            raise ConvertError(f"{directory} is a run folder, not a checkpoint; fix: point at one of its checkpoints, "
-                               f"e.g. {step_dir(directory, max(steps))}")
+            raise ConvertError(
+                f"{directory} is a run folder, not a checkpoint; fix: point at one of its checkpoints, "
+                f"e.g. {step_dir(directory, max(steps))}"
+            )
     elif not (directory / role / DS_TAG).is_dir():  # before the manifest, which still lists a pruned role's files
         held = [r for r in ROLES if (directory / r / DS_TAG).is_dir()]
-        why = ("trainer.max_actor_ckpt_to_keep pruned the actor's state from it" if role == "actor"
-               else "only algorithm.adv_estimator=gae (PPO) trains a critic")
-        raise ConvertError(f"{directory} holds no {role} state (it holds: {', '.join(held) or 'nothing'}; {why}); "
-                           f"fix: {'--role ' + held[0] + ', or ' if held else ''}a checkpoint that holds it")
+        why = (
+            "trainer.max_actor_ckpt_to_keep pruned the actor's state from it"
+            if role == "actor"
+            else "only algorithm.adv_estimator=gae (PPO) trains a critic"
+        )
+        raise ConvertError(
+            f"{directory} holds no {role} state (it holds: {', '.join(held) or 'nothing'}; {why}); "
+            f"fix: {'--role ' + held[0] + ', or ' if held else ''}a checkpoint that holds it"
+        )
     state, problem = state_problem(directory)
     if problem is not None:
-        raise ConvertError(f"{directory}: {problem}; {_FIX_CHECKPOINT} (a save that never finished leaves "
-                           ".tmp_global_step_N, which is not one)")
+        raise ConvertError(
+            f"{directory}: {problem}; {_FIX_CHECKPOINT} (a save that never finished leaves "
+            ".tmp_global_step_N, which is not one)"
+        )
     if problem := fields_problem(state, [role]):
         raise ConvertError(f"{directory}: {problem}; {_FIX_CHECKPOINT}")
     files = {name: entry for name, entry in state["files"].items() if name.startswith(f"{role}/")}
     if changed := file_problems(directory, files, rank=0, world=1):
         more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
-        raise ConvertError(f"{directory}: {changed[0]}{more}: the checkpoint is damaged; fix: convert another "
-                           "checkpoint, or restore this one from a copy")
+        raise ConvertError(
+            f"{directory}: {changed[0]}{more}: the checkpoint is damaged; fix: convert another "
+            "checkpoint, or restore this one from a copy"
+        )
     return state
 
 
@@ -157,8 +170,9 @@ def load_trained_weights(module: torch.nn.Module, role_dir: Path, *, trained_onl
     parameters that train alone (a LoRA actor's adapters); the frozen ones stay as loaded."""
     ds_dir = role_dir / DS_TAG
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's progress lines: stdout says what was written
-        saved = get_fp32_state_dict_from_zero_checkpoint(str(role_dir), tag=DS_TAG,
-                                                         exclude_frozen_parameters=trained_only, lazy_mode=True)
+        saved = get_fp32_state_dict_from_zero_checkpoint(
+            str(role_dir), tag=DS_TAG, exclude_frozen_parameters=trained_only, lazy_mode=True
+        )
     engine_state = torch.load(get_model_state_files(str(ds_dir))[0], map_location="cpu", mmap=True, weights_only=False)
     dtypes = {name: tensor.dtype for name, tensor in engine_state["module"].items()}
     params = {name: p for name, p in module.named_parameters() if p.requires_grad or not trained_only}
@@ -174,16 +188,19 @@ def load_trained_weights(module: torch.nn.Module, role_dir: Path, *, trained_onl
     for name, param in params.items():
         tensor = saved[name].contiguous()
         if tensor.shape != param.shape:
-            raise ConvertError(f"{role_dir}: {name} is {tuple(tensor.shape)} in the checkpoint, {tuple(param.shape)} "
-                               "in the base model; fix: --model-path DIR, the run's base model")
+            raise ConvertError(
+                f"{role_dir}: {name} is {tuple(tensor.shape)} in the checkpoint, {tuple(param.shape)} "
+                "in the base model; fix: --model-path DIR, the run's base model"
+            )
         param.data = tensor.to(dtypes[name])
 
 
 def actor_model(settings: DictConfig, dtype: str, checkpoint: Path, state: dict[str, Any]) -> torch.nn.Module:
     """The actor as its engine held it at the checkpoint: loaded as ``ActorEngine`` loads it (a ``PeftModel`` for
     LoRA, whose base must be the one the adapters trained on: ``frozen_checksum``), the checkpoint's weights in."""
-    module = AutoModelForCausalLM.from_pretrained(settings.path, dtype=DTYPES[dtype],
-                                                  trust_remote_code=settings.trust_remote_code)
+    module = AutoModelForCausalLM.from_pretrained(
+        settings.path, dtype=DTYPES[dtype], trust_remote_code=settings.trust_remote_code
+    )
     lora = lora_enabled(settings)
     if lora:
         try:
@@ -202,7 +219,9 @@ def actor_model(settings: DictConfig, dtype: str, checkpoint: Path, state: dict[
 def critic_model(settings: DictConfig, dtype: str, checkpoint: Path) -> ValueModel:
     """PPO's value model as its engine held it: the backbone loaded as ``CriticEngine`` loads it and a value head,
     the checkpoint's weights in both."""
-    backbone = AutoModel.from_pretrained(settings.path, dtype=DTYPES[dtype], trust_remote_code=settings.trust_remote_code)
+    backbone = AutoModel.from_pretrained(
+        settings.path, dtype=DTYPES[dtype], trust_remote_code=settings.trust_remote_code
+    )
     module = ValueModel(backbone, torch.nn.Linear(backbone.config.hidden_size, 1, dtype=DTYPES[dtype]))
     load_trained_weights(module, checkpoint / "critic", trained_only=False)
     return module
@@ -211,8 +230,15 @@ def critic_model(settings: DictConfig, dtype: str, checkpoint: Path) -> ValueMod
 # ---- the command -------------------------------------------------------------------------------
 
 
-def convert(checkpoint: Path, out: Path, *, role: str | None = None, adapter_only: bool = False,
-            universal: bool = False, model_path: str | None = None) -> str:
+def convert(
+    checkpoint: Path,
+    out: Path,
+    *,
+    role: str | None = None,
+    adapter_only: bool = False,
+    universal: bool = False,
+    model_path: str | None = None,
+) -> str:
     """Write ``out`` from ``checkpoint`` (module doc); what was written, in words. ConvertError when refused."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConvertError(f"{out} exists and is not an empty directory; fix: name a new directory, or remove it")
@@ -231,8 +257,10 @@ def convert(checkpoint: Path, out: Path, *, role: str | None = None, adapter_onl
     state = checked_state(checkpoint, role)
     settings = model_settings(state, role, model_path)
     if adapter_only and not lora_enabled(settings):
-        raise ConvertError(f"--adapter-only: {checkpoint} is of a full fine-tuning (actor_rollout_ref.model.lora_rank="
-                           f"{settings.lora_rank}), which has no adapter; fix: drop --adapter-only")
+        raise ConvertError(
+            f"--adapter-only: {checkpoint} is of a full fine-tuning (actor_rollout_ref.model.lora_rank="
+            f"{settings.lora_rank}), which has no adapter; fix: drop --adapter-only"
+        )
     checked_base_model(settings, role, given=model_path is not None)
     dtype = state["config"]["actor_rollout_ref.model.dtype"]
     try:  # the run's tokenizer is the actor's; the critic reads the same tokens (the recipes give both one path)
@@ -262,18 +290,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("checkpoint", type=Path, help="a global_step_N directory written by dsrl")
     parser.add_argument("out", type=Path, help="the directory to write (new, or empty)")
-    parser.add_argument("--role", choices=ROLES,
-                        help="actor (default) or critic: PPO's value model, its backbone as a transformers base model "
-                        f"and its value head in {VALUE_HEAD_FILE}; with --universal, the roles converted (default: all)")
-    parser.add_argument("--adapter-only", action="store_true",
-                        help="a LoRA actor's adapter alone (a PEFT directory), not the merged model with it")
-    parser.add_argument("--universal", action="store_true",
-                        help="DeepSpeed's universal checkpoint in OUT/<role>/ds (loads at any world size with "
-                        "checkpoint.load_universal; dsrl-train makes its own when "
-                        "trainer.resume_allow_world_size_change is set)")
-    parser.add_argument("--model-path", metavar="DIR",
-                        help="the run's base model, when it is no longer at the checkpoint's actor_rollout_ref.model."
-                        "path (critic.model.path): config, generation config and tokenizer come from it")
+    parser.add_argument(
+        "--role",
+        choices=ROLES,
+        help="actor (default) or critic: PPO's value model, its backbone as a transformers base model "
+        f"and its value head in {VALUE_HEAD_FILE}; with --universal, the roles converted (default: all)",
+    )
+    parser.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA actor's adapter alone (a PEFT directory), not the merged model with it",
+    )
+    parser.add_argument(
+        "--universal",
+        action="store_true",
+        help="DeepSpeed's universal checkpoint in OUT/<role>/ds (loads at any world size with "
+        "checkpoint.load_universal; dsrl-train makes its own when "
+        "trainer.resume_allow_world_size_change is set)",
+    )
+    parser.add_argument(
+        "--model-path",
+        metavar="DIR",
+        help="the run's base model, when it is no longer at the checkpoint's actor_rollout_ref.model."
+        "path (critic.model.path): config, generation config and tokenizer come from it",
+    )
     return parser.parse_args(argv)
 
 
@@ -281,8 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     start = time.perf_counter()
     try:
-        written = convert(args.checkpoint, args.out, role=args.role, adapter_only=args.adapter_only,
-                          universal=args.universal, model_path=args.model_path)
+        written = convert(
+            args.checkpoint,
+            args.out,
+            role=args.role,
+            adapter_only=args.adapter_only,
+            universal=args.universal,
+            model_path=args.model_path,
+        )
     except ConvertError as err:
         print(f"dsrl-convert: {err}", file=sys.stderr)
         return 2

@@ -149,16 +149,18 @@ def prompt_results(rows, records, *, n: int, threshold: float) -> tuple[list[dic
         first = rows[start]
         correct = sum(is_correct(variables, i, threshold) for i in group)
         record = records[first.index]
-        results.append({
-            "index": first.index,
-            "data_source": first.data_source,
-            "ground_truth": record.ground_truth,
-            "prompt": first.texts[0],
-            f"mean@{n}": float(np.mean([variables[core][i] for i in group])),
-            "correct": correct,
-            "pass": {f"pass@{k}": pass_at_k(n, correct, k) for k in pass_sizes(n)},
-            "responses": [{"response": rows[i].texts[1], "score": rows[i].score, **rows[i].extras} for i in group],
-        })
+        results.append(
+            {
+                "index": first.index,
+                "data_source": first.data_source,
+                "ground_truth": record.ground_truth,
+                "prompt": first.texts[0],
+                f"mean@{n}": float(np.mean([variables[core][i] for i in group])),
+                "correct": correct,
+                "pass": {f"pass@{k}": pass_at_k(n, correct, k) for k in pass_sizes(n)},
+                "responses": [{"response": rows[i].texts[1], "score": rows[i].score, **rows[i].extras} for i in group],
+            }
+        )
     metrics = {}
     for source in dict.fromkeys(result["data_source"] for result in results):
         mine = [result for result in results if result["data_source"] == source]
@@ -191,7 +193,8 @@ def next_rollout(cfg, previous):
 
         model = cfg.actor_rollout_ref.model
         weights = AutoModelForCausalLM.from_pretrained(
-            model.path, dtype=DTYPES[cfg.actor_rollout_ref.rollout.dtype or model.dtype],
+            model.path,
+            dtype=DTYPES[cfg.actor_rollout_ref.rollout.dtype or model.dtype],
             trust_remote_code=model.trust_remote_code,
         )
         previous.update_weights(weights.named_parameters())
@@ -211,8 +214,16 @@ def same_architecture_problems(paths: list[str], tokenizers: list, trust_remote_
     shape (``config.json``), or another vocabulary; [] when they can."""
     from transformers import AutoConfig
 
-    shape_keys = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+    shape_keys = (
+        "architectures",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "tie_word_embeddings",
+    )
     a, b = (AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).to_dict() for path in paths)
     differ = [key for key in shape_keys if a.get(key) != b.get(key)]
     if tokenizers[0].get_vocab() != tokenizers[1].get_vocab():
@@ -271,19 +282,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "JSON report and an MLflow run.",
     )
     parser.add_argument(
-        "items", nargs="+", metavar="MODEL | key=value",
+        "items",
+        nargs="+",
+        metavar="MODEL | key=value",
         help="one model directory (or hub id), or two to compare (A then B), then any dotted config overrides",
     )
-    parser.add_argument("--data", action="append", metavar="PARQUET",
-                        help="data.val_files: a parquet file or directory of prompts; repeatable (default: the "
-                        "config's)")
-    parser.add_argument("--config", action="append", default=[], metavar="YAML",
-                        help="a run config or shipped recipe name (e.g. cpu), merged left to right; repeatable")
-    parser.add_argument("--n", "--num-responses", dest="n", type=int,
-                        help="actor_rollout_ref.rollout.val_kwargs.n: responses per prompt (under the deepspeed "
-                        "launcher or torchrun, whose own options take --n for theirs, write --num-responses)")
-    parser.add_argument("--temperature", type=float,
-                        help="val_kwargs.temperature, and val_kwargs.do_sample = (temperature > 0); 0 is greedy")
+    parser.add_argument(
+        "--data",
+        action="append",
+        metavar="PARQUET",
+        help="data.val_files: a parquet file or directory of prompts; repeatable (default: the config's)",
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="YAML",
+        help="a run config or shipped recipe name (e.g. cpu), merged left to right; repeatable",
+    )
+    parser.add_argument(
+        "--n",
+        "--num-responses",
+        dest="n",
+        type=int,
+        help="actor_rollout_ref.rollout.val_kwargs.n: responses per prompt (under the deepspeed "
+        "launcher or torchrun, whose own options take --n for theirs, write --num-responses)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        help="val_kwargs.temperature, and val_kwargs.do_sample = (temperature > 0); 0 is greedy",
+    )
     parser.add_argument("--top-p", type=float, help="val_kwargs.top_p")
     parser.add_argument("--top-k", type=int, help="val_kwargs.top_k (-1: off)")
     parser.add_argument("--max-response-length", type=int, help="data.max_response_length")
@@ -293,13 +322,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, help="trainer.seed: sampling seeds are trainer.seed + rank")
     parser.add_argument("--engine", choices=["hf", "vllm"], help="actor_rollout_ref.rollout.name")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="actor_rollout_ref.model.dtype")
-    parser.add_argument("--reward-file", metavar="PATH[:FUNCTION]",
-                        help="custom_reward_function.path (and .name, default compute_score): score every row with it")
-    parser.add_argument("--correct-threshold", type=float, default=1.0,
-                        help="for pass@k, a response without an `acc` extra is correct when its score reaches this "
-                        "(default 1.0, the built-in rules' score of a right answer)")
-    parser.add_argument("--out", type=Path, metavar="JSON",
-                        help="write the report, with every prompt's responses, here")
+    parser.add_argument(
+        "--reward-file",
+        metavar="PATH[:FUNCTION]",
+        help="custom_reward_function.path (and .name, default compute_score): score every row with it",
+    )
+    parser.add_argument(
+        "--correct-threshold",
+        type=float,
+        default=1.0,
+        help="for pass@k, a response without an `acc` extra is correct when its score reaches this "
+        "(default 1.0, the built-in rules' score of a right answer)",
+    )
+    parser.add_argument(
+        "--out", type=Path, metavar="JSON", help="write the report, with every prompt's responses, here"
+    )
     parser.add_argument("--no-mlflow", action="store_true", help="log no MLflow run")
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args = parser.parse_intermixed_args(argv)
@@ -315,10 +352,16 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     """The config overrides the flags stand for."""
     val = "actor_rollout_ref.rollout.val_kwargs"
     keys = {
-        "n": f"{val}.n", "top_p": f"{val}.top_p", "top_k": f"{val}.top_k",
-        "max_response_length": "data.max_response_length", "max_prompt_length": "data.max_prompt_length",
-        "batch_size": "data.val_batch_size", "max_samples": "data.val_max_samples", "seed": "trainer.seed",
-        "engine": "actor_rollout_ref.rollout.name", "dtype": "actor_rollout_ref.model.dtype",
+        "n": f"{val}.n",
+        "top_p": f"{val}.top_p",
+        "top_k": f"{val}.top_k",
+        "max_response_length": "data.max_response_length",
+        "max_prompt_length": "data.max_prompt_length",
+        "batch_size": "data.val_batch_size",
+        "max_samples": "data.val_max_samples",
+        "seed": "trainer.seed",
+        "engine": "actor_rollout_ref.rollout.name",
+        "dtype": "actor_rollout_ref.model.dtype",
     }
     overrides = [f"{key}={getattr(args, name)}" for name, key in keys.items() if getattr(args, name) is not None]
     if args.data:
@@ -327,8 +370,10 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
         overrides += [f"{val}.temperature={args.temperature}", f"{val}.do_sample={str(args.temperature > 0).lower()}"]
     if args.reward_file:
         path, _, name = args.reward_file.partition(":")
-        overrides += [f"custom_reward_function.path={json.dumps(path)}",
-                      f"custom_reward_function.name={name or 'compute_score'}"]
+        overrides += [
+            f"custom_reward_function.path={json.dumps(path)}",
+            f"custom_reward_function.name={name or 'compute_score'}",
+        ]
     return overrides
 
 
@@ -387,8 +432,13 @@ def comparison(a: ModelResult, b: ModelResult, n: int, seed: int) -> dict:
     """B against A on the same prompts: each prompt's difference of mean@n and the paired bootstrap interval."""
     key = f"mean@{n}"
     per_prompt = [
-        {"index": pa["index"], "data_source": pa["data_source"], "a": pa[key], "b": pb[key],
-         "difference": pb[key] - pa[key]}
+        {
+            "index": pa["index"],
+            "data_source": pa["data_source"],
+            "a": pa[key],
+            "b": pb[key],
+            "difference": pb[key] - pa[key],
+        }
         for pa, pb in zip(a.prompts, b.prompts, strict=True)
     ]
     difference, low, high = paired_bootstrap(
@@ -453,8 +503,11 @@ def evaluate(args: argparse.Namespace) -> int:
             problems += same_architecture_problems(
                 args.models, [tokenizer for tokenizer, _ in loaded], cfg.actor_rollout_ref.model.trust_remote_code
             )
-        check_reward_rules({"data.val_files": loaded[0][1]}, custom_path=cfg.custom_reward_function.path,
-                           math_verify_sources=cfg.reward.math_verify_sources)
+        check_reward_rules(
+            {"data.val_files": loaded[0][1]},
+            custom_path=cfg.custom_reward_function.path,
+            math_verify_sources=cfg.reward.math_verify_sources,
+        )
         log = None if args.out is None else args.out.parent / f"reward_workers_rank{rank}.log"
         scorer = RewardScorer.from_config(cfg, log_file=log)
         return problems
@@ -467,8 +520,12 @@ def evaluate(args: argparse.Namespace) -> int:
 
     names = [Path(model).name or model for model in args.models]
     tracker = Tracker(
-        [] if args.no_mlflow else ["mlflow"], project_name=cfg.trainer.project_name,
-        experiment_name="eval " + " vs ".join(names), total_steps=1, rank=rank, tags={"dsrl.kind": "eval"},
+        [] if args.no_mlflow else ["mlflow"],
+        project_name=cfg.trainer.project_name,
+        experiment_name="eval " + " vs ".join(names),
+        total_steps=1,
+        rank=rank,
+        tags={"dsrl.kind": "eval"},
     )
     status = "FAILED"
     try:
@@ -478,8 +535,11 @@ def evaluate(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             rollout = next_rollout(model_cfg, rollout)
             load_s = time.perf_counter() - start
-            results.append(evaluate_model(model_cfg, rollout, scorer, tokenizer, prompts,
-                                          threshold=args.correct_threshold, load_s=load_s))
+            results.append(
+                evaluate_model(
+                    model_cfg, rollout, scorer, tokenizer, prompts, threshold=args.correct_threshold, load_s=load_s
+                )
+            )
         if rank == 0:
             report = write_outputs(args, cfg, results, tracker)
             for result in results:
@@ -521,8 +581,9 @@ def write_outputs(args, cfg, results: list[ModelResult], tracker) -> dict:
     if not one:
         report["comparison"] = comparison(*results, n=n, seed=cfg.trainer.seed)
         c = report["comparison"]
-        tracker.log_metrics({"diff/score": c["difference"], "diff/ci_low": c["ci_low"], "diff/ci_high": c["ci_high"]},
-                            step=0)
+        tracker.log_metrics(
+            {"diff/score": c["difference"], "diff/ci_low": c["ci_low"], "diff/ci_high": c["ci_high"]}, step=0
+        )
     if tracker.run_id is not None:
         report["mlflow_run_id"] = tracker.run_id
     if args.out is not None:

@@ -43,7 +43,9 @@ def build_tiny_inputs(root: Path, task: str = "arithmetic") -> None:
         subprocess.run([sys.executable, str(path), *args], cwd=root, check=True)
 
 
-def run_logged(args: list[str], log: Path, *, cwd: Path, env: dict[str, str] | None = None) -> tuple[int, os.struct_rusage]:
+def run_logged(
+    args: list[str], log: Path, *, cwd: Path, env: dict[str, str] | None = None
+) -> tuple[int, os.struct_rusage]:
     """Run ``args`` in a child process with its output (stdout and stderr) in ``log``; its exit code and resource
     use (``os.wait4``: ``ru_maxrss`` is the peak resident memory of it and of the children it waited for)."""
     with log.open("w") as sink:

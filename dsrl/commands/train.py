@@ -111,9 +111,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str
     for option, value in (("--world-size", args.world_size), ("--device-memory", args.device_memory),
                           ("--model-config", args.model_config)):  # fmt: skip
         if value is not None and not checks_alone:
-            parser.error(f"{option} goes with --validate-only or --plan; a run takes its world and devices from the launcher")
+            parser.error(
+                f"{option} goes with --validate-only or --plan; a run takes its world and devices from the launcher"
+            )
     if args.preflight and checks_alone:
-        parser.error("--preflight checks the ranks the launcher started; --validate-only and --plan check the config alone")
+        parser.error(
+            "--preflight checks the ranks the launcher started; --validate-only and --plan check the config alone"
+        )
     if args.world_size is not None and args.world_size < 1:
         parser.error(f"--world-size {args.world_size}: must be a positive number of ranks")
     try:
@@ -166,8 +170,10 @@ def where_stopped(err: Interrupted) -> str:
         after = "training finished and its checkpoints are complete, but the final model was not exported"
     else:
         after = "nothing of this run needed saving yet"
-    return (f"stopped by {signal.Signals(err.signum).name} during {err.phase}: {after}; run the same command again "
-            "(trainer.resume_mode=auto resumes from the newest checkpoint, if any)")
+    return (
+        f"stopped by {signal.Signals(err.signum).name} during {err.phase}: {after}; run the same command again "
+        "(trainer.resume_mode=auto resumes from the newest checkpoint, if any)"
+    )
 
 
 def check_memory_plan(cfg, world_size: int, args: argparse.Namespace, where: str, rank: int) -> tuple[int, str]:
@@ -199,7 +205,10 @@ def check_memory_plan(cfg, world_size: int, args: argparse.Namespace, where: str
         print(redact_text(f"dsrl: warning: {line}"), file=sys.stderr, flush=True)
     if lines:
         return 0, f"# memory plan: {len(lines)} phase(s) exceed the device (trainer.memory_plan_check=warn)\n"
-    return 0, f"# memory plan: every phase fits {device.bytes / GIB:.1f} GiB ({device.kind}, {device.source}); dsrl-train --plan shows it\n"
+    return (
+        0,
+        f"# memory plan: every phase fits {device.bytes / GIB:.1f} GiB ({device.kind}, {device.source}); dsrl-train --plan shows it\n",
+    )
 
 
 def show_keys(prefix: str) -> int:
@@ -207,7 +216,10 @@ def show_keys(prefix: str) -> int:
     lines = describe_keys(prefix)
     if not lines:
         sections = ", ".join(key for key in SCHEMA if "." not in key)
-        print(f"dsrl: --show-keys {prefix}: no config key starts with it; fix: start it with one of {sections}", file=sys.stderr)
+        print(
+            f"dsrl: --show-keys {prefix}: no config key starts with it; fix: start it with one of {sections}",
+            file=sys.stderr,
+        )
         return 2
     print("\n".join(lines))
     return 0
@@ -226,8 +238,10 @@ def main(argv: list[str]) -> int:
             print(f"dsrl: {err}", file=sys.stderr)
             return 2
         world_size = str(launch.world_size)
-        source = {"none": "no launcher: one process; --world-size N checks N",
-                  "environment": "RANK and WORLD_SIZE in the environment"}.get(launch.launcher, f"the {launch.launcher} launcher")
+        source = {
+            "none": "no launcher: one process; --world-size N checks N",
+            "environment": "RANK and WORLD_SIZE in the environment",
+        }.get(launch.launcher, f"the {launch.launcher} launcher")
     rank = launch.rank if launch is not None else 0
     setup_logging(rank)
     where = " + ".join(files) or "the defaults"
@@ -252,7 +266,11 @@ def main(argv: list[str]) -> int:
             return code
     if cfg is not None and rank == 0 and not args.preflight:  # the resolved config, once per run
         checked = f"# validated for world size {world_size} ({source})\n"
-        print(redact_text("".join(f"# note: {note}\n" for note in notes) + checked + to_yaml(cfg) + planned), end="", flush=True)
+        print(
+            redact_text("".join(f"# note: {note}\n" for note in notes) + checked + to_yaml(cfg) + planned),
+            end="",
+            flush=True,
+        )
     if args.validate_only:
         return 0
     signals = RunSignals().install()  # before the trainer's imports: a Ctrl-C there is a stop like any other
@@ -292,7 +310,9 @@ def run_training(cfg, signals: RunSignals, where: str, cluster) -> int:
             print(redact_text(f"dsrl: {err}"), file=sys.stderr, flush=True)
         return leave_together(1 if isinstance(err, TrainingStopped) else 2)
     except CheckpointWriteError as err:  # this rank's own write failed
-        print(redact_text(f"dsrl: rank {os.environ.get('RANK', '0')} on {socket.gethostname()}: {err}"), file=sys.stderr)
+        print(
+            redact_text(f"dsrl: rank {os.environ.get('RANK', '0')} on {socket.gethostname()}: {err}"), file=sys.stderr
+        )
         return 1
     except TrainingInterrupted as err:
         logger.info(f"{err}; exit code {err.exit_code}")
@@ -306,8 +326,14 @@ def run_training(cfg, signals: RunSignals, where: str, cluster) -> int:
             leave_timed_out_group()
             return 1
         rank = os.environ.get("RANK", "0")
-        print(redact_text(f"dsrl: rank {rank} on {socket.gethostname()}: the run failed with an unexpected error:\n"
-                          + traceback.format_exc()), file=sys.stderr, end="")
+        print(
+            redact_text(
+                f"dsrl: rank {rank} on {socket.gethostname()}: the run failed with an unexpected error:\n"
+                + traceback.format_exc()
+            ),
+            file=sys.stderr,
+            end="",
+        )
         return 1
     return 0
 

@@ -37,7 +37,9 @@ def read_ds_json(name_or_path: str, key: str) -> dict[str, Any]:
     ``key`` is the config key that named it. Raises DeepSpeedJsonError."""
     path = deepspeed_config_path(name_or_path)
     if problem := not_regular(path):
-        raise DeepSpeedJsonError(key, name_or_path, [(f"{path} is {problem}", "pass the path of a DeepSpeed JSON file")])
+        raise DeepSpeedJsonError(
+            key, name_or_path, [(f"{path} is {problem}", "pass the path of a DeepSpeed JSON file")]
+        )
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in DS_CONFIG_DIR.glob("*.json")))
         fix = f"use a name in ds_configs/ ({known}) or a path to a DeepSpeed JSON file"
@@ -48,7 +50,9 @@ def read_ds_json(name_or_path: str, key: str) -> dict[str, Any]:
         rule = f"{path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}"
         raise DeepSpeedJsonError(key, name_or_path, [(rule, "correct the JSON syntax there")]) from None
     except (OSError, UnicodeDecodeError) as err:
-        raise DeepSpeedJsonError(key, name_or_path, [(f"{path} cannot be read ({err})", "pass a readable UTF-8 JSON file")]) from None
+        raise DeepSpeedJsonError(
+            key, name_or_path, [(f"{path} cannot be read ({err})", "pass a readable UTF-8 JSON file")]
+        ) from None
     if not isinstance(ds, dict):
         rule = f"{path} holds a JSON {type(ds).__name__}, not an object of DeepSpeed settings"
         raise DeepSpeedJsonError(key, name_or_path, [(rule, "copy ds_configs/zero3.json, edit it and pass its path")])
@@ -94,7 +98,9 @@ def fill_ds_json(
         if current == "auto":
             section[name] = value
         elif current != value:
-            rule = f"{path}={json.dumps(current)} disagrees with the run config ({decided_by} gives {json.dumps(value)})"
+            rule = (
+                f"{path}={json.dumps(current)} disagrees with the run config ({decided_by} gives {json.dumps(value)})"
+            )
             problems.append((rule, f'set {path} to "auto" in the JSON, or change {decided_by}'))
 
     malformed = [name for name in _SECTIONS if not isinstance(ds.get(name, {}), dict)]
@@ -108,10 +114,12 @@ def fill_ds_json(
         problems.append((f"zero_optimization.stage={json.dumps(stage)}: must be 0, 1, 2 or 3", "use zero2 or zero3"))
     offload = ds.get("zero_optimization", {}).get("offload_param") or {}
     if isinstance(offload, dict) and offload.get("device", "none") not in ("none", None) and stage != 3:
-        problems.append((
-            f"zero_optimization.offload_param moves parameters under ZeRO stage 3 only; stage {json.dumps(stage)} ignores it",
-            "set zero_optimization.stage to 3 (as in ds_configs/zero3_offload.json) or remove offload_param",
-        ))
+        problems.append(
+            (
+                f"zero_optimization.offload_param moves parameters under ZeRO stage 3 only; stage {json.dumps(stage)} ignores it",
+                "set zero_optimization.stage to 3 (as in ds_configs/zero3_offload.json) or remove offload_param",
+            )
+        )
     if micro_batch_size_per_gpu is not None and gradient_accumulation_steps is not None:
         decided = f"the {prefix} batch geometry at world size {world_size}"
         fill(ds, "train_micro_batch_size_per_gpu", micro_batch_size_per_gpu, decided)
@@ -123,42 +131,54 @@ def fill_ds_json(
 
     if optim is None:
         if "optimizer" in ds:
-            problems.append((
-                "this engine never trains, so its DeepSpeed config must have no optimizer section",
-                "use zero3_offload_inference or remove the section",
-            ))
+            problems.append(
+                (
+                    "this engine never trains, so its DeepSpeed config must have no optimizer section",
+                    "use zero3_offload_inference or remove the section",
+                )
+            )
     else:
         if "optimizer" not in ds:
-            problems.append(('a training engine needs an "optimizer" section', "copy it from ds_configs/zero3_offload.json"))
+            problems.append(
+                ('a training engine needs an "optimizer" section', "copy it from ds_configs/zero3_offload.json")
+            )
         else:
             params = ds["optimizer"].setdefault("params", {})
             fill(params, "optimizer.params.lr", float(optim.lr), f"{prefix}.optim.lr")
             fill(params, "optimizer.params.betas", [float(b) for b in optim.betas], f"{prefix}.optim.betas")
             fill(params, "optimizer.params.weight_decay", float(optim.weight_decay), f"{prefix}.optim.weight_decay")
         if "scheduler" in ds:
-            problems.append((
-                f"a DeepSpeed scheduler is refused: dsrl steps the lr once per training step from {prefix}.optim",
-                f"remove the scheduler section and set {prefix}.optim.lr_scheduler_type / lr_warmup_steps",
-            ))
+            problems.append(
+                (
+                    f"a DeepSpeed scheduler is refused: dsrl steps the lr once per training step from {prefix}.optim",
+                    f"remove the scheduler section and set {prefix}.optim.lr_scheduler_type / lr_warmup_steps",
+                )
+            )
         assert grad_clip is not None, "a training engine's config is filled with its optim and grad_clip together"
         fill(ds, "gradient_clipping", float(grad_clip), f"{prefix}.optim.clip_grad")
         # ZeRO discards optimizer steps whose gradient norm is not finite; dsrl relies on it (engines/training.py).
         if stage == 0:
-            problems.append((
-                "zero_optimization.stage=0: a training engine needs ZeRO stage 1, 2 or 3 (dsrl relies on its check "
-                "that skips steps with a non-finite gradient norm)",
-                "use zero2 or zero3",
-            ))
+            problems.append(
+                (
+                    "zero_optimization.stage=0: a training engine needs ZeRO stage 1, 2 or 3 (dsrl relies on its check "
+                    "that skips steps with a non-finite gradient norm)",
+                    "use zero2 or zero3",
+                )
+            )
         if ds.get("zero_optimization", {}).get("compute_grad_norm") is False:
-            problems.append((
-                "zero_optimization.compute_grad_norm=false turns off the gradient norm and its non-finite check",
-                "remove the key",
-            ))
+            problems.append(
+                (
+                    "zero_optimization.compute_grad_norm=false turns off the gradient norm and its non-finite check",
+                    "remove the key",
+                )
+            )
         if bf16.get("check_grad_overflow") is False:
-            problems.append((
-                "bf16.check_grad_overflow=false would apply optimizer steps with a non-finite gradient norm",
-                "remove the key or set it to true",
-            ))
+            problems.append(
+                (
+                    "bf16.check_grad_overflow=false would apply optimizer steps with a non-finite gradient norm",
+                    "remove the key or set it to true",
+                )
+            )
     if problems:
         raise DeepSpeedJsonError(key, name_or_path, problems)
     return ds

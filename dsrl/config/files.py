@@ -24,8 +24,15 @@ from pathlib import Path
 
 PARQUET_MAGIC = b"PAR1"  # the first and last 4 bytes of a parquet file
 # What from_pretrained loads, in its order of preference; the first present is checked.
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-_REFETCH = "download the model again (huggingface-cli download OWNER/NAME --local-dir DIR) or save it with save_pretrained"
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+_REFETCH = (
+    "download the model again (huggingface-cli download OWNER/NAME --local-dir DIR) or save it with save_pretrained"
+)
 
 
 _KINDS = {
@@ -132,7 +139,9 @@ def model_dir_problems(path: Path, *, tokenizer: bool) -> list[tuple[str, str]]:
     """(rule, fix) of each problem of the local model directory ``path`` that ``from_pretrained`` would meet;
     ``tokenizer``: the run loads its tokenizer from here too."""
     fix = f"put the file itself there, or {_REFETCH}"
-    problems = [(f"{p.name} is {kind}", fix) for p in sorted(path.iterdir()) if not p.is_dir() and (kind := not_regular(p))]
+    problems = [
+        (f"{p.name} is {kind}", fix) for p in sorted(path.iterdir()) if not p.is_dir() and (kind := not_regular(p))
+    ]
     if problems:  # the checks below would open them
         return problems
     if not (path / "config.json").is_file():

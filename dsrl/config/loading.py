@@ -69,7 +69,9 @@ def _merge(cfg: DictConfig, user: dict, prefix: str, violations: list[str], give
         info = SCHEMA.get(key)
         if info is None:
             if isinstance(value, dict) and value:
-                _merge(cfg, value, key + ".", violations, given)  # report each leaf: fsdp_config.param_offload has its own fix
+                _merge(
+                    cfg, value, key + ".", violations, given
+                )  # report each leaf: fsdp_config.param_offload has its own fix
             else:
                 violations.append(unknown_key(key, value))
         elif dataclasses.is_dataclass(info.type) and isinstance(value, dict):
@@ -99,7 +101,9 @@ def tool_config_file(name: str) -> str:
     """The tool YAML ``actor_rollout_ref.rollout.multi_turn.tool_config_path`` stands for: a path, or the name of a
     shipped one (``calculator``: configs/tools/calculator.yaml, found from any directory)."""
     shipped = RECIPE_DIR / "tools" / f"{name}.yaml"
-    return str(shipped) if not Path(name).expanduser().exists() and Path(name).suffix == "" and shipped.is_file() else name
+    return (
+        str(shipped) if not Path(name).expanduser().exists() and Path(name).suffix == "" and shipped.is_file() else name
+    )
 
 
 def split_files_and_overrides(items: list[str]) -> tuple[list[str], list[str]]:
@@ -141,7 +145,9 @@ def _read_layer(name: str, violations: list[str]) -> DictConfig | None:
         violations.append(f"config file {name}: not valid YAML ({show(err)}); fix: correct the YAML syntax")
         return None
     if not isinstance(layer, DictConfig):
-        violations.append(f"config file {name}: the top level is a list, not a mapping of keys; fix: write key: value lines")
+        violations.append(
+            f"config file {name}: the top level is a list, not a mapping of keys; fix: write key: value lines"
+        )
         return None
     return layer
 
@@ -190,12 +196,14 @@ def load_layers(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, l
     for old, new in OLDER_NAMES.items():  # an older name at its default, null, is not set
         old_value, new_value = value_at(cfg, old), value_at(cfg, new)
         if {old, new} <= given and old_value is not None and old_value != new_value:
-            violations.append(violation(
-                old,
-                old_value,
-                f"is verl's older name of {new}, which the config sets to {show(new_value)}: two values for one setting",
-                f"set only {new} (to {show(old_value)} if that is the value you meant)",
-            ))
+            violations.append(
+                violation(
+                    old,
+                    old_value,
+                    f"is verl's older name of {new}, which the config sets to {show(new_value)}: two values for one setting",
+                    f"set only {new} (to {show(old_value)} if that is the value you meant)",
+                )
+            )
     return cfg, violations, given
 
 
@@ -228,7 +236,9 @@ def policy_loss_param_values(cfg: Config, names: Iterable[str]) -> dict[str, Any
         if key is None and name not in own:
             continue
         value = own[name] if key is None else value_at(cfg, key)
-        values[name] = OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+        values[name] = (
+            OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+        )
     return values
 
 
@@ -248,7 +258,11 @@ def resolve(cfg: Config) -> list[str]:
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.name is None:
         rollout.name = default_rollout_name()
-        why = "a CUDA device and the vllm package are present" if rollout.name == "vllm" else "no CUDA device with vllm here"
+        why = (
+            "a CUDA device and the vllm package are present"
+            if rollout.name == "vllm"
+            else "no CUDA device with vllm here"
+        )
         notes.append(f"actor_rollout_ref.rollout.name set to {rollout.name}: {why}")
     estimator = cfg.algorithm.adv_estimator
     if "sum_pi_squared" in estimator_needs(estimator) and not actor.calculate_sum_pi_squared:

@@ -38,7 +38,18 @@ SUM_PI_SQUARED_ESTIMATORS = tuple(name for name, needs in ESTIMATOR_NEEDS.items(
 # Estimators with the option algorithm.length_weighted_baseline (dsrl.algorithms.estimator_options).
 LENGTH_WEIGHTED_ESTIMATORS = ("rloo", "rloo_vectorized", "reinforce_plus_plus_baseline")
 POLICY_LOSS_MODES = (
-    "vanilla", "gspo", "cispo", "gpg", "dppo_tv", "dppo_kl", "sapo", "clip_cov", "kl_cov", "geo_mean", "dro", "bypass_mode"
+    "vanilla",
+    "gspo",
+    "cispo",
+    "gpg",
+    "dppo_tv",
+    "dppo_kl",
+    "sapo",
+    "clip_cov",
+    "kl_cov",
+    "geo_mean",
+    "dro",
+    "bypass_mode",
 )
 # The parameters each built-in policy loss declares (dsrl.algorithms.policy_loss_params), by verl's names: a name is
 # read from actor_rollout_ref.actor.policy_loss.<name>, else actor_rollout_ref.actor.<name> (policy_loss_param_key).
@@ -83,6 +94,11 @@ CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 REQUIRED_CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
 LR_SCHEDULES = ("constant", "cosine")
 MODEL_DTYPES = ("bfloat16", "float32")
-PREPARED_TASKS = ("gsm8k", "math", "arithmetic", "calculator")  # scripts/prepare_data.py --task, and the folder it writes
+PREPARED_TASKS = (
+    "gsm8k",
+    "math",
+    "arithmetic",
+    "calculator",
+)  # scripts/prepare_data.py --task, and the folder it writes
 TOOL_FORMATS = ("hermes",)  # how the model writes a tool call: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
 TRUNCATE_SIDES = ("left", "right", "middle")

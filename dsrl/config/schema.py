@@ -124,16 +124,21 @@ class ModelConfig:
         "enable_gradient_checkpointing=false, and under ZeRO-3 gathers each layer twice per micro-batch",
     )
     lora_rank: int = _f(
-        0, "LoRA rank of the actor's adapters (PEFT); 0 = full fine-tuning. With LoRA the reference is the actor with its "
+        0,
+        "LoRA rank of the actor's adapters (PEFT); 0 = full fine-tuning. With LoRA the reference is the actor with its "
         "adapters off (no reference engine) and checkpoints hold the adapters and their optimizer state only",
     )
     lora_alpha: int = _f(16, "LoRA alpha: the adapters' update is scaled by lora_alpha / lora_rank")
     target_modules: Any = _f(
-        "all-linear", "modules that get adapters: all-linear (every linear layer but the output layer) or a list of names"
+        "all-linear",
+        "modules that get adapters: all-linear (every linear layer but the output layer) or a list of names",
     )
-    exclude_modules: Any = _f(None, "modules never adapted: a name list or a regex (PEFT's exclude_modules); null = none")
+    exclude_modules: Any = _f(
+        None, "modules never adapted: a name list or a regex (PEFT's exclude_modules); null = none"
+    )
     lora_adapter_path: Optional[str] = _f(
-        None, "a saved PEFT adapter directory (adapter_config.json) to start from; turns LoRA on with its rank and alpha"
+        None,
+        "a saved PEFT adapter directory (adapter_config.json) to start from; turns LoRA on with its rank and alpha",
     )
     lora: LoraPushConfig = _f(LoraPushConfig, "how the LoRA policy reaches the rollout engine")
 
@@ -155,11 +160,15 @@ class OptimConfig:
     weight_decay: float = _f(0.01, "AdamW decoupled weight decay")
     betas: list[float] = _f(lambda: [0.9, 0.999], "AdamW (beta1, beta2)")
     lr_warmup_steps: int = _f(
-        -1, "training steps of linear warm-up from 0 to lr (the first step runs at lr 0); <= 0: use lr_warmup_steps_ratio"
+        -1,
+        "training steps of linear warm-up from 0 to lr (the first step runs at lr 0); <= 0: use lr_warmup_steps_ratio",
     )
-    lr_warmup_steps_ratio: float = _f(0.0, "warm-up as a fraction of the run's training steps when lr_warmup_steps <= 0")
+    lr_warmup_steps_ratio: float = _f(
+        0.0, "warm-up as a fraction of the run's training steps when lr_warmup_steps <= 0"
+    )
     lr_scheduler_type: str = _f(
-        "constant", "lr after warm-up, stepped once per training step as in verl: constant | cosine (down to min_lr_ratio)"
+        "constant",
+        "lr after warm-up, stepped once per training step as in verl: constant | cosine (down to min_lr_ratio)",
     )
     warmup_style: Optional[str] = _f(
         None, "verl's deprecated name of lr_scheduler_type; used when set (setting both to different values is refused)"
@@ -217,11 +226,17 @@ class PolicyLossConfig:
         "only aggregates the entropy and KL terms; or a name registered by algorithm.import_modules",
     )
     clip_cov_ratio: float = _f(0.0002, "clip_cov: at most this fraction of a micro-batch's tokens lose their gradient")
-    clip_cov_lb: float = _f(1.0, "clip_cov: a token is a candidate when its covariance of advantage and log-prob is above this")
+    clip_cov_lb: float = _f(
+        1.0, "clip_cov: a token is a candidate when its covariance of advantage and log-prob is above this"
+    )
     clip_cov_ub: float = _f(5.0, "clip_cov: ... and below this (> clip_cov_lb)")
-    kl_cov_ratio: float = _f(0.0002, "kl_cov: this fraction of a micro-batch's tokens, those of largest covariance, get the KL penalty")
+    kl_cov_ratio: float = _f(
+        0.0002, "kl_cov: this fraction of a micro-batch's tokens, those of largest covariance, get the KL penalty"
+    )
     ppo_kl_coef: float = _f(0.1, "kl_cov: weight of the |log ratio| penalty on the chosen tokens")
-    dro_beta: Optional[float] = _f(None, "dro: weight of the quadratic log-ratio penalty; required (> 0) with loss_mode=dro")
+    dro_beta: Optional[float] = _f(
+        None, "dro: weight of the quadratic log-ratio penalty; required (> 0) with loss_mode=dro"
+    )
     params: dict = _f(
         dict,
         "the own parameters of a policy loss registered by algorithm.import_modules, {name: value}; a parameter named "
@@ -285,7 +300,9 @@ class ActorConfig:
         "the critic and the metrics still see them; training/truncated_masked_ratio counts them (not in verl)",
     )
     tau_pos: float = _f(1.0, "sapo: temperature of the gate for positive advantages (> 0; a higher one fades faster)")
-    tau_neg: float = _f(1.05, "sapo: temperature of the gate for other advantages (> 0; above tau_pos damps negative updates more)")
+    tau_neg: float = _f(
+        1.05, "sapo: temperature of the gate for other advantages (> 0; above tau_pos damps negative updates more)"
+    )
     use_kl_loss: bool = _f(
         False, "add kl_loss_coef * KL(actor || reference) to the loss (GRPO style); loads the reference model"
     )
@@ -294,7 +311,8 @@ class ActorConfig:
         "low_var_kl", "KL estimator of the loss: kl/k1 | abs | mse/k2 | low_var_kl/k3, a '+' suffix takes k2's gradient"
     )
     calculate_entropy: bool = _f(
-        False, "compute the entropy in the update (actor/entropy_loss) even when entropy_coeff is 0; costs a softmax pass"
+        False,
+        "compute the entropy in the update (actor/entropy_loss) even when entropy_coeff is 0; costs a softmax pass",
     )
     calculate_sum_pi_squared: bool = _f(
         False, "also compute sum_v pi(v)^2 per token in the actor forward; optimal_token_baseline turns it on itself"
@@ -352,7 +370,9 @@ class MultiTurnConfig:
         "with response_mask 0 (in the context, out of the loss); dsrl.rollout.multi_turn; false: the other "
         "multi_turn keys are not read",
     )
-    max_assistant_turns: Optional[int] = _f(None, "assistant turns per response at most; null = until the length budget")
+    max_assistant_turns: Optional[int] = _f(
+        None, "assistant turns per response at most; null = until the length budget"
+    )
     max_user_turns: Optional[int] = _f(
         None, "rounds of tool outputs per response at most; null = until the length budget"
     )
@@ -405,7 +425,8 @@ class RolloutConfig:
         "what training keeps on the device while vLLM is awake must fit in the rest",
     )
     micro_batch_size: int = _f(
-        64, "hf: prompts per generate call on one rank, at most (the KV cache grows with it times n); vllm batches by itself"
+        64,
+        "hf: prompts per generate call on one rank, at most (the KV cache grows with it times n); vllm batches by itself",
     )
     kv_cache_max_gb: Optional[float] = _f(
         16.0,
@@ -426,7 +447,8 @@ class RolloutConfig:
         None, "vllm: precision of the rollout weights, bfloat16 | float32; null = actor_rollout_ref.model.dtype"
     )
     max_model_len: Optional[int] = _f(
-        None, "vllm: longest prompt + response the engine accepts; null = data.max_prompt_length + data.max_response_length"
+        None,
+        "vllm: longest prompt + response the engine accepts; null = data.max_prompt_length + data.max_response_length",
     )
     enforce_eager: bool = _f(
         False, "vllm: no CUDA graphs / compilation: faster start and less memory, slower decoding; true on CPU"
@@ -503,15 +525,19 @@ class CriticConfig:
         "${critic.ppo_max_token_len_per_gpu}",
         "token budget of one no-grad critic forward when use_dynamic_bsz; default: ppo_max_token_len_per_gpu",
     )
-    ppo_epochs: int = _f("${actor_rollout_ref.actor.ppo_epochs}", "critic passes over each batch of rollouts; default: the actor's")
+    ppo_epochs: int = _f(
+        "${actor_rollout_ref.actor.ppo_epochs}", "critic passes over each batch of rollouts; default: the actor's"
+    )
     shuffle: bool = _f(
-        "${actor_rollout_ref.actor.shuffle}", "shuffle the rollouts before cutting them into critic mini-batches; default: the actor's"
+        "${actor_rollout_ref.actor.shuffle}",
+        "shuffle the rollouts before cutting them into critic mini-batches; default: the actor's",
     )
     cliprange_value: float = _f(
         0.5, "value clipping: new values stay within this of the old ones in the clipped term; 0.5 is standard"
     )
     loss_agg_mode: str = _f(
-        "${actor_rollout_ref.actor.loss_agg_mode}", "aggregation of the value loss, as actor.loss_agg_mode; default: the actor's"
+        "${actor_rollout_ref.actor.loss_agg_mode}",
+        "aggregation of the value loss, as actor.loss_agg_mode; default: the actor's",
     )
     grad_clip: Optional[float] = _f(
         None, "older verl name of critic.optim.clip_grad; used when set (setting both to different values is refused)"
@@ -678,7 +704,9 @@ class OverlongBufferConfig:
         "the buffer L_cache: responses longer than max_resp_len - len tokens lose up to penalty_factor, linearly; "
         "> 0 and <= max_resp_len (DAPO: 4096 of 20480)",
     )
-    penalty_factor: float = _f(0.0, "the penalty at max_resp_len tokens; >= 0 (DAPO: 1.0, the score of a correct answer)")
+    penalty_factor: float = _f(
+        0.0, "the penalty at max_resp_len tokens; >= 0 (DAPO: 1.0, the score of a correct answer)"
+    )
     log: bool = _f(
         False,
         "also return the reward extras overlong_reward (the penalty) and overlong (1 if penalised): reward/overlong_reward/mean, reward/overlong/mean",
@@ -688,7 +716,8 @@ class OverlongBufferConfig:
 @dataclass
 class RewardKwargsConfig:
     max_resp_len: Optional[int] = _f(
-        None, "dapo: L_max of the overlong punishment, in tokens; null = data.max_response_length (verl requires it set)"
+        None,
+        "dapo: L_max of the overlong punishment, in tokens; null = data.max_response_length (verl requires it set)",
     )
     overlong_buffer_cfg: OverlongBufferConfig = _f(OverlongBufferConfig, "dapo: DAPO's soft overlong punishment")
 
@@ -706,22 +735,27 @@ class RewardModelConfig:
 @dataclass
 class RewardConfig:
     num_workers: Optional[int] = _f(
-        None, "reward worker processes per rank; null = the CPUs this process may run on, shared by the node's ranks, at most 16"
+        None,
+        "reward worker processes per rank; null = the CPUs this process may run on, shared by the node's ranks, at most 16",
     )
     timeout_s: float = _f(
-        10.0, "time limit of one reward call (one row, or one chunk of a batch function); a call past it is killed and scores fallback_score"
+        10.0,
+        "time limit of one reward call (one row, or one chunk of a batch function); a call past it is killed and scores fallback_score",
     )
     fallback_score: float = _f(
-        0.0, "the score of a row whose call failed (exception, timeout, no finite number, crashed worker), counted as reward/fail_*"
+        0.0,
+        "the score of a row whose call failed (exception, timeout, no finite number, crashed worker), counted as reward/fail_*",
     )
     batch_chunk_size: Optional[int] = _f(
         None, "custom_reward_function.batch: rows per call; null = the batch split evenly over the workers"
     )
     math_verify_sources: list[str] = _f(
-        list, "data sources the built-in scorer checks with Math-Verify (pip install 'dsrl[math]') instead of its rule, e.g. [lighteval/MATH]"
+        list,
+        "data sources the built-in scorer checks with Math-Verify (pip install 'dsrl[math]') instead of its rule, e.g. [lighteval/MATH]",
     )
     max_failed_steps: int = _f(
-        3, "stop the run when every reward call of this many training steps in a row failed (the message quotes the first failure); 0 = never"
+        3,
+        "stop the run when every reward call of this many training steps in a row failed (the message quotes the first failure); 0 = never",
     )
     memory_limit_mb: int = _f(
         4096,
@@ -741,12 +775,17 @@ class TrainerConfig:
         lambda: ["console", "mlflow"],
         "where metrics go: console and/or mlflow (MLFLOW_TRACKING_URI, default sqlite:///mlflow.db here; MLFLOW_RUN_ID attaches)",
     )
-    total_epochs: int = _f(30, "passes over the training prompts; the run stops here or at total_training_steps, whichever comes first (verl)")
+    total_epochs: int = _f(
+        30,
+        "passes over the training prompts; the run stops here or at total_training_steps, whichever comes first (verl)",
+    )
     total_training_steps: Optional[int] = _f(
-        None, "stop after this many steps (or at the end of total_epochs if sooner); also the length of the lr schedule; null = total_epochs worth"
+        None,
+        "stop after this many steps (or at the end of total_epochs if sooner); also the length of the lr schedule; null = total_epochs worth",
     )
     balance_batch: bool = _f(
-        True, "move each step's rows across ranks so every rank holds about the same tokens (verl's default); no effect on one rank"
+        True,
+        "move each step's rows across ranks so every rank holds about the same tokens (verl's default); no effect on one rank",
     )
     save_freq: int = _f(
         -1, "save a checkpoint (default_local_dir/global_step_N) every this many steps and at the last step; -1 = never"
@@ -754,7 +793,8 @@ class TrainerConfig:
     test_freq: int = _f(-1, "validate every this many steps; -1 = never")
     val_before_train: bool = _f(True, "validate once before the first step (when val_files is set)")
     critic_warmup: int = _f(
-        0, "gae: the actor starts training at step critic_warmup, the steps before it train only the critic (verl's count)"
+        0,
+        "gae: the actor starts training at step critic_warmup, the steps before it train only the critic (verl's count)",
     )
     default_local_dir: str = _f(
         "checkpoints/${trainer.project_name}/${trainer.experiment_name}",
@@ -781,19 +821,25 @@ class TrainerConfig:
         "run over other ranks); rank r takes the checkpoint's rank r RNG, or a seed from trainer.seed, the step and r",
     )
     max_actor_ckpt_to_keep: Optional[int] = _f(None, "keep the actor state of this many newest checkpoints; null = all")
-    max_critic_ckpt_to_keep: Optional[int] = _f(None, "keep the critic state of this many newest checkpoints; null = all")
+    max_critic_ckpt_to_keep: Optional[int] = _f(
+        None, "keep the critic state of this many newest checkpoints; null = all"
+    )
     max_consecutive_skips: int = _f(
         5, "stop the run after this many optimizer steps in a row skipped for a non-finite loss or gradient norm"
     )
     seed: int = _f(1, "seed of sampling and initialisation on every rank")
     val_only: bool = _f(False, "validate once (the start or the resumed checkpoint) and exit without training")
     log_val_generations: int = _f(
-        0, "at each validation, log this many generations (prompt, response, score, data source, reward extras) as an MLflow table"
+        0,
+        "at each validation, log this many generations (prompt, response, score, data source, reward extras) as an MLflow table",
     )
     log_samples_freq: int = _f(
-        -1, f"every this many steps, log {LOGGED_SAMPLES} of the step's rollouts (rank 0's first) as an MLflow table; -1 = never"
+        -1,
+        f"every this many steps, log {LOGGED_SAMPLES} of the step's rollouts (rank 0's first) as an MLflow table; -1 = never",
     )
-    log_model: bool = _f(False, "also upload the final model directory to the MLflow run (its location is always recorded)")
+    log_model: bool = _f(
+        False, "also upload the final model directory to the MLflow run (its location is always recorded)"
+    )
     memory_plan_check: str = _f(
         "error",
         "what dsrl-train --validate-only and --plan do when a phase of the memory plan (dsrl.plan.plan: per rank "

@@ -32,7 +32,11 @@ def import_user_modules(entries: Iterable[str]) -> list[str]:
     failed and where, fix) for each that did not import."""
     fix = "fix that module, or remove it from algorithm.import_modules (a .py path or an importable module name)"
     problems = ((entry, _import(entry)) for entry in entries)
-    return [violation("algorithm.import_modules", entry, f"import failed: {problem}", fix) for entry, problem in problems if problem]
+    return [
+        violation("algorithm.import_modules", entry, f"import failed: {problem}", fix)
+        for entry, problem in problems
+        if problem
+    ]
 
 
 def _import(entry: str) -> str | None:

@@ -74,9 +74,15 @@ def verl_only_key(key: str) -> tuple[str, str] | None:
             "set actor_rollout_ref.actor.calculate_sum_pi_squared (optimal_token_baseline turns it on itself)",
         )
     if key.startswith(("reward.reward_manager", "reward.reward_kwargs")):
-        older = "reward_model.reward_manager" if key.startswith("reward.reward_manager") else "reward_model" + key[len("reward"):]
+        older = (
+            "reward_model.reward_manager"
+            if key.startswith("reward.reward_manager")
+            else "reward_model" + key[len("reward") :]
+        )
         return ("verl 0.9.1's new place of a reward_model key; dsrl reads verl's reward_model.* names", f"set {older}")
-    if key.startswith("reward_model.") and not key.startswith(("reward_model.reward_manager", "reward_model.reward_kwargs")):
+    if key.startswith("reward_model.") and not key.startswith(
+        ("reward_model.reward_manager", "reward_model.reward_kwargs")
+    ):
         return (
             "dsrl has no model-based reward (of verl's reward_model keys it reads reward_manager and reward_kwargs)",
             "remove it; a custom_reward_function may call a reward model",

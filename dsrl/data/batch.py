@@ -52,7 +52,9 @@ class Batch:
     returns: torch.Tensor | None = None
     rollout_is_weights: torch.Tensor | None = None
     reward_baselines: torch.Tensor | None = None  # [B] float32, ReMax: the score of the prompt's greedy response
-    reward_components: torch.Tensor | None = None  # [B, K] float32, gdpo: the reward's algorithm.gdpo_reward_keys values
+    reward_components: torch.Tensor | None = (
+        None  # [B, K] float32, gdpo: the reward's algorithm.gdpo_reward_keys values
+    )
     # [B, T] int64, multi-turn: 1 on every response token the model sees -- its turns and the tool outputs between
     # them (response_mask 0 there) -- 0 on padding; None = response_mask (one turn). Always ends on a response_mask 1.
     response_attention_mask: torch.Tensor | None = None

@@ -275,7 +275,10 @@ def _check_row(file: str, row: int, prompt_key: str, data_source, prompt, reward
     """The messages of a valid row; a ValueError naming the file, the row, the rule and the fix otherwise."""
     if not isinstance(data_source, str) or not data_source:
         raise _row_error(
-            file, row, f"data_source is {data_source!r}, not a non-empty string", "set data_source (it chooses the reward)"
+            file,
+            row,
+            f"data_source is {data_source!r}, not a non-empty string",
+            "set data_source (it chooses the reward)",
         )
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         raise _row_error(
@@ -481,9 +484,13 @@ def load_prompts(
     if stats["truncated"]:
         kept = "last" if truncation == "left" else "first"
         # The end of a prompt is the generation prompt the template appends (e.g. "<|im_start|>assistant\n").
-        why = "" if truncation == "left" else (
-            ": cutting the end drops the generation prompt the chat template appends, so the model continues the "
-            "prompt instead of answering; data.truncation=left keeps it"
+        why = (
+            ""
+            if truncation == "left"
+            else (
+                ": cutting the end drops the generation prompt the chat template appends, so the model continues the "
+                "prompt instead of answering; data.truncation=left keeps it"
+            )
         )
         logger.warning(
             "cut %d of %d prompts to their %s data.max_prompt_length=%d tokens (data.truncation=%s)%s",

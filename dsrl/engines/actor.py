@@ -160,7 +160,9 @@ class ActorEngine:
         """
         actor = self.cfg.actor_rollout_ref.actor
         if actor.use_kl_loss and batch.ref_log_probs is None:
-            raise ValueError(f"{self.prefix}.use_kl_loss=True but the batch has no ref_log_probs; run the reference first")
+            raise ValueError(
+                f"{self.prefix}.use_kl_loss=True but the batch has no ref_log_probs; run the reference first"
+            )
         on_policy = self.on_policy(len(batch))
         seen = torch.zeros(len(batch), dtype=torch.bool)  # rows already recorded
         if recorded is not None:

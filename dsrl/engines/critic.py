@@ -59,7 +59,9 @@ class CriticEngine:
         self.cfg = cfg
         critic, dtype = cfg.critic, cfg.actor_rollout_ref.model.dtype
         if critic.model.path is None:
-            raise ValueError("critic.model.path=None: the critic needs a model; set it (usually to actor_rollout_ref.model.path)")
+            raise ValueError(
+                "critic.model.path=None: the critic needs a model; set it (usually to actor_rollout_ref.model.path)"
+            )
         self.rows_per_mini_batch, micro, accumulation = mini_batch_geometry(
             prefix="critic",
             mini_batch_size=critic.ppo_mini_batch_size,

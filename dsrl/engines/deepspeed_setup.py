@@ -165,7 +165,9 @@ def lr_scheduler(
     warmup = optim.lr_warmup_steps
     needs_total = kind == "cosine" or (warmup <= 0 and optim.lr_warmup_steps_ratio > 0)
     if needs_total and total_training_steps is None:
-        raise ValueError(f"{prefix}.optim: a cosine schedule or lr_warmup_steps_ratio needs the run's total training steps")
+        raise ValueError(
+            f"{prefix}.optim: a cosine schedule or lr_warmup_steps_ratio needs the run's total training steps"
+        )
     if warmup <= 0:
         warmup = int(optim.lr_warmup_steps_ratio * total_training_steps) if needs_total else 0
     if kind == "constant":

@@ -125,7 +125,9 @@ def model_inputs(micro: Batch, device: torch.device) -> tuple[dict[str, torch.Te
         prompt_mask=micro.prompt_mask[:, first:],
         response_ids=micro.response_ids[:, :width],
         response_mask=micro.response_mask[:, :width],
-        response_attention_mask=None if micro.response_attention_mask is None else micro.response_attention_mask[:, :width],
+        response_attention_mask=None
+        if micro.response_attention_mask is None
+        else micro.response_attention_mask[:, :width],
     )
     inputs = {
         "input_ids": trimmed.input_ids.to(device),
@@ -222,7 +224,9 @@ def _chunk_grad(
     logits = logits.detach().requires_grad_()
     with torch.enable_grad():
         stats = _chunk_stats(logits, labels, temperature, grad_entropy is not None, False)
-    outputs, grads = zip(*((s, g) for s, g in zip(stats, (grad_log_probs, grad_entropy), strict=False) if g is not None), strict=True)
+    outputs, grads = zip(
+        *((s, g) for s, g in zip(stats, (grad_log_probs, grad_entropy), strict=False) if g is not None), strict=True
+    )
     return torch.autograd.grad(outputs, logits, grads)[0]
 
 

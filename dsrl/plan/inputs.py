@@ -93,7 +93,9 @@ class ZeroSetup:
         def offloaded(name: str) -> bool:
             return (zero.get(name) or {}).get("device", "none") not in ("none", None)
 
-        pinned = any(offloaded(name) and zero[name].get("pin_memory", False) for name in ("offload_param", "offload_optimizer"))
+        pinned = any(
+            offloaded(name) and zero[name].get("pin_memory", False) for name in ("offload_param", "offload_optimizer")
+        )
         return cls(
             stage=zero_stage(ds),
             offload_param=offloaded("offload_param"),
@@ -201,20 +203,48 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
         actor_trained=shape.lora_parameters(model.lora_rank, model.target_modules) if lora else shape.parameters(),
         actor_checkpointing=model.enable_gradient_checkpointing,
         shared_prompts=model.shared_prompt_forward,
-        update=_pass(mini_rows, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu),
-        old_log_prob=None if folds else _pass(
-            batch_rows, rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_use_dynamic_bsz,
+        update=_pass(
+            mini_rows, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu
+        ),
+        old_log_prob=None
+        if folds
+        else _pass(
+            batch_rows,
+            rollout.log_prob_micro_batch_size_per_gpu,
+            rollout.log_prob_use_dynamic_bsz,
             rollout.log_prob_max_token_len_per_gpu,
         ),
-        ref=ZeroSetup.from_json(read_ds_json(arr.ref.deepspeed_config, "actor_rollout_ref.ref.deepspeed_config")) if needs_ref else None,
-        ref_pass=_pass(batch_rows, arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_use_dynamic_bsz,
-                       arr.ref.log_prob_max_token_len_per_gpu) if needs_kl else None,
-        critic=ZeroSetup.from_json(read_ds_json(critic.deepspeed_config, "critic.deepspeed_config")) if trains_critic else None,
+        ref=ZeroSetup.from_json(read_ds_json(arr.ref.deepspeed_config, "actor_rollout_ref.ref.deepspeed_config"))
+        if needs_ref
+        else None,
+        ref_pass=_pass(
+            batch_rows,
+            arr.ref.log_prob_micro_batch_size_per_gpu,
+            arr.ref.log_prob_use_dynamic_bsz,
+            arr.ref.log_prob_max_token_len_per_gpu,
+        )
+        if needs_kl
+        else None,
+        critic=ZeroSetup.from_json(read_ds_json(critic.deepspeed_config, "critic.deepspeed_config"))
+        if trains_critic
+        else None,
         critic_checkpointing=critic.model.enable_gradient_checkpointing,
-        critic_update=_pass(critic.ppo_mini_batch_size * n // N, critic.ppo_micro_batch_size_per_gpu,
-                            critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu) if trains_critic else None,
-        critic_values=_pass(batch_rows, critic.forward_micro_batch_size_per_gpu, critic.use_dynamic_bsz,
-                            critic.forward_max_token_len_per_gpu) if trains_critic else None,
+        critic_update=_pass(
+            critic.ppo_mini_batch_size * n // N,
+            critic.ppo_micro_batch_size_per_gpu,
+            critic.use_dynamic_bsz,
+            critic.ppo_max_token_len_per_gpu,
+        )
+        if trains_critic
+        else None,
+        critic_values=_pass(
+            batch_rows,
+            critic.forward_micro_batch_size_per_gpu,
+            critic.use_dynamic_bsz,
+            critic.forward_max_token_len_per_gpu,
+        )
+        if trains_critic
+        else None,
         rollout=name,
         rollout_dtype_bytes=DTYPE_BYTES[rollout.dtype or model.dtype],
         n=n,

@@ -93,13 +93,20 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
         lora = inputs.actor_trained < s.parameters()
         critic_gen = moved_to_host(critic, inputs.critic) if critic else []
         during_gen = moved_to_host(actor, inputs.actor, frozen=lora) + critic_gen + ref
-        asleep = ("trained engines' device states moved to the host (ZeRO-3: all; ZeRO-1/2: all but the parameters"
-                  + ("; a LoRA actor keeps its parameters)" if lora else ")"))
+        asleep = "trained engines' device states moved to the host (ZeRO-3: all; ZeRO-1/2: all but the parameters" + (
+            "; a LoRA actor keeps its parameters)" if lora else ")"
+        )
     else:
         during_gen = resident
-        asleep = "nothing moves (" + ("vLLM keeps its memory for good)" if static else "a CPU: device and host are one memory)")
-    push = [Term("weight push bucket", min(PUSH_BUCKET_BYTES, s.parameters() * b), 0, "full tensors gathered for the push")]
-    phases.append(Phase("rollout", during_gen + [t for terms in live.values() for t in terms] + rollout_awake + push, asleep))
+        asleep = "nothing moves (" + (
+            "vLLM keeps its memory for good)" if static else "a CPU: device and host are one memory)"
+        )
+    push = [
+        Term("weight push bucket", min(PUSH_BUCKET_BYTES, s.parameters() * b), 0, "full tensors gathered for the push")
+    ]
+    phases.append(
+        Phase("rollout", during_gen + [t for terms in live.values() for t in terms] + rollout_awake + push, asleep)
+    )
 
     rollout_note = ("vLLM awake (no sleep mode)" if static else
                     f"rollout asleep (level {inputs.sleep_level})" if inputs.rollout == "vllm" else
@@ -116,9 +123,13 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
             terms.append(log_prob_head(s, micro, inputs, grad=False))
         return Phase(name, terms, rollout_note)
 
-    def update_phase(name: str, role: str, zero: ZeroSetup, micro: Pass, trained: int, checkpointing: bool, head: bool) -> Phase:
+    def update_phase(
+        name: str, role: str, zero: ZeroSetup, micro: Pass, trained: int, checkpointing: bool, head: bool
+    ) -> Phase:
         terms = resident + rollout_asleep + running(role) + update_gradients(role, zero, trained, b, inputs.world_size)
-        terms += activations(inputs, micro, grad=True, checkpointing=checkpointing, shared=head and inputs.shared_prompts)
+        terms += activations(
+            inputs, micro, grad=True, checkpointing=checkpointing, shared=head and inputs.shared_prompts
+        )
         if head:
             terms.append(log_prob_head(s, micro, inputs, grad=True))
         return Phase(name, terms, rollout_note)
@@ -158,7 +169,8 @@ def render(plan: Plan, header: str) -> str:
         f"  {i.world_size} rank(s); device {dev.bytes / GIB:.1f} GiB ({dev.kind}, {dev.source}); model "
         f"{i.shape.parameters() / 1e6:,.1f} M parameters, {i.shape.layers} layers, hidden {i.shape.hidden}, vocab "
         f"{i.shape.vocab:,}; {i.dtype_bytes} B/param; actor {i.actor.describe()}"
-        + (f"; ref {i.ref.describe()}" if i.ref else "") + (f"; critic {i.critic.describe()}" if i.critic else ""),
+        + (f"; ref {i.ref.describe()}" if i.ref else "")
+        + (f"; critic {i.critic.describe()}" if i.critic else ""),
     ]
     if dev.kind == "cpu":
         lines.append(f"  CPU: device and host are one memory; a phase needs (device + host) x {i.world_size} rank(s)")
@@ -168,7 +180,11 @@ def render(plan: Plan, header: str) -> str:
         for term in phase.terms:
             if term.device or term.host:
                 lines.append(f"    {term.name:36} {_gib(term.device):>10} {_gib(term.host):>10}  {term.note}")
-        verdict = "fits" if plan.need(phase) <= dev.bytes else f"EXCEEDS the device by {(plan.need(phase) - dev.bytes) / GIB:.2f} GiB"
+        verdict = (
+            "fits"
+            if plan.need(phase) <= dev.bytes
+            else f"EXCEEDS the device by {(plan.need(phase) - dev.bytes) / GIB:.2f} GiB"
+        )
         lines.append(f"    {'total per rank':36} {_gib(phase.device):>10} {_gib(phase.host):>10}  {verdict}")
     lines.append("  " + plan.kv.describe())
     return "\n".join(lines)
@@ -198,7 +214,9 @@ def _largest_micro_batch(inputs: PlanInputs, device: Device, phase: str, field: 
     smallest = inputs.prompt_length + inputs.response_length if attr == "budget" else 1
 
     def fits(value: int) -> bool:
-        return _fits(dataclasses.replace(inputs, **{field: dataclasses.replace(current, **{attr: value})}), device, phase)
+        return _fits(
+            dataclasses.replace(inputs, **{field: dataclasses.replace(current, **{attr: value})}), device, phase
+        )
 
     return _largest(smallest, getattr(current, attr), fits)
 
@@ -228,7 +246,9 @@ def fixes(plan: Plan, phase: Phase) -> list[str]:
             found.append(f"actor_rollout_ref.rollout.gpu_memory_utilization={int(utilization * 100) / 100} "
                          f"(leaves {kv_tokens_at(i, device, utilization):,} KV tokens)")  # fmt: skip
     if phase.name == "rollout" and i.rollout == "hf":
-        prompts = _largest(1, i.hf_micro_batch, lambda k: _fits(dataclasses.replace(i, hf_micro_batch=k), device, "rollout"))
+        prompts = _largest(
+            1, i.hf_micro_batch, lambda k: _fits(dataclasses.replace(i, hf_micro_batch=k), device, "rollout")
+        )
         if prompts is not None and prompts < min(i.hf_micro_batch, i.prompts_per_rank):
             found.append(f"actor_rollout_ref.rollout.micro_batch_size={prompts}")
     if phase.name in _MICRO_KEYS:

@@ -43,9 +43,15 @@ class ModelShape:
         """The shape in ``config`` (a parsed config.json read from ``source``); raises PlanError."""
         if any(key in config for key in ("num_experts", "num_local_experts", "n_routed_experts")):
             raise PlanError(f"{source}: a mixture-of-experts model; the memory plan knows dense decoders only")
-        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size") if k not in config]
+        missing = [
+            k
+            for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+            if k not in config
+        ]
         if missing:
-            raise PlanError(f"{source}: config.json has no {', '.join(missing)}; fix: point at a transformers model's config.json")
+            raise PlanError(
+                f"{source}: config.json has no {', '.join(missing)}; fix: point at a transformers model's config.json"
+            )
         heads = config["num_attention_heads"]
         model_type = config.get("model_type", "")
         return cls(
@@ -133,5 +139,7 @@ def read_shape(model_path: str, model_config: str | None = None) -> ModelShape:
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise PlanError(f"{path} cannot be read as JSON ({err}); fix: point at a transformers model's config.json") from None
+        raise PlanError(
+            f"{path} cannot be read as JSON ({err}); fix: point at a transformers model's config.json"
+        ) from None
     return ModelShape.from_config(config, str(path))

@@ -62,7 +62,9 @@ def model_states(role: str, zero: ZeroSetup, params: int, trained: int, b: int, 
     where = (lambda size: (0, size)) if oo else (lambda size: (size, 0))
     if stage3:
         g = DTYPE_BYTES[zero.grad_accum_dtype] if zero.grad_accum_dtype else b
-        terms.append(Term(f"{role} gradients", *where(g * trained // N), f"{g} B x T / {N} partition{pinned if oo else ''}"))
+        terms.append(
+            Term(f"{role} gradients", *where(g * trained // N), f"{g} B x T / {N} partition{pinned if oo else ''}")
+        )
     if not (stage3 and b == 4 and not oo):  # else the fp32 partition itself is trained in place
         terms.append(Term(f"{role} fp32 master weights", *where(4 * trained // N), f"4 B x T / {N}"))
     terms.append(Term(f"{role} Adam moments", *where(8 * trained // N), f"8 B x T / {N}"))
@@ -82,9 +84,13 @@ def update_gradients(role: str, zero: ZeroSetup, trained: int, b: int, N: int) -
 
     if zero.stage == 3:
         elements = min(trained // N, zero.sub_group_size)
-        return [Term(f"{role} fp32 gradient copy", *where(4 * elements), "4 B x min(T / N, sub_group_size), optimizer step")]
-    return [Term(f"{role} gradients", b * trained // N, 0, f"{b} B x T / {N}"),
-            Term(f"{role} fp32 gradients", *where(4 * trained // N), f"4 B x T / {N}")]
+        return [
+            Term(f"{role} fp32 gradient copy", *where(4 * elements), "4 B x min(T / N, sub_group_size), optimizer step")
+        ]
+    return [
+        Term(f"{role} gradients", b * trained // N, 0, f"{b} B x T / {N}"),
+        Term(f"{role} fp32 gradients", *where(4 * trained // N), f"4 B x T / {N}"),
+    ]
 
 
 def reduce_bucket(role: str, zero: ZeroSetup, params: int, b: int, *, touched_only: bool) -> list[Term]:
@@ -134,7 +140,9 @@ def log_prob_head(shape: ModelShape, micro: Pass, inputs: PlanInputs, *, grad: b
     logits = positions * shape.vocab * inputs.dtype_bytes
     chunks = LOGIT_CHUNK_TEMPORARIES * 4 * min(positions * shape.vocab, LOGIT_CHUNK_ELEMENTS)
     copies = 3 if grad else 1
-    return Term("log-prob head", copies * logits + chunks, 0, f"{copies} x {positions:,} x {shape.vocab:,} vocab + fp32 chunks")
+    return Term(
+        "log-prob head", copies * logits + chunks, 0, f"{copies} x {positions:,} x {shape.vocab:,} vocab + fp32 chunks"
+    )
 
 
 def trained_states(inputs: PlanInputs) -> tuple[list[Term], list[Term]]:
@@ -157,7 +165,8 @@ def moved_to_host(terms: list[Term], zero: ZeroSetup, *, frozen: bool = False) -
         return terms
     keeps_parameters = zero.stage != 3 or frozen
     return [
-        term if keeps_parameters and term.name.endswith(" parameters") or not term.device
+        term
+        if keeps_parameters and term.name.endswith(" parameters") or not term.device
         else Term(term.name, 0, term.host + term.device, term.note + " -> host")
         for term in terms
     ]
@@ -173,7 +182,9 @@ def rollout_terms(inputs: PlanInputs, device: Device) -> tuple[list[Term], KvBud
         reserved = int(inputs.gpu_memory_utilization * device.bytes)
         kv_bytes = max(0, reserved - weights // tp - VLLM_RESERVE_BYTES)
         # Each of the engine's tp ranks keeps its share of the KV heads (at least one: fewer heads are replicated).
-        kv = KvBudget(kv_bytes // kv_bytes_per_token(s.layers, max(1, s.kv_heads // tp), s.head_dim, rb), needed, length)
+        kv = KvBudget(
+            kv_bytes // kv_bytes_per_token(s.layers, max(1, s.kv_heads // tp), s.head_dim, rb), needed, length
+        )
         awake = [Term("vLLM weights", weights // tp, 0, f"{rb} B x P / TP {tp}"),
                  Term("vLLM KV cache", kv_bytes, 0, f"gpu_memory_utilization {inputs.gpu_memory_utilization}"),
                  Term("vLLM working memory", min(VLLM_RESERVE_BYTES, reserved), 0, "activation peak, CUDA graphs: unverified on GPU")]  # fmt: skip
@@ -196,5 +207,7 @@ def rollout_terms(inputs: PlanInputs, device: Device) -> tuple[list[Term], KvBud
              Term("HF rollout prefill", rows * inputs.prompt_length * s.forward_working_bytes(rb), 0,
                   f"{rows:,} rows x {inputs.prompt_length:,} prompt tokens, no grad"),
              Term("HF rollout logits", 2 * rows * s.vocab * 4, 0, f"{rows:,} rows x vocab, float32")]  # fmt: skip
-    asleep = [Term(copy.name + " (asleep)", 0, weights, "moved to the host between generations")] if on_device else [copy]
+    asleep = (
+        [Term(copy.name + " (asleep)", 0, weights, "moved to the host between generations")] if on_device else [copy]
+    )
     return awake, KvBudget(prompts * inputs.n * length, needed, length), asleep

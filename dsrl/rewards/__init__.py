@@ -56,8 +56,10 @@ def check_reward_rules(prompt_sets: dict[str, object], *, custom_path: str | Non
     scored = set(rule_sources()) | set(math_verify_sources)
     unmatched = [
         f"{source!r} ({rows} rows of {key})"
-        for key, prompts in prompt_sets.items() if prompts is not None
-        for source, rows in prompts.source_counts().items() if source not in scored
+        for key, prompts in prompt_sets.items()
+        if prompts is not None
+        for source, rows in prompts.source_counts().items()
+        if source not in scored
     ]
     if unmatched:
         raise ValueError(

@@ -125,8 +125,14 @@ class RewardScorer:
             self.num_workers,
             worker.initialize,
             (
-                custom_path, custom_name, self.batch, tuple(math_verify_sources), os.getpid(), self.log_file,
-                log_max_mb, memory_limit_mb,
+                custom_path,
+                custom_name,
+                self.batch,
+                tuple(math_verify_sources),
+                os.getpid(),
+                self.log_file,
+                log_max_mb,
+                memory_limit_mb,
             ),
             memory_limit_mb=memory_limit_mb,
             memory_key="reward.memory_limit_mb",
@@ -221,9 +227,17 @@ class RewardScorer:
             if messages:
                 logger.warning(
                     "reward: %d of %d rows failed (%s) and scored %g; first: %s",
-                    len(messages), n, kind, self.fallback_score, messages[0],
+                    len(messages),
+                    n,
+                    kind,
+                    self.fallback_score,
+                    messages[0],
                 )
-        return scores, extras, {name: len(failures[kind]) for name, kind in zip(FAILURE_COUNTS, FAILURE_KINDS, strict=True)}
+        return (
+            scores,
+            extras,
+            {name: len(failures[kind]) for name, kind in zip(FAILURE_COUNTS, FAILURE_KINDS, strict=True)},
+        )
 
     def _replace_broken_pool(self) -> None:
         self._workers.replace_if_broken()
@@ -281,8 +295,13 @@ class RewardScorer:
                 logger.info(
                     "reward: %d calls of this batch still running after %.0f s: %d done (%d timed out), "
                     "%d pending; reward.timeout_s=%g s per call, %d workers",
-                    len(spans), time.monotonic() - start, len(spans) - len(pending), timed_out, len(pending),
-                    self.timeout_s, self.num_workers,
+                    len(spans),
+                    time.monotonic() - start,
+                    len(spans) - len(pending),
+                    timed_out,
+                    len(pending),
+                    self.timeout_s,
+                    self.num_workers,
                 )
                 report_at += _SLOW_BATCH_REPORT_S
         return [outcome for i in range(len(spans)) for outcome in results[i]], first_failure

@@ -129,7 +129,12 @@ def score_chunk(rows: list[tuple]) -> list[Outcome]:
         return [("exception", process.describe(exc, _fn))] * len(rows)
     if isinstance(results, (str, bytes, dict)) or not hasattr(results, "__len__") or len(results) != len(rows):
         got = f"{len(results)} results" if hasattr(results, "__len__") else type(results).__name__
-        return [("invalid", f"batch reward function returned {got} for {len(rows)} rows; it must return a list, one per row")] * len(rows)
+        return [
+            (
+                "invalid",
+                f"batch reward function returned {got} for {len(rows)} rows; it must return a list, one per row",
+            )
+        ] * len(rows)
     return [as_outcome(result) for result in results]
 
 

@@ -48,10 +48,16 @@ class SamplingParams:
             raise ValueError(f"rollout.top_p={self.top_p}: must be in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"rollout.top_k={self.top_k}: must be -1 (off) or a positive count")
-        if self.row_max_tokens is not None and (self.n != 1 or not all(0 < m <= self.max_tokens for m in self.row_max_tokens)):
-            raise ValueError(f"row_max_tokens={self.row_max_tokens}: needs n=1 and caps in 1..max_tokens={self.max_tokens}")
+        if self.row_max_tokens is not None and (
+            self.n != 1 or not all(0 < m <= self.max_tokens for m in self.row_max_tokens)
+        ):
+            raise ValueError(
+                f"row_max_tokens={self.row_max_tokens}: needs n=1 and caps in 1..max_tokens={self.max_tokens}"
+            )
         if not self.do_sample and self.n > 1:
-            raise ValueError(f"rollout n={self.n} with do_sample=False: greedy decoding gives n identical responses; set n=1")
+            raise ValueError(
+                f"rollout n={self.n} with do_sample=False: greedy decoding gives n identical responses; set n=1"
+            )
 
     def replace(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)

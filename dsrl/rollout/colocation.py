@@ -83,7 +83,8 @@ def offloaded_bytes(engine: Any, targets: Iterable[OffloadStateTypeEnum]) -> int
         ),
         OffloadStateTypeEnum.lp_params: lambda: [optimizer.lp_param_buffer] if stage3 else optimizer.bit16_groups_flat,
         OffloadStateTypeEnum.lp_grads: lambda: (
-            [optimizer.grad_partitions_flat_buffer] if stage3
+            [optimizer.grad_partitions_flat_buffer]
+            if stage3
             else [grad for grads in optimizer.averaged_gradients.values() if grads is not None for grad in grads]
         ),
         OffloadStateTypeEnum.contiguous_grad_buffer: lambda: (

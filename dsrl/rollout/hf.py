@@ -62,7 +62,9 @@ class _MaskPaddedVocab(LogitsProcessor):
         self.vocab_size = vocab_size
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        return scores.index_fill(-1, torch.arange(self.vocab_size, scores.shape[-1], device=scores.device), float("-inf"))
+        return scores.index_fill(
+            -1, torch.arange(self.vocab_size, scores.shape[-1], device=scores.device), float("-inf")
+        )
 
 
 class _ChosenTokenLogProbs(LogitsProcessor):
@@ -111,7 +113,9 @@ class HFRollout:
         self.kv_cache_max_bytes = None if kv_cache_max_gb is None else kv_cache_max_gb * 1e9
         self.device = torch.device(get_accelerator().current_device_name())
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+        )
         self.model.eval().requires_grad_(False)
         self.vocab_size = len(tokenizer)  # ids the rollout may sample
         self.eos_token_ids, self.pad_token_id = stop_and_pad_ids(
@@ -218,7 +222,10 @@ class HFRollout:
             )
             name, cache = kv_cache(prefill)
             cache.batch_repeat_interleave(sampling.n)
-            prompt_ids, prompt_mask = prompt_ids.repeat_interleave(sampling.n, 0), prompt_mask.repeat_interleave(sampling.n, 0)
+            prompt_ids, prompt_mask = (
+                prompt_ids.repeat_interleave(sampling.n, 0),
+                prompt_mask.repeat_interleave(sampling.n, 0),
+            )
             shared = {name: cache}
         config = GenerationConfig(
             max_new_tokens=sampling.max_tokens,
@@ -266,4 +273,3 @@ class HFRollout:
         """Bring the copy back to the device when ``tags`` include the weights (``None``: everything)."""
         if tags is None or "weights" in tags:
             self.model.to(self.device)
-

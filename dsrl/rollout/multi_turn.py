@@ -91,7 +91,9 @@ class TurnStats:
 class MultiTurnRollout:
     """``engine`` with the tool loop around its ``generate`` (see the module doc); the rest is the engine's."""
 
-    def __init__(self, engine: RolloutEngine, tokenizer, tools: ToolSet, cfg, *, chat_template_kwargs: dict | None = None):
+    def __init__(
+        self, engine: RolloutEngine, tokenizer, tools: ToolSet, cfg, *, chat_template_kwargs: dict | None = None
+    ):
         self.engine, self.tokenizer, self.tools = engine, tokenizer, tools
         self.cfg = cfg  # actor_rollout_ref.rollout.multi_turn
         self.template_kwargs = {"tools": tools.schemas, **(chat_template_kwargs or {})}
@@ -100,15 +102,18 @@ class MultiTurnRollout:
         self.tool_names = [schema["function"]["name"] for schema in tools.schemas]
         # What the template renders after an assistant turn's end-of-turn token, found once (tool_turn_ids).
         self._closed = self._render(_TURN, add_generation_prompt=False)
-        after_turn = self._closed[self._closed.index(_MARK) + len(_MARK):]
+        after_turn = self._closed[self._closed.index(_MARK) + len(_MARK) :]
         end = tokenizer.decode(self.eos_token_ids[:1])
-        self._after_turn = after_turn[len(end):] if after_turn.startswith(end) else after_turn
+        self._after_turn = after_turn[len(end) :] if after_turn.startswith(end) else after_turn
         self.stats = self._new_stats()
 
     @classmethod
     def from_config(cls, engine: RolloutEngine, tokenizer, tools: ToolSet, cfg) -> MultiTurnRollout:
         return cls(
-            engine, tokenizer, tools, cfg.actor_rollout_ref.rollout.multi_turn,
+            engine,
+            tokenizer,
+            tools,
+            cfg.actor_rollout_ref.rollout.multi_turn,
             chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs),
         )
 
@@ -131,7 +136,13 @@ class MultiTurnRollout:
         budget = sampling.max_tokens
         rows = [
             Conversation(ids[mask.bool()].tolist(), tools_kwargs[i // sampling.n])
-            for i, (ids, mask) in enumerate(zip(prompt_ids.repeat_interleave(sampling.n, 0), prompt_mask.repeat_interleave(sampling.n, 0), strict=True))
+            for i, (ids, mask) in enumerate(
+                zip(
+                    prompt_ids.repeat_interleave(sampling.n, 0),
+                    prompt_mask.repeat_interleave(sampling.n, 0),
+                    strict=True,
+                )
+            )
         ]
         stats = self.stats
         out = self.engine.generate(prompt_ids, prompt_mask, sampling)
@@ -216,7 +227,7 @@ class MultiTurnRollout:
                 "multi_turn: the chat template renders a conversation differently once tool messages follow it; "
                 "dsrl appends tool outputs to the tokens generated so far and needs a template that only appends"
             )
-        return self.tokenizer.encode(self._after_turn + opened[len(self._closed):], add_special_tokens=False)
+        return self.tokenizer.encode(self._after_turn + opened[len(self._closed) :], add_special_tokens=False)
 
     def _render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -235,7 +246,9 @@ class MultiTurnRollout:
             attention[i, :L] = 1
             log_probs[i, :L] = torch.tensor(row.log_probs, dtype=torch.float32)
         return RolloutOutput(
-            ids, mask, log_probs,
+            ids,
+            mask,
+            log_probs,
             finish_reasons=["length" if row.stop == "length" else "stop" for row in rows],
             attention_mask=attention,
             conversations=[

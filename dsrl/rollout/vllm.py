@@ -197,7 +197,9 @@ class VLLMRollout:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.engine_seed = seed + self.rank // tensor_parallel_size  # one per engine: its ranks share it
         self.generate_calls = 0
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         if self.world_size % tensor_parallel_size:
             raise ValueError(
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={tensor_parallel_size}: "
@@ -300,7 +302,9 @@ class VLLMRollout:
 
             push = self.adapters.write(named_tensors)
             self.lora_request = LoRARequest("dsrl-policy", push, self.adapters.path)
-            self.llm.llm_engine.add_lora(self.lora_request)  # read now; the previous push's adapter is evicted (max_loras=1)
+            self.llm.llm_engine.add_lora(
+                self.lora_request
+            )  # read now; the previous push's adapter is evicted (max_loras=1)
             self.llm.reset_prefix_cache()  # cached blocks are keyed by the adapter's name and path, which stay
             return
         if self.reload_in_place:
@@ -415,4 +419,3 @@ class VLLMRollout:
         if not set(finish_reasons) <= {"stop", "length"}:
             raise RuntimeError(f"vLLM finished requests with {sorted(set(finish_reasons))}; expected stop or length")
         return RolloutOutput(response_ids, response_mask, log_probs, finish_reasons)
-

@@ -157,13 +157,17 @@ def rendezvous_watchdog(launch: Launch, report_after_s: float = RENDEZVOUS_REPOR
     done = threading.Event()
     address = f"{launch.master_addr}:{launch.master_port}"
     if launch.launcher == "environment":
-        hint = (f"; no launcher started this process, so WORLD_SIZE={launch.world_size} may be left over in the "
-                "environment: unset WORLD_SIZE RANK LOCAL_RANK MASTER_ADDR MASTER_PORT for one process, or start "
-                "the ranks with deepspeed --num_gpus N")
+        hint = (
+            f"; no launcher started this process, so WORLD_SIZE={launch.world_size} may be left over in the "
+            "environment: unset WORLD_SIZE RANK LOCAL_RANK MASTER_ADDR MASTER_PORT for one process, or start "
+            "the ranks with deepspeed --num_gpus N"
+        )
     else:
-        hint = (f" ({launch.launcher}); a rank that never comes is on a node whose ranks did not start (a hostfile "
-                "host pdsh could not reach, a --no_ssh or torchrun command not run there) or cannot reach "
-                f"{address}; every rank waits until actor_rollout_ref.nccl_timeout")
+        hint = (
+            f" ({launch.launcher}); a rank that never comes is on a node whose ranks did not start (a hostfile "
+            "host pdsh could not reach, a --no_ssh or torchrun command not run there) or cannot reach "
+            f"{address}; every rank waits until actor_rollout_ref.nccl_timeout"
+        )
 
     def watch() -> None:
         waited = 0.0
@@ -207,8 +211,11 @@ def stop_when_launcher_dies(launcher: str) -> None:
     except OSError:  # no /proc (not Linux): nothing to watch
         return
     runner = _parent_pid(parent) if under_deepspeed else None
-    gone = (f"the deepspeed launcher (pid {parent}) or its runner (pid {runner})" if under_deepspeed
-            else f"the {launcher} process that started this rank (pid {parent})")
+    gone = (
+        f"the deepspeed launcher (pid {parent}) or its runner (pid {runner})"
+        if under_deepspeed
+        else f"the {launcher} process that started this rank (pid {parent})"
+    )
 
     def watch() -> None:
         while os.getppid() == parent and (runner is None or _parent_pid(parent) == runner):

@@ -58,8 +58,13 @@ class Launch:
 
     def environment(self) -> dict[str, str]:
         """The variables torch and DeepSpeed read (``LOCAL_SIZE`` only when known)."""
-        env = {"RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank), "WORLD_SIZE": str(self.world_size),
-               "MASTER_ADDR": self.master_addr, "MASTER_PORT": self.master_port}
+        env = {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": self.master_port,
+        }
         if self.local_size is not None:
             env["LOCAL_SIZE"] = str(self.local_size)
         return env
@@ -109,8 +114,9 @@ def free_port() -> int:
 
 
 def _torch_style(environ: Mapping[str, str]) -> Launch:
-    launcher = ("torchrun" if "TORCHELASTIC_RUN_ID" in environ
-                else "deepspeed" if "CROSS_RANK" in environ else "environment")
+    launcher = (
+        "torchrun" if "TORCHELASTIC_RUN_ID" in environ else "deepspeed" if "CROSS_RANK" in environ else "environment"
+    )
     world = _int(environ, "WORLD_SIZE") if "WORLD_SIZE" in environ else 1
     return Launch(
         launcher=launcher,
@@ -124,8 +130,15 @@ def _torch_style(environ: Mapping[str, str]) -> Launch:
     )
 
 
-def _mpi(environ: Mapping[str, str], launcher: str, rank: int, world: int, local_rank: int | None,
-         local_size: int | None, names: str) -> Launch:
+def _mpi(
+    environ: Mapping[str, str],
+    launcher: str,
+    rank: int,
+    world: int,
+    local_rank: int | None,
+    local_size: int | None,
+    names: str,
+) -> Launch:
     if local_rank is None:
         raise LaunchError(
             f"{names} name this process's rank but not its rank on its node, which picks its device; fix: start "
@@ -139,8 +152,16 @@ def _mpi(environ: Mapping[str, str], launcher: str, rank: int, world: int, local
             "ranks meet; fix: export MASTER_ADDR (the first host) and MASTER_PORT to every rank, e.g. mpirun -x "
             "MASTER_ADDR=node1 -x MASTER_PORT=29500 (Open MPI) or -genv MASTER_ADDR node1 (MPICH, Intel MPI)"
         )
-    return Launch(launcher=launcher, rank=rank, local_rank=local_rank, world_size=world, local_size=local_size,
-                  node_rank=None, master_addr=address, master_port=environ.get("MASTER_PORT") or str(MPI_DEFAULT_PORT))
+    return Launch(
+        launcher=launcher,
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_size=local_size,
+        node_rank=None,
+        master_addr=address,
+        master_port=environ.get("MASTER_PORT") or str(MPI_DEFAULT_PORT),
+    )
 
 
 def _slurm(environ: Mapping[str, str]) -> Launch:
@@ -156,10 +177,19 @@ def _slurm(environ: Mapping[str, str]) -> Launch:
     elif world == 1:
         port = str(free_port())
     else:
-        port = str(slurm_port(_optional_int(environ, "SLURM_JOB_ID") or 0, _optional_int(environ, "SLURM_STEP_ID") or 0))
-    return Launch(launcher="slurm", rank=_int(environ, "SLURM_PROCID"), local_rank=_optional_int(environ, "SLURM_LOCALID") or 0,
-                  world_size=world, local_size=local_size, node_rank=node,
-                  master_addr=environ.get("MASTER_ADDR") or first_host(nodelist), master_port=port)
+        port = str(
+            slurm_port(_optional_int(environ, "SLURM_JOB_ID") or 0, _optional_int(environ, "SLURM_STEP_ID") or 0)
+        )
+    return Launch(
+        launcher="slurm",
+        rank=_int(environ, "SLURM_PROCID"),
+        local_rank=_optional_int(environ, "SLURM_LOCALID") or 0,
+        world_size=world,
+        local_size=local_size,
+        node_rank=node,
+        master_addr=environ.get("MASTER_ADDR") or first_host(nodelist),
+        master_port=port,
+    )
 
 
 def discover(environ: Mapping[str, str]) -> Launch:
@@ -167,15 +197,30 @@ def discover(environ: Mapping[str, str]) -> Launch:
     if "RANK" in environ:
         launch = _torch_style(environ)
     elif "OMPI_COMM_WORLD_SIZE" in environ:
-        launch = _mpi(environ, "openmpi", _int(environ, "OMPI_COMM_WORLD_RANK"), _int(environ, "OMPI_COMM_WORLD_SIZE"),
-                      _optional_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK"),
-                      _optional_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE"), "OMPI_COMM_WORLD_RANK/SIZE")
-    elif "SLURM_STEP_NUM_TASKS" in environ and environ.get("PMI_SIZE", environ["SLURM_STEP_NUM_TASKS"]) == environ["SLURM_STEP_NUM_TASKS"]:
+        launch = _mpi(
+            environ,
+            "openmpi",
+            _int(environ, "OMPI_COMM_WORLD_RANK"),
+            _int(environ, "OMPI_COMM_WORLD_SIZE"),
+            _optional_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK"),
+            _optional_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE"),
+            "OMPI_COMM_WORLD_RANK/SIZE",
+        )
+    elif (
+        "SLURM_STEP_NUM_TASKS" in environ
+        and environ.get("PMI_SIZE", environ["SLURM_STEP_NUM_TASKS"]) == environ["SLURM_STEP_NUM_TASKS"]
+    ):
         launch = _slurm(environ)  # srun's own tasks (with or without --mpi); an MPI launched inside is PMI's
     elif "PMI_SIZE" in environ:
-        launch = _mpi(environ, "mpi (PMI)", _int(environ, "PMI_RANK"), _int(environ, "PMI_SIZE"),
-                      _optional_int(environ, "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK"),
-                      _optional_int(environ, "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE", "LOCAL_SIZE"), "PMI_RANK/PMI_SIZE")
+        launch = _mpi(
+            environ,
+            "mpi (PMI)",
+            _int(environ, "PMI_RANK"),
+            _int(environ, "PMI_SIZE"),
+            _optional_int(environ, "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK"),
+            _optional_int(environ, "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE", "LOCAL_SIZE"),
+            "PMI_RANK/PMI_SIZE",
+        )
     elif (_optional_int(environ, "WORLD_SIZE") or 1) > 1:
         raise LaunchError(
             f"WORLD_SIZE={environ['WORLD_SIZE']} but no RANK, and no launcher's variables (deepspeed, torchrun, "
@@ -183,12 +228,21 @@ def discover(environ: Mapping[str, str]) -> Launch:
             "start the ranks with a launcher (deepspeed --num_gpus N ...)"
         )
     else:
-        return Launch(launcher="none", rank=0, local_rank=0, world_size=1, local_size=1, node_rank=0,
-                      master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-                      master_port=environ.get("MASTER_PORT") or str(free_port()))
+        return Launch(
+            launcher="none",
+            rank=0,
+            local_rank=0,
+            world_size=1,
+            local_size=1,
+            node_rank=0,
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=environ.get("MASTER_PORT") or str(free_port()),
+        )
     if not 0 <= launch.rank < launch.world_size:
-        raise LaunchError(f"rank {launch.rank} of a world of {launch.world_size} ({launch.launcher}): the rank must be "
-                          "below the world size; fix: check the launcher's variables")
+        raise LaunchError(
+            f"rank {launch.rank} of a world of {launch.world_size} ({launch.launcher}): the rank must be "
+            "below the world size; fix: check the launcher's variables"
+        )
     return launch
 
 

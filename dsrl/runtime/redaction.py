@@ -26,8 +26,24 @@ MASK = "***"
 MIN_SECRET_LENGTH = 8  # shorter environment values ("1", "true") are too common to redact
 _ENDINGS = ("token", "secret", "secrets", "password", "passwd", "apikey", "credential", "credentials", "auth")
 _ANYWHERE = ("secret", "password", "passwd", "credential", "apikey")
-_SPECIAL_TOKENS = {"pad", "eos", "bos", "unk", "sep", "cls", "mask", "stop", "start", "end", "begin", "special",
-                   "image", "video", "audio", "vision"}
+_SPECIAL_TOKENS = {
+    "pad",
+    "eos",
+    "bos",
+    "unk",
+    "sep",
+    "cls",
+    "mask",
+    "stop",
+    "start",
+    "end",
+    "begin",
+    "special",
+    "image",
+    "video",
+    "audio",
+    "vision",
+}
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 _BARE_MASK = re.compile(r"(?P<head>^[ \t]*(?:- |[\w.\-]+:[ \t]+))\*\*\*[ \t]*$", re.MULTILINE)
 _URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][\w+.\-]*://[^/\s:@]+:)[^@\s/]+@")

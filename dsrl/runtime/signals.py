@@ -109,6 +109,7 @@ class RunSignals:
 
     def _exit_now(self, signum: int) -> None:
         """End the process with 128 + ``signum`` after the ``at_kill`` callbacks, given ``AT_KILL_TIMEOUT_S``."""
+
         def run_callbacks() -> None:
             for callback in self._at_kill:
                 try:

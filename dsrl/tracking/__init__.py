@@ -20,6 +20,7 @@ from dsrl.tracking.mlflow_backend import STATUSES, MLflowBackend, default_tracki
 
 __all__ = ["MLflowBackend", "Tracker", "flatten", "is_secret_name", "redact", "redact_text", "sanitize_metric_name"]
 
+
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
     flat: dict[str, Any] = {}
@@ -66,8 +67,9 @@ class Tracker:
             if name == "console":
                 self.backends.append(ProgressConsole(total_steps, initial_step=initial_step))
             elif name == "mlflow":
-                self._mlflow = self._guarded("start", lambda: MLflowBackend(
-                    project_name, experiment_name, run_id, tags, report=self._report))
+                self._mlflow = self._guarded(
+                    "start", lambda: MLflowBackend(project_name, experiment_name, run_id, tags, report=self._report)
+                )
                 if self._mlflow is not None:
                     self.backends.append(self._mlflow)
                     atexit.register(self._finish_at_exit)
@@ -110,9 +112,13 @@ class Tracker:
             self._warned.add(kind)
         if first:
             lost = f"; {dropped} metric values dropped" if dropped else ""
-            warnings.warn(redact_text(
-                f"tracking: {kind} failed ({type(error).__name__}: {error}){lost}; training continues "
-                f"(further {kind} failures are only counted: tracking/failures, tracking/dropped)"), stacklevel=2)
+            warnings.warn(
+                redact_text(
+                    f"tracking: {kind} failed ({type(error).__name__}: {error}){lost}; training continues "
+                    f"(further {kind} failures are only counted: tracking/failures, tracking/dropped)"
+                ),
+                stacklevel=2,
+            )
 
     def _guarded(self, what: str, call):
         try:
@@ -124,8 +130,10 @@ class Tracker:
     def _each(self, method: str, *args, **kwargs) -> None:
         for backend in self.backends:
             if hasattr(backend, method):
-                self._guarded(f"{type(backend).__name__}.{method}",
-                              lambda backend=backend: getattr(backend, method)(*args, **kwargs))
+                self._guarded(
+                    f"{type(backend).__name__}.{method}",
+                    lambda backend=backend: getattr(backend, method)(*args, **kwargs),
+                )
 
     def log_params(self, params: dict[str, Any]) -> None:
         """Flattened config keys; redacted, sent in batches of MLflow's per-request limit."""

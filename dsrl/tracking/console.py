@@ -439,8 +439,11 @@ def startup_summary(facts: dict[str, Any]) -> str:
         ("train prompts", _prompts((facts.get("prompts") or {}).get("train"))),
         ("val prompts", _prompts((facts.get("prompts") or {}).get("val"))),
         ("steps", f"{_na(facts.get('total_steps'))}" + (f", resuming at step {start} from {resume}" if resume else "")),
-        ("checkpoints", f"{_na(facts.get('checkpoint_dir'))}, "
-         + (f"every {save_freq} steps and at the end" if isinstance(save_freq, int) and save_freq > 0 else "off")),
+        (
+            "checkpoints",
+            f"{_na(facts.get('checkpoint_dir'))}, "
+            + (f"every {save_freq} steps and at the end" if isinstance(save_freq, int) and save_freq > 0 else "off"),
+        ),
         ("mlflow", _mlflow(facts.get("mlflow"))),
     ]
     return _block("start-up summary", rows)
@@ -449,7 +452,7 @@ def startup_summary(facts: dict[str, Any]) -> str:
 def _local_store(uri: str, cwd: str) -> str:
     """A local MLflow store URI made absolute, so that it works from any directory."""
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + os.path.normpath(os.path.join(cwd, uri[len("sqlite:///"):]))
+        return "sqlite:///" + os.path.normpath(os.path.join(cwd, uri[len("sqlite:///") :]))
     if "://" not in uri and not uri.startswith("file:"):
         return os.path.normpath(os.path.join(cwd, uri))
     return uri

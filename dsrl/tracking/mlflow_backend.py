@@ -90,8 +90,11 @@ class MetricNames:
                 mlflow_name = f"{base[: self.limit - size - 1]}-{digest[:size]}"
                 if mlflow_name not in self._metric:
                     break
-            why = (f"longer than MLflow's limit of {self.limit} characters" if len(base) > self.limit
-                   else f"{base} is the MLflow name of the metric {self._metric[base]}")
+            why = (
+                f"longer than MLflow's limit of {self.limit} characters"
+                if len(base) > self.limit
+                else f"{base} is the MLflow name of the metric {self._metric[base]}"
+            )
             warnings.warn(f"tracking: the metric {name} is logged to MLflow as {mlflow_name} ({why})", stacklevel=3)
         self._mlflow_name[name] = mlflow_name
         self._metric[mlflow_name] = name
@@ -138,8 +141,15 @@ def _sqlite_store_lock(uri: str) -> Iterator[None]:
 
 
 class MLflowBackend:
-    def __init__(self, project_name: str, experiment_name: str, run_id: str | None = None,
-                 tags: dict[str, str] | None = None, *, report: Report):
+    def __init__(
+        self,
+        project_name: str,
+        experiment_name: str,
+        run_id: str | None = None,
+        tags: dict[str, str] | None = None,
+        *,
+        report: Report,
+    ):
         for name, value in HTTP_DEFAULTS.items():
             os.environ.setdefault(name, value)
         from mlflow.entities import Metric, Param, RunTag
@@ -188,8 +198,9 @@ class MLflowBackend:
         except MlflowException as error:
             if error.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
                 raise  # the store is unreachable: no MLflow
-            self.report("attach", MlflowException(f"cannot continue run {run_id} ({error.message}); "
-                                                  "starting a new run"), 0)
+            self.report(
+                "attach", MlflowException(f"cannot continue run {run_id} ({error.message}); starting a new run"), 0
+            )
             return None
         self.client.update_run(run_id, status="RUNNING")
         if tags:
@@ -232,8 +243,9 @@ class MLflowBackend:
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            self._monitor = SystemMetricsMonitor(self.run_id, resume_logging=self.attached,
-                                                 tracking_uri=self.tracking_uri)
+            self._monitor = SystemMetricsMonitor(
+                self.run_id, resume_logging=self.attached, tracking_uri=self.tracking_uri
+            )
             self._monitor.start()
         except Exception as error:  # psutil missing, ...
             self._monitor = None
@@ -252,8 +264,9 @@ class MLflowBackend:
             self._queue.put_nowait((kind, payload, n_metrics, upload))
         except queue.Full:
             self._done(1, upload)
-            self.report("queue", RuntimeError(f"{QUEUE_SIZE} calls queued: the MLflow store does not keep up"),
-                        n_metrics)
+            self.report(
+                "queue", RuntimeError(f"{QUEUE_SIZE} calls queued: the MLflow store does not keep up"), n_metrics
+            )
 
     def _done(self, count: int, uploads: int = 0) -> None:
         with self._cond:
@@ -289,7 +302,7 @@ class MLflowBackend:
                 merged += 1
             size = self._limits.MAX_METRICS_PER_BATCH
             for start in range(0, len(metrics), size):
-                chunk = metrics[start:start + size]
+                chunk = metrics[start : start + size]
                 self._send(kind, lambda chunk=chunk: self.client.log_batch(self.run_id, metrics=chunk), len(chunk))
             self._done(merged)
 
@@ -316,13 +329,15 @@ class MLflowBackend:
             values[key] = _truncate(str(value), self._limits.MAX_PARAM_VAL_LENGTH)
         changed = sorted(k for k, v in values.items() if self._existing_params.get(k, v) != v)
         if changed:  # MLflow refuses to change a param; not a failure
-            warnings.warn(f"tracking: {len(changed)} params differ from those of the continued MLflow run, which "
-                          "keeps its values: " + ", ".join(changed[:5]) + (", ..." if len(changed) > 5 else ""),
-                          stacklevel=2)
+            warnings.warn(
+                f"tracking: {len(changed)} params differ from those of the continued MLflow run, which "
+                "keeps its values: " + ", ".join(changed[:5]) + (", ..." if len(changed) > 5 else ""),
+                stacklevel=2,
+            )
         new = [self._Param(k, v) for k, v in values.items() if k not in self._existing_params]
         size = self._limits.MAX_PARAMS_TAGS_PER_BATCH
         for start in range(0, len(new), size):
-            chunk = new[start:start + size]
+            chunk = new[start : start + size]
             self._submit("log_params", lambda chunk=chunk: self.client.log_batch(self.run_id, params=chunk))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -395,8 +410,11 @@ class MLflowBackend:
                 if item is not None:
                     lost += item[2]
                     self._done(1, item[3])
-            self.report("finish", TimeoutError(
-                f"{left_over} tracking calls not sent within {time.monotonic() - start:.0f} s"), lost)
+            self.report(
+                "finish",
+                TimeoutError(f"{left_over} tracking calls not sent within {time.monotonic() - start:.0f} s"),
+                lost,
+            )
         try:
             self._queue.put_nowait(None)  # stops the worker
         except queue.Full:

@@ -93,9 +93,14 @@ def startup_facts(trainer) -> dict[str, Any]:
     n = cfg.actor_rollout_ref.rollout.n
     rows_per_rank = cfg.data.train_batch_size * n // trainer.world_size
     roles = {"actor": trainer.actor, "reference": trainer.ref, "critic": trainer.critic}
-    steps = {name: -(-rows_per_rank // role.rows_per_mini_batch) * epochs
-             for name, role, epochs in (("actor", trainer.actor, actor.ppo_epochs),
-                                        ("critic", trainer.critic, cfg.critic.ppo_epochs)) if role is not None}
+    steps = {
+        name: -(-rows_per_rank // role.rows_per_mini_batch) * epochs
+        for name, role, epochs in (
+            ("actor", trainer.actor, actor.ppo_epochs),
+            ("critic", trainer.critic, cfg.critic.ppo_epochs),
+        )
+        if role is not None
+    }
     algo = cfg.algorithm
     device = get_accelerator().device_name()
     if torch.cuda.is_available():
@@ -104,15 +109,18 @@ def startup_facts(trainer) -> dict[str, Any]:
         "world_size": trainer.world_size,
         "hosts": trainer.cluster.describe() if trainer.cluster is not None else None,
         "device": device,
-        "roles": {name: None if role is None else engine_facts(role, cfg.actor_rollout_ref.model.dtype)
-                  for name, role in roles.items()},
+        "roles": {
+            name: None if role is None else engine_facts(role, cfg.actor_rollout_ref.model.dtype)
+            for name, role in roles.items()
+        },
         "rollout": rollout_engine_name(cfg, None if trainer.tools is None else trainer.rollout.tool_names),
         "estimator": algo.adv_estimator,
         "policy_loss": actor.policy_loss.loss_mode,
         "loss_agg_mode": actor.loss_agg_mode,
         "kl_loss": {"type": actor.kl_loss_type, "coef": actor.kl_loss_coef} if actor.use_kl_loss else None,
         "kl_in_reward": {"penalty": algo.kl_penalty, "coef": algo.kl_ctrl.kl_coef, "ctrl": algo.kl_ctrl.type}
-        if algo.use_kl_in_reward else None,
+        if algo.use_kl_in_reward
+        else None,
         "prompts_per_step": cfg.data.train_batch_size,
         "n": n,
         "optimizer_steps": {"actor": steps["actor"], "critic": steps.get("critic")},

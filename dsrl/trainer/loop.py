@@ -122,8 +122,13 @@ class Trainer(TrainerSetup):
         config = state_config(self.cfg, self.world_size)
         contents = list(self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
         state = trainer_state(
-            sampler=self.sampler, kl_coef=self.kl_ctrl.value, roles=roles, mlflow_run_id=self.tracker.run_id,
-            save_contents=contents, config=config, train_data=self.train_data,
+            sampler=self.sampler,
+            kl_coef=self.kl_ctrl.value,
+            roles=roles,
+            mlflow_run_id=self.tracker.run_id,
+            save_contents=contents,
+            config=config,
+            train_data=self.train_data,
         )
         keep = {"actor": trainer.max_actor_ckpt_to_keep, "critic": trainer.max_critic_ckpt_to_keep}
         return save_checkpoint(
@@ -186,10 +191,12 @@ class Trainer(TrainerSetup):
         batch = with_responses(prompts, out, sampling.n)
         if out.conversations is not None:
             infos = batch.extra_infos or [{}] * len(batch)
-            batch = batch.replace(extra_infos=[
-                {**info, "num_turns": talk["num_turns"], "num_tool_calls": talk["num_tool_calls"]}
-                for info, talk in zip(infos, out.conversations, strict=True)
-            ])
+            batch = batch.replace(
+                extra_infos=[
+                    {**info, "num_turns": talk["num_turns"], "num_tool_calls": talk["num_tool_calls"]}
+                    for info, talk in zip(infos, out.conversations, strict=True)
+                ]
+            )
         return batch
 
     def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
@@ -231,7 +238,9 @@ class Trainer(TrainerSetup):
             return batch.replace(token_level_scores=scores.token_level, reward_components=components), values, problem
 
         def next_prompts(k: int) -> Batch:
-            return self._prompt_batch(self._next_records(), first_group_id=k * cfg.data.train_batch_size + self._first_group_id())
+            return self._prompt_batch(
+                self._next_records(), first_group_id=k * cfg.data.train_batch_size + self._first_group_id()
+            )
 
         try:
             batch, metrics = fill_batch(
@@ -269,7 +278,9 @@ class Trainer(TrainerSetup):
         responses = self.scoring.response_texts(sample)
         table = [
             generation_row((self.scoring.prompt_text(sample, i), responses[i]), source, score, {})
-            for i, (source, score) in enumerate(zip(sample.data_sources, sample.token_level_scores.sum(-1).tolist(), strict=True))
+            for i, (source, score) in enumerate(
+                zip(sample.data_sources, sample.token_level_scores.sum(-1).tolist(), strict=True)
+            )
         ]
         self.tracker.log_table(table, f"generations/train_step_{self.global_step + 1}.json")
 
@@ -341,7 +352,9 @@ class Trainer(TrainerSetup):
             **gathered,
             group_ids=group_ids[:, 0],
             reward_baselines=None if baselines is None else baselines[:, 0],
-            reward_components=None if components is None else dict(zip(algo.gdpo_reward_keys, components.unbind(-1), strict=True)),
+            reward_components=None
+            if components is None
+            else dict(zip(algo.gdpo_reward_keys, components.unbind(-1), strict=True)),
         )
         options = {key: algo[key] for key in estimator_options(algo.adv_estimator) if key in algo}
         advantages, returns = compute_advantages(
@@ -391,7 +404,9 @@ class Trainer(TrainerSetup):
             ]
         turns = {} if self.tools is None else multi_turn_metrics(self.rollout.take_stats())  # fillers' rows too
         logged = self.cfg.trainer.log_val_generations  # texts only for the rows of the table
-        rows, failures = score_chunks(batches, self.scoring, rank=self.rank, world_size=self.world_size, texts_below=logged)
+        rows, failures = score_chunks(
+            batches, self.scoring, rank=self.rank, world_size=self.world_size, texts_below=logged
+        )
         rows, failures = gather_rows(rows, failures)
         if logged:
             table = [generation_row(row.texts, row.data_source, row.score, row.extras) for row in rows[:logged]]
@@ -459,7 +474,9 @@ class Trainer(TrainerSetup):
                 with timer("values"):
                     batch = batch.replace(values=self.critic.compute_values(batch))
             with timer("adv"):
-                if not bypass and (algo.rollout_correction.rollout_is or algo.rollout_correction.rollout_rs):  # never folded
+                if not bypass and (
+                    algo.rollout_correction.rollout_is or algo.rollout_correction.rollout_rs
+                ):  # never folded
                     batch = batch.replace(rollout_is_weights=correction.weights)
                 if algo.use_kl_in_reward:
                     rewards, kl_metrics = self.rewards_with_kl(batch)
@@ -484,13 +501,17 @@ class Trainer(TrainerSetup):
             if self.global_step + 1 >= cfg.trainer.critic_warmup:  # verl: the actor trains from step critic_warmup
                 with timer("update_actor"):
                     recorded = {} if fold else None
-                    metrics.update(self.actor.update(actor_batch, temperature=rollout_cfg.temperature, recorded=recorded))
+                    metrics.update(
+                        self.actor.update(actor_batch, temperature=rollout_cfg.temperature, recorded=recorded)
+                    )
                 if fold:
                     batch = batch.replace(**recorded)
                     trained = batch.replace(response_mask=actor_batch.response_mask)  # the rows it recorded
                     metrics.update(self.policy_metrics(trained, self.rollout_correction(trained)))
         metrics.update(
-            batch_metrics(batch, max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length)
+            batch_metrics(
+                batch, max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length
+            )
         )
         metrics.update(variance_proxy_metrics(batch, metrics.get("actor/grad_norm")))
         metrics.update(timer.seconds)
@@ -560,7 +581,11 @@ class Trainer(TrainerSetup):
                     stop = check.record(metrics, step)
                     if stop:
                         raise TrainingStopped(stop)
-                if self.val_prompts is not None and cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
+                if (
+                    self.val_prompts is not None
+                    and cfg.trainer.test_freq > 0
+                    and (step % cfg.trainer.test_freq == 0 or last)
+                ):
                     with in_phase("validate"):
                         val = self.validate()
                     metrics.update(val)

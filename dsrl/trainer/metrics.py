@@ -342,10 +342,14 @@ def reward_metrics(counts: Mapping[str, float], extras: Mapping[str, list[float]
     extra_names = sorted({name for part in names for name in part})
     sums = [sum(extras.get(name, [])) for name in extra_names]
     sizes = [len(extras.get(name, [])) for name in extra_names]
-    totals = all_reduce(torch.tensor([float(v) for v in [*counts.values(), *sums, *sizes]], dtype=torch.float64)).tolist()
+    totals = all_reduce(
+        torch.tensor([float(v) for v in [*counts.values(), *sums, *sizes]], dtype=torch.float64)
+    ).tolist()
     metrics = dict(zip(counts, totals, strict=False))  # the counts' totals come first
     k = len(extra_names)
-    for name, total, size in zip(extra_names, totals[len(counts) : len(counts) + k], totals[len(counts) + k :], strict=True):
+    for name, total, size in zip(
+        extra_names, totals[len(counts) : len(counts) + k], totals[len(counts) + k :], strict=True
+    ):
         metrics[f"reward/{name}/mean"] = total / size
     return metrics
 
@@ -363,7 +367,9 @@ def multi_turn_metrics(stats) -> dict[str, float]:
     counts |= {f"tool/fail_{kind}": count for kind, count in stats.failures.items()}
     counts["rows"] = len(stats.turns)
     counts |= {f"stop/{reason}": count for reason, count in stats.stops.items()}
-    totals = dict(zip(counts, all_reduce(torch.tensor(list(counts.values()), dtype=torch.float64)).tolist(), strict=True))
+    totals = dict(
+        zip(counts, all_reduce(torch.tensor(list(counts.values()), dtype=torch.float64)).tolist(), strict=True)
+    )
     rows = max(totals.pop("rows"), 1.0)
     return {
         "multi_turn/turns_per_response/mean": turns_mean,

@@ -57,12 +57,21 @@ def _device() -> tuple[str, str | None, str | None]:
     local_rank, count = int(os.environ["LOCAL_RANK"]), accelerator.device_count()
     if local_rank >= count:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-        return name, None, (
-            f"LOCAL_RANK={local_rank} but this rank sees {count} {name} device(s) (CUDA_VISIBLE_DEVICES={visible}): a "
-            "rank takes the device of its local rank; fix: let every rank of a node see all the node's GPUs (srun "
-            "--gpus-per-node=N, not --gpus-per-task=1 or --gpu-bind), or start as many ranks per node as it has GPUs")
+        return (
+            name,
+            None,
+            (
+                f"LOCAL_RANK={local_rank} but this rank sees {count} {name} device(s) (CUDA_VISIBLE_DEVICES={visible}): a "
+                "rank takes the device of its local rank; fix: let every rank of a node see all the node's GPUs (srun "
+                "--gpus-per-node=N, not --gpus-per-task=1 or --gpu-bind), or start as many ranks per node as it has GPUs"
+            ),
+        )
     props = torch.cuda.get_device_properties(local_rank)
-    return f"{name}:{local_rank} ({props.name})", str(getattr(props, "uuid", f"{socket.gethostname()}:{local_rank}")), None
+    return (
+        f"{name}:{local_rank} ({props.name})",
+        str(getattr(props, "uuid", f"{socket.gethostname()}:{local_rank}")),
+        None,
+    )
 
 
 def host_facts(launch: Launch, rollout: str | None) -> dict[str, Any]:
@@ -111,8 +120,10 @@ class Cluster:
         lines = [f"dsrl preflight: {self.describe()} ({'no launcher' if self.launcher == 'none' else self.launcher})"]
         for node, ranks in self.nodes().items():
             devices = ", ".join(sorted({self.facts[rank]["device"] for rank in ranks}))
-            lines.append(f"  {self.node_name(node)}: {rank_span(ranks)}, local ranks "
-                         f"{', '.join(str(self.facts[rank]['local_rank']) for rank in ranks)}, {devices}")
+            lines.append(
+                f"  {self.node_name(node)}: {rank_span(ranks)}, local ranks "
+                f"{', '.join(str(self.facts[rank]['local_rank']) for rank in ranks)}, {devices}"
+            )
         versions = self.facts[0]["versions"]
         lines.append("  versions (every rank): " + ", ".join(f"{name} {versions[name]}" for name in VERSIONED))
         lines.append(f"  trainer.default_local_dir: {checkpoint_dir}, one directory on every node")
@@ -126,21 +137,27 @@ def cluster_problems(cluster: Cluster, tensor_parallel: int) -> list[str]:
     counts = {cluster.node_name(node): len(ranks) for node, ranks in nodes.items()}
     if len(set(counts.values())) > 1:
         problems.append(
-            "the nodes run different numbers of ranks (" + ", ".join(f"{name} {n}" for name, n in counts.items())
+            "the nodes run different numbers of ranks ("
+            + ", ".join(f"{name} {n}" for name, n in counts.items())
             + "); dsrl places ranks, devices and tensor-parallel groups by node alike; fix: the same number of "
             "ranks (GPUs) on every node: the same slots= for each host of the hostfile, --nproc-per-node, or "
-            "srun --ntasks-per-node")
+            "srun --ntasks-per-node"
+        )
     for node, ranks in nodes.items():
         local = Counter(cluster.facts[rank]["local_rank"] for rank in ranks)
         devices = Counter(cluster.facts[rank]["device_id"] for rank in ranks if cluster.facts[rank]["device_id"])
         for value, n in sorted(local.items()):
             if n > 1:
-                problems.append(f"{n} ranks on {cluster.node_name(node)} have local rank {value}: two ranks would "
-                                "take one device; fix: check the launcher's LOCAL_RANK (or SLURM_LOCALID)")
+                problems.append(
+                    f"{n} ranks on {cluster.node_name(node)} have local rank {value}: two ranks would "
+                    "take one device; fix: check the launcher's LOCAL_RANK (or SLURM_LOCALID)"
+                )
         for device, n in devices.items():
             if n > 1:
-                problems.append(f"{n} ranks on {cluster.node_name(node)} share one device ({device}); fix: one rank "
-                                "per GPU, e.g. one CUDA_VISIBLE_DEVICES for every rank of a node")
+                problems.append(
+                    f"{n} ranks on {cluster.node_name(node)} share one device ({device}); fix: one rank "
+                    "per GPU, e.g. one CUDA_VISIBLE_DEVICES for every rank of a node"
+                )
     if tensor_parallel > 1:
         node_of = {rank: facts["node"] for rank, facts in enumerate(cluster.facts)}
         for start in range(0, len(cluster.facts), tensor_parallel):
@@ -150,20 +167,26 @@ def cluster_problems(cluster: Cluster, tensor_parallel: int) -> list[str]:
                     f"actor_rollout_ref.rollout.tensor_model_parallel_size={tensor_parallel}: the vLLM group of "
                     f"ranks {group[0]}-{group[-1]} spans nodes "
                     f"({', '.join(dict.fromkeys(cluster.node_name(node_of[r]) for r in group))}); fix: a tensor-parallel "
-                    "size that divides the ranks per node")
+                    "size that divides the ranks per node"
+                )
                 break
-    for what, value_of in [*((name, lambda f, n=name: f["versions"][n]) for name in VERSIONED),
-                           ("the rollout engine (actor_rollout_ref.rollout.name)", lambda f: f["rollout"])]:
+    for what, value_of in [
+        *((name, lambda f, n=name: f["versions"][n]) for name in VERSIONED),
+        ("the rollout engine (actor_rollout_ref.rollout.name)", lambda f: f["rollout"]),
+    ]:
         by_value: dict[str, list[int]] = {}
         for rank, facts in enumerate(cluster.facts):
             if value_of(facts) is not None:  # None: a rank whose config did not validate (reported as such)
                 by_value.setdefault(str(value_of(facts)), []).append(rank)
         if len(by_value) > 1:
             problems.append(
-                f"{what} differs across ranks: " + "; ".join(
+                f"{what} differs across ranks: "
+                + "; ".join(
                     f"{value} on {rank_span(ranks)} ({', '.join(sorted({cluster.facts[r]['host'] for r in ranks}))})"
-                    for value, ranks in by_value.items())
-                + "; fix: the same environment on every node (one image, or one venv on a shared mount)")
+                    for value, ranks in by_value.items()
+                )
+                + "; fix: the same environment on every node (one image, or one venv on a shared mount)"
+            )
     return problems
 
 
@@ -173,7 +196,10 @@ def _shared_directory_problem(cfg: Config) -> str | None:
     if dist.get_world_size() == 1:
         return None
     directory = Path(cfg.trainer.default_local_dir).expanduser()
-    nonce: list = [secrets.token_hex(16) if dist.get_rank() == 0 else None, f"{directory.resolve()} on {socket.gethostname()}"]
+    nonce: list = [
+        secrets.token_hex(16) if dist.get_rank() == 0 else None,
+        f"{directory.resolve()} on {socket.gethostname()}",
+    ]
     # The directories the check makes, deepest first: removed again when nothing else went in.
     made = [d for d in (directory, *directory.parents) if not d.exists()] if dist.get_rank() == 0 else []
     if dist.get_rank() == 0:
@@ -184,8 +210,10 @@ def _shared_directory_problem(cfg: Config) -> str | None:
             nonce[0] = f"unwritable: {err}"
     dist.broadcast_object_list(nonce, src=0)
     if nonce[0].startswith("unwritable: "):  # every rank says so; gather_problems shows it once
-        return (f"trainer.default_local_dir={cfg.trainer.default_local_dir}: rank 0 cannot write there "
-                f"({nonce[0].removeprefix('unwritable: ')}); fix: a writable directory every node sees")
+        return (
+            f"trainer.default_local_dir={cfg.trainer.default_local_dir}: rank 0 cannot write there "
+            f"({nonce[0].removeprefix('unwritable: ')}); fix: a writable directory every node sees"
+        )
     try:
         seen = (directory / NONCE_FILE).read_text() == nonce[0]
     except OSError:
@@ -198,10 +226,12 @@ def _shared_directory_problem(cfg: Config) -> str | None:
                 empty.rmdir()
     if seen:
         return None
-    return (f"trainer.default_local_dir={cfg.trainer.default_local_dir} is not the directory rank 0 writes checkpoints "
-            f"in ({nonce[1]}): the file rank 0 wrote there is missing here; every rank writes its shards of each checkpoint "
-            "there and rank 0 publishes them; fix: a directory every node sees at the same absolute path (a "
-            "shared mount such as NFS or Lustre); dsrl has no node-local checkpoints")
+    return (
+        f"trainer.default_local_dir={cfg.trainer.default_local_dir} is not the directory rank 0 writes checkpoints "
+        f"in ({nonce[1]}): the file rank 0 wrote there is missing here; every rank writes its shards of each checkpoint "
+        "there and rank 0 publishes them; fix: a directory every node sees at the same absolute path (a "
+        "shared mount such as NFS or Lustre); dsrl has no node-local checkpoints"
+    )
 
 
 def preflight(cfg: Config | None, problems: list[str], launch: Launch) -> tuple[Cluster, list[str]]:

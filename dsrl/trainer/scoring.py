@@ -33,7 +33,8 @@ class StepScorer:
 
     def response_texts(self, batch: Batch) -> list[str]:
         return self.tokenizer.batch_decode(
-            [ids[mask.bool()] for ids, mask in zip(batch.response_ids, batch.response_attention, strict=True)], skip_special_tokens=True
+            [ids[mask.bool()] for ids, mask in zip(batch.response_ids, batch.response_attention, strict=True)],
+            skip_special_tokens=True,
         )
 
     def prompt_text(self, batch: Batch, row: int) -> str:
@@ -42,7 +43,9 @@ class StepScorer:
     def score(self, batch: Batch) -> Scores:
         """This rank's rows alone (no collective)."""
         responses = self.response_texts(batch)
-        scores, extras, counts = self.scorer.score_batch(batch.data_sources, responses, batch.ground_truths, batch.extra_infos)
+        scores, extras, counts = self.scorer.score_batch(
+            batch.data_sources, responses, batch.ground_truths, batch.extra_infos
+        )
         kwargs = self.cfg.reward_model.reward_kwargs
         buffer = kwargs.overlong_buffer_cfg
         if buffer.enable:  # the dapo reward manager (validated), as verl: training, validation and remax's baseline

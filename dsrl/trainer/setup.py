@@ -58,7 +58,8 @@ def load_run_prompts(
         truncation=data.truncation,
         max_samples=max_samples,
         chat_template_kwargs={
-            **({"tools": tools.schemas} if tools is not None else {}), **data.apply_chat_template_kwargs
+            **({"tools": tools.schemas} if tools is not None else {}),
+            **data.apply_chat_template_kwargs,
         },
     )
 
@@ -212,8 +213,16 @@ class TrainerSetup:
         """The checkpoint to resume loaded into the engines, the sampler and the KL controller, its step the run's."""
         self.global_step = 0
         if self.resume_from is not None:
-            restore(self.resume_from, resume_state, roles=self._trained_roles(), sampler=self.sampler,
-                    kl_ctrl=self.kl_ctrl, rank=self.rank, root=self.checkpoint_root, seed=self.cfg.trainer.seed)
+            restore(
+                self.resume_from,
+                resume_state,
+                roles=self._trained_roles(),
+                sampler=self.sampler,
+                kl_ctrl=self.kl_ctrl,
+                rank=self.rank,
+                root=self.checkpoint_root,
+                seed=self.cfg.trainer.seed,
+            )
             self.global_step = resume_state["global_step"]
         self.initial_step = self.global_step  # where this run started (a resumed run's checkpoint)
         self.last_checkpoint = self.resume_from

@@ -84,7 +84,10 @@ class RolloutMismatch:
         model, rollout = self.cfg.actor_rollout_ref.model, self.cfg.actor_rollout_ref.rollout
         gaps = ", ".join(f"step {s}: {mean:.3g} (max {top:.3g})" for s, mean, top in self.streak)
         if rollout.name == "vllm":
-            rollout_dtype, keys = rollout.dtype or model.dtype, "actor_rollout_ref.rollout.dtype, actor_rollout_ref.model.dtype"
+            rollout_dtype, keys = (
+                rollout.dtype or model.dtype,
+                "actor_rollout_ref.rollout.dtype, actor_rollout_ref.model.dtype",
+            )
         else:
             rollout_dtype, keys = model.dtype, "actor_rollout_ref.model.dtype, which the transformers rollout follows"
         causes = [

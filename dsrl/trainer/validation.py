@@ -74,7 +74,9 @@ def score_chunks(
     return rows, failures
 
 
-def gather_rows(rows: list[ScoredResponse], failures: dict[str, float]) -> tuple[list[ScoredResponse], dict[str, float]]:
+def gather_rows(
+    rows: list[ScoredResponse], failures: dict[str, float]
+) -> tuple[list[ScoredResponse], dict[str, float]]:
     """Every rank's rows in dataset order (a prompt's responses in generation order) and the failure counts summed
     over the ranks, on every rank. Collective."""
     gathered: list = [None] * dist.get_world_size()
@@ -88,7 +90,9 @@ def response_variables(rows: list[ScoredResponse]) -> tuple[dict[str, list[float
     ``pred`` extras that vote for ``maj@k`` (None unless every row has a hashable one)."""
     extras = {name: [row.extras.get(name) for row in rows] for name in sorted({n for row in rows for n in row.extras})}
     variables = {"reward": [row.score for row in rows]}
-    variables.update({name: v for name, v in numeric_extras(extras).items() if len(v) == len(rows) and name != "reward"})
+    variables.update(
+        {name: v for name, v in numeric_extras(extras).items() if len(v) == len(rows) and name != "reward"}
+    )
     preds = extras.get("pred")
     if preds is not None and any(p is None or not isinstance(p, Hashable) for p in preds):
         preds = None

@@ -160,8 +160,14 @@ class WorkerPool:
     """
 
     def __init__(
-        self, what: str, num_workers: int, initializer: Callable, initargs: tuple, *,
-        memory_limit_mb: int, memory_key: str,
+        self,
+        what: str,
+        num_workers: int,
+        initializer: Callable,
+        initargs: tuple,
+        *,
+        memory_limit_mb: int,
+        memory_key: str,
     ):
         self.what, self.num_workers = what, num_workers
         self.memory_limit_mb, self.memory_key = memory_limit_mb, memory_key
@@ -232,7 +238,8 @@ class WorkerPool:
             kill_process_group(exc.pid)
             memory = (
                 f" (if it ran out of memory: {self.memory_key}={self.memory_limit_mb} bounds each worker)"
-                if self.memory_limit_mb else ""
+                if self.memory_limit_mb
+                else ""
             )
             return "crash", f"the {self.what} worker died ({_exit_reason(exc.exitcode)}) in this call{memory}"
         if isinstance(exc, (BrokenProcessPool, RuntimeError)):

@@ -72,8 +72,14 @@ def die_with_parent(parent_pid: int) -> str:
 
 
 def setup(
-    parent_pid: int, log_file: str | None, log_max_mb: int, memory_limit_mb: int, ready, *,
-    what: str = "reward", memory_key: str = "reward.memory_limit_mb",
+    parent_pid: int,
+    log_file: str | None,
+    log_max_mb: int,
+    memory_limit_mb: int,
+    ready,
+    *,
+    what: str = "reward",
+    memory_key: str = "reward.memory_limit_mb",
 ) -> None:
     """Every pool initializer's first step: a process group of its own, tied to the trainer, memory
     bounded, output to ``log_file`` (None: the trainer's stdout and stderr) rotated at ``log_max_mb`` (0:

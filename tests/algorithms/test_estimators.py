@@ -559,7 +559,9 @@ def test_estimators_declare_their_options():
 
 
 def test_an_unknown_option_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="'rloo' has no option gdpo_reward_weights; its options: length_weighted_baseline"):
+    with pytest.raises(
+        ValueError, match="'rloo' has no option gdpo_reward_weights; its options: length_weighted_baseline"
+    ):
         compute_advantages("rloo", full_inputs(), gdpo_reward_weights=[1.0])
     with pytest.raises(ValueError, match="'grpo' has no option length_weighted_baseline; its options: none"):
         compute_advantages("grpo", full_inputs(), length_weighted_baseline=True)

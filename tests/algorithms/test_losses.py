@@ -11,7 +11,20 @@ from dsrl.algorithms.losses import policy_loss_params
 
 # losses whose token choice is the micro-batch's (documented so): every other loss is split invariant
 NOT_SPLIT_INVARIANT = ("bypass_mode", "clip_cov", "kl_cov")
-BUILTIN_LOSSES = ("bypass_mode", "cispo", "clip_cov", "dppo_kl", "dppo_tv", "dro", "geo_mean", "gpg", "gspo", "kl_cov", "sapo", "vanilla")
+BUILTIN_LOSSES = (
+    "bypass_mode",
+    "cispo",
+    "clip_cov",
+    "dppo_kl",
+    "dppo_tv",
+    "dro",
+    "geo_mean",
+    "gpg",
+    "gspo",
+    "kl_cov",
+    "sapo",
+    "vanilla",
+)
 PARAMS = {"dro": {"dro_beta": 0.1}}  # dro_beta has no default
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
@@ -312,9 +325,7 @@ def test_geo_mean_counts_only_non_empty_rows():
 
 
 def test_dro_by_hand():
-    loss, metrics, log_probs = _one_row(
-        [-1.0, -2.0], [1.0, -2.0], old_log_probs=[-1.5, -2.0], mode="dro", dro_beta=0.5
-    )
+    loss, metrics, log_probs = _one_row([-1.0, -2.0], [1.0, -2.0], old_log_probs=[-1.5, -2.0], mode="dro", dro_beta=0.5)
     # ℓ = -(A log π - β/2 δ²): -(-1 - 0.25 · 0.25) = 1.0625 | -(4 - 0) = -4
     assert loss.item() == pytest.approx(1.0625 - 4.0)
     assert metrics == {"actor/ppo_kl": pytest.approx(-0.25)}
@@ -493,7 +504,9 @@ def test_value_loss_gradient_is_the_same_for_any_split(agg_mode):
 
 def test_policy_loss_registry_names_and_errors():
     assert policy_loss_names() == list(BUILTIN_LOSSES)
-    with pytest.raises(ValueError, match="unknown policy loss 'ppo'; valid names: bypass_mode, cispo, clip_cov, .*, vanilla"):
+    with pytest.raises(
+        ValueError, match="unknown policy loss 'ppo'; valid names: bypass_mode, cispo, clip_cov, .*, vanilla"
+    ):
         policy_loss(
             "ppo",
             old_log_probs=torch.zeros(1, 1),

@@ -57,13 +57,25 @@ def test_sequence_rejection_drops_whole_responses_and_combines_with_truncation()
     old, rollout = inputs()
     # seq_sum_k1 = -(sum of log ratios) = -1.8 and 2.1; "10.0" keeps [-log 10, log 10] = [-2.30, 2.30]: both.
     out = rollout_correction(
-        old, rollout, MASK, rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_sum_k1", rollout_rs_threshold=10.0
+        old,
+        rollout,
+        MASK,
+        rollout_is="token",
+        rollout_is_threshold=2.0,
+        rollout_rs="seq_sum_k1",
+        rollout_rs_threshold=10.0,
     )
     assert torch.equal(out.keep_mask, MASK.float())
     torch.testing.assert_close(out.weights, (LOG_RATIO.exp() * MASK).clamp(max=2.0))
     # "5.0": [-1.61, 1.61], both outside.
     tight = rollout_correction(
-        old, rollout, MASK, rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_sum_k1", rollout_rs_threshold=5.0
+        old,
+        rollout,
+        MASK,
+        rollout_is="token",
+        rollout_is_threshold=2.0,
+        rollout_rs="seq_sum_k1",
+        rollout_rs_threshold=5.0,
     )
     assert torch.equal(tight.keep_mask, torch.zeros(2, 4))
     assert torch.equal(tight.weights, torch.zeros(2, 4))
@@ -90,7 +102,12 @@ def test_weights_scale_the_policy_loss_per_token():
     out = rollout_correction(old, rollout, MASK, rollout_is="token")
     log_probs = torch.where(MASK.bool(), old, 0.0).requires_grad_()
     adv = torch.ones(2, 4)
-    kwargs = {"old_log_probs": log_probs.detach(), "log_probs": log_probs, "advantages": adv, "response_mask": MASK.float()}
+    kwargs = {
+        "old_log_probs": log_probs.detach(),
+        "log_probs": log_probs,
+        "advantages": adv,
+        "response_mask": MASK.float(),
+    }
     weighted, _ = policy_loss("vanilla", rollout_is_weights=out.weights, **kwargs)
     # On-policy ratio 1: vanilla loss per token is -A = -1, so the weighted token-mean is -mean(w).
     assert weighted.item() == pytest.approx(-(out.weights.sum() / MASK.sum()).item())
@@ -145,7 +162,9 @@ def test_each_rejection_option_by_hand(rollout_rs, threshold, keep):
 
 def test_rejection_metrics_by_hand():
     old, rollout = inputs()
-    _, _, metrics = correct_rollout(old, rollout, MASK, rollout_rs="token_k1,seq_max_k3", rollout_rs_threshold="2.0,1.5")
+    _, _, metrics = correct_rollout(
+        old, rollout, MASK, rollout_rs="token_k1,seq_max_k3", rollout_rs_threshold="2.0,1.5"
+    )
     expected = {
         "rollout_rs_token_k1_masked_fraction": 2 / 5,
         "rollout_rs_token_k1_seq_masked_fraction": 1.0,
@@ -191,7 +210,9 @@ def test_batch_normalisation_gives_mean_one():
     assert metrics["rollout_corr/rollout_is_batch_norm_factor"].item() == pytest.approx(mean)
     assert metrics["rollout_corr/rollout_is_mean"].item() == pytest.approx(mean)  # before normalising, as verl
     # sequence: the mean over sequences (5 and exp(-2.1)), not over tokens.
-    seq, _, _ = correct_rollout(old, rollout, MASK, rollout_is="sequence", rollout_is_threshold=5.0, rollout_is_batch_normalize=True)
+    seq, _, _ = correct_rollout(
+        old, rollout, MASK, rollout_is="sequence", rollout_is_threshold=5.0, rollout_is_batch_normalize=True
+    )
     seq_mean = (5.0 + math.exp(-2.1)) / 2
     torch.testing.assert_close(seq, _padded([[5.0] * 3, [math.exp(-2.1)] * 2]) / seq_mean)
 
@@ -257,7 +278,9 @@ def test_bypass_reinforce_weights_the_log_prob_by_the_truncated_ratio():
     assert metrics["actor/ppo_kl"].item() == pytest.approx(-0.25)  # mean(log pi_rollout - log pi)
     # without rollout_is: plain REINFORCE; truncated at 1.2 the first weight is 1.2
     assert bypass({"loss_type": "reinforce"})[0] == pytest.approx(1.5)
-    assert bypass({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": 1.2})[0] == pytest.approx(1.6)
+    assert bypass({"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": 1.2})[0] == pytest.approx(
+        1.6
+    )
 
 
 def test_bypass_ppo_clip_clips_the_ratio_to_the_rollout_and_rejection_shrinks_the_mask():

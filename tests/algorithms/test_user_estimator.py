@@ -62,7 +62,11 @@ def fresh_process(monkeypatch):
 def files(tmp_path):
     write_parquet_stub(tmp_path / "train.parquet")
     write_model_stub(tmp_path / "model")
-    return [f"data.train_files={tmp_path / 'train.parquet'}", "data.val_files=null", f"actor_rollout_ref.model.path={tmp_path / 'model'}"]
+    return [
+        f"data.train_files={tmp_path / 'train.parquet'}",
+        "data.val_files=null",
+        f"actor_rollout_ref.model.path={tmp_path / 'model'}",
+    ]
 
 
 def problems(overrides):
@@ -76,8 +80,10 @@ def user_module(path: Path) -> object:
 
 def test_validation_accepts_names_the_users_module_registers(files, tmp_path, fresh_process):
     [estimator, loss] = problems(files + USE_IT)
-    assert estimator.startswith("algorithm.adv_estimator=constant_half: unknown estimator; fix: register it with "
-                                "dsrl.algorithms.register_estimator in a module listed in algorithm.import_modules")
+    assert estimator.startswith(
+        "algorithm.adv_estimator=constant_half: unknown estimator; fix: register it with "
+        "dsrl.algorithms.register_estimator in a module listed in algorithm.import_modules"
+    )
     assert loss.startswith("actor_rollout_ref.actor.policy_loss.loss_mode=plain_ratio: unknown policy loss")
     path = tmp_path / "my_estimators.py"
     path.write_text(USER_CODE)
@@ -97,19 +103,28 @@ def test_a_module_name_on_the_path_works_as_an_entry(files, tmp_path, fresh_proc
     [
         ("x = 1\nraise RuntimeError('no GPU here')\n", "import failed: RuntimeError: no GPU here at {path}:2"),
         ("def f(:\n", "import failed: SyntaxError: invalid syntax ({name}, line 1) at {path}:1"),
-        ("import no_such_package_for_dsrl\n", "import failed: ModuleNotFoundError: No module named 'no_such_package_for_dsrl' at {path}:1"),
+        (
+            "import no_such_package_for_dsrl\n",
+            "import failed: ModuleNotFoundError: No module named 'no_such_package_for_dsrl' at {path}:1",
+        ),
         # Before: SystemExit passed through validation and ended the run with its code, 0 included, nothing trained.
         ("import sys\nsys.exit(0)\n", "import failed: called sys.exit(0) while being imported at {path}:2"),
         ("import sys\n\nsys.exit()\n", "import failed: called sys.exit() while being imported at {path}:3"),
-        ("raise SystemExit('no GPU, giving up')\n", "import failed: called sys.exit('no GPU, giving up') while being imported at {path}:1"),
+        (
+            "raise SystemExit('no GPU, giving up')\n",
+            "import failed: called sys.exit('no GPU, giving up') while being imported at {path}:1",
+        ),
     ],
 )
-def test_a_module_that_fails_to_import_is_a_violation_with_the_file_and_the_exception(files, tmp_path, fresh_process, source, failure):
+def test_a_module_that_fails_to_import_is_a_violation_with_the_file_and_the_exception(
+    files, tmp_path, fresh_process, source, failure
+):
     path = tmp_path / "broken_estimators.py"
     path.write_text(source)
     found = problems(files + [f"algorithm.import_modules=[{path}]"])
     assert found == [
-        f"algorithm.import_modules={path}: " + failure.format(path=path, name=path.name)
+        f"algorithm.import_modules={path}: "
+        + failure.format(path=path, name=path.name)
         + "; fix: fix that module, or remove it from algorithm.import_modules (a .py path or an importable module name)"
     ]
 
@@ -118,8 +133,10 @@ def test_a_module_name_that_exits_on_import_is_a_violation(files, tmp_path, fres
     (tmp_path / "my_dsrl_plugin_exits.py").write_text("import sys\nsys.exit(3)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     [found] = problems(files + ["algorithm.import_modules=[my_dsrl_plugin_exits]"])
-    assert found.startswith("algorithm.import_modules=my_dsrl_plugin_exits: import failed: called sys.exit(3) "
-                            f"while being imported at {tmp_path / 'my_dsrl_plugin_exits.py'}:2; fix: ")
+    assert found.startswith(
+        "algorithm.import_modules=my_dsrl_plugin_exits: import failed: called sys.exit(3) "
+        f"while being imported at {tmp_path / 'my_dsrl_plugin_exits.py'}:2; fix: "
+    )
 
 
 def test_a_keyboard_interrupt_while_importing_is_the_users_and_propagates(files, tmp_path, fresh_process):

@@ -37,14 +37,16 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def actor(world_of_one, make_cfg, ds_test_config):
-    return ActorEngine(make_cfg(*ACTOR_TRAINING, f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}"))
-
+    return ActorEngine(
+        make_cfg(*ACTOR_TRAINING, f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}")
+    )
 
 
 def sequences() -> tuple[torch.Tensor, torch.Tensor]:
     """The test batch's prompt + response ids and attention mask."""
     batch = make_batch()
     return torch.cat([batch.prompt_ids, batch.response_ids], 1), torch.cat([batch.prompt_mask, batch.response_mask], 1)
+
 
 def test_exported_model_loads_and_its_logits_equal_the_actors(actor, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -79,14 +81,18 @@ def test_exported_model_loads_and_its_logits_equal_the_actors(actor, tiny_model_
         assert (original(input_ids=ids, attention_mask=mask).logits - expected).abs().max().item() > 1e-3
 
 
-LORA = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
-        "actor_rollout_ref.model.target_modules=all-linear")
+LORA = (
+    "actor_rollout_ref.model.lora_rank=4",
+    "actor_rollout_ref.model.lora_alpha=8",
+    "actor_rollout_ref.model.target_modules=all-linear",
+)
 
 
 @pytest.fixture(scope="module")
 def lora_actor(world_of_one, make_cfg, ds_test_config):
-    return ActorEngine(make_cfg(*ACTOR_TRAINING, *LORA,
-                                f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}"))
+    return ActorEngine(
+        make_cfg(*ACTOR_TRAINING, *LORA, f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}")
+    )
 
 
 def test_lora_export_is_the_merged_model_and_a_peft_adapter_both_giving_the_actors_logits(
@@ -106,8 +112,9 @@ def test_lora_export_is_the_merged_model_and_a_peft_adapter_both_giving_the_acto
         g = torch.Generator().manual_seed(0)
         for p in adapters:  # lora_B starts at zero: the adapters must change the model for the test to tell
             p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    out = export_hf_model(actor.module, AutoTokenizer.from_pretrained(tiny_model_dir), tmp_path / "hf",
-                          max_shard_bytes=400_000)
+    out = export_hf_model(
+        actor.module, AutoTokenizer.from_pretrained(tiny_model_dir), tmp_path / "hf", max_shard_bytes=400_000
+    )
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -131,8 +138,13 @@ def test_lora_export_is_the_merged_model_and_a_peft_adapter_both_giving_the_acto
 
     # The exported adapter starts another run (actor_rollout_ref.model.lora_adapter_path) at the same policy, its
     # adapters trainable again; lora_rank 0 takes the adapter's own rank.
-    resumed = ActorEngine(make_cfg(*ACTOR_TRAINING, f"actor_rollout_ref.model.lora_adapter_path={out / ADAPTER_DIR}",
-                                   f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}"))
+    resumed = ActorEngine(
+        make_cfg(
+            *ACTOR_TRAINING,
+            f"actor_rollout_ref.model.lora_adapter_path={out / ADAPTER_DIR}",
+            f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
+        )
+    )
     assert resumed.lora and sum(p.requires_grad for p in resumed.module.parameters()) == len(adapters)
     resumed.engine.eval()
     with torch.no_grad():
@@ -161,14 +173,24 @@ def test_a_lora_resume_onto_another_base_model_is_refused(lora_actor, tiny_model
     assert frozen_checksum(whole) != checksum
     state = {"frozen_checksums": {"actor": checksum + 1}}
     with pytest.raises(CheckpointError, match="actor_rollout_ref.model.path"):
-        restore(tmp_path, state, roles={"actor": SimpleNamespace(engine=lora_actor.engine)}, sampler=None,
-                kl_ctrl=None, rank=0, root=tmp_path, seed=1)
+        restore(
+            tmp_path,
+            state,
+            roles={"actor": SimpleNamespace(engine=lora_actor.engine)},
+            sampler=None,
+            kl_ctrl=None,
+            rank=0,
+            root=tmp_path,
+            seed=1,
+        )
 
 
 def optimizer_state(actor):
     return {
         "params": {name: t.clone() for name, t in iter_full_parameters(actor.module)},
-        "optimizer": {k: v for k, v in actor.engine.optimizer.state_dict().items() if k not in ("loss_scaler", "overflow")},
+        "optimizer": {
+            k: v for k, v in actor.engine.optimizer.state_dict().items() if k not in ("loss_scaler", "overflow")
+        },
     }
 
 
@@ -214,7 +236,14 @@ def make_trainer(name, tiny_model_dir, data, ds_test_config, out, *overrides):
     if name == "ppo":
         extra = [f"critic.model.path={tiny_model_dir}", f"critic.deepspeed_config={ds_test_config('zero3_offload')}"]
     return trainer_for(
-        name, tiny_model_dir, data, ds_test_config, out, "data.val_files=null", "data.max_response_length=6", *extra,
+        name,
+        tiny_model_dir,
+        data,
+        ds_test_config,
+        out,
+        "data.val_files=null",
+        "data.max_response_length=6",
+        *extra,
         *overrides,
     )
 
@@ -225,8 +254,13 @@ def test_consecutive_non_finite_steps_stop_the_run_naming_step_and_metric(
     from dsrl.trainer.loop import TrainingStopped
 
     trainer = make_trainer(
-        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
-        "trainer.total_training_steps=4", "trainer.max_consecutive_skips=3",
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path,
+        "trainer.total_training_steps=4",
+        "trainer.max_consecutive_skips=3",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
     )
     loss = trainer.actor._loss
@@ -241,9 +275,15 @@ def test_checkpoints_are_kept_as_asked_and_the_model_comes_from_the_last_one(
     from dsrl.checkpoint.save import LATEST_FILE, complete_steps
 
     trainer = make_trainer(
-        "ppo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
-        "trainer.total_training_steps=3", "trainer.save_freq=1",
-        "trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=1",
+        "ppo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path,
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=1",
+        "trainer.max_actor_ckpt_to_keep=2",
+        "trainer.max_critic_ckpt_to_keep=1",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
     )
     trainer.fit()
@@ -267,9 +307,15 @@ def test_empty_responses_and_equal_rewards_give_no_nan(
     equal (the reward of an empty string is 0 for every row of a group): every tensor of the
     batch and every metric stay finite."""
     trainer = make_trainer(
-        name, tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
+        name,
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path,
         "trainer.total_training_steps=1",
-        "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "critic.ppo_mini_batch_size=4",
     )
     generate = trainer.rollout.generate
@@ -279,8 +325,14 @@ def test_empty_responses_and_equal_rewards_give_no_nan(
         mask = out.response_mask.clone()
         mask[: sampling.n] = 0  # the first group: every response empty
         mask[sampling.n + 1] = 0  # the second group: one empty response
-        return type(out)(**{**vars(out), "response_mask": mask, "response_ids": out.response_ids * mask,
-                            "log_probs": out.log_probs * mask})
+        return type(out)(
+            **{
+                **vars(out),
+                "response_mask": mask,
+                "response_ids": out.response_ids * mask,
+                "log_probs": out.log_probs * mask,
+            }
+        )
 
     trainer.rollout.generate = with_empty_rows
     seen = {}
@@ -306,11 +358,20 @@ def write_checkpoint(directory, cfg, *, world_size=1, train_data=(), garbage_in=
     config = state_config(cfg, world_size=world_size)
     step = int(directory.name.rpartition("_")[2])
     state = {
-        "format": FORMAT, "dsrl_version": "0.1.0", "global_step": step, "world_size": world_size,
-        "sampler": {"epoch": 0, "index": step}, "kl_coef": 0.001,
-        "skips": {"actor": {"total": 0, "consecutive": 0, "last_bad": {}}}, "lr_schedulers": {"actor": {}},
-        "frozen_checksums": {"actor": None}, "mlflow_run_id": None, "save_contents": ["model", "optimizer", "extra"],
-        "config": config, "config_hash": config_hash(config), "train_data": list(train_data),
+        "format": FORMAT,
+        "dsrl_version": "0.1.0",
+        "global_step": step,
+        "world_size": world_size,
+        "sampler": {"epoch": 0, "index": step},
+        "kl_coef": 0.001,
+        "skips": {"actor": {"total": 0, "consecutive": 0, "last_bad": {}}},
+        "lr_schedulers": {"actor": {}},
+        "frozen_checksums": {"actor": None},
+        "mlflow_run_id": None,
+        "save_contents": ["model", "optimizer", "extra"],
+        "config": config,
+        "config_hash": config_hash(config),
+        "train_data": list(train_data),
     }
     digests = {name: sha256_file(directory / name) for name in _files(directory)}
     write_state(directory, state, digests)
@@ -335,7 +396,9 @@ def resume_setup(tiny_model_dir, arithmetic_data, world_of_one, tmp_path, monkey
         "data.val_files=null",
         f"trainer.default_local_dir={tmp_path}",
     ]
-    return base, lambda *overrides: dsrl.trainer.loop.Trainer(load_and_validate(recipe("grpo"), base + list(overrides), 1)[0])
+    return base, lambda *overrides: dsrl.trainer.loop.Trainer(
+        load_and_validate(recipe("grpo"), base + list(overrides), 1)[0]
+    )
 
 
 def test_resume_refuses_a_changed_run_before_any_model_loads(resume_setup, arithmetic_data, tmp_path):
@@ -352,8 +415,11 @@ def test_resume_refuses_a_changed_run_before_any_model_loads(resume_setup, arith
         build("trainer.seed=5", "trainer.resume_allow_config_change=true")
 
     write_checkpoint(step_dir(tmp_path, 4), saved, world_size=8, train_data=train_data)
-    with pytest.raises(CheckpointError, match="written by 8 ranks, this run has 1;.* set "
-                       r"trainer.resume_allow_world_size_change=true to convert it"):
+    with pytest.raises(
+        CheckpointError,
+        match="written by 8 ranks, this run has 1;.* set "
+        r"trainer.resume_allow_world_size_change=true to convert it",
+    ):
         build()
     with pytest.raises(AssertionError, match="a model was loaded"):  # the world size alone differs: allowed
         build("trainer.resume_allow_world_size_change=true")
@@ -388,8 +454,9 @@ def test_a_training_file_changed_since_the_checkpoint_is_refused_before_any_mode
         build("trainer.resume_allow_config_change=true")
 
 
-def test_auto_resume_falls_back_past_damaged_checkpoints_saying_why(resume_setup, arithmetic_data, tmp_path, caplog,
-                                                                   monkeypatch):
+def test_auto_resume_falls_back_past_damaged_checkpoints_saying_why(
+    resume_setup, arithmetic_data, tmp_path, caplog, monkeypatch
+):
     from dsrl.config import load_and_validate
     from dsrl.checkpoint.resume import data_identity
 
@@ -408,7 +475,9 @@ def test_auto_resume_falls_back_past_damaged_checkpoints_saying_why(resume_setup
 
     chosen = []
     choose = dsrl.checkpoint.resume.checkpoint_to_resume
-    monkeypatch.setattr(dsrl.trainer.setup, "checkpoint_to_resume", lambda *a: chosen.append(choose(*a)[0]) or (None, None))
+    monkeypatch.setattr(
+        dsrl.trainer.setup, "checkpoint_to_resume", lambda *a: chosen.append(choose(*a)[0]) or (None, None)
+    )
     with caplog.at_level("INFO", logger="dsrl"), pytest.raises(AssertionError, match="a model was loaded"):
         build()
     assert chosen == [step_dir(tmp_path, 2)]
@@ -417,7 +486,9 @@ def test_auto_resume_falls_back_past_damaged_checkpoints_saying_why(resume_setup
         f"resume: skipping {step_dir(tmp_path, 6)}: actor/ds/model_states.pt changed since it was written (its SHA-256 does not match)",
         f"resume: skipping {step_dir(tmp_path, 4)}: trainer_state.json was changed after it was written (its checksum does not match)",
     ]
-    with pytest.raises(CheckpointError, match=r"global_step_4: not a complete dsrl checkpoint: trainer_state.json was changed"):
+    with pytest.raises(
+        CheckpointError, match=r"global_step_4: not a complete dsrl checkpoint: trainer_state.json was changed"
+    ):
         build("trainer.resume_mode=resume_path", f"trainer.resume_from_path={step_dir(tmp_path, 4)}")
 
 
@@ -440,9 +511,17 @@ def test_a_state_whose_fields_dsrl_would_not_write_is_refused(field, value, why)
     from dsrl.checkpoint.resume import fields_problem
 
     state = {
-        "global_step": 2, "world_size": 1, "sampler": {"epoch": 0, "index": 2}, "kl_coef": 0.1,
-        "skips": {"actor": {"total": 0, "consecutive": 0, "last_bad": {}}}, "lr_schedulers": {"actor": {}},
-        "frozen_checksums": {"actor": -3}, "mlflow_run_id": None, "save_contents": ["model"], "config": {"a": 1}, "config_hash": config_hash({"a": 1}),
+        "global_step": 2,
+        "world_size": 1,
+        "sampler": {"epoch": 0, "index": 2},
+        "kl_coef": 0.1,
+        "skips": {"actor": {"total": 0, "consecutive": 0, "last_bad": {}}},
+        "lr_schedulers": {"actor": {}},
+        "frozen_checksums": {"actor": -3},
+        "mlflow_run_id": None,
+        "save_contents": ["model"],
+        "config": {"a": 1},
+        "config_hash": config_hash({"a": 1}),
         "train_data": [],
     }
     assert fields_problem(state, ["actor"]) is None

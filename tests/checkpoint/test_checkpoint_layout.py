@@ -98,8 +98,14 @@ def test_prune_keeps_each_roles_newest_checkpoints(tmp_path):
 def test_changed_settings_are_listed_and_harmless_ones_are_not(tmp_path):
     base = ["actor_rollout_ref.model.path=m", "data.train_files=t.parquet"]
     saved = ckpt.state_config(load_config(None, base), world_size=2)
-    harmless = ["trainer.total_training_steps=100", "trainer.save_freq=5", "trainer.test_freq=3",
-                "trainer.logger=[console,mlflow]", "trainer.resume_mode=disable", "data.val_batch_size=4"]
+    harmless = [
+        "trainer.total_training_steps=100",
+        "trainer.save_freq=5",
+        "trainer.test_freq=3",
+        "trainer.logger=[console,mlflow]",
+        "trainer.resume_mode=disable",
+        "data.val_batch_size=4",
+    ]
     assert ckpt.config_differences(saved, ckpt.state_config(load_config(None, base + harmless), world_size=2)) == []
     changed = ckpt.state_config(
         load_config(None, base + ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "trainer.seed=7"]),

@@ -72,24 +72,45 @@ SLOW_RESUMES = ("reinforce_pp", "opo", "otb", "rloo", "dapo")
 )
 def test_killed_and_resumed_run_is_bit_identical(name, baselines, overrides_for, free_port, tmp_path):
     start = baselines.checkpoint(name, RESUME_AT)  # the chain runs beside the rest of the uninterrupted run
-    resume_chain(name, start, KILLS.get(name, []), out=tmp_path, overrides=overrides_for(name, tmp_path / "ckpt"),
-                 world=1, free_port=free_port)
+    resume_chain(
+        name,
+        start,
+        KILLS.get(name, []),
+        out=tmp_path,
+        overrides=overrides_for(name, tmp_path / "ckpt"),
+        world=1,
+        free_port=free_port,
+    )
     assert assert_same_run(baselines.result(name), tmp_path, first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
 
 
 # GRPO's recipe has a KL loss: the reference log-probs are the LoRA actor's with its adapters off.
 @pytest.mark.parametrize("zero", ["zero3_offload", pytest.param("zero2", marks=pytest.mark.slow)])
-def test_killed_and_resumed_lora_run_is_bit_identical(zero, tiny_model_dir, arithmetic_data, ds_test_config,
-                                                      free_port, deepspeed_cpu_ops, tmp_path):
+def test_killed_and_resumed_lora_run_is_bit_identical(
+    zero, tiny_model_dir, arithmetic_data, ds_test_config, free_port, deepspeed_cpu_ops, tmp_path
+):
     """A LoRA actor's checkpoints hold its adapters and their optimizer state, not the frozen base (loaded from
     model.path again on resume); a run killed while saving and resumed is the uninterrupted one, its merged
     model and adapter export included."""
     ds_config = ds_test_config(zero)
-    lora = Baselines(tmp_path / "baseline", lambda name, ckpt: resume_overrides(
-        name, model=tiny_model_dir, data=arithmetic_data, ds_config=ds_config, ckpt=ckpt) + LORA, free_port, world=1)
+    lora = Baselines(
+        tmp_path / "baseline",
+        lambda name, ckpt: (
+            resume_overrides(name, model=tiny_model_dir, data=arithmetic_data, ds_config=ds_config, ckpt=ckpt) + LORA
+        ),
+        free_port,
+        world=1,
+    )
     start = lora.checkpoint("grpo", RESUME_AT)
-    resume_chain("grpo", start, KILLS["grpo"], out=tmp_path / "chain",
-                 overrides=lora.overrides_for("grpo", tmp_path / "chain" / "ckpt"), world=1, free_port=free_port)
+    resume_chain(
+        "grpo",
+        start,
+        KILLS["grpo"],
+        out=tmp_path / "chain",
+        overrides=lora.overrides_for("grpo", tmp_path / "chain" / "ckpt"),
+        world=1,
+        free_port=free_port,
+    )
     baseline = lora.result("grpo")
     assert assert_same_run(baseline, tmp_path / "chain", first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
     engine_files = list((start / "actor" / "ds").rglob("*.pt"))
@@ -162,17 +183,27 @@ def test_resume_with_dynamic_sampling_is_bit_identical(overrides_for, free_port,
     baseline = tmp_path / "baseline"
     code, output = run_worker("grpo", overrides_for("grpo", baseline / "ckpt") + extra, baseline, port=free_port())
     assert code == 0, output[-4000:]
-    rounds = [e["metrics"]["train/num_gen_batches"] for e in logged_steps(baseline) if "train/num_gen_batches" in e["metrics"]]
+    rounds = [
+        e["metrics"]["train/num_gen_batches"] for e in logged_steps(baseline) if "train/num_gen_batches" in e["metrics"]
+    ]
     assert len(rounds) == STEPS and sum(rounds) > STEPS  # some step drew more than one batch of prompts
     chain = tmp_path / "chain"
-    resume_chain("grpo", baseline / "ckpt" / f"global_step_{RESUME_AT}", [("update@4", 3)], out=chain,
-                 overrides=overrides_for("grpo", chain / "ckpt") + extra, world=1, free_port=free_port)
+    resume_chain(
+        "grpo",
+        baseline / "ckpt" / f"global_step_{RESUME_AT}",
+        [("update@4", 3)],
+        out=chain,
+        overrides=overrides_for("grpo", chain / "ckpt") + extra,
+        world=1,
+        free_port=free_port,
+    )
     assert assert_same_run(baseline, chain, first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
 
 
 @pytest.mark.slow  # the loop's state is the same with tools (multi-turn trains in tests/trainer/test_trainer_multi_turn.py)
-def test_resume_with_tool_calls_is_bit_identical(tool_model_dir, calculator_data, ds_test_config, free_port,
-                                                 deepspeed_cpu_ops, tmp_path):
+def test_resume_with_tool_calls_is_bit_identical(
+    tool_model_dir, calculator_data, ds_test_config, free_port, deepspeed_cpu_ops, tmp_path
+):
     """TIR-OTB with the calculator (configs/tir_otb.yaml, the tool task's CPU overlay): every turn of a
     conversation is seeded from the step, and the calculator gives the same outputs, so a run killed mid-step
     and resumed generates the same conversations as the uninterrupted one."""
@@ -181,16 +212,27 @@ def test_resume_with_tool_calls_is_bit_identical(tool_model_dir, calculator_data
     ds_config = ds_test_config("zero3_offload")
 
     def overrides(ckpt):
-        return [str(REPO / "configs" / "calculator_cpu.yaml"), *resume_overrides(
-            "tir_otb", model=tool_model_dir, data=calculator_data, ds_config=ds_config, ckpt=ckpt
-        ), "custom_reward_function.path=null"]
+        return [
+            str(REPO / "configs" / "calculator_cpu.yaml"),
+            *resume_overrides("tir_otb", model=tool_model_dir, data=calculator_data, ds_config=ds_config, ckpt=ckpt),
+            "custom_reward_function.path=null",
+        ]
 
     baseline = tmp_path / "baseline"
     code, output = run_worker("tir_otb", overrides(baseline / "ckpt"), baseline, port=free_port())
     assert code == 0, output[-4000:]
-    calls = [e["metrics"]["tool/calls/calculator"] for e in logged_steps(baseline) if "tool/calls/calculator" in e["metrics"]]
+    calls = [
+        e["metrics"]["tool/calls/calculator"] for e in logged_steps(baseline) if "tool/calls/calculator" in e["metrics"]
+    ]
     assert len(calls) >= STEPS and sum(calls) > 0
     chain = tmp_path / "chain"
-    resume_chain("tir_otb", baseline / "ckpt" / f"global_step_{RESUME_AT}", [("update@4", 3)], out=chain,
-                 overrides=overrides(chain / "ckpt"), world=1, free_port=free_port)
+    resume_chain(
+        "tir_otb",
+        baseline / "ckpt" / f"global_step_{RESUME_AT}",
+        [("update@4", 3)],
+        out=chain,
+        overrides=overrides(chain / "ckpt"),
+        world=1,
+        free_port=free_port,
+    )
     assert assert_same_run(baseline, chain, first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1

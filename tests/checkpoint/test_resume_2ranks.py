@@ -42,6 +42,13 @@ def test_killed_and_resumed_run_is_bit_identical(name, overrides_for, free_port,
     baseline = baselines.result(name)  # two ranks take both cores: one run at a time
     chain = tmp_path / "chain"
     start = baseline / "ckpt" / f"global_step_{RESUME_AT}"
-    resume_chain(name, start, KILLS.get(name, []), out=chain, overrides=overrides_for(name, chain / "ckpt"), world=2,
-                 free_port=free_port)
+    resume_chain(
+        name,
+        start,
+        KILLS.get(name, []),
+        out=chain,
+        overrides=overrides_for(name, chain / "ckpt"),
+        world=2,
+        free_port=free_port,
+    )
     assert assert_same_run(baseline, chain, first_step=RESUME_AT + 1, ranks=(0, 1)) == STEPS - RESUME_AT + 1

@@ -39,7 +39,9 @@ def loaded_differences(loaded: dict, checkpoint: Path, roles: list[str], scratch
     for role in roles:
         fp32 = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint / role), tag=DS_TAG)
         universal = scratch / role / DS_TAG / "zero"
-        names = [key.partition("/")[2] for key in loaded if key.startswith(f"{role}/") and key != f"{role}/optimizer_steps"]
+        names = [
+            key.partition("/")[2] for key in loaded if key.startswith(f"{role}/") and key != f"{role}/optimizer_steps"
+        ]
         assert names and set(names) <= set(fp32), (role, sorted(set(names) - set(fp32)))
         for name in names:
             state = loaded[f"{role}/{name}"]
@@ -47,38 +49,61 @@ def loaded_differences(loaded: dict, checkpoint: Path, roles: list[str], scratch
                 problems.append(f"{role}/{name}: fp32")
             for key in ("exp_avg", "exp_avg_sq"):
                 saved = torch.load(universal / name / f"{key}.pt", weights_only=False)
-                saved = saved["param"] if isinstance(saved, dict) else saved  # ZeRO-1/2's files: a dict; ZeRO-3's: the tensor
+                saved = (
+                    saved["param"] if isinstance(saved, dict) else saved
+                )  # ZeRO-1/2's files: a dict; ZeRO-3's: the tensor
                 if not torch.equal(state[key], saved.reshape(state[key].shape)):
                     problems.append(f"{role}/{name}: {key}")
         per_parameter = list(universal.glob("*/step.pt"))  # ZeRO-1/2's; ZeRO-3's are in the optimizer state
-        saved_steps = sorted({float(torch.load(path, weights_only=False)) for path in per_parameter} or {
-            float(s["step"]) for s in torch.load(universal / "optimizer_state.pt", weights_only=False)[
-                "optimizer_state_dict"]["state"].values()})
+        saved_steps = sorted(
+            {float(torch.load(path, weights_only=False)) for path in per_parameter}
+            or {
+                float(s["step"])
+                for s in torch.load(universal / "optimizer_state.pt", weights_only=False)["optimizer_state_dict"][
+                    "state"
+                ].values()
+            }
+        )
         if loaded[f"{role}/optimizer_steps"] != saved_steps:
             problems.append(f"{role}: optimizer steps {loaded[f'{role}/optimizer_steps']} vs {saved_steps}")
     return problems
 
 
-@pytest.mark.parametrize("name, zero, extra", [
-    pytest.param("quickstart", "zero3_offload", [], id="quickstart-zero3_offload"),
-    pytest.param("ppo", "zero2", [], marks=pytest.mark.slow, id="ppo-zero2"),
-    pytest.param("quickstart", "zero3_offload", LORA, marks=pytest.mark.slow, id="quickstart-lora-zero3_offload"),
-])
+@pytest.mark.parametrize(
+    "name, zero, extra",
+    [
+        pytest.param("quickstart", "zero3_offload", [], id="quickstart-zero3_offload"),
+        pytest.param("ppo", "zero2", [], marks=pytest.mark.slow, id="ppo-zero2"),
+        pytest.param("quickstart", "zero3_offload", LORA, marks=pytest.mark.slow, id="quickstart-lora-zero3_offload"),
+    ],
+)
 def test_a_run_resumes_on_one_rank_then_on_two_with_its_state_exact(
     name, zero, extra, tiny_model_dir, arithmetic_data, ds_test_config, free_port, tmp_path, deepspeed_cpu_ops
 ):
     ckpt = tmp_path / "ckpt"
-    overrides = resume_overrides(name, model=tiny_model_dir, data=arithmetic_data, ds_config=ds_test_config(zero),
-                                 ckpt=ckpt) + extra
-    overrides += [f"trainer.total_training_steps={LAST_STEP}", "trainer.val_before_train=false",
-                  "trainer.resume_allow_world_size_change=true"]
+    overrides = (
+        resume_overrides(name, model=tiny_model_dir, data=arithmetic_data, ds_config=ds_test_config(zero), ckpt=ckpt)
+        + extra
+    )
+    overrides += [
+        f"trainer.total_training_steps={LAST_STEP}",
+        "trainer.val_before_train=false",
+        "trainer.resume_allow_world_size_change=true",
+    ]
     roles = ["actor"] + (["critic"] if name == "ppo" else [])
     prompts = pq.read_metadata(arithmetic_data / "train.parquet").num_rows
     resumed_from = None
     for run, (world, kill_after) in enumerate(CHAIN):
         out = tmp_path / f"run{run}"
-        code, output = run_worker(name, overrides, out, world=world, port=free_port(), dump_loaded=True,
-                                  kill_at=f"publish@{kill_after}" if kill_after else None)
+        code, output = run_worker(
+            name,
+            overrides,
+            out,
+            world=world,
+            port=free_port(),
+            dump_loaded=True,
+            kill_at=f"publish@{kill_after}" if kill_after else None,
+        )
         assert code == 0 if kill_after is None else f"SIGKILL at publish@{kill_after}" in output, output[-4000:]
         last = kill_after or LAST_STEP
         if resumed_from is not None:
@@ -94,5 +119,7 @@ def test_a_run_resumes_on_one_rank_then_on_two_with_its_state_exact(
         batches = prompts // state["config"]["data.train_batch_size"]
         assert (state["world_size"], state["global_step"]) == (world, last)
         assert state["sampler"] == {"epoch": (last - 1) // batches, "index": (last - 1) % batches + 1}
-        assert sorted(p.name for p in (step_dir(ckpt, last) / "rng").iterdir()) == [f"rank_{r}.pt" for r in range(world)]
+        assert sorted(p.name for p in (step_dir(ckpt, last) / "rng").iterdir()) == [
+            f"rank_{r}.pt" for r in range(world)
+        ]
         resumed_from = last

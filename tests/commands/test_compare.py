@@ -26,12 +26,24 @@ def compared(tiny_model_dir, arithmetic_data, deepspeed_cpu_ops, tmp_path_factor
     configs = ("grpo", "opo")
     out = tmp_path_factory.mktemp("compare")
     argv = [
-        *configs, "--task", "cpu", "--steps", str(STEPS), "--jobs", "2", "--seeds", ",".join(map(str, SEEDS)), "--out", str(out),
+        *configs,
+        "--task",
+        "cpu",
+        "--steps",
+        str(STEPS),
+        "--jobs",
+        "2",
+        "--seeds",
+        ",".join(map(str, SEEDS)),
+        "--out",
+        str(out),
         f"actor_rollout_ref.model.path={tiny_model_dir}",
         f"data.train_files={arithmetic_data / 'train.parquet'}",
         f"data.val_files={arithmetic_data / 'test.parquet'}",
         f"custom_reward_function.path={arithmetic_data / 'digits_reward.py'}",
-        "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=4",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",  # 16 rows a step: 4 micro-batches
         "data.val_max_samples=8",
     ]
@@ -41,8 +53,13 @@ def compared(tiny_model_dir, arithmetic_data, deepspeed_cpu_ops, tmp_path_factor
 
 def logged(client, experiment_id: str, name: str) -> tuple[object, dict[str, dict[int, float]]]:
     (run,) = client.search_runs([experiment_id], filter_string=f"tags.mlflow.runName = '{name}'")
-    keys = ["val-core/arithmetic/reward/mean_at_1", "actor/kl_loss", "actor/entropy", "actor/grad_var",
-            "actor/grad_var_relative"]
+    keys = [
+        "val-core/arithmetic/reward/mean_at_1",
+        "actor/kl_loss",
+        "actor/entropy",
+        "actor/grad_var",
+        "actor/grad_var_relative",
+    ]
     return run, {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)} for key in keys}
 
 
@@ -69,7 +86,9 @@ def test_the_report_holds_what_the_runs_logged_to_mlflow(compared):
             assert sorted(metrics["val-core/arithmetic/reward/mean_at_1"]) == [0, STEPS]  # before training, and after
             grad_var = metrics["actor/grad_var"][STEPS]
             assert grad_var > 0 and metrics["actor/grad_var_relative"][STEPS] > 0
-            assert metrics["actor/kl_loss"][STEPS] == pytest.approx(0.0, abs=1e-6)  # the first step's policy is the initial one
+            assert metrics["actor/kl_loss"][STEPS] == pytest.approx(
+                0.0, abs=1e-6
+            )  # the first step's policy is the initial one
             expected = {
                 "final_score": metrics["val-core/arithmetic/reward/mean_at_1"][STEPS],
                 "kl_to_initial": metrics["actor/kl_loss"][STEPS],

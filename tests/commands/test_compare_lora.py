@@ -14,7 +14,9 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.slow  # a measurement script's plumbing; LoRA's training runs are tests/trainer/test_trainer.py's
-def test_the_full_and_lora_arms_fill_the_table(tiny_model_dir, arithmetic_data, deepspeed_cpu_ops, monkeypatch, tmp_path):
+def test_the_full_and_lora_arms_fill_the_table(
+    tiny_model_dir, arithmetic_data, deepspeed_cpu_ops, monkeypatch, tmp_path
+):
     for name in LAUNCHER_VARIABLES:  # an in-process world's, if any:
         monkeypatch.delenv(name, raising=False)  # each arm is a run of its own, as from a shell
     script = runpy.run_path(str(REPO / "scripts" / "compare_lora.py"))

@@ -29,7 +29,9 @@ def test_the_t_interval_of_two_values_is_wide_and_of_one_has_no_width():
 
 
 def test_quick_mode_fills_in_the_tiny_task_and_overrides_given_still_win():
-    args, configs, overrides = parse_args(["grpo", "opo", "--quick", "--out", "o", "--steps", "4", "data.val_max_samples=8"])
+    args, configs, overrides = parse_args(
+        ["grpo", "opo", "--quick", "--out", "o", "--steps", "4", "data.val_max_samples=8"]
+    )
     assert configs == ["grpo", "opo"] and args.task == QUICK_TASK and args.steps == 4 and args.val_every == 5
     assert overrides == [*QUICK_OVERRIDES, "data.val_max_samples=8"]  # later wins
     assert args.seed_list == [1, 2, 3]

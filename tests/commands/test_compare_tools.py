@@ -15,18 +15,37 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.e2e
 
 
-def test_every_arm_trains_and_fills_the_table(tiny_model_dir, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path):
+def test_every_arm_trains_and_fills_the_table(
+    tiny_model_dir, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
     script = runpy.run_path(str(REPO / "scripts" / "compare_tools.py"))
     data = tmp_path / "calculator"
     subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--task", "calculator", "--out", str(data),
-         "--train-size", "8", "--test-size", "4"],
+        [
+            sys.executable,
+            str(REPO / "scripts" / "prepare_data.py"),
+            "--task",
+            "calculator",
+            "--out",
+            str(data),
+            "--train-size",
+            "8",
+            "--test-size",
+            "4",
+        ],
         check=True,
         capture_output=True,
     )
     args = script["parse_args"](
         [
-            "--steps", "1", "--batch", "1", "--n", "4", "--val-size", "2",
+            "--steps",
+            "1",
+            "--batch",
+            "1",
+            "--n",
+            "4",
+            "--val-size",
+            "2",
             f"actor_rollout_ref.model.path={tiny_model_dir}",
             f"data.train_files={data / 'train.parquet'}",
             f"data.val_files={data / 'test.parquet'}",

@@ -58,4 +58,3 @@ def test_table_has_one_aligned_row_per_arm():
     assert lines[0].split()[:3] == ["arm", "val", "acc"]
     assert lines[2].startswith("grpo-tools ") and "0.100 -> 0.550" in lines[2] and "40% -> 90%" in lines[2]
     assert "0.45 -> 1.00" in lines[2] and " 1809 " in lines[2] and lines[2].endswith("0.250    3.50")
-

@@ -23,11 +23,19 @@ from tests.helpers.trainer import trainer_for
 
 pytestmark = pytest.mark.e2e
 
-EXPORT = ("trainer.save_freq=1", "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-          "trainer.val_before_train=false", "trainer.test_freq=-1")
+EXPORT = (
+    "trainer.save_freq=1",
+    "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=-1",
+)
 # LoRA: no lr warm-up and a large lr, so that B leaves 0 at the first step and both steps move every adapter.
-LORA = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
-        "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.lr_warmup_steps=0")
+LORA = (
+    "actor_rollout_ref.model.lora_rank=4",
+    "actor_rollout_ref.model.lora_alpha=8",
+    "actor_rollout_ref.actor.optim.lr=1e-3",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
+)
 
 
 def files(directory: Path) -> dict[str, str]:
@@ -38,8 +46,14 @@ def files(directory: Path) -> dict[str, str]:
 def convert_without_launcher(*args) -> subprocess.CompletedProcess:
     """``python -m dsrl.commands.convert`` in a fresh process, without a launcher's variables or a chosen accelerator."""
     env = {k: v for k, v in os.environ.items() if k not in (*LAUNCHER_VARIABLES, "DS_ACCELERATOR")}
-    return subprocess.run([sys.executable, "-m", "dsrl.commands.convert", *map(str, args)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dsrl.commands.convert", *map(str, args)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def assert_same_tensors(converted: Path, exported: Path) -> None:
@@ -59,9 +73,17 @@ def ppo_run(tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deeps
     """PPO in bfloat16 (the fp32 master weights cast into the engine's) on ZeRO-3 + offload, 2 steps: its trainer
     (the engines at step 2) and checkpoint root."""
     root = tmp_path_factory.mktemp("ppo_run")
-    trainer = trainer_for("ppo", tiny_model_dir, arithmetic_data, ds_test_config, root, *EXPORT,
-                          "actor_rollout_ref.model.dtype=bfloat16", f"critic.model.path={tiny_model_dir}",
-                          f"critic.deepspeed_config={ds_test_config('zero3_offload')}")
+    trainer = trainer_for(
+        "ppo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        root,
+        *EXPORT,
+        "actor_rollout_ref.model.dtype=bfloat16",
+        f"critic.model.path={tiny_model_dir}",
+        f"critic.deepspeed_config={ds_test_config('zero3_offload')}",
+    )
     trainer.fit()
     return trainer, root
 
@@ -134,17 +156,21 @@ def test_universal_form_holds_each_roles_fp32_weights(ppo_run, tmp_path):
             assert torch.equal(torch.load(saved / name / "fp32.pt"), master[name].flatten()), name
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("truncated", "were written; fix: point at a complete global_step_N directory"),
-    ("changed", "changed since it was written (its SHA-256 does not match): the checkpoint is damaged"),
-    ("no_actor", "holds no actor state (it holds: critic; trainer.max_actor_ckpt_to_keep pruned"),
-    ("no_critic", "holds no critic state (it holds: actor; only algorithm.adv_estimator=gae"),
-    ("model_path", "--model-path=/nonexistent/base: no such model directory"),
-    ("no_tokenizer", "no tokenizer files"),
-    ("adapter_only", "--adapter-only: "),
-])
-def test_a_damaged_checkpoint_or_a_missing_part_is_refused_in_one_line(ppo_run, tiny_model_dir, tmp_path, capsys, damage,
-                                                                message):
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("truncated", "were written; fix: point at a complete global_step_N directory"),
+        ("changed", "changed since it was written (its SHA-256 does not match): the checkpoint is damaged"),
+        ("no_actor", "holds no actor state (it holds: critic; trainer.max_actor_ckpt_to_keep pruned"),
+        ("no_critic", "holds no critic state (it holds: actor; only algorithm.adv_estimator=gae"),
+        ("model_path", "--model-path=/nonexistent/base: no such model directory"),
+        ("no_tokenizer", "no tokenizer files"),
+        ("adapter_only", "--adapter-only: "),
+    ],
+)
+def test_a_damaged_checkpoint_or_a_missing_part_is_refused_in_one_line(
+    ppo_run, tiny_model_dir, tmp_path, capsys, damage, message
+):
     _, root = ppo_run
     checkpoint = tmp_path / "global_step_2"
     shutil.copytree(step_dir(root, 2), checkpoint)
@@ -183,9 +209,17 @@ def test_lora_converts_to_the_trainers_merged_model_and_adapter_bit_for_bit(
     """A LoRA actor's checkpoint holds the adapters alone: with the base from model.path, the merged model and its
     lora_adapter/ are the trainer's export, byte for byte; --adapter-only writes the adapter alone. In bfloat16,
     where ZeRO-2 holds the adapters in bfloat16 and ZeRO-3 in float32 (PEFT's)."""
-    trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "run", *EXPORT, *LORA,
-                          "actor_rollout_ref.model.dtype=bfloat16",
-                          f"actor_rollout_ref.actor.deepspeed_config={ds_test_config(stage)}")
+    trainer = trainer_for(
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path / "run",
+        *EXPORT,
+        *LORA,
+        "actor_rollout_ref.model.dtype=bfloat16",
+        f"actor_rollout_ref.actor.deepspeed_config={ds_test_config(stage)}",
+    )
     trainer.fit()
     checkpoint = step_dir(tmp_path / "run", 2)
     exported = checkpoint / "actor" / HF_DIR

@@ -20,9 +20,23 @@ def sampled(tiny_model_dir, arithmetic_data, tmp_path_factory):
     """Two sampled responses per prompt, scored by the digits reward (so scores vary), correct from one digit on."""
     out = tmp_path_factory.mktemp("eval")
     store = f"sqlite:///{out / 'mlflow.db'}"
-    result = run_eval([str(tiny_model_dir), *common(arithmetic_data), "--n", "2", "--temperature", "1.0",
-                       "--reward-file", f"{arithmetic_data / 'digits_reward.py'}:compute_score",
-                       "--correct-threshold", "0.25", "--out", str(out / "report.json")], store)
+    result = run_eval(
+        [
+            str(tiny_model_dir),
+            *common(arithmetic_data),
+            "--n",
+            "2",
+            "--temperature",
+            "1.0",
+            "--reward-file",
+            f"{arithmetic_data / 'digits_reward.py'}:compute_score",
+            "--correct-threshold",
+            "0.25",
+            "--out",
+            str(out / "report.json"),
+        ],
+        store,
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return json.loads((out / "report.json").read_text()), store, result.stdout + result.stderr, out
 
@@ -57,8 +71,17 @@ def test_the_mlflow_run_holds_params_metrics_and_the_generations(sampled, tmp_pa
 
 
 def test_a_model_against_itself_greedy_differs_by_zero(tiny_model_dir, arithmetic_data, tmp_path):
-    result = run_eval([str(tiny_model_dir), str(tiny_model_dir), *common(arithmetic_data),
-                       "--no-mlflow", "--out", str(tmp_path / "ab.json")], "sqlite:///unused.db")
+    result = run_eval(
+        [
+            str(tiny_model_dir),
+            str(tiny_model_dir),
+            *common(arithmetic_data),
+            "--no-mlflow",
+            "--out",
+            str(tmp_path / "ab.json"),
+        ],
+        "sqlite:///unused.db",
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     report = json.loads((tmp_path / "ab.json").read_text())
     a, b = report["models"]
@@ -73,7 +96,10 @@ def test_a_model_against_itself_greedy_differs_by_zero(tiny_model_dir, arithmeti
 
 
 def test_a_missing_model_exits_2_naming_the_key(arithmetic_data, tmp_path):
-    result = run_eval([str(tmp_path / "no-model"), "--data", str(arithmetic_data / "test.parquet"), "--no-mlflow"],
-                      "sqlite:///unused.db", timeout=60)
+    result = run_eval(
+        [str(tmp_path / "no-model"), "--data", str(arithmetic_data / "test.parquet"), "--no-mlflow"],
+        "sqlite:///unused.db",
+        timeout=60,
+    )
     assert result.returncode == 2
     assert f"actor_rollout_ref.model.path={tmp_path / 'no-model'}: no such model directory" in result.stderr

@@ -13,8 +13,9 @@ from tests.helpers.eval_runs import PROMPTS, check_report, common, run_eval
 pytestmark = pytest.mark.dist
 
 
-def test_two_ranks_report_what_one_process_does(tiny_model_dir, arithmetic_data, deepspeed_cpu_ops, free_port,
-                                                tmp_path):
+def test_two_ranks_report_what_one_process_does(
+    tiny_model_dir, arithmetic_data, deepspeed_cpu_ops, free_port, tmp_path
+):
     # --num-responses: --n would be taken by the launcher for its own --num_gpus
     args = [str(tiny_model_dir), *common(arithmetic_data), "--batch-size", "2", "--num-responses", "1", "--no-mlflow"]
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]

@@ -77,7 +77,8 @@ def test_prompt_results_agree_with_validation_metrics():
     sources = ["x", "x", "y"]
     rows = [
         ScoredResponse(i, sources[i], float(s), {"digits": float(j)}, (f"p{i}", f"r{i}{j}"))
-        for i, group in enumerate(scores) for j, s in enumerate(group)
+        for i, group in enumerate(scores)
+        for j, s in enumerate(group)
     ]
     records = [type("Record", (), {"ground_truth": str(i)}) for i in range(3)]
     results, metrics = prompt_results(rows, records, n=4, threshold=1.0)
@@ -116,8 +117,19 @@ def config_of(argv: list[str]):
 def test_a_training_recipe_evaluates_whatever_its_training_keys_say(inputs, tmp_path):
     # configs/cpu.yaml names outputs/ files that need not exist; the training keys are not read
     ppo_on_cpu = [flag for file in recipe("ppo") for flag in ("--config", file)]
-    cfg = config_of([str(inputs / "model"), "--data", str(inputs / "test.parquet"), *ppo_on_cpu,
-                     "--n", "4", "--temperature", "0.7", "data.train_files=missing.parquet"])
+    cfg = config_of(
+        [
+            str(inputs / "model"),
+            "--data",
+            str(inputs / "test.parquet"),
+            *ppo_on_cpu,
+            "--n",
+            "4",
+            "--temperature",
+            "0.7",
+            "data.train_files=missing.parquet",
+        ]
+    )
     val = cfg.actor_rollout_ref.rollout.val_kwargs
     assert (val.n, val.temperature, val.do_sample) == (4, 0.7, True)
     assert cfg.actor_rollout_ref.model.path == str(inputs / "model") and cfg.data.max_response_length == 16

@@ -36,7 +36,9 @@ def shadowing(tmp_path, *modules) -> str:
     shadow = tmp_path / "shadow"
     for module in modules:
         (shadow / module).mkdir(parents=True)
-        (shadow / module / "__init__.py").write_text(f"raise ModuleNotFoundError('{module} hidden by the test', name='{module}')\n")
+        (shadow / module / "__init__.py").write_text(
+            f"raise ModuleNotFoundError('{module} hidden by the test', name='{module}')\n"
+        )
     return os.pathsep.join([str(shadow), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
@@ -64,7 +66,9 @@ def test_smoke_check_reports_every_cpu_metric(tmp_path, free_port, deepspeed_cpu
     assert values["prob diff max"] < 1e-4
 
 
-@pytest.mark.parametrize(("hidden", "named"), [("deepspeed", "deepspeed"), ("yaml", "pyyaml"), ("tokenizers", "tokenizers")])
+@pytest.mark.parametrize(
+    ("hidden", "named"), [("deepspeed", "deepspeed"), ("yaml", "pyyaml"), ("tokenizers", "tokenizers")]
+)
 def test_missing_package_exits_2_naming_it_and_wheels(tmp_path, hidden, named):
     result = run_smoke(tmp_path, PYTHONPATH=shadowing(tmp_path, hidden))
 
@@ -83,7 +87,9 @@ def test_fused_adam_that_cannot_build_exits_2_unless_adamw(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # its dataclasses look their module up there
     spec.loader.exec_module(gpu_check)
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(gpu_check, "op_problem", lambda builder: f"{builder}: MissingCUDAException: CUDA_HOME does not exist")
+    monkeypatch.setattr(
+        gpu_check, "op_problem", lambda builder: f"{builder}: MissingCUDAException: CUDA_HOME does not exist"
+    )
     ran = []
     monkeypatch.setattr(gpu_check, "run", lambda size, optimizer, out, started: ran.append(optimizer))
 

@@ -20,12 +20,18 @@ EXPECTED = {
     "gpu_check": ("actor update throughput", "weight push", "generation throughput", "prob diff max"),
     "logits_head": ("old.median_seconds", "new.median_seconds", "new.median_peak_gib"),
     "recipe_geometry": tuple(
-        f"{case} {phase} {what}" for case in ("grpo", "opo", "otb") for phase in ("log-probs", "update")
+        f"{case} {phase} {what}"
+        for case in ("grpo", "opo", "otb")
+        for phase in ("log-probs", "update")
         for what in ("s per micro-batch", "throughput")
     ),
     "grad_accum_dtype": (
-        "gradient rel L2 error", "gradient 1 - cosine", "bf16 accumulation update", "fp32 accumulation update",
-        "bf16 accumulation buffer", "fp32 accumulation buffer",
+        "gradient rel L2 error",
+        "gradient 1 - cosine",
+        "bf16 accumulation update",
+        "fp32 accumulation update",
+        "bf16 accumulation buffer",
+        "fp32 accumulation buffer",
     ),
 }
 # Rows that only a CUDA device fills: n/a (None) in the smoke.
@@ -41,7 +47,11 @@ def test_smoke_writes_every_step_with_finite_numbers(tmp_path, deepspeed_cpu_ops
     env.update(OUT=str(tmp_path), OMP_NUM_THREADS="1")
     result = subprocess.run(
         ["bash", str(REPO / "bench" / "gpu_measure.sh"), "--smoke"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=2400,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=2400,
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
 

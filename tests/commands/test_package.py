@@ -31,14 +31,18 @@ def installed(tmp_path_factory):
     shutil.rmtree(REPO / "build", ignore_errors=True)  # an in-tree build would reuse stale files from it
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO)],
-        check=True, capture_output=True, timeout=300,
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     [wheel] = out.glob("dsrl-*.whl")
     venv = out / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
     subprocess.run(
         [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "-q", str(wheel)],
-        check=True, capture_output=True, timeout=300,
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     return wheel, venv
 
@@ -55,7 +59,9 @@ def test_the_wheel_ships_the_recipes_and_the_deepspeed_configs(installed):
     assert "dsrl/__main__.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     commands = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "dsrl-train = dsrl.commands.train:run" in commands and "dsrl-convert = dsrl.commands.convert:main" in commands
+    assert (
+        "dsrl-train = dsrl.commands.train:run" in commands and "dsrl-convert = dsrl.commands.convert:main" in commands
+    )
     assert "dsrl-eval = dsrl.commands.evaluate:run" in commands
 
 
@@ -70,15 +76,25 @@ def test_the_installed_command_validates_a_recipe_from_another_directory(install
         f"data.val_files={tmp_path / 'test.parquet'}",
         f"actor_rollout_ref.model.path={tmp_path / 'model'}",
     ]
-    program = [str(venv / "bin" / "dsrl-train")] if command == "dsrl-train" else [str(venv / "bin" / "python"), "-m", "dsrl"]
+    program = (
+        [str(venv / "bin" / "dsrl-train")] if command == "dsrl-train" else [str(venv / "bin" / "python"), "-m", "dsrl"]
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WORLD_SIZE", "RANK")}
     where = subprocess.run(
         [str(venv / "bin" / "python"), "-c", "import dsrl; print(dsrl.__file__)"],
-        capture_output=True, text=True, cwd=tmp_path, env=env, check=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        check=True,
     )
     assert where.stdout.startswith(str(venv))  # the wheel, not this checkout
     result = subprocess.run(
-        [*program, "ppo", "cpu", *files, "--validate-only"], capture_output=True, text=True, cwd=tmp_path, env=env,
+        [*program, "ppo", "cpu", *files, "--validate-only"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
@@ -87,7 +103,11 @@ def test_the_installed_command_validates_a_recipe_from_another_directory(install
     assert printed["critic"]["deepspeed_config"] == "zero3_offload"  # found inside the installed package
     bad = subprocess.run(
         [*program, "ppo", "cpu", *files, "actor_rollout_ref.actor.deepspeed_config=zero4", "--validate-only"],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
     )
     assert bad.returncode == 2
     assert f"no DeepSpeed config at {venv}" in bad.stderr and "zero3_offload" in bad.stderr
@@ -97,8 +117,18 @@ def test_the_installed_dsrl_eval_reports_a_bad_model_and_data_file(installed, tm
     _, venv = installed
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WORLD_SIZE", "RANK")}
     result = subprocess.run(
-        [str(venv / "bin" / "dsrl-eval"), str(tmp_path / "no-model"), "--data", str(tmp_path / "none.parquet"), "--no-mlflow"],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+        [
+            str(venv / "bin" / "dsrl-eval"),
+            str(tmp_path / "no-model"),
+            "--data",
+            str(tmp_path / "none.parquet"),
+            "--no-mlflow",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
     )
     assert result.returncode == 2, result.stderr
     assert f"actor_rollout_ref.model.path={tmp_path / 'no-model'}: no such model directory" in result.stderr

@@ -40,8 +40,13 @@ class Run:
                 environment.pop(name, None)  # no launcher: dsrl fills in a world of one
         self.process = subprocess.Popen(
             [sys.executable, str(REPO / "scripts" / "train.py"), *QUICKSTART, *overrides],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=environment,
-            preexec_fn=preexec_fn, start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+            env=environment,
+            preexec_fn=preexec_fn,
+            start_new_session=True,
         )
         self.output = ""
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -88,15 +93,24 @@ def test_a_signal_while_the_run_starts_stops_it_with_a_message_not_a_traceback(s
     assert run.finish() == 128 + signum, run.output[-3000:]
     assert "Traceback" not in run.output
     name = signal.Signals(signum).name
-    assert re.search(rf"stopped by {name} during start-up: nothing of this run needed saving yet; run the same "
-                     r"command again", run.output), run.output[-3000:]
+    assert re.search(
+        rf"stopped by {name} during start-up: nothing of this run needed saving yet; run the same "
+        r"command again",
+        run.output,
+    ), run.output[-3000:]
 
 
 def test_a_second_run_in_a_held_run_folder_is_refused_naming_the_holder(quickstart, tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from dsrl.checkpoint import run_folder; "
-         "run_folder.lock(Path(sys.argv[1])); print('holding', flush=True); time.sleep(600)", str(tmp_path / "run")],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from dsrl.checkpoint import run_folder; "
+            "run_folder.lock(Path(sys.argv[1])); print('holding', flush=True); time.sleep(600)",
+            str(tmp_path / "run"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "holding"
@@ -105,14 +119,23 @@ def test_a_second_run_in_a_held_run_folder_is_refused_naming_the_holder(quicksta
     finally:
         holder.kill()
         holder.wait()
-    assert f"trainer.default_local_dir={tmp_path / 'run'} is in use by another dsrl run (pid {holder.pid} on" in run.output
+    assert (
+        f"trainer.default_local_dir={tmp_path / 'run'} is in use by another dsrl run (pid {holder.pid} on" in run.output
+    )
     assert "Loading weights" not in run.output and "Traceback" not in run.output
 
 
 def test_sighup_during_training_saves_and_stops_and_a_secret_in_the_path_stays_masked(quickstart, tmp_path):
     folder = tmp_path / "run-${oc.env:DSRL_TEST_API_TOKEN}"
-    run = Run([*quickstart, f"trainer.default_local_dir={folder}", "trainer.total_training_steps=50", "trainer.total_epochs=50",
-               "trainer.val_before_train=false"])
+    run = Run(
+        [
+            *quickstart,
+            f"trainer.default_local_dir={folder}",
+            "trainer.total_training_steps=50",
+            "trainer.total_epochs=50",
+            "trainer.val_before_train=false",
+        ]
+    )
     run.wait_for(r"^\[dsrl r0 [\d:]+\] step +1/50 ")
     run.process.send_signal(signal.SIGHUP)  # the terminal closed: finish the step, save, stop
     assert run.finish() == 129, run.output[-3000:]
@@ -139,12 +162,16 @@ def test_a_checkpoint_the_disk_cannot_take_stops_the_run_saying_so_and_leaves_no
     def small_disk():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    run = Run([*quickstart, "trainer.total_training_steps=2", "trainer.save_freq=1", "trainer.val_before_train=false"],
-              preexec_fn=small_disk)
+    run = Run(
+        [*quickstart, "trainer.total_training_steps=2", "trainer.save_freq=1", "trainer.val_before_train=false"],
+        preexec_fn=small_disk,
+    )
     assert run.finish() == 1, run.output[-3000:]
-    assert re.search(r"step 1: the checkpoint could not be written to .*\.tmp_global_step_1 \(.*\); [\d,]+ MiB are "
-                     r"free on the filesystem of .*The partial checkpoint was removed; the last complete one is none",
-                     run.output), run.output[-3000:]
+    assert re.search(
+        r"step 1: the checkpoint could not be written to .*\.tmp_global_step_1 \(.*\); [\d,]+ MiB are "
+        r"free on the filesystem of .*The partial checkpoint was removed; the last complete one is none",
+        run.output,
+    ), run.output[-3000:]
     assert not list((tmp_path / "run").glob(".tmp_*")) and not list((tmp_path / "run").glob("global_step_*"))
 
 
@@ -158,10 +185,17 @@ def test_two_runs_creating_one_new_mlflow_store_both_track(tmp_path):
         "t.finish('FINISHED')\n"
     )
     go = tmp_path / "go"
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'new' / 'mlflow.db'}",
-           "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
-    runs = [subprocess.Popen([sys.executable, "-c", code, str(go)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env) for _ in range(2)]
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'new' / 'mlflow.db'}",
+        "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
+    }
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(go)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(2)
+    ]
     time.sleep(3)  # both have imported mlflow and wait
     go.touch()
     results = [run.communicate(timeout=120) for run in runs]

@@ -14,13 +14,21 @@ def test_inputs_present_are_kept_and_missing_ones_without_the_scripts_name_the_c
         (tmp_path / marker).parent.mkdir(parents=True)
         (tmp_path / marker).touch()
     tiny_runs.build_tiny_inputs(tmp_path)  # nothing to build
-    with pytest.raises(FileNotFoundError, match=r"fix: run python scripts/make_tiny_model.py --out outputs/tiny_tool_model "
-                       r"--task calculator in a dsrl checkout"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"fix: run python scripts/make_tiny_model.py --out outputs/tiny_tool_model "
+        r"--task calculator in a dsrl checkout",
+    ):
         tiny_runs.build_tiny_inputs(tmp_path, "calculator")
 
 
 def test_the_markdown_table_has_a_row_per_dict_and_rounds_floats():
-    table = tiny_runs.markdown_table([{"arm": "full", "MiB": 1234.5, "s": 0.12345}, {"arm": "lora", "MiB": 12.0, "s": 2.0}])
+    table = tiny_runs.markdown_table(
+        [{"arm": "full", "MiB": 1234.5, "s": 0.12345}, {"arm": "lora", "MiB": 12.0, "s": 2.0}]
+    )
     assert table.splitlines() == [
-        "| arm | MiB | s |", "|---|---|---|", "| full | 1,234 | 0.123 |", "| lora | 12 | 2 |",
+        "| arm | MiB | s |",
+        "|---|---|---|",
+        "| full | 1,234 | 0.123 |",
+        "| lora | 12 | 2 |",
     ]

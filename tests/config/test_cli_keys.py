@@ -21,14 +21,25 @@ TRAIN = str(REPO / "scripts" / "train.py")
 
 def train(*args, env=None, cwd=REPO):
     environ = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, cwd=cwd, timeout=60, env={**environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, TRAIN, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=60,
+        env={**environ, **(env or {})},
+    )
 
 
 @pytest.fixture
 def files(tmp_path):
     write_parquet_stub(tmp_path / "train.parquet")
     write_model_stub(tmp_path / "model")
-    return [f"data.train_files={tmp_path / 'train.parquet'}", "data.val_files=null", f"actor_rollout_ref.model.path={tmp_path / 'model'}"]
+    return [
+        f"data.train_files={tmp_path / 'train.parquet'}",
+        "data.val_files=null",
+        f"actor_rollout_ref.model.path={tmp_path / 'model'}",
+    ]
 
 
 # ---------------------------------------------------------------- --show-keys
@@ -47,7 +58,10 @@ def test_show_keys_prints_type_default_and_help_of_each_key_under_the_prefix():
         "actor_rollout_ref.actor.optim.lr: float = 1e-06  # AdamW learning rate; ~1e-6 for a 0.5B-7B actor, ~1e-5 for a critic"
     )
     assert "actor_rollout_ref.actor.optim.betas: list[float] = [0.9,0.999]  # AdamW (beta1, beta2)" in lines
-    assert "actor_rollout_ref.actor.optim.warmup_style: str | null = null  # verl's deprecated name of lr_scheduler_type; used when set (setting both to different values is refused)" in lines
+    assert (
+        "actor_rollout_ref.actor.optim.warmup_style: str | null = null  # verl's deprecated name of lr_scheduler_type; used when set (setting both to different values is refused)"
+        in lines
+    )
     assert elapsed < 10, elapsed  # about 0.7 s measured on 2 CPU cores: the schema only, no torch
 
 
@@ -58,9 +72,14 @@ def test_show_keys_without_a_prefix_lists_every_key_once():
     assert keys == list(C.SCHEMA)
     lines = result.stdout.splitlines()
     assert "data.train_files: any = ??? (required)  # " + C.SCHEMA["data.train_files"].help in lines
-    assert any(line.startswith("data.apply_chat_template_kwargs: dict (free-form: any keys) = {}  # ") for line in lines)
+    assert any(
+        line.startswith("data.apply_chat_template_kwargs: dict (free-form: any keys) = {}  # ") for line in lines
+    )
     # a default that follows another key shows the reference
-    assert any(line.startswith("critic.ppo_mini_batch_size: int = ${actor_rollout_ref.actor.ppo_mini_batch_size}  # ") for line in lines)
+    assert any(
+        line.startswith("critic.ppo_mini_batch_size: int = ${actor_rollout_ref.actor.ppo_mini_batch_size}  # ")
+        for line in lines
+    )
     assert any(line.startswith("algorithm.import_modules: list[str] = []  # ") for line in lines)
 
 
@@ -110,7 +129,10 @@ def test_validate_only_says_which_world_size_it_checked(files):
     args = [*recipe("grpo"), *files, "--validate-only"]
     default = train(*args)
     assert default.returncode == 0, default.stderr
-    assert default.stdout.splitlines()[0] == "# validated for world size 1 (no launcher: one process; --world-size N checks N)"
+    assert (
+        default.stdout.splitlines()[0]
+        == "# validated for world size 1 (no launcher: one process; --world-size N checks N)"
+    )
     assert yaml.safe_load(default.stdout)["data"]["train_batch_size"] == 8
     launched = train(*args, env={"RANK": "0", "WORLD_SIZE": "2"})
     assert launched.stdout.splitlines()[0] == "# validated for world size 2 (RANK and WORLD_SIZE in the environment)"

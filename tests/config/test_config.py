@@ -293,7 +293,10 @@ def test_the_docs_gpu_command_validates_as_written(gsm8k_checkout):
     assert "deepspeed --num_gpus 8 scripts/train.py configs/opo.yaml\n" in page
     result = subprocess.run(
         [sys.executable, TRAIN, str(REPO / "configs" / "opo.yaml"), "--validate-only", "--world-size", "8"],
-        capture_output=True, text=True, cwd=gsm8k_checkout, timeout=60,
+        capture_output=True,
+        text=True,
+        cwd=gsm8k_checkout,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
     printed = yaml.safe_load(result.stdout)
@@ -712,7 +715,10 @@ def test_numbers_out_of_range(files, override):
 
 
 def test_critic_numbers_are_checked_for_gae(files):
-    found = problems("ppo", files + critic_path(files) + ["critic.optim.lr=0", "critic.optim.clip_grad=-1", "critic.cliprange_value=0"])
+    found = problems(
+        "ppo",
+        files + critic_path(files) + ["critic.optim.lr=0", "critic.optim.clip_grad=-1", "critic.cliprange_value=0"],
+    )
     assert [v.split("=")[0] for v in found] == ["critic.optim.lr", "critic.optim.clip_grad", "critic.cliprange_value"]
 
 
@@ -847,14 +853,20 @@ def test_logger_entries(files):
 def test_strategy_is_deepspeed(files, role):
     assert problems("grpo", files + [f"{role}.strategy=deepspeed"]) == []
     [v] = problems("grpo", files + [f"{role}.strategy=fsdp2"])
-    assert v.startswith(f"{role}.strategy=fsdp2: dsrl trains with DeepSpeed ZeRO only") and f"{role}.deepspeed_config" in v
+    assert (
+        v.startswith(f"{role}.strategy=fsdp2: dsrl trains with DeepSpeed ZeRO only") and f"{role}.deepspeed_config" in v
+    )
 
 
 def test_verl_override_prefixes_and_free_form_chat_template_arguments(files):
     cfg, _ = C.load_and_validate(
         recipe("grpo"),
-        files + ["+data.apply_chat_template_kwargs.enable_thinking=false", "++trainer.balance_batch=false",
-                 "+actor_rollout_ref.actor.optim.clip_grad=0.5"],
+        files
+        + [
+            "+data.apply_chat_template_kwargs.enable_thinking=false",
+            "++trainer.balance_batch=false",
+            "+actor_rollout_ref.actor.optim.clip_grad=0.5",
+        ],
         1,
     )
     assert dict(cfg.data.apply_chat_template_kwargs) == {"enable_thinking": False}
@@ -912,10 +924,20 @@ def test_validate_only_prints_the_resolved_config_and_exits_0(files):
 def test_the_printed_config_hides_secrets(files):
     """A key that names a secret, and a value equal to a secret environment variable's, print as ***."""
     result = subprocess.run(
-        [sys.executable, TRAIN, "configs/grpo.yaml", "configs/cpu.yaml", *files,
-         "+data.apply_chat_template_kwargs.api_key=sk-planted-0123456789", "trainer.experiment_name=hf_abcdefgh12345",
-         "--validate-only"],
-        capture_output=True, text=True, cwd=REPO, timeout=60,
+        [
+            sys.executable,
+            TRAIN,
+            "configs/grpo.yaml",
+            "configs/cpu.yaml",
+            *files,
+            "+data.apply_chat_template_kwargs.api_key=sk-planted-0123456789",
+            "trainer.experiment_name=hf_abcdefgh12345",
+            "--validate-only",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
         env={**os.environ, "WORLD_SIZE": "1", "MY_SERVICE_TOKEN": "hf_abcdefgh12345"},
     )
     assert result.returncode == 0, result.stderr
@@ -963,7 +985,9 @@ def test_validation_imports_nothing_heavy(files):
 
 def test_main_hands_the_validated_config_to_the_trainer(files, monkeypatch):
     trained = []
-    trainer = types.SimpleNamespace(train=lambda cfg, signals, cluster: trained.append(cfg), TrainingStopped=RuntimeError)
+    trainer = types.SimpleNamespace(
+        train=lambda cfg, signals, cluster: trained.append(cfg), TrainingStopped=RuntimeError
+    )
     monkeypatch.setitem(sys.modules, "dsrl.trainer.loop", trainer)
     monkeypatch.setenv("WORLD_SIZE", "1")
     main = runpy.run_path(TRAIN)["main"]
@@ -979,9 +1003,15 @@ def test_an_unexpected_error_is_reported_with_its_rank_and_host(files, monkeypat
     def train(cfg, signals, cluster):
         raise KeyError("a bug")
 
-    monkeypatch.setitem(sys.modules, "dsrl.trainer.loop", types.SimpleNamespace(train=train, TrainingStopped=RuntimeError))
-    monkeypatch.setattr(os, "environ", {**os.environ, "RANK": "3", "WORLD_SIZE": "4"})  # what the CLI fills in stays here
-    monkeypatch.setattr("dsrl.commands.train.checked_cluster", lambda *args: object())  # the other three ranks are not started
+    monkeypatch.setitem(
+        sys.modules, "dsrl.trainer.loop", types.SimpleNamespace(train=train, TrainingStopped=RuntimeError)
+    )
+    monkeypatch.setattr(
+        os, "environ", {**os.environ, "RANK": "3", "WORLD_SIZE": "4"}
+    )  # what the CLI fills in stays here
+    monkeypatch.setattr(
+        "dsrl.commands.train.checked_cluster", lambda *args: object()
+    )  # the other three ranks are not started
     main = runpy.run_path(TRAIN)["main"]
     assert main([*recipe("grpo"), *files]) == 1
     err = capsys.readouterr().err
@@ -1020,7 +1050,9 @@ def test_the_default_engine_is_vllm_where_a_gpu_and_vllm_are(tmp_path, monkeypat
 def test_an_unset_engine_is_resolved_with_a_note_and_validated_as_that_engine(files, monkeypatch):
     unset = ["actor_rollout_ref.rollout.name=null"]
     monkeypatch.setattr(loading, "default_rollout_name", lambda: "vllm")
-    cfg, notes = C.load_and_validate(recipe("grpo"), files + unset + ["actor_rollout_ref.rollout.enable_sleep_mode=true"], 1)
+    cfg, notes = C.load_and_validate(
+        recipe("grpo"), files + unset + ["actor_rollout_ref.rollout.enable_sleep_mode=true"], 1
+    )
     assert cfg.actor_rollout_ref.rollout.name == "vllm"
     assert notes == ["actor_rollout_ref.rollout.name set to vllm: a CUDA device and the vllm package are present"]
     monkeypatch.setattr(loading, "default_rollout_name", lambda: "hf")
@@ -1033,7 +1065,10 @@ def test_validation_sampling_that_cannot_run_is_refused_before_models_load(files
     assert v.startswith("actor_rollout_ref.rollout.val_kwargs.temperature=0.0: val_kwargs.do_sample=true samples")
     [v] = problems("grpo", files + ["actor_rollout_ref.rollout.val_kwargs.n=4"])  # greedy
     assert v.startswith("actor_rollout_ref.rollout.val_kwargs.n=4: greedy decoding")
-    sampled = ["actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"]
+    sampled = [
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+    ]
     assert problems("grpo", files + sampled + ["actor_rollout_ref.rollout.val_kwargs.n=4"]) == []
     # ReMax's greedy baseline does not come from val_kwargs: n>1 there is fine.
     remax = ["algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.n=4"]
@@ -1042,7 +1077,10 @@ def test_validation_sampling_that_cannot_run_is_refused_before_models_load(files
 
 def test_the_critic_geometry_follows_the_actor_unless_set(files):
     actor = {
-        "ppo_mini_batch_size": 4, "ppo_epochs": 2, "shuffle": False, "loss_agg_mode": "seq-mean-token-mean",
+        "ppo_mini_batch_size": 4,
+        "ppo_epochs": 2,
+        "shuffle": False,
+        "loss_agg_mode": "seq-mean-token-mean",
         "use_dynamic_bsz": True,
     }
     overrides = [f"actor_rollout_ref.actor.{key}={schema.show(value)}" for key, value in actor.items()]
@@ -1087,8 +1125,11 @@ def test_offloading_on_a_cpu_needs_the_hf_rollout_and_an_engine_with_states_to_o
 
 def test_lora_adapter_pushes_to_vllm_need_sleep_level_1(files):
     """A level-2 sleep drops the base weights; adapter pushes (lora.merge=false) never bring them back."""
-    adapters = files + ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.lora_rank=8",
-                        "actor_rollout_ref.model.lora.merge=false"]
+    adapters = files + [
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.model.lora_rank=8",
+        "actor_rollout_ref.model.lora.merge=false",
+    ]
     [v] = problems("grpo", adapters)  # sleep mode null (on where vLLM has it), level 2 by default
     assert v.startswith("actor_rollout_ref.rollout.sleep_level=2: a level-2 sleep drops vLLM's base weights")
     assert "set actor_rollout_ref.rollout.sleep_level=1" in v and "actor_rollout_ref.model.lora.merge=true" in v
@@ -1129,13 +1170,18 @@ def test_rejection_thresholds_must_accept_an_on_policy_token(files):
     assert problems("grpo", files + rs + [f"{prefix}.rollout_rs_threshold=0.5_3.0"]) == []
     assert problems("grpo", files + rs + [f"{prefix}.rollout_rs_threshold=3"]) == []  # L = 1/3
     for bad in ("0.9", "1.5_3.0", "3.0_0.5", "x", "1.5,2"):  # ratio 1 outside; not a number; too many
-        assert about(problems("grpo", files + rs + [f"{prefix}.rollout_rs_threshold={bad}"]), f"{prefix}.rollout_rs_threshold"), bad
+        assert about(
+            problems("grpo", files + rs + [f"{prefix}.rollout_rs_threshold={bad}"]), f"{prefix}.rollout_rs_threshold"
+        ), bad
     k3 = [f"{prefix}.rollout_rs=token_k3,seq_max_k2"]
     assert problems("grpo", files + k3 + [f"{prefix}.rollout_rs_threshold=0.01"]) == []
     assert problems("grpo", files + k3 + [f"{prefix}.rollout_rs_threshold=0.01,0.1"]) == []
     [v] = problems("grpo", files + k3 + [f"{prefix}.rollout_rs_threshold=0.5_2.0"])
     assert "token_k3: '0.5_2.0' is an interval" in v
-    assert about(problems("grpo", files + [f"{prefix}.rollout_rs=seq", f"{prefix}.rollout_rs_threshold=2.0"]), f"{prefix}.rollout_rs")
+    assert about(
+        problems("grpo", files + [f"{prefix}.rollout_rs=seq", f"{prefix}.rollout_rs_threshold=2.0"]),
+        f"{prefix}.rollout_rs",
+    )
 
 
 def test_older_rejection_levels_name_the_new_option(files):
@@ -1144,7 +1190,9 @@ def test_older_rejection_levels_name_the_new_option(files):
     assert v.startswith(f"{prefix}.rollout_rs=sequence:") and "for 'sequence' write seq_sum_k1" in v
 
 
-@pytest.mark.parametrize("value, ok", [(2.0, True), ("'0.5_5.0'", True), (1.0, False), ("'1.5_5.0'", False), ("x", False)])
+@pytest.mark.parametrize(
+    "value, ok", [(2.0, True), ("'0.5_5.0'", True), (1.0, False), ("'1.5_5.0'", False), ("x", False)]
+)
 def test_is_threshold_is_tis_or_icepop(files, value, ok):
     key = "algorithm.rollout_correction.rollout_is_threshold"
     found = problems("grpo", files + ["algorithm.rollout_correction.rollout_is=token", f"{key}={value}"])
@@ -1169,29 +1217,40 @@ def test_bypass_mode_is_set_on_both_sides(files):
     assert v.startswith("actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode: bypass_mode takes the rollout")
     assert "set algorithm.rollout_correction.bypass_mode=true" in v
     [v] = problems("grpo", files + BYPASS[1:])
-    assert v.startswith("algorithm.rollout_correction.bypass_mode=true: bypass mode trains with the bypass_mode policy loss")
+    assert v.startswith(
+        "algorithm.rollout_correction.bypass_mode=true: bypass mode trains with the bypass_mode policy loss"
+    )
     assert "set actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode" in v
 
 
 def test_bypass_settings_agree_on_both_sides_and_are_refused_without_bypass(files):
     reinforce = [f"{LOSS_CORR}.loss_type=reinforce", f"{LOSS_CORR}.rollout_is=sequence"]
     [v1, v2] = problems("grpo", files + BYPASS + reinforce)
-    assert v1.startswith("algorithm.rollout_correction.loss_type=ppo_clip: in bypass mode verl's loss takes its settings")
+    assert v1.startswith(
+        "algorithm.rollout_correction.loss_type=ppo_clip: in bypass mode verl's loss takes its settings"
+    )
     assert v2.startswith("algorithm.rollout_correction.rollout_is=null:") and "set both keys to the same value" in v2
     same = ["algorithm.rollout_correction.loss_type=reinforce", "algorithm.rollout_correction.rollout_is=sequence"]
     assert problems("grpo", files + BYPASS + reinforce + same) == []
     found = problems("grpo", files + [f"{LOSS_CORR}.rollout_rs=token_k1", f"{LOSS_CORR}.rollout_rs_threshold=2.0"])
-    assert [v.split(":")[0] for v in found] == [f"{LOSS_CORR}.rollout_rs=token_k1", f"{LOSS_CORR}.rollout_rs_threshold=2.0"]
+    assert [v.split(":")[0] for v in found] == [
+        f"{LOSS_CORR}.rollout_rs=token_k1",
+        f"{LOSS_CORR}.rollout_rs_threshold=2.0",
+    ]
     assert all("configures the bypass_mode loss, not vanilla" in v for v in found)
     [v] = problems("grpo", files + ["algorithm.rollout_correction.loss_type=reinforce"])
     assert v.startswith("algorithm.rollout_correction.loss_type=reinforce: has no effect without bypass mode")
-    [v] = problems("grpo", files + BYPASS + [f"{LOSS_CORR}.loss_type=pg", "algorithm.rollout_correction.loss_type=pg"])[:1]
+    [v] = problems("grpo", files + BYPASS + [f"{LOSS_CORR}.loss_type=pg", "algorithm.rollout_correction.loss_type=pg"])[
+        :1
+    ]
     assert "unknown loss type" in v
 
 
 def test_bypass_mode_refuses_what_needs_the_old_log_prob_pass(files):
     [v] = problems("grpo", files + BYPASS + ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"])
-    assert v.startswith("actor_rollout_ref.actor.calculate_sum_pi_squared=true: sum_pi_squared from the old-log-prob pass")
+    assert v.startswith(
+        "actor_rollout_ref.actor.calculate_sum_pi_squared=true: sum_pi_squared from the old-log-prob pass"
+    )
 
 
 def test_the_no_grad_passes_have_token_budgets_of_their_own(files):
@@ -1204,8 +1263,11 @@ def test_the_no_grad_passes_have_token_budgets_of_their_own(files):
     assert rollout.log_prob_max_token_len_per_gpu == ref.log_prob_max_token_len_per_gpu == 300
     assert critic.forward_max_token_len_per_gpu == critic.ppo_max_token_len_per_gpu
     assert critic.forward_micro_batch_size_per_gpu == critic.ppo_micro_batch_size_per_gpu
-    small = ["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=100",
-             "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=101", "critic.forward_max_token_len_per_gpu=102"]
+    small = [
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=100",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=101",
+        "critic.forward_max_token_len_per_gpu=102",
+    ]
     found = problems("ppo", files + critic_path(files) + dynamic + ["critic.use_dynamic_bsz=true"] + small)
     assert [v.partition("=")[0] for v in found] == [
         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
@@ -1257,7 +1319,12 @@ LOSS = "actor_rollout_ref.actor.policy_loss"
     [
         ("dro", None, f"{LOSS}.dro_beta", "null: must be > 0 with loss_mode=dro: the weight of the quadratic"),
         ("dro", "-0.5", f"{LOSS}.dro_beta", "-0.5: must be > 0 with loss_mode=dro"),
-        ("sapo", "0", "actor_rollout_ref.actor.tau_pos", "0.0: must be > 0: the gate's temperature; fix: set it to 1.0"),
+        (
+            "sapo",
+            "0",
+            "actor_rollout_ref.actor.tau_pos",
+            "0.0: must be > 0: the gate's temperature; fix: set it to 1.0",
+        ),
         ("sapo", "-1", "actor_rollout_ref.actor.tau_neg", "-1.0: must be > 0"),
         ("clip_cov", "0", f"{LOSS}.clip_cov_ratio", "0.0: must be in (0, 1]"),
         ("clip_cov", "0.5", f"{LOSS}.clip_cov_ub", "0.5: must be > clip_cov_lb (1.0)"),
@@ -1293,7 +1360,9 @@ def test_a_parameter_set_for_a_loss_that_does_not_read_it_is_refused(files):
         f"would do nothing; fix: remove it, or set {LOSS}.loss_mode=clip_cov"
     )
     [line] = problems("grpo", files + ["actor_rollout_ref.actor.tau_neg=1.05"])  # the default, but set: refused
-    assert line.startswith("actor_rollout_ref.actor.tau_neg=1.05: a parameter of the sapo loss, which loss_mode=vanilla")
+    assert line.startswith(
+        "actor_rollout_ref.actor.tau_neg=1.05: a parameter of the sapo loss, which loss_mode=vanilla"
+    )
     assert problems("grpo", files) == []  # unset, the defaults are no one's choice
 
 
@@ -1307,7 +1376,9 @@ def test_policy_loss_params_are_a_user_losss_own_parameters(files, tmp_path):
     )
     base = files + [f"algorithm.import_modules=[{module}]", f"{LOSS}.loss_mode=test_cfg_scaled"]
     try:
-        cfg, _ = C.load_and_validate(recipe("grpo"), base + [f"{LOSS}.params={{scale: 0.5}}", "actor_rollout_ref.actor.tau_pos=3"], 1)
+        cfg, _ = C.load_and_validate(
+            recipe("grpo"), base + [f"{LOSS}.params={{scale: 0.5}}", "actor_rollout_ref.actor.tau_pos=3"], 1
+        )
         assert C.policy_loss_param_values(cfg, ["scale", "tau_pos"]) == {"scale": 0.5, "tau_pos": 3.0}
         cfg, _ = C.load_and_validate(recipe("grpo"), base, 1)
         assert C.policy_loss_param_values(cfg, ["scale", "tau_pos"]) == {"tau_pos": 1.0}  # scale: the loss's default
@@ -1336,9 +1407,13 @@ def test_gdpo_needs_its_reward_keys_and_one_weight_per_key(files):
     assert problems("grpo", files + gdpo + keys) == []
     assert problems("grpo", files + gdpo + keys + ["algorithm.gdpo_reward_weights=[1.0,0.5]"]) == []
     [v] = problems("grpo", files + gdpo + keys + ["algorithm.gdpo_reward_weights=[1.0]"])
-    assert v.startswith("algorithm.gdpo_reward_weights=[1.0]: needs one weight per algorithm.gdpo_reward_keys entry (2)")
+    assert v.startswith(
+        "algorithm.gdpo_reward_weights=[1.0]: needs one weight per algorithm.gdpo_reward_keys entry (2)"
+    )
     [v] = problems("grpo", files + gdpo + keys + ["algorithm.use_kl_in_reward=true"])
-    assert v.startswith("algorithm.use_kl_in_reward=true: gdpo computes its advantages from the reward components alone")
+    assert v.startswith(
+        "algorithm.use_kl_in_reward=true: gdpo computes its advantages from the reward components alone"
+    )
 
 
 @pytest.mark.parametrize("key", ["gdpo_reward_keys=[acc]", "gdpo_reward_weights=[1.0]"])
@@ -1355,7 +1430,9 @@ def test_length_weighted_baseline_only_where_there_is_a_baseline_to_weigh(files)
     assert problems("rloo", files + on) == []
     assert problems("grpo", files + on + ["algorithm.adv_estimator=reinforce_plus_plus_baseline"]) == []
     [v] = problems("opo", files + on)
-    assert v.startswith("algorithm.length_weighted_baseline=true: only rloo, rloo_vectorized, reinforce_plus_plus_baseline")
+    assert v.startswith(
+        "algorithm.length_weighted_baseline=true: only rloo, rloo_vectorized, reinforce_plus_plus_baseline"
+    )
     assert "algorithm.adv_estimator is opo" in v
 
 

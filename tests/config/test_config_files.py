@@ -83,7 +83,10 @@ BREAKAGES = {
     # name: (how to break the copy, what the one line says)
     "no config.json": (lambda m: (m / "config.json").unlink(), "no config.json: not a transformers model directory"),
     "config.json truncated": (lambda m: truncate(m / "config.json", 40), "config.json is not valid JSON"),
-    "config.json not JSON": (lambda m: (m / "config.json").write_text("model_type: qwen3\n"), "config.json is not valid JSON"),
+    "config.json not JSON": (
+        lambda m: (m / "config.json").write_text("model_type: qwen3\n"),
+        "config.json is not valid JSON",
+    ),
     "no model_type": (
         lambda m: (m / "config.json").write_text(json.dumps({"vocab_size": 100})),
         "config.json has no model_type",
@@ -94,7 +97,10 @@ BREAKAGES = {
         lambda m: truncate(m / "model.safetensors", (m / "model.safetensors").stat().st_size // 2),
         "model.safetensors is truncated (",  # "(N bytes of the M its header describes)"
     ),
-    "weights cut inside the header": (lambda m: truncate(m / "model.safetensors", 20), "model.safetensors is truncated"),
+    "weights cut inside the header": (
+        lambda m: truncate(m / "model.safetensors", 20),
+        "model.safetensors is truncated",
+    ),
     "weights not safetensors": (
         lambda m: (m / "model.safetensors").write_bytes((10).to_bytes(8, "little") + b"not json!!" + bytes(64)),
         "model.safetensors is not a safetensors file",
@@ -176,9 +182,21 @@ def test_validate_only_reports_model_problems_in_a_second_without_importing_torc
         "assert 'torch' not in sys.modules; sys.exit(rc)"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code, str(REPO / "scripts" / "train.py"), *recipe("grpo"), *data, f"{ACTOR}={model}",
-         "--validate-only"],
-        capture_output=True, text=True, cwd=REPO, timeout=60, env={**os.environ, "WORLD_SIZE": "1"},
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(REPO / "scripts" / "train.py"),
+            *recipe("grpo"),
+            *data,
+            f"{ACTOR}={model}",
+            "--validate-only",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env={**os.environ, "WORLD_SIZE": "1"},
     )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
@@ -191,8 +209,13 @@ def test_validate_only_reports_model_problems_in_a_second_without_importing_torc
 
 
 def write_rows(path: Path) -> str:
-    rows = [{"data_source": "arithmetic", "prompt": [{"role": "user", "content": "1+1="}],
-             "reward_model": {"ground_truth": "2"}}]
+    rows = [
+        {
+            "data_source": "arithmetic",
+            "prompt": [{"role": "user", "content": "1+1="}],
+            "reward_model": {"ground_truth": "2"},
+        }
+    ]
     pq.write_table(pa.Table.from_pylist(rows), path)
     return str(path)
 
@@ -200,7 +223,11 @@ def write_rows(path: Path) -> str:
 @pytest.mark.parametrize(
     "name, content, says",
     [
-        ("train.csv", b"data_source,prompt\narithmetic,1+1=\n", "not a parquet file (35 bytes, not starting with PAR1)"),
+        (
+            "train.csv",
+            b"data_source,prompt\narithmetic,1+1=\n",
+            "not a parquet file (35 bytes, not starting with PAR1)",
+        ),
         ("train.parquet", b'{"data_source": "arithmetic"}\n', "not a parquet file"),
         ("train.parquet", b"", "not a parquet file (0 bytes"),
         ("train.parquet", None, "a truncated parquet file"),  # a real file cut short
@@ -271,6 +298,9 @@ def test_the_process_group_timeout_is_verls_key(model, data):
     assert cfg.actor_rollout_ref.nccl_timeout == 600  # verl's default
     for bad in ("0", "-5"):
         [line] = problems(data + [f"{ACTOR}={model}", f"actor_rollout_ref.nccl_timeout={bad}"])
-        assert line.startswith(f"actor_rollout_ref.nccl_timeout={bad}: must be > 0 seconds") and "fix: set it to 600" in line
+        assert (
+            line.startswith(f"actor_rollout_ref.nccl_timeout={bad}: must be > 0 seconds")
+            and "fix: set it to 600" in line
+        )
     # a resumed run may wait longer or shorter
     assert any(re.fullmatch(p, "actor_rollout_ref.nccl_timeout") for p in C.RESUME_HARMLESS_KEYS)

@@ -19,9 +19,14 @@ def test_the_lora_recipe_and_lora_on_every_recipe_validate(tmp_path):
 
 def test_bad_lora_settings_are_refused_naming_the_key(tmp_path):
     files = stub_file_overrides(tmp_path)
-    assert any(p.startswith(f"{M}.lora_rank=-1: must be >= 0") for p in config_problems(recipe("grpo"), [*files, f"{M}.lora_rank=-1"]))
-    problems = config_problems(recipe("grpo"), [*files, f"{M}.lora_rank=8", f"{M}.lora_alpha=0", f"{M}.target_modules=[]",
-                                                f"{M}.exclude_modules=''"])
+    assert any(
+        p.startswith(f"{M}.lora_rank=-1: must be >= 0")
+        for p in config_problems(recipe("grpo"), [*files, f"{M}.lora_rank=-1"])
+    )
+    problems = config_problems(
+        recipe("grpo"),
+        [*files, f"{M}.lora_rank=8", f"{M}.lora_alpha=0", f"{M}.target_modules=[]", f"{M}.exclude_modules=''"],
+    )
     assert any(p.startswith(f"{M}.lora_alpha=0: must be > 0") for p in problems), problems
     assert any(p.startswith(f"{M}.target_modules=[]: must be all-linear") for p in problems), problems
     assert any(p.startswith(f"{M}.exclude_modules=: must be all-linear") for p in problems), problems
@@ -32,7 +37,9 @@ def test_bad_lora_settings_are_refused_naming_the_key(tmp_path):
 def test_the_adapter_to_start_from_must_be_a_peft_directory(tmp_path):
     files = stub_file_overrides(tmp_path)
     problems = config_problems(recipe("grpo"), [*files, f"{M}.lora_adapter_path={tmp_path}"])
-    assert any(p.startswith(f"{M}.lora_adapter_path={tmp_path}: not a PEFT adapter directory") for p in problems), problems
+    assert any(p.startswith(f"{M}.lora_adapter_path={tmp_path}: not a PEFT adapter directory") for p in problems), (
+        problems
+    )
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
     assert config_problems(recipe("grpo"), [*files, f"{M}.lora_adapter_path={tmp_path}"]) == []
 

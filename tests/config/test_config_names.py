@@ -41,7 +41,9 @@ def schema_default(key: str):
 
 
 def test_length_weighted_estimators_match_the_declared_options():
-    declared = [n for n in algorithms.estimator_names() if "length_weighted_baseline" in algorithms.estimator_options(n)]
+    declared = [
+        n for n in algorithms.estimator_names() if "length_weighted_baseline" in algorithms.estimator_options(n)
+    ]
     assert sorted(config.LENGTH_WEIGHTED_ESTIMATORS) == declared
 
 

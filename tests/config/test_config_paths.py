@@ -81,7 +81,9 @@ def test_a_run_folder_below_a_file_is_refused(inputs, tmp_path):
 
 def test_a_run_folder_that_is_a_dangling_link_or_a_fifo_is_refused(inputs, tmp_path):
     (tmp_path / "run").symlink_to(tmp_path / "gone")
-    one_line(problems(inputs), RUN_DIR, tmp_path / "run", "it is a symlink that points nowhere, not a folder", "point it")
+    one_line(
+        problems(inputs), RUN_DIR, tmp_path / "run", "it is a symlink that points nowhere, not a folder", "point it"
+    )
     (tmp_path / "run").unlink()
     os.mkfifo(tmp_path / "run")
     one_line(problems(inputs), RUN_DIR, tmp_path / "run", "it is a FIFO, not a folder", "point it")
@@ -109,9 +111,20 @@ def test_a_run_folder_this_user_cannot_write_is_refused(inputs, tmp_path):
     prefix = without_override()
     for folder, where in ((locked, "it"), (locked / "a" / "b", f"{locked}, where it would be made,")):
         result = subprocess.run(
-            [*prefix, sys.executable, str(REPO / "scripts" / "train.py"), *recipe("grpo"), *inputs, f"{RUN_DIR}={folder}",
-             "--validate-only"],
-            capture_output=True, text=True, cwd=REPO, timeout=60, env={**os.environ, "WORLD_SIZE": "1"},
+            [
+                *prefix,
+                sys.executable,
+                str(REPO / "scripts" / "train.py"),
+                *recipe("grpo"),
+                *inputs,
+                f"{RUN_DIR}={folder}",
+                "--validate-only",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=60,
+            env={**os.environ, "WORLD_SIZE": "1"},
         )
         assert result.returncode == 2, result.stderr
         one_line(
@@ -168,7 +181,11 @@ def fifo(tmp_path):
 def test_a_fifo_as_a_data_file_is_refused_without_hanging(inputs, tmp_path, fifo):
     pipe = fifo(tmp_path / "stream.parquet")
     one_line(
-        problems(inputs + [f"data.train_files={pipe}"]), "data.train_files", pipe, "not a regular file (a FIFO)", "write it"
+        problems(inputs + [f"data.train_files={pipe}"]),
+        "data.train_files",
+        pipe,
+        "not a regular file (a FIFO)",
+        "write it",
     )
 
 
@@ -188,7 +205,11 @@ def test_a_fifo_or_socket_in_a_data_directory_is_refused(inputs, tmp_path, fifo)
 
 def test_a_device_as_a_data_file_is_refused(inputs):
     one_line(
-        problems(inputs + ["data.val_files=/dev/zero"]), "data.val_files", "/dev/zero", "not a regular file (a character device)", "write it"
+        problems(inputs + ["data.val_files=/dev/zero"]),
+        "data.val_files",
+        "/dev/zero",
+        "not a regular file (a character device)",
+        "write it",
     )
 
 
@@ -299,7 +320,12 @@ def test_distinct_files_with_equal_content_are_two_files(inputs, tmp_path):
     [
         ("actor_rollout_ref.actor.grad_clip", "actor_rollout_ref.actor.optim.clip_grad", "2.0", "0.5"),
         ("critic.grad_clip", "critic.optim.clip_grad", "0.0", "1.0"),
-        ("actor_rollout_ref.actor.optim.warmup_style", "actor_rollout_ref.actor.optim.lr_scheduler_type", "cosine", "constant"),
+        (
+            "actor_rollout_ref.actor.optim.warmup_style",
+            "actor_rollout_ref.actor.optim.lr_scheduler_type",
+            "cosine",
+            "constant",
+        ),
         ("critic.optim.warmup_style", "critic.optim.lr_scheduler_type", "constant", "cosine"),
     ],
 )
@@ -324,8 +350,11 @@ def test_the_older_name_is_refused_across_layers_and_used_when_alone(inputs, tmp
     found = problems(inputs + ["actor_rollout_ref.actor.grad_clip=2.0"], files=[*recipe("grpo"), str(layer)])
     assert [line.split(": ")[0] for line in found] == ["actor_rollout_ref.actor.grad_clip=2.0"]
     assert problems(inputs + ["actor_rollout_ref.actor.grad_clip=null"], files=[*recipe("grpo"), str(layer)]) == []
-    cfg, _ = C.load_and_validate(recipe("grpo"), inputs + ["actor_rollout_ref.actor.optim.warmup_style=cosine",
-                                                           "trainer.total_training_steps=4"], 1)
+    cfg, _ = C.load_and_validate(
+        recipe("grpo"),
+        inputs + ["actor_rollout_ref.actor.optim.warmup_style=cosine", "trainer.total_training_steps=4"],
+        1,
+    )
     assert cfg.actor_rollout_ref.actor.optim.warmup_style == "cosine"  # read by the schedule in its place
 
 

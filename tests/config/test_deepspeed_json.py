@@ -17,7 +17,11 @@ TRAINED = {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}}  #
 def files(tmp_path):
     write_parquet_stub(tmp_path / "train.parquet")
     write_model_stub(tmp_path / "model")
-    return [f"data.train_files={tmp_path / 'train.parquet'}", "data.val_files=null", f"actor_rollout_ref.model.path={tmp_path / 'model'}"]
+    return [
+        f"data.train_files={tmp_path / 'train.parquet'}",
+        "data.val_files=null",
+        f"actor_rollout_ref.model.path={tmp_path / 'model'}",
+    ]
 
 
 def ds_file(tmp_path, ds, name="ds.json"):
@@ -32,13 +36,26 @@ def violations(name, overrides, world_size=1):
 
 def test_auto_keys_are_filled_from_the_run_config():
     """grpo under the CPU overlay: mini-batch 8 prompts x n=5 = 40 sequences, micro-batches of 4."""
-    cfg = C.load_config(recipe("grpo"), ["actor_rollout_ref.actor.optim.lr=3e-5", "actor_rollout_ref.actor.grad_clip=0.5"])
+    cfg = C.load_config(
+        recipe("grpo"), ["actor_rollout_ref.actor.optim.lr=3e-5", "actor_rollout_ref.actor.grad_clip=0.5"]
+    )
     actor = cfg.actor_rollout_ref.actor
     ds = fill_ds_json(
-        "zero3", key=ACTOR, prefix="actor_rollout_ref.actor", world_size=2, micro_batch_size_per_gpu=4,
-        gradient_accumulation_steps=5, dtype="bfloat16", optim=actor.optim, grad_clip=0.5,
+        "zero3",
+        key=ACTOR,
+        prefix="actor_rollout_ref.actor",
+        world_size=2,
+        micro_batch_size_per_gpu=4,
+        gradient_accumulation_steps=5,
+        dtype="bfloat16",
+        optim=actor.optim,
+        grad_clip=0.5,
     )
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (4, 5, 40)
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (
+        4,
+        5,
+        40,
+    )
     assert ds["bf16"] == {"enabled": True} and ds["gradient_clipping"] == 0.5
     assert ds["optimizer"]["params"] == {"lr": 3e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 
@@ -48,22 +65,44 @@ def test_auto_keys_are_filled_from_the_run_config():
     [
         ({**TRAINED, "fp16": {"enabled": True}}, "fp16 is not supported; fix: remove the fp16 section"),
         ({**TRAINED, "fp16": {"enabled": "auto"}}, "fp16 is not supported"),
-        ({**TRAINED, "scheduler": {"type": "WarmupLR"}}, "a DeepSpeed scheduler is refused: dsrl steps the lr once per training step"),
-        ({"zero_optimization": {"stage": 2}}, 'a training engine needs an "optimizer" section; fix: copy it from ds_configs/zero3_offload.json'),
+        (
+            {**TRAINED, "scheduler": {"type": "WarmupLR"}},
+            "a DeepSpeed scheduler is refused: dsrl steps the lr once per training step",
+        ),
+        (
+            {"zero_optimization": {"stage": 2}},
+            'a training engine needs an "optimizer" section; fix: copy it from ds_configs/zero3_offload.json',
+        ),
         ({"optimizer": {"type": "AdamW"}}, "zero_optimization.stage=0: a training engine needs ZeRO stage 1, 2 or 3"),
         ({**TRAINED, "zero_optimization": {"stage": 4}}, "zero_optimization.stage=4: must be 0, 1, 2 or 3"),
-        ({**TRAINED, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-         "zero_optimization.offload_param moves parameters under ZeRO stage 3 only; stage 2 ignores it"),
-        ({**TRAINED, "zero_optimization": {"stage": 2, "compute_grad_norm": False}},
-         "zero_optimization.compute_grad_norm=false turns off the gradient norm"),
-        ({**TRAINED, "bf16": {"check_grad_overflow": False}}, "bf16.check_grad_overflow=false would apply optimizer steps"),
-        ({**TRAINED, "bf16": {"enabled": True}},  # the CPU overlay trains in float32
-         'bf16.enabled=true disagrees with the run config (actor_rollout_ref.model.dtype gives false); fix: set bf16.enabled to "auto"'),
-        ({**TRAINED, "train_micro_batch_size_per_gpu": 2},
-         "train_micro_batch_size_per_gpu=2 disagrees with the run config (the actor_rollout_ref.actor batch geometry at world size 1 gives 4)"),
-        ({**TRAINED, "gradient_clipping": 2.0}, "gradient_clipping=2.0 disagrees with the run config (actor_rollout_ref.actor.optim.clip_grad gives 1.0)"),
-        ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 2}},
-         "optimizer.params.lr=0.1 disagrees with the run config (actor_rollout_ref.actor.optim.lr gives 0.0001)"),
+        (
+            {**TRAINED, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+            "zero_optimization.offload_param moves parameters under ZeRO stage 3 only; stage 2 ignores it",
+        ),
+        (
+            {**TRAINED, "zero_optimization": {"stage": 2, "compute_grad_norm": False}},
+            "zero_optimization.compute_grad_norm=false turns off the gradient norm",
+        ),
+        (
+            {**TRAINED, "bf16": {"check_grad_overflow": False}},
+            "bf16.check_grad_overflow=false would apply optimizer steps",
+        ),
+        (
+            {**TRAINED, "bf16": {"enabled": True}},  # the CPU overlay trains in float32
+            'bf16.enabled=true disagrees with the run config (actor_rollout_ref.model.dtype gives false); fix: set bf16.enabled to "auto"',
+        ),
+        (
+            {**TRAINED, "train_micro_batch_size_per_gpu": 2},
+            "train_micro_batch_size_per_gpu=2 disagrees with the run config (the actor_rollout_ref.actor batch geometry at world size 1 gives 4)",
+        ),
+        (
+            {**TRAINED, "gradient_clipping": 2.0},
+            "gradient_clipping=2.0 disagrees with the run config (actor_rollout_ref.actor.optim.clip_grad gives 1.0)",
+        ),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 2}},
+            "optimizer.params.lr=0.1 disagrees with the run config (actor_rollout_ref.actor.optim.lr gives 0.0001)",
+        ),
         ({**TRAINED, "optimizer": "AdamW"}, "optimizer must be a JSON object"),
         ([1, 2], "holds a JSON list, not an object of DeepSpeed settings"),
     ],
@@ -128,29 +167,57 @@ def test_the_shipped_jsons_pass_for_every_role():
     cfg = C.load_config(recipe("ppo"), [])
     for name in ("zero2", "zero3", "zero3_offload"):
         ds = fill_ds_json(
-            name, key="critic.deepspeed_config", prefix="critic", world_size=8, micro_batch_size_per_gpu=4,
-            gradient_accumulation_steps=1, dtype="bfloat16", optim=cfg.critic.optim, grad_clip=1.0,
+            name,
+            key="critic.deepspeed_config",
+            prefix="critic",
+            world_size=8,
+            micro_batch_size_per_gpu=4,
+            gradient_accumulation_steps=1,
+            dtype="bfloat16",
+            optim=cfg.critic.optim,
+            grad_clip=1.0,
         )
         assert ds["train_batch_size"] == 32 and ds["optimizer"]["params"]["lr"] == cfg.critic.optim.lr
     ref = fill_ds_json(
-        "zero3_offload_inference", key="actor_rollout_ref.ref.deepspeed_config", prefix="actor_rollout_ref.ref",
-        world_size=8, micro_batch_size_per_gpu=8, gradient_accumulation_steps=1, dtype="float32",
+        "zero3_offload_inference",
+        key="actor_rollout_ref.ref.deepspeed_config",
+        prefix="actor_rollout_ref.ref",
+        world_size=8,
+        micro_batch_size_per_gpu=8,
+        gradient_accumulation_steps=1,
+        dtype="float32",
     )
     assert ref["train_batch_size"] == 64 and ref["bf16"]["enabled"] is False and "optimizer" not in ref
 
 
 def test_the_error_lists_every_problem_as_violation_lines():
     with pytest.raises(DeepSpeedJsonError) as err:
-        fill_ds_json("zero3", key="k", prefix="p", world_size=1, micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
-                     dtype="float32")
+        fill_ds_json(
+            "zero3",
+            key="k",
+            prefix="p",
+            world_size=1,
+            micro_batch_size_per_gpu=1,
+            gradient_accumulation_steps=1,
+            dtype="float32",
+        )
     assert isinstance(err.value, ValueError)
-    assert str(err.value) == "k=zero3: this engine never trains, so its DeepSpeed config must have no optimizer section; fix: use zero3_offload_inference or remove the section"
-    assert err.value.problems == [("this engine never trains, so its DeepSpeed config must have no optimizer section",
-                                   "use zero3_offload_inference or remove the section")]
+    assert (
+        str(err.value)
+        == "k=zero3: this engine never trains, so its DeepSpeed config must have no optimizer section; fix: use zero3_offload_inference or remove the section"
+    )
+    assert err.value.problems == [
+        (
+            "this engine never trains, so its DeepSpeed config must have no optimizer section",
+            "use zero3_offload_inference or remove the section",
+        )
+    ]
 
 
 def test_validate_only_refuses_a_bad_json_without_importing_torch(files, tmp_path):
-    path = ds_file(tmp_path, {"fp16": {"enabled": True}, "scheduler": {"type": "WarmupLR"}, "zero_optimization": {"stage": 2}})
+    path = ds_file(
+        tmp_path, {"fp16": {"enabled": True}, "scheduler": {"type": "WarmupLR"}, "zero_optimization": {"stage": 2}}
+    )
     result = run_train_without_torch([*recipe("grpo"), *files, f"{ACTOR}={path}", "--validate-only"], WORLD_SIZE="1")
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and "3 problem(s) in the configuration" in result.stderr
@@ -166,6 +233,14 @@ def test_build_ds_config_raises_what_validation_reports(world_of_one, files, tmp
     cfg = C.load_config(recipe("grpo"), files + [f"{ACTOR}={path}"])
     actor = cfg.actor_rollout_ref.actor
     with pytest.raises(ValueError) as err:
-        build_ds_config(str(path), key=ACTOR, micro_batch_size_per_gpu=4, gradient_accumulation_steps=10, dtype="float32",
-                        optim=actor.optim, grad_clip=1.0, prefix="actor_rollout_ref.actor")
+        build_ds_config(
+            str(path),
+            key=ACTOR,
+            micro_batch_size_per_gpu=4,
+            gradient_accumulation_steps=10,
+            dtype="float32",
+            optim=actor.optim,
+            grad_clip=1.0,
+            prefix="actor_rollout_ref.actor",
+        )
     assert str(err.value).splitlines() == violations("grpo", files + [f"{ACTOR}={path}"])

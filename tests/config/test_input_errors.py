@@ -24,9 +24,19 @@ REPO = Path(__file__).resolve().parents[2]
 def train(overrides, free_port, tmp_path):
     env = {**os.environ, "WORLD_SIZE": "1", "MASTER_PORT": str(free_port())}
     return subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "train.py"), *QUICKSTART, *overrides,
-         f"trainer.default_local_dir={tmp_path / 'out'}", "trainer.logger=[console]"],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+        [
+            sys.executable,
+            str(REPO / "scripts" / "train.py"),
+            *QUICKSTART,
+            *overrides,
+            f"trainer.default_local_dir={tmp_path / 'out'}",
+            "trainer.logger=[console]",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
     )
 
 
@@ -46,15 +56,21 @@ def test_a_bad_row_and_a_tokenizer_larger_than_the_model_stop_before_any_model_l
     rows[5]["prompt"][0]["role"] = "human"  # ShareGPT's name for the user
     bad = tmp_path / "sharegpt.parquet"
     pq.write_table(pa.Table.from_pylist(rows), bad)
-    data = [f"data.train_files={bad}", f"data.val_files={arithmetic_data / 'test.parquet'}",
-            f"actor_rollout_ref.model.path={tiny_model_dir}"]
+    data = [
+        f"data.train_files={bad}",
+        f"data.val_files={arithmetic_data / 'test.parquet'}",
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+    ]
     assert_refused(train(data, free_port, tmp_path), f"{bad} row 5: 'prompt' holds a message with role 'human'")
 
     model = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps(config | {"vocab_size": 64}))
-    data = [f"data.train_files={arithmetic_data / 'train.parquet'}", f"data.val_files={arithmetic_data / 'test.parquet'}",
-            f"actor_rollout_ref.model.path={model}"]
+    data = [
+        f"data.train_files={arithmetic_data / 'train.parquet'}",
+        f"data.val_files={arithmetic_data / 'test.parquet'}",
+        f"actor_rollout_ref.model.path={model}",
+    ]
     assert_refused(
         train(data, free_port, tmp_path),
         f"actor_rollout_ref.model.path={model}: the tokenizer has 100 tokens, more than the model's vocab_size=64",

@@ -42,7 +42,11 @@ def write(path: Path, rows) -> str:
 
 
 def load(files, tokenizer, **options):
-    return load_prompts(files, tokenizer, **({"max_prompt_length": 64, "filter_overlong_prompts": True, "truncation": "error"} | options))
+    return load_prompts(
+        files,
+        tokenizer,
+        **({"max_prompt_length": 64, "filter_overlong_prompts": True, "truncation": "error"} | options),
+    )
 
 
 # ---------------------------------------------------------------- the tokenizer
@@ -74,7 +78,10 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(model, tokeniz
         load_tokenizer(str(model), trust_remote_code=False)
     message = str(info.value)
     assert message.startswith(f"{ACTOR}={model}: the tokenizer has 100 tokens, more than the model's vocab_size=90")
-    assert "token ids from 90 on index past the embedding" in message and "Fix: use the tokenizer saved with this model" in message
+    assert (
+        "token ids from 90 on index past the embedding" in message
+        and "Fix: use the tokenizer saved with this model" in message
+    )
 
 
 def test_a_tokenizer_that_does_not_load_is_one_line_naming_the_key(model):
@@ -92,7 +99,10 @@ def test_a_tokenizer_that_does_not_load_is_one_line_naming_the_key(model):
 @pytest.mark.parametrize(
     "message, says",
     [
-        ({"role": "human", "content": "1+2="}, "holds a message with role 'human', not one of system, user, assistant, tool"),
+        (
+            {"role": "human", "content": "1+2="},
+            "holds a message with role 'human', not one of system, user, assistant, tool",
+        ),
         ({"role": "gpt", "content": "3"}, "holds a message with role 'gpt'"),
         ({"role": "User", "content": "1+2="}, "holds a message with role 'User'"),  # templates compare exactly
         ({"role": "user", "content": ""}, "holds a user message with empty content"),
@@ -108,7 +118,11 @@ def test_messages_no_chat_template_knows_are_refused_with_file_and_row(tmp_path,
 
 
 def test_every_known_role_and_an_assistant_turn_of_tool_calls_load(tmp_path, tokenizer):
-    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": "{}"}}]}
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": "{}"}}],
+    }
     messages = [
         {"role": "system", "content": "Answer."},
         {"role": "user", "content": "1+2="},
@@ -145,18 +159,28 @@ def test_a_directory_is_read_as_its_parquet_files_in_name_order(tmp_path, tokeni
 
 
 @pytest.mark.parametrize("mode", ["left", "right"])
-def test_truncation_is_counted_and_right_truncation_warns_that_it_cuts_the_generation_prompt(tmp_path, tokenizer, caplog, mode):
-    path = write(tmp_path / "p.parquet", [row(), row({"role": "user", "content": "9" * 100}), row({"role": "user", "content": "8" * 90})])
+def test_truncation_is_counted_and_right_truncation_warns_that_it_cuts_the_generation_prompt(
+    tmp_path, tokenizer, caplog, mode
+):
+    path = write(
+        tmp_path / "p.parquet",
+        [row(), row({"role": "user", "content": "9" * 100}), row({"role": "user", "content": "8" * 90})],
+    )
     generation_prompt = tuple(tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
     with caplog.at_level(logging.WARNING):
         records, stats = load(path, tokenizer, max_prompt_length=40, filter_overlong_prompts=False, truncation=mode)
     assert stats["truncated"] == 2 and stats["kept"] == 3
     kept = "last" if mode == "left" else "first"
-    assert f"cut 2 of 3 prompts to their {kept} data.max_prompt_length=40 tokens (data.truncation={mode})" in caplog.text
+    assert (
+        f"cut 2 of 3 prompts to their {kept} data.max_prompt_length=40 tokens (data.truncation={mode})" in caplog.text
+    )
     cut = [r.prompt_ids for r in records[1:]]
     if mode == "left":  # the prompt still ends where the answer starts
-        assert all(ids[-len(generation_prompt):] == generation_prompt for ids in cut)
+        assert all(ids[-len(generation_prompt) :] == generation_prompt for ids in cut)
         assert "generation prompt" not in caplog.text
     else:  # what the warning says: the model would continue the question instead of answering
-        assert not any(ids[-len(generation_prompt):] == generation_prompt for ids in cut)
-        assert "drops the generation prompt the chat template appends" in caplog.text and "data.truncation=left" in caplog.text
+        assert not any(ids[-len(generation_prompt) :] == generation_prompt for ids in cut)
+        assert (
+            "drops the generation prompt the chat template appends" in caplog.text
+            and "data.truncation=left" in caplog.text
+        )

@@ -16,7 +16,9 @@ def with_sources(src, dst, sources):
     """``src``'s rows with data_source set from ``sources`` (cycled)."""
     table = pq.read_table(src)
     values = [sources[i % len(sources)] for i in range(table.num_rows)]
-    pq.write_table(table.set_column(table.schema.get_field_index("data_source"), "data_source", pc.cast(values, "string")), dst)
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("data_source"), "data_source", pc.cast(values, "string")), dst
+    )
     return table.num_rows
 
 
@@ -29,8 +31,11 @@ def test_unmatched_data_sources_are_listed_with_their_row_counts(
     rows = with_sources(arithmetic_data / "train.parquet", tmp_path / "train.parquet", ["arithmetic", "my_math"])
     with_sources(arithmetic_data / "test.parquet", tmp_path / "test.parquet", ["my_eval"])
     monkeypatch.setattr(actor_module.ActorEngine, "__init__", lambda *a, **k: pytest.fail("a model was loaded"))
-    overrides = ["custom_reward_function.path=", f"data.train_files={tmp_path / 'train.parquet'}",
-                 f"data.val_files={tmp_path / 'test.parquet'}"]
+    overrides = [
+        "custom_reward_function.path=",
+        f"data.train_files={tmp_path / 'train.parquet'}",
+        f"data.val_files={tmp_path / 'test.parquet'}",
+    ]
     with pytest.raises(ConfigError) as err:
         trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out", *overrides)
     [message] = err.value.violations
@@ -39,7 +44,14 @@ def test_unmatched_data_sources_are_listed_with_their_row_counts(
     assert "custom_reward_function.path" in message  # the fix
 
     # Scored by Math-Verify, or by a custom function: accepted (the check passes; the model loads).
-    monkeypatch.setattr(actor_module.ActorEngine, "__init__", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("loads")))
-    for accepted in (["reward.math_verify_sources=[my_math,my_eval]"], [f"custom_reward_function.path={arithmetic_data / 'digits_reward.py'}"]):
+    monkeypatch.setattr(
+        actor_module.ActorEngine, "__init__", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("loads"))
+    )
+    for accepted in (
+        ["reward.math_verify_sources=[my_math,my_eval]"],
+        [f"custom_reward_function.path={arithmetic_data / 'digits_reward.py'}"],
+    ):
         with pytest.raises(RuntimeError, match="loads"):
-            trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out", *overrides, *accepted)
+            trainer_for(
+                "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out", *overrides, *accepted
+            )

@@ -312,7 +312,11 @@ def test_store_slicing_as_the_trainer_uses_it(varied_files, tokenizer):
 OLD_SAMPLER_BATCHES = {
     (10, 3, True, 7): [[8, 0, 7], [1, 3, 6], [2, 4, 5], [9, 0, 8], [6, 7, 1], [3, 4, 2], [1, 5, 3]],
     (23, 5, True, 0): [
-        [18, 4, 20, 10, 11], [2, 21, 6, 19, 3], [22, 8, 0, 12, 16], [13, 7, 5, 17, 14], [15, 19, 18, 16, 14],
+        [18, 4, 20, 10, 11],
+        [2, 21, 6, 19, 3],
+        [22, 8, 0, 12, 16],
+        [13, 7, 5, 17, 14],
+        [15, 19, 18, 16, 14],
         [1, 22, 3, 4, 0],
     ],
     (7, 2, False, 0): [[0, 1], [2, 3], [4, 5], [0, 1]],
@@ -344,7 +348,11 @@ def test_store_costs_at_most_5_bytes_per_token(tmp_path, tokenizer):
     )
     assert store.num_tokens == n * length and store.nbytes / store.num_tokens <= 5
     last = store[n - 1]
-    assert (last.data_source, last.ground_truth, last.extra_info) == ("source3", str(n - 1), {"split": "train", "index": n - 1})
+    assert (last.data_source, last.ground_truth, last.extra_info) == (
+        "source3",
+        str(n - 1),
+        {"split": "train", "index": n - 1},
+    )
     assert np.array_equal(last.prompt_ids, store._columns.token_ids[-length:])
     # The real loader on ~200-token prompts: the same budget, ground truths and extra infos included.
     content = "x" * (200 - 19)  # the template adds 19 tokens

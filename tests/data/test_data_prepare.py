@@ -91,7 +91,9 @@ def test_worded_is_deterministic_and_in_verl_schema(tmp_path):
     pairs = []
     for r in rows + test:
         [message] = r["prompt"]
-        a, b = map(int, message["content"].removeprefix("What is ").removesuffix("? Answer with just the number.").split("+"))
+        a, b = map(
+            int, message["content"].removeprefix("What is ").removesuffix("? Answer with just the number.").split("+")
+        )
         assert message["role"] == "user" and 0 <= a <= 19 and 0 <= b <= 19
         assert r["reward_model"]["ground_truth"] == str(a + b)
         assert compute_score("worded_arithmetic", f"{a} + {b} = {a + b}", r["reward_model"]["ground_truth"]) == 1.0

@@ -122,7 +122,9 @@ def test_tool_traces_train_on_the_assistant_turns_only_and_fit_the_positions():
     assert tokenizer.decode(ids) + "\n" == tokenizer.apply_chat_template(conversation, tokenize=False)
     # ... and the tool output as the agent loop appends it after the call turn
     loop = MultiTurnRollout(
-        SimpleNamespace(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, static_memory=None),
+        SimpleNamespace(
+            eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, static_memory=None
+        ),
         tokenizer,
         SimpleNamespace(schemas=[]),
         None,
@@ -149,8 +151,11 @@ def test_calculator_task_is_deterministic_and_reports_its_tool_use(tmp_path, cap
 
 
 def test_a_tool_target_is_a_share_of_the_calculator_tasks_probe(tmp_path, capsys):
-    for argv in (["--tool-target", "0.3"], ["--task", "calculator", "--tool-target", "0"],
-                 ["--task", "calculator", "--tool-target", "1.5"]):
+    for argv in (
+        ["--tool-target", "0.3"],
+        ["--task", "calculator", "--tool-target", "0"],
+        ["--task", "calculator", "--tool-target", "1.5"],
+    ):
         with pytest.raises(SystemExit):
             make_tiny_model.main([*argv, "--out", str(tmp_path)])
         assert "a share in (0, 1], with --task calculator" in capsys.readouterr().err

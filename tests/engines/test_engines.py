@@ -128,7 +128,9 @@ def test_token_budget_packing_respects_the_budget(world_of_one):
     # suggest 3 parts, but 3 parts need two disjoint triples of <= 10 columns: only rows 2, 4, 6, 7 allow one.
     assert {tuple(part.tolist()) for part in parts} == {(2, 4, 7), (1, 6), (3, 5), (0,)}
     with pytest.raises(ValueError, match="actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10"):
-        micro_batch_indices(batch, micro_batch_size=1, max_token_len=10, key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+        micro_batch_indices(
+            batch, micro_batch_size=1, max_token_len=10, key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+        )
 
 
 def test_actor_update_is_micro_batch_invariant(actors):
@@ -138,8 +140,16 @@ def test_actor_update_is_micro_batch_invariant(actors):
     params = {name: full_params(actor.module) for name, actor in actors.items()}
 
     expected_keys = {
-        "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower",
-        "actor/entropy_loss", "actor/kl_loss", "actor/kl_coef", "actor/loss", "actor/grad_norm", "actor/lr",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/pg_clipfrac_lower",
+        "actor/entropy_loss",
+        "actor/kl_loss",
+        "actor/kl_coef",
+        "actor/loss",
+        "actor/grad_norm",
+        "actor/lr",
         "actor/skipped_steps",
     }
     assert set(metrics["micro1"]) == expected_keys
@@ -160,7 +170,9 @@ def critics(world_of_one, make_cfg, z3):
         "micro1": CriticEngine(make_cfg(*common, "critic.ppo_micro_batch_size_per_gpu=1")),
         # Activation checkpointing recomputes the same forward: it must not change the result either.
         "micro4": CriticEngine(
-            make_cfg(*common, "critic.ppo_micro_batch_size_per_gpu=4", "critic.model.enable_gradient_checkpointing=true")
+            make_cfg(
+                *common, "critic.ppo_micro_batch_size_per_gpu=4", "critic.model.enable_gradient_checkpointing=true"
+            )
         ),
         "dynamic": CriticEngine(make_cfg(*common, "critic.use_dynamic_bsz=true")),
     }
@@ -197,7 +209,12 @@ def test_critic_update_is_micro_batch_invariant(critics):
     params = {name: full_params(critic.module) for name, critic in critics.items()}
 
     expected_keys = {
-        "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/loss", "critic/grad_norm", "critic/lr",
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/vpred_mean",
+        "critic/loss",
+        "critic/grad_norm",
+        "critic/lr",
         "critic/skipped_steps",
     }
     assert set(metrics["micro1"]) == expected_keys
@@ -248,19 +265,40 @@ def test_ds_config_filling_refuses_conflicts(world_of_one, tmp_path, make_cfg):
         "gradient_accumulation_steps": 2,
     }
     ds = build_ds_config("zero3_offload", **fill, dtype="bfloat16", optim=actor.optim, grad_clip=0.5, prefix="actor")
-    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (8, 4, 2)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+        8,
+        4,
+        2,
+    )
     assert ds["bf16"]["enabled"] is True and ds["gradient_clipping"] == 0.5
     assert ds["optimizer"]["params"]["lr"] == actor.optim.lr
-    assert build_ds_config("zero3_offload", **fill, dtype="float32", optim=actor.optim, grad_clip=1.0)["bf16"]["enabled"] is False
+    assert (
+        build_ds_config("zero3_offload", **fill, dtype="float32", optim=actor.optim, grad_clip=1.0)["bf16"]["enabled"]
+        is False
+    )
 
     refused = [
-        ('{"gradient_clipping": 2.0, "optimizer": {"type": "AdamW"}}', "float32", r"gradient_clipping=2.0 disagrees .*actor.optim.clip_grad"),
+        (
+            '{"gradient_clipping": 2.0, "optimizer": {"type": "AdamW"}}',
+            "float32",
+            r"gradient_clipping=2.0 disagrees .*actor.optim.clip_grad",
+        ),
         # ZeRO's non-finite gradient check is what skips bad steps: no ZeRO, or the check turned off, is refused.
-        ('{"optimizer": {"type": "AdamW"}}', "float32", r"zero_optimization.stage=0: a training engine needs ZeRO stage 1, 2 or 3"),
-        ('{"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2, "compute_grad_norm": false}}', "float32",
-         r"compute_grad_norm=false turns off the gradient norm"),
-        ('{"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}, "bf16": {"check_grad_overflow": false}}',
-         "bfloat16", r"bf16.check_grad_overflow=false would apply optimizer steps"),
+        (
+            '{"optimizer": {"type": "AdamW"}}',
+            "float32",
+            r"zero_optimization.stage=0: a training engine needs ZeRO stage 1, 2 or 3",
+        ),
+        (
+            '{"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2, "compute_grad_norm": false}}',
+            "float32",
+            r"compute_grad_norm=false turns off the gradient norm",
+        ),
+        (
+            '{"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}, "bf16": {"check_grad_overflow": false}}',
+            "bfloat16",
+            r"bf16.check_grad_overflow=false would apply optimizer steps",
+        ),
     ]
     for i, (text, dtype, message) in enumerate(refused):
         path = tmp_path / f"refused{i}.json"
@@ -277,7 +315,11 @@ def test_lr_schedule_steps_once_per_training_step(world_of_one, make_cfg, z3):
     """verl steps the scheduler after the last mini-batch: with 2 warm-up steps the whole first update
     (2 mini-batches x 2 epochs = 4 optimizer steps) runs at lr 0, the second at lr / 2."""
     actor = ActorEngine(
-        make_cfg(*ACTOR_TRAINING, f"actor_rollout_ref.actor.deepspeed_config={z3}", "actor_rollout_ref.actor.optim.lr_warmup_steps=2")
+        make_cfg(
+            *ACTOR_TRAINING,
+            f"actor_rollout_ref.actor.deepspeed_config={z3}",
+            "actor_rollout_ref.actor.optim.lr_warmup_steps=2",
+        )
     )
     batch = training_batch(actor)
     before = full_params(actor.module)
@@ -294,8 +336,11 @@ def test_lr_schedule_steps_once_per_training_step(world_of_one, make_cfg, z3):
 def test_a_bf16_actor_accumulates_its_gradients_in_fp32(world_of_one, make_cfg, ds_test_config):
     """The shipped ZeRO configs set data_types.grad_accum_dtype=fp32: ZeRO-3 (offloaded here) sums the
     micro-batches' gradients in an fp32 partition buffer, not in the model's bf16."""
-    cfg = make_cfg(*ACTOR_TRAINING, f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
-                   "actor_rollout_ref.model.dtype=bfloat16")
+    cfg = make_cfg(
+        *ACTOR_TRAINING,
+        f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
+        "actor_rollout_ref.model.dtype=bfloat16",
+    )
     optimizer = ActorEngine(cfg).engine.optimizer
     assert next(optimizer.module.parameters()).dtype == torch.bfloat16
     assert optimizer.gradient_accumulation_dtype == torch.float32

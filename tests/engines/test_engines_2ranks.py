@@ -38,7 +38,13 @@ def launch(tmp_path_factory, tiny_model_dir, ds_test_config, free_port, *extra: 
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
     run([*launcher, str(WORKER), "--out", str(two), *args], env, two)
     one = tmp_path_factory.mktemp("one_rank")
-    alone = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    alone = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     run([sys.executable, str(WORKER), "--out", str(one), *args], {**env, **alone}, one)
     return two, one
 

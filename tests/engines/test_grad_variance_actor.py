@@ -34,15 +34,17 @@ def rows_twice() -> Batch:
 
 @pytest.fixture(scope="module")
 def actor(world_of_one, make_cfg, ds_test_config):
-    return ActorEngine(make_cfg(
-        f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
-        "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=1",  # one mini-batch of the 4 rows (exactly on-policy) ...
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",  # ... in 2 micro-batches, in row order:
-        "actor_rollout_ref.actor.shuffle=false",
-        "actor_rollout_ref.actor.optim.lr=1e-12",  # the weights stay put between the two updates
-        "actor_rollout_ref.actor.measure_grad_variance=true",
-    ))
+    return ActorEngine(
+        make_cfg(
+            f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1",  # one mini-batch of the 4 rows (exactly on-policy) ...
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",  # ... in 2 micro-batches, in row order:
+            "actor_rollout_ref.actor.shuffle=false",
+            "actor_rollout_ref.actor.optim.lr=1e-12",  # the weights stay put between the two updates
+            "actor_rollout_ref.actor.measure_grad_variance=true",
+        )
+    )
 
 
 def test_the_variance_across_micro_batches_is_zero_for_equal_ones_and_twice_the_norm_squared_for_opposite_ones(actor):
@@ -61,12 +63,14 @@ def test_the_variance_across_micro_batches_is_zero_for_equal_ones_and_twice_the_
 
 
 def test_one_micro_batch_per_optimizer_step_logs_no_variance(world_of_one, make_cfg, ds_test_config):
-    single = ActorEngine(make_cfg(
-        f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
-        "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.actor.measure_grad_variance=true",
-    ))
+    single = ActorEngine(
+        make_cfg(
+            f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.measure_grad_variance=true",
+        )
+    )
     metrics = single.update(rows_twice(), temperature=TEMPERATURE)
     assert "actor/grad_norm" in metrics and "actor/grad_var" not in metrics

@@ -14,8 +14,13 @@ LINEAR = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 
 
 def model_cfg(**overrides):
-    keys = {"lora_rank": 4, "lora_alpha": 16, "target_modules": "all-linear", "exclude_modules": None,
-            "lora_adapter_path": None}
+    keys = {
+        "lora_rank": 4,
+        "lora_alpha": 16,
+        "target_modules": "all-linear",
+        "exclude_modules": None,
+        "lora_adapter_path": None,
+    }
     return OmegaConf.create({**keys, **overrides})
 
 

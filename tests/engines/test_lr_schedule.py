@@ -37,21 +37,31 @@ def test_constant_without_warm_up_is_the_default():
 
 
 def test_linear_warm_up_counts_training_steps_from_lr_zero():
-    assert lrs(6, None, "actor_rollout_ref.actor.optim.lr_warmup_steps=4") == pytest.approx([0, 0.025, 0.05, 0.075, 0.1, 0.1])
+    assert lrs(6, None, "actor_rollout_ref.actor.optim.lr_warmup_steps=4") == pytest.approx(
+        [0, 0.025, 0.05, 0.075, 0.1, 0.1]
+    )
 
 
 def test_warm_up_ratio_takes_a_share_of_the_run():
     # int(0.25 * 8) = 2 warm-up steps, as verl rounds
     assert lrs(4, 8, "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.25") == pytest.approx([0, 0.05, 0.1, 0.1])
     # an explicit step count wins over the ratio
-    assert lrs(2, 8, "actor_rollout_ref.actor.optim.lr_warmup_steps=1", "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5") == pytest.approx([0, 0.1])
+    assert lrs(
+        2,
+        8,
+        "actor_rollout_ref.actor.optim.lr_warmup_steps=1",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5",
+    ) == pytest.approx([0, 0.1])
 
 
 @pytest.mark.parametrize("key", ["lr_scheduler_type", "warmup_style"])
 def test_cosine_matches_verls_formula_with_a_floor(key):
     total, warmup, floor = 10, 2, 0.1
     got = lrs(
-        12, total, f"actor_rollout_ref.actor.optim.{key}=cosine", f"actor_rollout_ref.actor.optim.lr_warmup_steps={warmup}",
+        12,
+        total,
+        f"actor_rollout_ref.actor.optim.{key}=cosine",
+        f"actor_rollout_ref.actor.optim.lr_warmup_steps={warmup}",
         f"actor_rollout_ref.actor.optim.min_lr_ratio={floor}",
     )
     want = [LR * verl_cosine(k, warmup=warmup, total=total, floor=floor) for k in range(12)]
@@ -61,7 +71,9 @@ def test_cosine_matches_verls_formula_with_a_floor(key):
 
 
 def test_cosine_cycles():
-    got = lrs(9, 8, "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "actor_rollout_ref.actor.optim.num_cycles=1.0")
+    got = lrs(
+        9, 8, "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "actor_rollout_ref.actor.optim.num_cycles=1.0"
+    )
     assert got == [LR * verl_cosine(k, warmup=0, total=8, floor=0.0, cycles=1.0) for k in range(9)]
     assert got[4] == pytest.approx(0.0, abs=1e-12) and got[8] == pytest.approx(LR)  # down and back up
 

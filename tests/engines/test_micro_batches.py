@@ -19,7 +19,9 @@ from dsrl.engines.forward import micro_batch_indices, model_inputs
 KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 
 
-def make_batch(prompt_lens: list[int], response_lens: list[int], *, P: int | None = None, T: int | None = None) -> Batch:
+def make_batch(
+    prompt_lens: list[int], response_lens: list[int], *, P: int | None = None, T: int | None = None
+) -> Batch:
     """Rows with these prompt (left-padded) and response (right-padded) lengths."""
     P = P or max(prompt_lens)
     T = T or max(response_lens)

@@ -40,8 +40,10 @@ def test_each_no_grad_pass_reads_its_own_budget(monkeypatch):
         monkeypatch.setattr(module, "compute_response_stats", stats)
     ActorEngine.compute_log_probs(engine_of(cfg), None, temperature=1.0)
     ReferenceEngine.compute_log_probs(engine_of(cfg), None, temperature=1.0)
-    assert passes == [(3000, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
-                      (4000, "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")]
+    assert passes == [
+        (3000, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
+        (4000, "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
+    ]
 
     splits = []
     monkeypatch.setattr(critic_module, "micro_batch_indices", lambda batch, **kw: splits.append(kw) or [])
@@ -52,5 +54,7 @@ def test_each_no_grad_pass_reads_its_own_budget(monkeypatch):
         {"micro_batch_size": 4, "max_token_len": 2000, "key": "critic.ppo_max_token_len_per_gpu"},
         {"micro_batch_size": 7, "max_token_len": 5000, "key": "critic.forward_max_token_len_per_gpu"},
     ]
-    ActorEngine.compute_log_probs(engine_of(load_config(None, ["data.train_files=unused.parquet"])), None, temperature=1.0)
+    ActorEngine.compute_log_probs(
+        engine_of(load_config(None, ["data.train_files=unused.parquet"])), None, temperature=1.0
+    )
     assert passes[-1][0] is None  # no token budget: micro-batches by count

@@ -33,8 +33,13 @@ def test_chunked_stats_and_gradients_equal_the_unchunked_softmax(chunk_rows, ent
     weights = torch.randn(2, 3, 5, generator=g)
     logits = model_logits[:, :-1]  # as the actor passes them: a non-contiguous view
     stats = response_stats(
-        logits, labels, temperature=TEMPERATURE, with_entropy=True, with_sum_pi_squared=True,
-        entropy_grad=entropy_grad, chunk_rows=chunk_rows,
+        logits,
+        labels,
+        temperature=TEMPERATURE,
+        with_entropy=True,
+        with_sum_pi_squared=True,
+        entropy_grad=entropy_grad,
+        chunk_rows=chunk_rows,
     )
     expected = reference(logits, labels)
     for name, value in expected.items():
@@ -94,7 +99,11 @@ def full_size_allocations_in_backward(chunks: int) -> int:
     model_logits = torch.randn(b, t + 1, v, requires_grad=True)
     labels = torch.randint(0, v, (b, t))
     stats = response_stats(
-        model_logits[:, :-1], labels, temperature=1.0, with_entropy=True, entropy_grad=True,
+        model_logits[:, :-1],
+        labels,
+        temperature=1.0,
+        with_entropy=True,
+        entropy_grad=True,
         chunk_rows=b * t // chunks,
     )
     with FullSizeAllocations(b * t * v) as mode:

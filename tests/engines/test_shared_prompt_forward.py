@@ -58,7 +58,10 @@ def test_shared_prompts_give_the_same_log_probs_and_gradients(tiny_model_dir, tr
 
 
 def test_shared_prompts_need_gradient_checkpointing_off():
-    overrides = ["actor_rollout_ref.model.shared_prompt_forward=true", "actor_rollout_ref.model.enable_gradient_checkpointing=true"]
+    overrides = [
+        "actor_rollout_ref.model.shared_prompt_forward=true",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+    ]
     with pytest.raises(C.ConfigError) as err:
         C.load_and_validate(QUICKSTART, overrides, 1)
     [violation] = [v for v in err.value.violations if v.startswith("actor_rollout_ref.model.shared_prompt_forward=")]

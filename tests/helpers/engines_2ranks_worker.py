@@ -108,7 +108,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(100 + rank)
     prompt_ids = torch.randint(3, 100, (3, P), generator=g)
     prompt_mask = torch.ones_like(prompt_ids)
-    prompt_mask[0, :rank + 2] = 0
+    prompt_mask[0, : rank + 2] = 0
     prompt_ids = prompt_ids * prompt_mask
     sampling = SamplingParams(n=N, temperature=TEMPERATURE, max_tokens=T, seed=rank)
     rows = torch.arange(3).repeat_interleave(N)
@@ -116,8 +116,12 @@ def main() -> None:
     def generate() -> Batch:
         out = rollout.generate(prompt_ids, prompt_mask, sampling)
         return Batch(
-            prompt_ids=prompt_ids[rows], prompt_mask=prompt_mask[rows], response_ids=out.response_ids,
-            response_mask=out.response_mask, group_ids=rows, rollout_log_probs=out.log_probs,
+            prompt_ids=prompt_ids[rows],
+            prompt_mask=prompt_mask[rows],
+            response_ids=out.response_ids,
+            response_mask=out.response_mask,
+            group_ids=rows,
+            rollout_log_probs=out.log_probs,
         )
 
     sampled = generate()

@@ -21,9 +21,20 @@ def run_eval(args: list[str], store: str, *, launcher=(), timeout: int = 300) ->
     """``dsrl-eval args`` as this checkout runs it (``python -m dsrl.commands.evaluate``, the installed command's function), in
     a process of its own (under ``launcher``, e.g. the deepspeed runner's arguments before ``--module``)."""
     env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
-    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": store, "DEEPSPEED_TIMEOUT": "3",
-                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
-    command = [*launcher, "--module", "dsrl.commands.evaluate"] if launcher else [sys.executable, "-m", "dsrl.commands.evaluate"]
+    env.update(
+        {
+            "DS_ACCELERATOR": "cpu",
+            "OMP_NUM_THREADS": "1",
+            "MLFLOW_TRACKING_URI": store,
+            "DEEPSPEED_TIMEOUT": "3",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        }
+    )
+    command = (
+        [*launcher, "--module", "dsrl.commands.evaluate"]
+        if launcher
+        else [sys.executable, "-m", "dsrl.commands.evaluate"]
+    )
     return subprocess.run([*command, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -49,7 +60,8 @@ def check_report(report: dict, n: int, correct) -> None:
     rows = [(p["index"], r) for p in prompts for r in p["responses"]]
     extras = sorted(set(rows[0][1]) - {"response", "score"})
     expected = validation_metrics(
-        ["arithmetic"] * len(rows), [index for index, _ in rows],
+        ["arithmetic"] * len(rows),
+        [index for index, _ in rows],
         {"reward": [r["score"] for _, r in rows], **{name: [r[name] for _, r in rows] for name in extras}},
     )
     validation = {k: v for k, v in metrics.items() if k.startswith(("val-core/", "val-aux/arithmetic/"))}

@@ -62,8 +62,11 @@ def resume_overrides(name, *, model, data, ds_config, ckpt) -> list[str]:
     return overrides
 
 
-LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
-        "actor_rollout_ref.model.target_modules=all-linear"]
+LORA = [
+    "actor_rollout_ref.model.lora_rank=4",
+    "actor_rollout_ref.model.lora_alpha=8",
+    "actor_rollout_ref.model.target_modules=all-linear",
+]
 
 
 # Two "nodes" on this machine: two names for it, each a host of the hostfile and of SLURM's node list.
@@ -77,50 +80,106 @@ def two_nodes(launcher: str, command: list[str], port: int, out: Path) -> list[t
     if launcher == "no_ssh":
         hostfile = out / "hostfile"
         hostfile.write_text("".join(f"{host} slots=1\n" for host in NODES))
-        return [([sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
-                  "--node_rank", str(node), "--num_nodes", "2", "--master_addr", NODES[0], "--master_port", str(port),
-                  *command[1:]], {}) for node in (0, 1)]
+        return [
+            (
+                [
+                    sys.executable,
+                    "-m",
+                    "deepspeed.launcher.runner",
+                    "--hostfile",
+                    str(hostfile),
+                    "--no_ssh",
+                    "--node_rank",
+                    str(node),
+                    "--num_nodes",
+                    "2",
+                    "--master_addr",
+                    NODES[0],
+                    "--master_port",
+                    str(port),
+                    *command[1:],
+                ],
+                {},
+            )
+            for node in (0, 1)
+        ]
     if launcher == "slurm":
-        step = {"SLURM_JOB_ID": str(port), "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_NNODES": "2",
-                "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
-                "SLURM_STEP_NODELIST": ",".join(NODES), "SLURM_JOB_NODELIST": ",".join(NODES),
-                "MASTER_PORT": str(port)}  # a free port: the one derived from the job id may be taken here
-        return [(command, {**step, "SLURM_PROCID": str(node), "SLURM_LOCALID": "0", "SLURM_NODEID": str(node)})
-                for node in (0, 1)]
+        step = {
+            "SLURM_JOB_ID": str(port),
+            "SLURM_STEP_ID": "0",
+            "SLURM_NTASKS": "2",
+            "SLURM_NNODES": "2",
+            "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_STEP_NUM_NODES": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+            "SLURM_STEP_NODELIST": ",".join(NODES),
+            "SLURM_JOB_NODELIST": ",".join(NODES),
+            "MASTER_PORT": str(port),
+        }  # a free port: the one derived from the job id may be taken here
+        return [
+            (command, {**step, "SLURM_PROCID": str(node), "SLURM_LOCALID": "0", "SLURM_NODEID": str(node)})
+            for node in (0, 1)
+        ]
     assert launcher == "mpi", launcher
-    world = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "1", "MASTER_ADDR": NODES[0],
-             "MASTER_PORT": str(port)}
-    return [(command, {**world, "OMPI_COMM_WORLD_RANK": str(node), "OMPI_COMM_WORLD_LOCAL_RANK": "0"})
-            for node in (0, 1)]
+    world = {
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+        "MASTER_ADDR": NODES[0],
+        "MASTER_PORT": str(port),
+    }
+    return [
+        (command, {**world, "OMPI_COMM_WORLD_RANK": str(node), "OMPI_COMM_WORLD_LOCAL_RANK": "0"}) for node in (0, 1)
+    ]
 
 
-def start_worker(config, overrides, out: Path, *, world=1, port, kill_at=None, dump_loaded=False,
-                 launcher="deepspeed") -> subprocess.Popen:
+def start_worker(
+    config, overrides, out: Path, *, world=1, port, kill_at=None, dump_loaded=False, launcher="deepspeed"
+) -> subprocess.Popen:
     """Start the worker on ``world`` ranks; ``out`` collects its files. Pass a free port per concurrent run.
     ``dump_loaded``: the worker's ``--dump-loaded`` (the engines' state right after a resume). ``launcher``:
     ``deepspeed`` (one node), or two simulated nodes of one rank each (``two_nodes``), both started here and
     waited for by one shell, which exits with the larger exit code."""
     out.mkdir(parents=True, exist_ok=True)
-    flags = ["--out", str(out)] + (["--kill-at", kill_at] if kill_at else []) + (["--dump-loaded"] if dump_loaded else [])
+    flags = (
+        ["--out", str(out)] + (["--kill-at", kill_at] if kill_at else []) + (["--dump-loaded"] if dump_loaded else [])
+    )
     env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
     env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "3"})
     arguments = [*flags, *shipped_files(config), *overrides]
     if launcher != "deepspeed":
         assert world == 2, "two simulated nodes of one rank each"
         nodes = two_nodes(launcher, [sys.executable, str(WORKER)], port, out)
-        script = "".join(f"{shlex.join(['env', *(f'{k}={v}' for k, v in extra.items()), *command, *arguments])} & p{i}=$!\n"
-                         for i, (command, extra) in enumerate(nodes))
+        script = "".join(
+            f"{shlex.join(['env', *(f'{k}={v}' for k, v in extra.items()), *command, *arguments])} & p{i}=$!\n"
+            for i, (command, extra) in enumerate(nodes)
+        )
         script += "wait $p0; a=$?; wait $p1; b=$?; exit $(( a > b ? a : b ))\n"
-        return subprocess.Popen(["bash", "-c", script], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            ["bash", "-c", script], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
     if world == 1:
         command = [sys.executable, str(WORKER)]
-        env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        env.update(
+            {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        )
     else:
-        command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(world), "--master_port",
-                   str(port), str(WORKER)]
+        command = [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            str(world),
+            "--master_port",
+            str(port),
+            str(WORKER),
+        ]
     return subprocess.Popen(
-        [*command, *arguments], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [*command, *arguments],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -158,7 +217,9 @@ def metric_mismatches(reference: list[dict], entries: list[dict]) -> list[str]:
             expected[k] == got[k] or (math.isnan(expected[k]) and math.isnan(got[k])) for k in expected
         )
         if not same:
-            diff = {k: (expected.get(k), got.get(k)) for k in expected.keys() | got.keys() if expected.get(k) != got.get(k)}
+            diff = {
+                k: (expected.get(k), got.get(k)) for k in expected.keys() | got.keys() if expected.get(k) != got.get(k)
+            }
             problems.append(f"step {entry['step']}: {diff}")
     return problems
 
@@ -233,8 +294,9 @@ def _comparable_state(state: dict) -> dict:
     param group holds the very ``betas`` list of its DeepSpeed config, a resumed one an equal copy, 21 bytes more
     of pickle (and 64 more of file where that crosses the zip's 64-byte alignment). The files' tensors and values
     are compared above, the padding masked out."""
-    files = {name: {k: v for k, v in entry.items() if k not in ("sha256", "bytes")}
-             for name, entry in state["files"].items()}
+    files = {
+        name: {k: v for k, v in entry.items() if k not in ("sha256", "bytes")} for name, entry in state["files"].items()
+    }
     return {**{k: v for k, v in state.items() if k != "state_sha256"}, "files": files}
 
 
@@ -260,7 +322,9 @@ class Baselines:
         deadline = time.monotonic() + timeout
         while name in self.running and not directory.is_dir():
             process = self.running[name]
-            assert process.poll() is None, f"{name} ended before writing {directory}:\n{process.communicate()[0][-4000:]}"
+            assert process.poll() is None, (
+                f"{name} ended before writing {directory}:\n{process.communicate()[0][-4000:]}"
+            )
             assert time.monotonic() < deadline, f"no {directory} within {timeout} s"
             time.sleep(0.2)
         assert directory.is_dir(), directory
@@ -276,7 +340,9 @@ class Baselines:
         return self.done[name]
 
 
-def resume_chain(name, start: Path, kills, *, out: Path, overrides, world, free_port, launcher="deepspeed") -> list[str]:
+def resume_chain(
+    name, start: Path, kills, *, out: Path, overrides, world, free_port, launcher="deepspeed"
+) -> list[str]:
     """From the checkpoint ``start`` (copied into ``out``): a run killed with SIGKILL at each of ``kills``
     ((kill point, the step the next run resumes from)), then one to the end. Returns every run's output;
     asserts the kills and where each run resumed."""
@@ -284,7 +350,9 @@ def resume_chain(name, start: Path, kills, *, out: Path, overrides, world, free_
     resume_points = [int(start.name.rpartition("_")[2])] + [resumes_from for _, resumes_from in kills]
     outputs = []
     for kill_at, resumes_from in zip([kill_at for kill_at, _ in kills] + [None], resume_points):
-        code, output = run_worker(name, overrides, out, world=world, port=free_port(), kill_at=kill_at, launcher=launcher)
+        code, output = run_worker(
+            name, overrides, out, world=world, port=free_port(), kill_at=kill_at, launcher=launcher
+        )
         outputs.append(output)
         if kill_at is None:
             assert code == 0, output[-4000:]
@@ -317,10 +385,17 @@ def assert_same_run(baseline: Path, chain: Path, *, first_step: int, ranks=(0,))
     shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
     assert shards and shards == sorted(p.name for p in (baseline / "ckpt" / "huggingface").glob("*.safetensors"))
     for shard in shards:
-        assert _differences(load_file(baseline / "ckpt" / "huggingface" / shard), load_file(model_dir / shard), shard) == []
+        assert (
+            _differences(load_file(baseline / "ckpt" / "huggingface" / shard), load_file(model_dir / shard), shard)
+            == []
+        )
     adapter = Path(ADAPTER_DIR) / "adapter_model.safetensors"  # a LoRA run's adapter, exported with the merged model
     assert (model_dir / adapter).is_file() == (baseline / "ckpt" / "huggingface" / adapter).is_file()
     if (model_dir / adapter).is_file():
-        assert _differences(load_file(baseline / "ckpt" / "huggingface" / adapter), load_file(model_dir / adapter),
-                            str(adapter)) == []
+        assert (
+            _differences(
+                load_file(baseline / "ckpt" / "huggingface" / adapter), load_file(model_dir / adapter), str(adapter)
+            )
+            == []
+        )
     return len(written)

@@ -42,10 +42,23 @@ def vllm_logprob_gap(model_dir, port: int, *flags: str) -> float:
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}
-    result = subprocess.run([sys.executable, str(repo / "tests" / "vllm" / "logprob_check.py"), str(model_dir), *flags],
-                            env=env, capture_output=True, text=True, timeout=300, cwd=repo, check=False)
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    result = subprocess.run(
+        [sys.executable, str(repo / "tests" / "vllm" / "logprob_check.py"), str(model_dir), *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=repo,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     [line] = [line for line in result.stdout.splitlines() if line.startswith("MAXDIFF")]
     return float(line.split()[1])

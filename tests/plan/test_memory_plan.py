@@ -113,6 +113,7 @@ def test_a_mixture_of_experts_config_is_refused_with_the_reason(tmp_path):
 
 # ---------------------------------------------------------------- plans of recipes
 
+
 @pytest.fixture
 def data_files(arithmetic_data):
     """The recipes' plans need data files that validate; the prompts themselves do not matter."""

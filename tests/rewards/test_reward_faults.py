@@ -191,8 +191,9 @@ def test_a_batch_that_hangs_on_every_call_is_cut_short(faults_file, caplog):
         assert scorer.first_failure == "the call ran past reward.timeout_s=1 s and was killed"  # one that ran
         # Eight calls ran their full limit, two at a time: four rounds, each with the start of two new workers.
         assert 4 * limit <= elapsed < 4 * (limit + 2 * scorer.startup_s) + 2 * scorer.startup_s + 5, elapsed
-        assert re.search(r"first 8 calls of this batch all ran past reward.timeout_s=1 s .* other 24\d were cancelled",
-                         caplog.text)
+        assert re.search(
+            r"first 8 calls of this batch all ran past reward.timeout_s=1 s .* other 24\d were cancelled", caplog.text
+        )
         # The cancelled calls are gone with the old pool: the next batch is scored at once.
         start = time.perf_counter()
         assert score(scorer, ["a"] * 8) == ([1.0] * 8, {}, counts_of())
@@ -213,8 +214,11 @@ def test_a_slow_batch_says_how_far_it_got(faults_file, monkeypatch, caplog):
     with RewardScorer(faults_file, num_workers=2, timeout_s=5.0) as scorer, caplog.at_level("INFO", "dsrl"):
         scores, _, counts = score(scorer, ["wait 0.4"] * 8)  # 1.6 s on two workers
     assert scores == [1.0] * 8 and counts == counts_of()
-    reports = re.findall(r"8 calls of this batch still running after \d+ s: (\d) done \(0 timed out\), (\d) pending; "
-                         r"reward.timeout_s=5 s per call, 2 workers", caplog.text)
+    reports = re.findall(
+        r"8 calls of this batch still running after \d+ s: (\d) done \(0 timed out\), (\d) pending; "
+        r"reward.timeout_s=5 s per call, 2 workers",
+        caplog.text,
+    )
     assert reports and all(int(done) + int(pending) == 8 and int(pending) > 0 for done, pending in reports)
 
 
@@ -243,8 +247,11 @@ def test_the_workers_output_goes_to_their_log_file(faults_file, tmp_path, capfd,
 
 
 @pytest.mark.parametrize("kind", ["hang", "spin", "spin-c"])
-@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGSEGV],
-                         ids=["SIGKILL", "SIGTERM", "SIGINT", "crash-SIGSEGV"])
+@pytest.mark.parametrize(
+    "signum",
+    [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGSEGV],
+    ids=["SIGKILL", "SIGTERM", "SIGINT", "crash-SIGSEGV"],
+)
 def test_no_worker_outlives_its_trainer_however_it_ends(faults_file, tmp_path, kind, signum):
     marks = tmp_path / "marks"
     marks.mkdir()
@@ -308,10 +315,20 @@ def test_changing_max_failed_steps_does_not_block_a_resume():
 def test_every_failure_kind_shows_on_the_step_line_and_the_validation_line():
     stream = io.StringIO()
     progress = ProgressConsole(4, stream=stream)
-    step = {"critic/score/mean": 0.0, "reward/fail_exception": 1.0, "reward/fail_timeout": 2.0,
-            "reward/fail_invalid": 3.0, "reward/fail_crash": 4.0}
-    val = {"val-core/arith/reward/mean@1": 0.0, "val-aux/reward/fail_exception": 0.0,
-           "val-aux/reward/fail_timeout": 0.0, "val-aux/reward/fail_invalid": 8.0, "val-aux/reward/fail_crash": 0.0}
+    step = {
+        "critic/score/mean": 0.0,
+        "reward/fail_exception": 1.0,
+        "reward/fail_timeout": 2.0,
+        "reward/fail_invalid": 3.0,
+        "reward/fail_crash": 4.0,
+    }
+    val = {
+        "val-core/arith/reward/mean@1": 0.0,
+        "val-aux/reward/fail_exception": 0.0,
+        "val-aux/reward/fail_timeout": 0.0,
+        "val-aux/reward/fail_invalid": 8.0,
+        "val-aux/reward/fail_crash": 0.0,
+    }
     progress.log_metrics(val, step=0)
     progress.log_metrics({**step, "reward/fail_exception": 0.0}, step=1)
     progress.log_metrics({**step, **val}, step=2)

@@ -379,9 +379,15 @@ def test_die_with_parent_arms_the_kernel_signal_on_linux():
     if not sys.platform.startswith("linux"):
         pytest.skip("PR_SET_PDEATHSIG is Linux-only; elsewhere a watchdog thread does it")
     proc = subprocess.run(
-        [sys.executable, "-c", "import os; from dsrl.workers.process import die_with_parent; "
-         "print(die_with_parent(os.getppid()))"],
-        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-c",
+            "import os; from dsrl.workers.process import die_with_parent; print(die_with_parent(os.getppid()))",
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.stdout.strip() == "pdeathsig", proc.stderr
 
@@ -451,9 +457,16 @@ def test_reward_keys_have_defaults_and_help(files):
     assert cfg.reward.batch_chunk_size is None and list(cfg.reward.math_verify_sources) == []
     assert cfg.custom_reward_function.batch is False
     assert cfg.reward.memory_limit_mb == 4096 and cfg.reward.log_max_mb == 64
-    for key in ("reward.num_workers", "reward.timeout_s", "reward.fallback_score", "reward.batch_chunk_size",
-                "reward.math_verify_sources", "custom_reward_function.batch", "reward.memory_limit_mb",
-                "reward.log_max_mb"):
+    for key in (
+        "reward.num_workers",
+        "reward.timeout_s",
+        "reward.fallback_score",
+        "reward.batch_chunk_size",
+        "reward.math_verify_sources",
+        "custom_reward_function.batch",
+        "reward.memory_limit_mb",
+        "reward.log_max_mb",
+    ):
         assert len(C.SCHEMA[key].help.split()) >= 5, key
     assert "RLIMIT_DATA" in C.SCHEMA["reward.memory_limit_mb"].help
     assert "inherited by each process it starts" in C.SCHEMA["reward.memory_limit_mb"].help
@@ -501,9 +514,17 @@ def test_math_verify_sources_rules(files, tmp_path, monkeypatch):
 def test_from_config_passes_every_key(files, tmp_path, batch_file):
     cfg, _ = C.load_and_validate(
         QUICKSTART,
-        files + [f"custom_reward_function.path={batch_file}", "custom_reward_function.batch=true",
-                 "reward.num_workers=2", "reward.timeout_s=3.5", "reward.fallback_score=-2", "reward.batch_chunk_size=5",
-                 "reward.memory_limit_mb=1024", "reward.log_max_mb=3"],
+        files
+        + [
+            f"custom_reward_function.path={batch_file}",
+            "custom_reward_function.batch=true",
+            "reward.num_workers=2",
+            "reward.timeout_s=3.5",
+            "reward.fallback_score=-2",
+            "reward.batch_chunk_size=5",
+            "reward.memory_limit_mb=1024",
+            "reward.log_max_mb=3",
+        ],
         1,
     )
     with RewardScorer.from_config(cfg) as scorer:
@@ -511,7 +532,6 @@ def test_from_config_passes_every_key(files, tmp_path, batch_file):
         assert (scorer.memory_limit_mb, scorer.log_max_mb) == (1024, 3)
         assert scorer.batch and scorer.batch_chunk_size == 5 and len(scorer.worker_pids()) == 2
         assert scorer.score_batch(["s"] * 2, ["a", "b"], ["a", "a"], [None] * 2)[0] == [1.0, 0.0]
-
 
 
 def test_rows_lost_to_a_broken_pool_run_once_more(scorer, monkeypatch):
@@ -524,8 +544,10 @@ def test_rows_lost_to_a_broken_pool_run_once_more(scorer, monkeypatch):
         outcomes, first = run(rows)
         calls.append([row[1] for row in rows])
         if len(calls) == 1:
-            outcomes = [("broken", "the reward worker pool broke down: All workers expired") if row[1] != "b"
-                        else outcome for row, outcome in zip(rows, outcomes)]
+            outcomes = [
+                ("broken", "the reward worker pool broke down: All workers expired") if row[1] != "b" else outcome
+                for row, outcome in zip(rows, outcomes)
+            ]
         return outcomes, first
 
     monkeypatch.setattr(scorer, "_run", first_run_loses_rows)

@@ -140,7 +140,10 @@ def test_a_missing_component_names_the_key_the_data_source_and_the_fix():
         "algorithm.gdpo_reward_keys: the reward of data source 'math' gave no finite number under 'acc' for 2 of 4 "
         "rows of this step (first: row 1, None)"
     )
-    assert "data source 'gsm8k' gave no finite number under 'format' for 1 of 4 rows of this step (first: row 0, 'x')" in problems[1]
+    assert (
+        "data source 'gsm8k' gave no finite number under 'format' for 1 of 4 rows of this step (first: row 0, 'x')"
+        in problems[1]
+    )
     assert "data source 'gsm8k' gave no finite number under 'len' for 2 of 4" in problems[2]  # a key no row gave
     assert "'math' gave no finite number under 'len' for 2 of 4" in problems[3]
     assert all("remove" in p and "return a dict" in p for p in problems) and len(problems) == 4

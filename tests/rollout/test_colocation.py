@@ -25,8 +25,9 @@ class Accelerator:
         self.calls.append("empty_cache")
 
 
-def engine(name, calls, *, stage=3, param_offload=None, optimizer_offload=None, optimizer="zero", inner=FusedAdam,
-           frozen=False):
+def engine(
+    name, calls, *, stage=3, param_offload=None, optimizer_offload=None, optimizer="zero", inner=FusedAdam, frozen=False
+):
     """A stand-in DeepSpeed engine recording offload/reload/empty_partition_cache; ``frozen``: a module with a
     frozen parameter beside the trained one (LoRA)."""
     optim = {
@@ -116,7 +117,9 @@ def test_the_phase_order_and_its_metrics(monkeypatch):
     actor, ref = engine("actor", calls), engine("ref", calls, param_offload="cpu")
     metrics = {}
     with colocation.colocated_generation(
-        Rollout(calls), weights=lambda: iter([("w", None)]), trainer_engines={"actor": actor, "ref": ref},
+        Rollout(calls),
+        weights=lambda: iter([("w", None)]),
+        trainer_engines={"actor": actor, "ref": ref},
         metrics=metrics,
     ):
         calls.append("generate")
@@ -191,8 +194,11 @@ def test_a_cpu_accelerator_releases_nothing_unless_asked_to_offload(monkeypatch)
         calls.clear()
         metrics = {}
         with colocation.colocated_generation(
-            Rollout(calls), weights=lambda: iter([("w", None)]), trainer_engines={"actor": engine("actor", calls)},
-            metrics=metrics, offload_on_cpu=offload_on_cpu,
+            Rollout(calls),
+            weights=lambda: iter([("w", None)]),
+            trainer_engines={"actor": engine("actor", calls)},
+            metrics=metrics,
+            offload_on_cpu=offload_on_cpu,
         ):
             calls.append("generate")
         phase = ["wake_up(['weights'])", "update_weights(['w'])", "wake_up(['kv_cache'])", "generate", "sleep"]

@@ -55,8 +55,10 @@ class ScriptedEngine:
         caps = sampling.row_max_tokens or [sampling.max_tokens] * len(rows)
         T = sampling.max_tokens
         out = RolloutOutput(
-            torch.zeros(len(rows), T, dtype=torch.long), torch.zeros(len(rows), T, dtype=torch.long),
-            torch.zeros(len(rows), T), [],
+            torch.zeros(len(rows), T, dtype=torch.long),
+            torch.zeros(len(rows), T, dtype=torch.long),
+            torch.zeros(len(rows), T),
+            [],
         )
         for i, (context, cap) in enumerate(zip(rows, caps)):
             text = self.tokenizer.decode(context)
@@ -74,7 +76,11 @@ def calculator_first(text: str) -> str:
     if "<|im_start|>user\n<tool_response>" not in text and "<|im_start|>tool" not in text:
         question = text.split("What is ")[-1].split("?")[0]
         return CALL.format(question)
-    return text.rsplit("<tool_response>\n", 1)[-1].split("\n")[0] if "<tool_response>" in text else text.rsplit("tool\n", 1)[-1].split("<")[0]
+    return (
+        text.rsplit("<tool_response>\n", 1)[-1].split("\n")[0]
+        if "<tool_response>" in text
+        else text.rsplit("tool\n", 1)[-1].split("<")[0]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,19 +93,26 @@ def tools(tmp_path_factory, make_cfg):
     folder = tmp_path_factory.mktemp("tools")
     config = folder / "calculator.yaml"
     config.write_text("tools:\n  - class_name: dsrl:calculator\n    config: {type: native}\n")
-    cfg = make_cfg("actor_rollout_ref.rollout.multi_turn.enable=true", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={config}")
+    cfg = make_cfg(
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={config}",
+    )
     toolset = ToolSet.from_config(cfg, log_file=folder / "tools.log")
     yield toolset
     toolset.close()
 
 
 def loop_settings(**changes):
-    return SimpleNamespace(**{"format": "hermes", "max_assistant_turns": None, "max_user_turns": None, "max_parallel_calls": 1, **changes})
+    return SimpleNamespace(
+        **{"format": "hermes", "max_assistant_turns": None, "max_user_turns": None, "max_parallel_calls": 1, **changes}
+    )
 
 
 def prompts(tokenizer, questions: list[str], template_kwargs: dict | None = None):
     texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+        )
         for q in questions
     ]
     return left_pad([tokenizer.encode(t, add_special_tokens=False) for t in texts], tokenizer.pad_token_id)
@@ -154,7 +167,9 @@ def test_every_conversation_of_a_turn_is_generated_in_one_call_with_its_own_room
     def answer_short_questions_directly(text):
         return "56" if "7*8" in text else calculator_first(text)
 
-    out, _, engine, _, _ = run(tokenizer, tools, ["What is 7*8?", "What is 12*34?"], reply=answer_short_questions_directly, n=2)
+    out, _, engine, _, _ = run(
+        tokenizer, tools, ["What is 7*8?", "What is 12*34?"], reply=answer_short_questions_directly, n=2
+    )
     assert [c.n for c in engine.calls] == [2, 1]  # the first turn samples n per prompt; the second only who called
     second = engine.calls[1]
     assert len(second.row_max_tokens) == 2 and second.max_tokens == max(second.row_max_tokens)
@@ -170,13 +185,19 @@ def test_several_calls_in_one_turn_run_up_to_max_parallel_calls_and_a_bad_one_is
         return "done"
 
     # budget: three <tool_response> blocks, one with the parse error's message, must fit
-    out, loop, _, _, _ = run(tokenizer, tools, ["What is 2+3?"], reply=two_calls_and_a_broken_one, max_parallel_calls=3, budget=800)
+    out, loop, _, _, _ = run(
+        tokenizer, tools, ["What is 2+3?"], reply=two_calls_and_a_broken_one, max_parallel_calls=3, budget=800
+    )
     messages = out.conversations[0]["messages"]
     assert [m["content"] for m in messages[1:3]] == ["5", "20"]
     assert messages[3]["role"] == "tool" and messages[3]["content"] and "5" != messages[3]["content"]
     stats = loop.take_stats()
-    assert stats.calls["calculator"] == 2 and stats.failures["parse"] == 1 and out.conversations[0]["num_tool_calls"] == 3
-    out, loop, _, _, _ = run(tokenizer, tools, ["What is 2+3?"], reply=two_calls_and_a_broken_one, max_parallel_calls=1, budget=400)
+    assert (
+        stats.calls["calculator"] == 2 and stats.failures["parse"] == 1 and out.conversations[0]["num_tool_calls"] == 3
+    )
+    out, loop, _, _, _ = run(
+        tokenizer, tools, ["What is 2+3?"], reply=two_calls_and_a_broken_one, max_parallel_calls=1, budget=400
+    )
     assert [m["role"] for m in out.conversations[0]["messages"]] == ["assistant", "tool", "assistant"]
     assert loop.take_stats().calls["calculator"] == 1
 
@@ -212,5 +233,10 @@ def test_the_loop_makes_no_collective_call_so_ranks_may_take_different_turns(tok
 
     for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier"):
         monkeypatch.setattr(dist, name, collective)
-    out, *_ = run(tokenizer, tools, ["What is 7*8?", "What is 12*34?"], reply=lambda text: "56" if "7*8" in text else calculator_first(text))
+    out, *_ = run(
+        tokenizer,
+        tools,
+        ["What is 7*8?", "What is 12*34?"],
+        reply=lambda text: "56" if "7*8" in text else calculator_first(text),
+    )
     assert [c["num_turns"] for c in out.conversations] == [1, 2]

@@ -106,7 +106,9 @@ def test_n_samples_share_their_prompt_prefill_and_draw_what_repeated_prompts_dra
     prompt_ids, prompt_mask = prompts()  # left-padded to different lengths
     sampling = SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=3)
     shared = rollout.generate(prompt_ids, prompt_mask, sampling)
-    repeated = rollout.generate(prompt_ids.repeat_interleave(4, 0), prompt_mask.repeat_interleave(4, 0), sampling.replace(n=1))
+    repeated = rollout.generate(
+        prompt_ids.repeat_interleave(4, 0), prompt_mask.repeat_interleave(4, 0), sampling.replace(n=1)
+    )
     assert torch.equal(shared.response_ids, repeated.response_ids)
     torch.testing.assert_close(shared.log_probs, repeated.log_probs, atol=1e-5, rtol=1e-5)
 
@@ -123,7 +125,10 @@ def test_generation_in_chunks_is_greedy_identical_and_seeded_per_chunk(tiny_mode
     torch.testing.assert_close(whole.log_probs, parts.log_probs)
     assert whole.finish_reasons == parts.finish_reasons
     sampling = SamplingParams(n=2, max_tokens=10, seed=4)
-    first, again = chunked.generate(prompt_ids, prompt_mask, sampling), chunked.generate(prompt_ids, prompt_mask, sampling)
+    first, again = (
+        chunked.generate(prompt_ids, prompt_mask, sampling),
+        chunked.generate(prompt_ids, prompt_mask, sampling),
+    )
     assert first.response_ids.shape == (2 * len(prompt_ids), 10) and torch.equal(first.response_ids, again.response_ids)
     with pytest.raises(ValueError, match="micro_batch_size=0: must be >= 1"):
         HFRollout(str(tiny_model_dir), micro_batch_size=0)
@@ -136,8 +141,12 @@ def test_a_kv_cache_budget_sizes_the_calls_from_the_model_and_the_lengths(tiny_m
     from transformers import Qwen3Config
 
     big = object.__new__(HFRollout)
-    big.model = SimpleNamespace(config=Qwen3Config(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                                                   head_dim=128, hidden_size=4096), dtype=torch.bfloat16)
+    big.model = SimpleNamespace(
+        config=Qwen3Config(
+            num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096
+        ),
+        dtype=torch.bfloat16,
+    )
     big.micro_batch_size, big.kv_cache_max_bytes = 64, 16e9
     assert big.kv_bytes_per_token() == 144 * 1024
     long = SamplingParams(n=5, max_tokens=4096)
@@ -153,7 +162,9 @@ def test_a_kv_cache_budget_sizes_the_calls_from_the_model_and_the_lengths(tiny_m
     budgeted = HFRollout(str(tiny_model_dir), dtype="float32", kv_cache_max_gb=2.5 * per_prompt / 1e9)
     calls = []
     generate_one = budgeted._generate
-    monkeypatch.setattr(budgeted, "_generate", lambda ids, mask, s: calls.append(len(ids)) or generate_one(ids, mask, s))
+    monkeypatch.setattr(
+        budgeted, "_generate", lambda ids, mask, s: calls.append(len(ids)) or generate_one(ids, mask, s)
+    )
     parts, whole = budgeted.generate(prompt_ids, prompt_mask, greedy), rollout.generate(prompt_ids, prompt_mask, greedy)
     assert calls == [2] * (len(prompt_ids) // 2) + [len(prompt_ids) % 2] * (len(prompt_ids) % 2)
     assert torch.equal(whole.response_ids, parts.response_ids)
@@ -246,7 +257,9 @@ def test_after_a_step_and_a_sync_the_rollout_scores_like_the_actor(actor, tiny_m
     assert (now - old)[mask].abs().max() > 1e-3
 
 
-def test_a_stage2_engine_streams_its_parameters_without_gathering(world_of_one, make_cfg, ds_test_config, tiny_model_dir):
+def test_a_stage2_engine_streams_its_parameters_without_gathering(
+    world_of_one, make_cfg, ds_test_config, tiny_model_dir
+):
     # Offloading the optimizer reuses the CPU Adam op (plain ZeRO-2 on CPU would compile FusedAdam).
     z2 = ds_test_config("zero2", offload_optimizer={"device": "cpu"})
     actor = ActorEngine(make_cfg(f"actor_rollout_ref.actor.deepspeed_config={z2}"))

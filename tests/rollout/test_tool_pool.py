@@ -122,8 +122,11 @@ def run_config(tmp_path, **multi_turn):
     (tmp_path / "classes.py").write_text(CLASSES)
     (tmp_path / "tools.yaml").write_text(YAML)
     values = dict(
-        tool_config_path=str(tmp_path / "tools.yaml"), function_tool_path=str(tmp_path / "functions.py"),
-        tool_timeout=TOOL_TIMEOUT, max_tool_response_length=200, tool_response_truncate_side="middle",
+        tool_config_path=str(tmp_path / "tools.yaml"),
+        function_tool_path=str(tmp_path / "functions.py"),
+        tool_timeout=TOOL_TIMEOUT,
+        max_tool_response_length=200,
+        tool_response_truncate_side="middle",
         tool_memory_limit_mb=2048,
     )
     values.update(multi_turn)
@@ -146,8 +149,21 @@ def call(tool, **arguments):
 
 def test_schemas_are_the_yaml_ones_then_the_functions(toolset):
     names = [schema["function"]["name"] for schema in toolset.schemas]
-    assert names == ["calculator", "python", "greet", "respond", "add", "fails", "exits", "dies", "hog",
-                     "number", "verl_style", "imported_torch", "hangs"]
+    assert names == [
+        "calculator",
+        "python",
+        "greet",
+        "respond",
+        "add",
+        "fails",
+        "exits",
+        "dies",
+        "hog",
+        "number",
+        "verl_style",
+        "imported_torch",
+        "hangs",
+    ]
 
 
 def test_the_workers_import_no_torch(toolset):
@@ -167,7 +183,17 @@ def test_each_failure_kind_gives_an_error_text_and_the_others_go_on(toolset):
         call("add", a=40),
     ]
     results = toolset.run(requests)
-    assert [r.failure for r in results] == [None, "parse", "parse", "exception", "exception", "invalid", "crash", "exception", None]
+    assert [r.failure for r in results] == [
+        None,
+        "parse",
+        "parse",
+        "exception",
+        "exception",
+        "invalid",
+        "crash",
+        "exception",
+        None,
+    ]
     assert set(r.failure for r in results) - {None} <= set(TOOL_FAILURE_KINDS)
     assert results[0].text == "56088" and results[-1].text == "42"
     assert results[1].text.startswith("Unknown tool 'nope'; the tools are ['add', 'calculator', 'dies',")
@@ -176,7 +202,9 @@ def test_each_failure_kind_gives_an_error_text_and_the_others_go_on(toolset):
         "Error executing tool 'fails': ZeroDivisionError: integer division or modulo by zero (at functions.py:15 in fails)"
     )
     assert results[4].text == "Error executing tool 'exits': called sys.exit(3)"
-    assert results[5].text.startswith("Error executing tool 'number': tool 'number' returned int 42; it must return a str")
+    assert results[5].text.startswith(
+        "Error executing tool 'number': tool 'number' returned int 42; it must return a str"
+    )
     assert results[6].text.startswith("Error executing tool 'dies': the tool worker died (exit code 7) in this call")
     assert results[7].text.startswith("Error executing tool 'hog': MemoryError (at functions.py:")
     assert results[7].text.endswith("(actor_rollout_ref.rollout.multi_turn.tool_memory_limit_mb=2048)")
@@ -238,12 +266,15 @@ def test_python_runs_in_a_fresh_directory_removed_afterwards(toolset):
 def test_python_past_its_limit_is_killed_with_its_children(toolset):
     # Its own limit (0.8 x tool_timeout) ends it first: counted as a timeout, no process left.
     start = time.monotonic()
-    result = python(toolset, """
+    result = python(
+        toolset,
+        """
         import subprocess, sys, os, time
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         print(os.getpid(), child.pid)
         time.sleep(600)
-    """)
+    """,
+    )
     assert time.monotonic() - start < TOOL_TIMEOUT
     assert result.failure == "timeout"
     assert f"the code ran past {0.8 * TOOL_TIMEOUT:g} s and was killed; its output until then:" in result.text
@@ -279,12 +310,16 @@ def test_close_leaves_no_process(tmp_path):
 
 def test_a_tool_that_cannot_be_built_fails_at_start(tmp_path):
     cfg = run_config(tmp_path, function_tool_path=None)
-    (tmp_path / "bad.py").write_text("class Bad:\n    def __init__(self, config, tool_schema):\n        raise KeyError('url')\n"
-                                     "    def execute(self, parameters):\n        return ''\n")
+    (tmp_path / "bad.py").write_text(
+        "class Bad:\n    def __init__(self, config, tool_schema):\n        raise KeyError('url')\n"
+        "    def execute(self, parameters):\n        return ''\n"
+    )
     (tmp_path / "tools.yaml").write_text(
         "tools:\n  - class_name: bad.py:Bad\n    tool_schema: {type: function, function: {name: bad}}\n"
     )
-    with pytest.raises(ValueError, match=r"tool 'bad' \(bad.py:Bad\) could not be built in a worker:(.|\n)*KeyError: 'url'"):
+    with pytest.raises(
+        ValueError, match=r"tool 'bad' \(bad.py:Bad\) could not be built in a worker:(.|\n)*KeyError: 'url'"
+    ):
         ToolSet.from_config(cfg)
 
 

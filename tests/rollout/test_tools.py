@@ -19,8 +19,12 @@ KEY = "actor_rollout_ref.rollout.multi_turn"
 def config(tool_config_path=None, function_tool_path=None, **multi_turn):
     """A run config with what the tools read."""
     values = dict(
-        tool_config_path=tool_config_path, function_tool_path=function_tool_path, tool_timeout=5.0,
-        max_tool_response_length=256, tool_response_truncate_side="middle", tool_memory_limit_mb=2048,
+        tool_config_path=tool_config_path,
+        function_tool_path=function_tool_path,
+        tool_timeout=5.0,
+        max_tool_response_length=256,
+        tool_response_truncate_side="middle",
+        tool_memory_limit_mb=2048,
     )
     values.update(multi_turn)
     return SimpleNamespace(
@@ -92,8 +96,17 @@ def test_truncation_sides():
 
 @pytest.mark.parametrize(
     "expression, output",
-    [("123*456", "56088"), ("7/2", "3.5"), ("6/3", "2.0"), ("(2+3)**2 - -1", "26"), ("7//2", "3"),
-     ("-7 % 3", "2"), ("0.1+0.2", "0.30000000000000004"), ("2**-1", "0.5"), (" 10 ", "10")],
+    [
+        ("123*456", "56088"),
+        ("7/2", "3.5"),
+        ("6/3", "2.0"),
+        ("(2+3)**2 - -1", "26"),
+        ("7//2", "3"),
+        ("-7 % 3", "2"),
+        ("0.1+0.2", "0.30000000000000004"),
+        ("2**-1", "0.5"),
+        (" 10 ", "10"),
+    ],
 )
 def test_calculator_values(expression, output):
     assert Calculator({}, {}).execute({"expression": expression}) == output
@@ -196,15 +209,20 @@ def write(path, text):
 
 
 def test_good_files_have_no_problems(tmp_path):
-    write(tmp_path / "my_tools.py", '''
+    write(
+        tmp_path / "my_tools.py",
+        """
         class Echo:
             def __init__(self, config, tool_schema):
                 self.prefix = config.get("prefix", "")
 
             def execute(self, parameters, **kwargs):
                 return self.prefix + parameters["text"]
-        ''')
-    yaml_path = write(tmp_path / "tools.yaml", """
+        """,
+    )
+    yaml_path = write(
+        tmp_path / "tools.yaml",
+        """
         tools:
           - class_name: dsrl:calculator
           - class_name: dsrl:python
@@ -214,8 +232,11 @@ def test_good_files_have_no_problems(tmp_path):
             tool_schema:
               type: function
               function: {name: echo, description: Echo the text., parameters: {type: object, properties: {text: {type: string}}, required: [text]}}
-        """)
-    functions = write(tmp_path / "fns.py", '''
+        """,
+    )
+    functions = write(
+        tmp_path / "fns.py",
+        '''
         import os
         from os.path import join
 
@@ -225,7 +246,8 @@ def test_good_files_have_no_problems(tmp_path):
 
         def _helper(x):
             return x
-        ''')
+        ''',
+    )
     assert check_tool_files(config(yaml_path, functions)) == []
 
 
@@ -235,15 +257,30 @@ def test_good_files_have_no_problems(tmp_path):
         ("tools: [\n  {class_name: a\n", 3, "not valid YAML", "correct the YAML syntax"),
         ("tool: []\n", 1, "no 'tools' list at the top", "write tools: [{class_name: dsrl:calculator}"),
         ("tools:\n  - class_name: dsrl:calculator\n  - config: {}\n", 3, "tool 1 has no class_name", "write tools:"),
-        ("tools:\n  - class_name: dsrl:shell\n", 2, "unknown built-in tool 'dsrl:shell'",
-         "use one of ['dsrl:calculator', 'dsrl:python']"),
-        ("tools:\n  - class_name: no_such_module_xyz.Tool\n  ", 2, "cannot import 'no_such_module_xyz'",
-         "put its folder on PYTHONPATH, or write path/to/file.py:Class"),
-        ("tools:\n  - class_name: dsrl:python\n    config: {timeout: 5}\n", 2,
-         "dsrl:python config.timeout=5 must be a number of seconds below multi_turn.tool_timeout=5",
-         "lower it, or leave it out for 0.8 x tool_timeout"),
-        ("tools:\n  - class_name: dsrl:calculator\n  - class_name: dsrl:calculator\n", None,
-         "two tools are named 'calculator'", "rename one"),
+        (
+            "tools:\n  - class_name: dsrl:shell\n",
+            2,
+            "unknown built-in tool 'dsrl:shell'",
+            "use one of ['dsrl:calculator', 'dsrl:python']",
+        ),
+        (
+            "tools:\n  - class_name: no_such_module_xyz.Tool\n  ",
+            2,
+            "cannot import 'no_such_module_xyz'",
+            "put its folder on PYTHONPATH, or write path/to/file.py:Class",
+        ),
+        (
+            "tools:\n  - class_name: dsrl:python\n    config: {timeout: 5}\n",
+            2,
+            "dsrl:python config.timeout=5 must be a number of seconds below multi_turn.tool_timeout=5",
+            "lower it, or leave it out for 0.8 x tool_timeout",
+        ),
+        (
+            "tools:\n  - class_name: dsrl:calculator\n  - class_name: dsrl:calculator\n",
+            None,
+            "two tools are named 'calculator'",
+            "rename one",
+        ),
     ],
 )
 def test_tool_yaml_problems_name_the_file_line_and_fix(tmp_path, yaml_text, line, what, fix):
@@ -255,31 +292,44 @@ def test_tool_yaml_problems_name_the_file_line_and_fix(tmp_path, yaml_text, line
 
 
 def test_a_class_without_schema_and_one_whose_file_fails_to_import(tmp_path):
-    write(tmp_path / "broken.py", """
+    write(
+        tmp_path / "broken.py",
+        """
         import os
 
         raise RuntimeError("no API key")
-        """)
-    write(tmp_path / "fine.py", """
+        """,
+    )
+    write(
+        tmp_path / "fine.py",
+        """
         class Tool:
             def execute(self, parameters):
                 return ""
-        """)
-    path = write(tmp_path / "tools.yaml", """
+        """,
+    )
+    path = write(
+        tmp_path / "tools.yaml",
+        """
         tools:
           - class_name: broken.py:Tool
           - class_name: fine.py:Tool
-        """)
+        """,
+    )
     broken, no_schema = check_tool_files(config(path))
-    assert broken.startswith(f"{KEY}.tool_config_path={path}: {tmp_path / 'broken.py'}:3: importing it raised "
-                             "RuntimeError: no API key; fix: "), broken
+    assert broken.startswith(
+        f"{KEY}.tool_config_path={path}: {tmp_path / 'broken.py'}:3: importing it raised "
+        "RuntimeError: no API key; fix: "
+    ), broken
     assert no_schema.startswith(f"{KEY}.tool_config_path={path}: {path}:3: tool 'fine.py:Tool': no tool_schema; fix:")
 
 
 def test_a_missing_file(tmp_path):
     missing = str(tmp_path / "nope.yaml")
     [problem] = check_tool_files(config(missing))
-    assert problem.startswith(f"{KEY}.tool_config_path={missing}: {missing}: cannot read it (No such file or directory); fix:")
+    assert problem.startswith(
+        f"{KEY}.tool_config_path={missing}: {missing}: cannot read it (No such file or directory); fix:"
+    )
     [problem] = check_tool_files(config(function_tool_path=str(tmp_path / "nope.py")))
     assert "no such file" in problem and "; fix: correct the path" in problem
 
@@ -307,9 +357,12 @@ def test_function_file_problems_name_the_line(tmp_path, source, line, what):
 
 def test_a_function_named_like_a_yaml_tool(tmp_path):
     path = write(tmp_path / "tools.yaml", "tools:\n  - class_name: dsrl:calculator\n")
-    functions = write(tmp_path / "fns.py", '''
+    functions = write(
+        tmp_path / "fns.py",
+        '''
         def calculator(expression: str) -> str:
             """Mine."""
-        ''')
+        ''',
+    )
     [problem] = check_tool_files(config(path, functions))
     assert problem.startswith(f"{KEY}: two tools are named 'calculator' (dsrl:calculator and {functions})")

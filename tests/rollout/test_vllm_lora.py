@@ -19,8 +19,13 @@ VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRAR
 
 
 def model_cfg(**overrides):
-    keys = {"lora_rank": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "exclude_modules": None,
-            "lora_adapter_path": None}
+    keys = {
+        "lora_rank": 4,
+        "lora_alpha": 16,
+        "target_modules": ["q_proj", "v_proj"],
+        "exclude_modules": None,
+        "lora_adapter_path": None,
+    }
     return OmegaConf.create({**keys, **overrides})
 
 
@@ -30,8 +35,11 @@ def test_the_engine_is_built_for_the_smallest_allowed_rank_that_holds_the_adapte
 
 
 def test_a_rank_beyond_vllm_is_refused_naming_the_key():
-    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.lora_rank=600: vLLM serves LoRA ranks up to 512; "
-                                         r"use a rank of at most 512, or actor_rollout_ref.model.lora.merge=true"):
+    with pytest.raises(
+        ValueError,
+        match=r"actor_rollout_ref.model.lora_rank=600: vLLM serves LoRA ranks up to 512; "
+        r"use a rank of at most 512, or actor_rollout_ref.model.lora.merge=true",
+    ):
         vllm_max_lora_rank(600, VLLM_RANKS)
 
 
@@ -45,7 +53,9 @@ def test_peft_saved_names_leave_out_the_adapter_name():
 @pytest.fixture
 def peft_model(tiny_model_dir):
     """The tiny model with rank-4 adapters on q and v, lora_B random (PEFT starts it at zero)."""
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), lora_config(model_cfg()))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), lora_config(model_cfg())
+    )
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -85,7 +95,9 @@ def test_a_push_is_a_peft_adapter_directory(peft_model, tiny_model_dir):
 def test_a_push_of_other_tensors_is_refused(peft_model):
     directory = AdapterDirectory(actor_adapter_config(model_cfg()))
     full = list(peft_model.named_parameters())[:2]
-    with pytest.raises(ValueError, match=r"expected adapter tensors \(lora_A, lora_B\), got \['base_model.model.model.embed"):
+    with pytest.raises(
+        ValueError, match=r"expected adapter tensors \(lora_A, lora_B\), got \['base_model.model.model.embed"
+    ):
         directory.write(full)
     with pytest.raises(ValueError, match="got none"):
         directory.write([])

@@ -7,28 +7,78 @@ import socket
 
 import pytest
 
-from dsrl.runtime.launch import SLURM_PORT_BASE, SLURM_PORT_SPAN, LaunchError, discover, first_host, slurm_port, tasks_per_node
+from dsrl.runtime.launch import (
+    SLURM_PORT_BASE,
+    SLURM_PORT_SPAN,
+    LaunchError,
+    discover,
+    first_host,
+    slurm_port,
+    tasks_per_node,
+)
 
 # Rank 1 of 2 nodes x 1 rank, as each launcher sets it.
-DEEPSPEED = {"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_SIZE": "1", "CROSS_RANK": "1", "CROSS_SIZE": "2",
-             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
-TORCHRUN = {"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "1",
-            "TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
-SRUN = {"SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-        "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "16", "SLURM_STEP_TASKS_PER_NODE": "8(x2)",
-        "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_NODELIST": "gpu[07-08]"}
-OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-            "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
-HYDRA = {"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4",
-         # what deepspeed --launcher mpich/impi exports: no RANK
-         "WORLD_SIZE": "8", "LOCAL_SIZE": "4", "MASTER_ADDR": "node1", "MASTER_PORT": "29600"}
+DEEPSPEED = {
+    "RANK": "1",
+    "LOCAL_RANK": "0",
+    "WORLD_SIZE": "2",
+    "LOCAL_SIZE": "1",
+    "CROSS_RANK": "1",
+    "CROSS_SIZE": "2",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+}
+TORCHRUN = {
+    "RANK": "1",
+    "LOCAL_RANK": "0",
+    "WORLD_SIZE": "2",
+    "LOCAL_WORLD_SIZE": "1",
+    "GROUP_RANK": "1",
+    "TORCHELASTIC_RUN_ID": "none",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+}
+SRUN = {
+    "SLURM_JOB_ID": "123456",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "9",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_NTASKS": "16",
+    "SLURM_STEP_NUM_TASKS": "16",
+    "SLURM_STEP_TASKS_PER_NODE": "8(x2)",
+    "SLURM_STEP_NODELIST": "gpu[07-08]",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+}
+OPEN_MPI = {
+    "OMPI_COMM_WORLD_RANK": "3",
+    "OMPI_COMM_WORLD_SIZE": "4",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+}
+HYDRA = {
+    "PMI_RANK": "5",
+    "PMI_SIZE": "8",
+    "MPI_LOCALRANKID": "1",
+    "MPI_LOCALNRANKS": "4",
+    # what deepspeed --launcher mpich/impi exports: no RANK
+    "WORLD_SIZE": "8",
+    "LOCAL_SIZE": "4",
+    "MASTER_ADDR": "node1",
+    "MASTER_PORT": "29600",
+}
 
 
 def test_the_deepspeed_launcher_and_torchrun_are_read_as_they_are():
     for environ, launcher in ((DEEPSPEED, "deepspeed"), (TORCHRUN, "torchrun")):
         launch = discover(environ)
         assert (launch.launcher, launch.rank, launch.local_rank, launch.world_size) == (launcher, 1, 0, 2)
-        assert (launch.local_size, launch.node_rank, launch.master_addr, launch.master_port) == (1, 1, "10.0.0.1", "29500")
+        assert (launch.local_size, launch.node_rank, launch.master_addr, launch.master_port) == (
+            1,
+            1,
+            "10.0.0.1",
+            "29500",
+        )
     assert discover({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1234"}).launcher == "environment"
 
 
@@ -37,8 +87,14 @@ def test_srun_tasks_get_rank_node_and_a_rendezvous_on_the_steps_first_host():
     assert (launch.launcher, launch.rank, launch.local_rank, launch.world_size) == ("slurm", 9, 1, 16)
     assert (launch.local_size, launch.node_rank, launch.master_addr) == (8, 1, "gpu07")
     assert launch.master_port == str(slurm_port(123456, 0))
-    assert launch.environment() == {"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "LOCAL_SIZE": "8",
-                                    "MASTER_ADDR": "gpu07", "MASTER_PORT": str(slurm_port(123456, 0))}
+    assert launch.environment() == {
+        "RANK": "9",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "16",
+        "LOCAL_SIZE": "8",
+        "MASTER_ADDR": "gpu07",
+        "MASTER_PORT": str(slurm_port(123456, 0)),
+    }
     # What the user exports wins; uneven nodes take their own count.
     mine = discover({**SRUN, "MASTER_ADDR": "ib-gpu07", "MASTER_PORT": "4000", "SLURM_STEP_TASKS_PER_NODE": "9,7"})
     assert (mine.master_addr, mine.master_port, mine.local_size) == ("ib-gpu07", "4000", 7)
@@ -71,11 +127,19 @@ def test_mpi_launchers():
     assert (one_host.launcher, one_host.rank, one_host.local_rank, one_host.world_size) == ("openmpi", 3, 1, 4)
     assert (one_host.local_size, one_host.master_addr, one_host.master_port) == (4, "127.0.0.1", "29500")
     two_hosts = {**OPEN_MPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "4"}
-    with pytest.raises(LaunchError, match=r"4 ranks over several hosts.*fix: export MASTER_ADDR.*mpirun -x MASTER_ADDR"):
+    with pytest.raises(
+        LaunchError, match=r"4 ranks over several hosts.*fix: export MASTER_ADDR.*mpirun -x MASTER_ADDR"
+    ):
         discover(two_hosts)
     assert discover({**two_hosts, "MASTER_ADDR": "node1"}).master_addr == "node1"
     hydra = discover(HYDRA)
-    assert (hydra.launcher, hydra.rank, hydra.local_rank, hydra.world_size, hydra.local_size) == ("mpi (PMI)", 5, 1, 8, 4)
+    assert (hydra.launcher, hydra.rank, hydra.local_rank, hydra.world_size, hydra.local_size) == (
+        "mpi (PMI)",
+        5,
+        1,
+        8,
+        4,
+    )
     assert (hydra.master_addr, hydra.master_port) == ("node1", "29600")
     with pytest.raises(LaunchError, match=r"PMI_RANK/PMI_SIZE name this process's rank but not its rank on its node"):
         discover({"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_ADDR": "node1"})

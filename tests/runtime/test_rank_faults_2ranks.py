@@ -39,8 +39,14 @@ def test_a_collective_that_times_out_names_the_phase_it_waited_in(free_port):
     """Rank 1 sleeps 60 s; rank 0, all-reducing in phase reward, fails after the 10 s of init_distributed's timeout."""
     env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     ranks = [
-        subprocess.Popen([sys.executable, str(WORKER), "10", "60"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+        subprocess.Popen(
+            [sys.executable, str(WORKER), "10", "60"],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+        )
         for r in (0, 1)
     ]
     try:
@@ -51,15 +57,18 @@ def test_a_collective_that_times_out_names_the_phase_it_waited_in(free_port):
     assert ranks[0].returncode == 1, out[-3000:]
     waited = float(re.search(r"waited ([\d.]+) s; ", out).group(1))
     assert 9 <= waited <= 20  # the key's seconds, not DeepSpeed's default 10 minutes
-    message = out[out.index("dsrl: "):]
+    message = out[out.index("dsrl: ") :]
     assert re.match(r"dsrl: rank 0 on \S+: a collective timed out in phase 'reward' \(", message), message
     assert "Timed out waiting 10000ms" in message and "raise actor_rollout_ref.nccl_timeout" in message
 
 
 def test_the_phase_is_the_innermost_one_and_survives_the_error_raised_in_it():
     """The message names where this rank was: nested phases restore the outer one, an error keeps its own."""
+
     def phase_named_by_a_timeout():
-        return collective_timeout_message(RuntimeError("[gloo] Timed out waiting 3000ms for recv operation to complete"))
+        return collective_timeout_message(
+            RuntimeError("[gloo] Timed out waiting 3000ms for recv operation to complete")
+        )
 
     with in_phase("step"):
         with in_phase("reward"):
@@ -82,8 +91,24 @@ def test_the_launcher_watchdog_runs_under_a_launcher_only():
 
 
 LAUNCHERS = {
-    "deepspeed": lambda port: [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port)],
-    "torchrun": lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)],
+    "deepspeed": lambda port: [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(port),
+    ],
+    "torchrun": lambda port: [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(port),
+    ],
 }
 
 
@@ -93,8 +118,15 @@ class Run:
 
     def __init__(self, overrides: list[str], port: int, launcher: str = "deepspeed"):
         command = [*LAUNCHERS[launcher](port), str(REPO / "scripts" / "train.py"), *QUICKSTART, *overrides]
-        self.runner = subprocess.Popen(command, env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True, start_new_session=True)
+        self.runner = subprocess.Popen(
+            command,
+            env=ENV,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.output, self.ended = "", False
         self._changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
@@ -171,7 +203,9 @@ def test_a_stopped_rank_fails_the_other_within_the_timeout_naming_the_phase(run)
     stuck = started.ranks()[1]
     stuck.suspend()  # SIGSTOP: alive, silent, never joining another collective
     stopped_at = time.monotonic()
-    match = started.wait_for(r"^dsrl: rank 0 on \S+: a collective timed out in phase '([^']+)' \(.*$", timeout=timeout + 120)
+    match = started.wait_for(
+        r"^dsrl: rank 0 on \S+: a collective timed out in phase '([^']+)' \(.*$", timeout=timeout + 120
+    )
     assert time.monotonic() - stopped_at <= timeout + 60  # the other rank's next collective, plus the timeout
     assert match.group(1) != "start-up"  # a phase of the training loop: the trainer names them as it goes
     assert "raise actor_rollout_ref.nccl_timeout" in match.group(0)
@@ -186,8 +220,11 @@ def test_the_ranks_stop_and_save_when_the_runner_alone_is_killed(run):
     started.runner.send_signal(signal.SIGTERM)  # the `deepspeed` command only: it forwards nothing
     assert started.runner.wait(timeout=30) == -signal.SIGTERM
     for rank in (0, 1):
-        started.wait_for(rf"^\[dsrl r{rank} [\d:]+\] warning: the deepspeed launcher \(pid \d+\) or its runner "
-                         r"\(pid \d+\) is gone: stopping as on SIGTERM", timeout=30)
+        started.wait_for(
+            rf"^\[dsrl r{rank} [\d:]+\] warning: the deepspeed launcher \(pid \d+\) or its runner "
+            r"\(pid \d+\) is gone: stopping as on SIGTERM",
+            timeout=30,
+        )
     saved = started.wait_for(r"checkpoint saved to (\S+global_step_(\d+))", timeout=300)
     assert wait_gone([p.pid for p in ranks.values()], 120) == [], started.output[-4000:]  # none trains on headless
     assert Path(saved.group(1)).is_dir() and int(saved.group(2)) >= 2
@@ -200,8 +237,11 @@ def test_the_ranks_stop_and_save_when_the_torchrun_agent_is_killed(run):
     assert len(ranks) == 2
     started.runner.kill()  # SIGKILL: the agent can tell its ranks nothing
     for rank in (0, 1):
-        started.wait_for(rf"^\[dsrl r{rank} [\d:]+\] warning: the torchrun process that started this rank "
-                         rf"\(pid {started.runner.pid}\) is gone: stopping as on SIGTERM", timeout=30)
+        started.wait_for(
+            rf"^\[dsrl r{rank} [\d:]+\] warning: the torchrun process that started this rank "
+            rf"\(pid {started.runner.pid}\) is gone: stopping as on SIGTERM",
+            timeout=30,
+        )
     saved = started.wait_for(r"checkpoint saved to (\S+global_step_(\d+))", timeout=300)
     assert wait_gone([p.pid for p in ranks], 120) == [], started.output[-4000:]  # none trains on headless
     assert Path(saved.group(1)).is_dir() and int(saved.group(2)) >= 2

@@ -14,7 +14,9 @@ from dsrl.runtime.signals import Interrupted, RunSignals
 
 @pytest.fixture
 def signals(monkeypatch):
-    monkeypatch.setattr("dsrl.runtime.phases._phase", "start-up")  # an exception leaves its phase named: restore it after
+    monkeypatch.setattr(
+        "dsrl.runtime.phases._phase", "start-up"
+    )  # an exception leaves its phase named: restore it after
     handlers = RunSignals().install()
     yield handlers
     handlers.restore()

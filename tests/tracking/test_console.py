@@ -113,7 +113,9 @@ def test_python_warnings_from_dsrl_print_once_per_category_and_text(capsys):
         warn_from_dsrl("tracking: start failed (OSError: disk full); training continues", RuntimeWarning)
     out = lines(capsys.readouterr().out)
     assert len(out) == 2
-    assert re.fullmatch(PREFIX.format(rank=0) + r"warning: tracking: start failed \(OSError: disk full\); training continues", out[0])
+    assert re.fullmatch(
+        PREFIX.format(rank=0) + r"warning: tracking: start failed \(OSError: disk full\); training continues", out[0]
+    )
     assert out[1].endswith("training continues (RuntimeWarning)")
 
 
@@ -124,7 +126,9 @@ def test_python_warnings_print_on_rank_0_unless_rank_specific(capsys):
         warn_from_dsrl("the same on every rank")
         warn_from_dsrl("rank 1 has no GPU memory left", RankWarning)
     out = lines(capsys.readouterr().out)
-    assert len(out) == 1 and re.fullmatch(PREFIX.format(rank=1) + r"warning: rank 1 has no GPU memory left \(RankWarning\)", out[0])
+    assert len(out) == 1 and re.fullmatch(
+        PREFIX.format(rank=1) + r"warning: rank 1 has no GPU memory left \(RankWarning\)", out[0]
+    )
 
 
 def test_other_packages_warnings_are_shown_as_python_shows_them(capsys, monkeypatch):
@@ -140,7 +144,9 @@ def test_other_packages_warnings_are_shown_as_python_shows_them(capsys, monkeypa
 def test_the_cli_sets_logging_up_with_the_rank_of_the_environment(monkeypatch, tmp_path, capsys):
     from dsrl.commands.train import main
 
-    monkeypatch.setattr(os, "environ", {**os.environ, "RANK": "3", "WORLD_SIZE": "4"})  # what the CLI fills in stays here
+    monkeypatch.setattr(
+        os, "environ", {**os.environ, "RANK": "3", "WORLD_SIZE": "4"}
+    )  # what the CLI fills in stays here
     assert main([str(tmp_path / "missing.yaml"), "--validate-only"]) == 2  # a bad config: exits before training
     [handler] = [h for h in logger.handlers if isinstance(h, console._ConsoleHandler)]
     assert handler.rank == 3
@@ -191,17 +197,29 @@ def test_step_lines_off_a_terminal():
     progress.log_metrics(STEP, step=1)
     clock.now = 106.0
     failing = {k: v for k, v in STEP.items() if k != "actor/kl_loss"}
-    progress.log_metrics({**failing, "actor/reward_kl_penalty": 0.5, "reward/fail_exception": 3.0, "tracking/failures": 1.0, "tracking/dropped": 2.0}, step=2)
+    progress.log_metrics(
+        {
+            **failing,
+            "actor/reward_kl_penalty": 0.5,
+            "reward/fail_exception": 3.0,
+            "tracking/failures": 1.0,
+            "tracking/dropped": 2.0,
+        },
+        step=2,
+    )
     clock.now = 130.0
     progress.log_metrics({**STEP, **VAL, "val-core/arith/acc/mean@1": 0.5}, step=10)
     progress.finish()
     out = lines(stream.getvalue())
     assert len(out) == 5
     assert re.fullmatch(
-        PREFIX.format(rank=0) + r"validation at step 0: val-core/arith/acc/mean@1=0\.125 val-core/arith/reward/mean@1=0\.25", out[0]
+        PREFIX.format(rank=0)
+        + r"validation at step 0: val-core/arith/acc/mean@1=0\.125 val-core/arith/reward/mean@1=0\.25",
+        out[0],
     )
     assert re.fullmatch(
-        PREFIX.format(rank=0) + r"step  1/10 score=0\.25 resp_len=3\.4 kl=0\.0012 step_s=1\.50 tok/s=812 eta 0:00:18", out[1]
+        PREFIX.format(rank=0) + r"step  1/10 score=0\.25 resp_len=3\.4 kl=0\.0012 step_s=1\.50 tok/s=812 eta 0:00:18",
+        out[1],
     )  # mean 2 s per step x 9 steps left
     assert out[2].endswith(
         "] step  2/10 score=0.25 resp_len=3.4 kl=0.5 step_s=1.50 tok/s=812 reward_exceptions=3 tracking_failures=1 "
@@ -256,7 +274,12 @@ def test_a_bar_on_a_terminal_with_log_lines_above_it():
 
 def test_format_count():
     assert [format_count(n) for n in (494_032_768, 7_615_616_512, 1_234_567, 35_000, 812, None)] == [
-        "494M", "7.6B", "1.2M", "35K", "812", "n/a",
+        "494M",
+        "7.6B",
+        "1.2M",
+        "35K",
+        "812",
+        "n/a",
     ]
 
 
@@ -272,10 +295,21 @@ STARTUP = {
     "world_size": 2,
     "device": "cpu",
     "roles": {
-        "actor": {"zero_stage": 3, "offload_params": True, "offload_optimizer": True, "dtype": "bfloat16",
-                  "params": 494_032_768, "gradient_checkpointing": True},
-        "reference": {"zero_stage": 3, "offload_params": True, "offload_optimizer": False, "dtype": "bfloat16",
-                      "params": 7_615_616_512},
+        "actor": {
+            "zero_stage": 3,
+            "offload_params": True,
+            "offload_optimizer": True,
+            "dtype": "bfloat16",
+            "params": 494_032_768,
+            "gradient_checkpointing": True,
+        },
+        "reference": {
+            "zero_stage": 3,
+            "offload_params": True,
+            "offload_optimizer": False,
+            "dtype": "bfloat16",
+            "params": 7_615_616_512,
+        },
         "critic": None,
     },
     "rollout": "vllm (tp 2)",
@@ -289,8 +323,10 @@ STARTUP = {
     "optimizer_steps": {"actor": 2, "critic": None},
     "micro_batch_size": 4,
     "max_token_len": None,
-    "prompts": {"train": {"rows": 1024, "kept": 1000, "filtered_overlong": 24, "truncated": 0},
-                "val": {"rows": 50, "kept": 48, "filtered_overlong": 0, "truncated": 2}},
+    "prompts": {
+        "train": {"rows": 1024, "kept": 1000, "filtered_overlong": 24, "truncated": 0},
+        "val": {"rows": 50, "kept": 48, "filtered_overlong": 0, "truncated": 2},
+    },
     "total_steps": 10,
     "start_step": 0,
     "resume_from": None,
@@ -326,8 +362,10 @@ def test_startup_summary_shows_every_fact():
 def test_startup_summary_variants():
     facts = {
         **STARTUP,
-        "roles": {**STARTUP["roles"], "critic": {"zero_stage": 2, "dtype": "float32", "params": 35_000,
-                                                 "gradient_checkpointing": False}},
+        "roles": {
+            **STARTUP["roles"],
+            "critic": {"zero_stage": 2, "dtype": "float32", "params": 35_000, "gradient_checkpointing": False},
+        },
         "kl_loss": None,
         "kl_in_reward": {"penalty": "kl", "coef": 0.05, "ctrl": "adaptive"},
         "optimizer_steps": {"actor": 4, "critic": 4},
@@ -385,12 +423,18 @@ def test_final_summary_shows_every_fact_and_how_to_open_the_run():
 @pytest.mark.parametrize(
     ("mlflow", "hint"),
     [
-        ({"tracking_uri": "http://mlflow.example:5000/", "experiment_id": "3", "run_id": "r1"},
-         "open http://mlflow.example:5000/#/experiments/3/runs/r1"),
-        ({"tracking_uri": "sqlite:////abs/my runs/m.db", "experiment_id": None, "run_id": "r1"},
-         "mlflow ui --backend-store-uri 'sqlite:////abs/my runs/m.db'"),
-        ({"tracking_uri": "mlruns", "experiment_id": "0", "run_id": "r1"},
-         "mlflow ui --backend-store-uri /runs/here/mlruns  (then open http://127.0.0.1:5000/#/experiments/0/runs/r1)"),
+        (
+            {"tracking_uri": "http://mlflow.example:5000/", "experiment_id": "3", "run_id": "r1"},
+            "open http://mlflow.example:5000/#/experiments/3/runs/r1",
+        ),
+        (
+            {"tracking_uri": "sqlite:////abs/my runs/m.db", "experiment_id": None, "run_id": "r1"},
+            "mlflow ui --backend-store-uri 'sqlite:////abs/my runs/m.db'",
+        ),
+        (
+            {"tracking_uri": "mlruns", "experiment_id": "0", "run_id": "r1"},
+            "mlflow ui --backend-store-uri /runs/here/mlruns  (then open http://127.0.0.1:5000/#/experiments/0/runs/r1)",
+        ),
     ],
 )
 def test_final_summary_mlflow_hints(mlflow, hint):
@@ -398,8 +442,15 @@ def test_final_summary_mlflow_hints(mlflow, hint):
 
 
 def test_final_summary_of_a_resumed_interrupted_run_without_validation_or_mlflow():
-    facts = {**FINAL, "validation": {}, "initial_step": 4, "last_step": 6, "status": "stopped by SIGTERM",
-             "model_dir": None, "mlflow": None}
+    facts = {
+        **FINAL,
+        "validation": {},
+        "initial_step": 4,
+        "last_step": 6,
+        "status": "stopped by SIGTERM",
+        "model_dir": None,
+        "mlflow": None,
+    }
     shown = values(final_summary(facts))
     assert shown["status"] == "stopped by SIGTERM"
     assert shown["steps"] == "6/10 (2 in this run, resumed at step 4)"
@@ -418,8 +469,16 @@ def test_a_secret_that_reached_a_path_prints_as_stars_on_every_log_line(monkeypa
     setup_logging(0, stream=stream)
     logger.info(startup_summary({**STARTUP, "checkpoint_dir": run}))
     logger.info("checkpoint saved to %s (1.0 MiB in 0.10 s)", f"{run}/global_step_2")
-    logger.info(final_summary({**FINAL, "checkpoint_dir": run, "model_dir": f"{run}/huggingface",
-                               "last_checkpoint": f"{run}/global_step_2"}))
+    logger.info(
+        final_summary(
+            {
+                **FINAL,
+                "checkpoint_dir": run,
+                "model_dir": f"{run}/huggingface",
+                "last_checkpoint": f"{run}/global_step_2",
+            }
+        )
+    )
     try:
         raise OSError(f"cannot write {run}/latest")
     except OSError:

@@ -32,10 +32,25 @@ class Server:
         if not os.path.exists(command[0]):
             command = [shutil.which("mlflow")]
         self.process = subprocess.Popen(
-            [*command, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
-             "--serve-artifacts", "--artifacts-destination", str(root / "artifacts")],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root,
+            [
+                *command,
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{root / 'server.db'}",
+                "--serve-artifacts",
+                "--artifacts-destination",
+                str(root / "artifacts"),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=root,
         )
 
     def wait_healthy(self, timeout: float = 90) -> None:
@@ -74,15 +89,22 @@ def server(tmp_path, free_port, monkeypatch):
 
 
 def test_params_metrics_table_and_artifacts_reach_the_server(server, tmp_path):
-    tracker = Tracker(["console", "mlflow"], project_name="served", experiment_name="run", total_steps=3, rank=0,
-                      tags={"dsrl.algorithm": "grpo"})
+    tracker = Tracker(
+        ["console", "mlflow"],
+        project_name="served",
+        experiment_name="run",
+        total_steps=3,
+        rank=0,
+        tags={"dsrl.algorithm": "grpo"},
+    )
     assert tracker.tracking_uri == server.url
     params = {f"group{i % 3}.key_{i}": i for i in range(150)}  # two requests
     tracker.log_params(params)
     for step in range(1, 4):
         tracker.log_metrics({"critic/score/mean": step / 4, "val/pass@1": step / 8}, step=step)
-    tracker.log_table([{"prompt": "1+1=", "response": "2", "score": 1.0, "data_source": "arith"}],
-                      "generations/val_step_3.json")
+    tracker.log_table(
+        [{"prompt": "1+1=", "response": "2", "score": 1.0, "data_source": "arith"}], "generations/val_step_3.json"
+    )
     tracker.log_text("data:\n  train_batch_size: 8\n", "config/resolved.yaml")
     model = tmp_path / "model"
     model.mkdir()
@@ -101,8 +123,10 @@ def test_params_metrics_table_and_artifacts_reach_the_server(server, tmp_path):
     table = client.load_table(run.info.experiment_id, "generations/val_step_3.json", run_ids=[tracker.run_id])
     assert table[["prompt", "score", "data_source"]].values.tolist() == [["1+1=", 1.0, "arith"]]
     raw = client.download_artifacts(tracker.run_id, "generations/val_step_3.json", str(tmp_path / "down"))
-    assert json.load(open(raw)) == {"columns": ["prompt", "response", "score", "data_source"],
-                                    "data": [["1+1=", "2", 1.0, "arith"]]}  # pandas reads "2" back as 2
+    assert json.load(open(raw)) == {
+        "columns": ["prompt", "response", "score", "data_source"],
+        "data": [["1+1=", "2", 1.0, "arith"]],
+    }  # pandas reads "2" back as 2
     text = client.download_artifacts(tracker.run_id, "config/resolved.yaml", str(tmp_path / "down"))
     assert open(text).read() == "data:\n  train_batch_size: 8\n"
     assert [a.path for a in client.list_artifacts(tracker.run_id, "model")] == ["model/config.json"]

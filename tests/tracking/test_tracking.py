@@ -137,11 +137,29 @@ def test_the_whole_config_lands_as_params_and_a_long_value_is_truncated(client, 
 
 
 def test_secret_names():
-    for name in ("data.apply_chat_template_kwargs.api_key", "HF_TOKEN", "MY_SERVICE_TOKEN", "apiKey", "db.passwd",
-                 "x.Password", "client-secret", "AWS_SECRET_ACCESS_KEY", "gcp.credentials", "basic_auth"):
+    for name in (
+        "data.apply_chat_template_kwargs.api_key",
+        "HF_TOKEN",
+        "MY_SERVICE_TOKEN",
+        "apiKey",
+        "db.passwd",
+        "x.Password",
+        "client-secret",
+        "AWS_SECRET_ACCESS_KEY",
+        "gcp.credentials",
+        "basic_auth",
+    ):
         assert is_secret_name(name), name
-    for name in ("tokenizer.pad_token", "eos_token", "actor.ppo_max_token_len_per_gpu", "max_num_batched_tokens",
-                 "data.prompt_key", "author", "TOKENIZERS_PARALLELISM", "SSH_AUTH_SOCK"):
+    for name in (
+        "tokenizer.pad_token",
+        "eos_token",
+        "actor.ppo_max_token_len_per_gpu",
+        "max_num_batched_tokens",
+        "data.prompt_key",
+        "author",
+        "TOKENIZERS_PARALLELISM",
+        "SSH_AUTH_SOCK",
+    ):
         assert not is_secret_name(name), name
     # no key of a shipped recipe looks like a secret
     assert [k for k in quickstart_params() if is_secret_name(k)] == []
@@ -154,12 +172,16 @@ def test_redact_keeps_the_shape(monkeypatch):
     assert redact(tree) == {"a": {"api_key": "***", "auth": {"user": "u"}, "n": [1, "***", "abc"]}, "b": "***", "c": 3}
     flat = flatten(tree)
     assert redact(flat) == flatten(redact(tree))
-    text = (f"api_key: {KEY_SECRET}\nheader: Bearer {ENV_SECRET}\npad_token: <pad>\n"
-            f'{{"hf_token": "{KEY_SECRET}"}} data.apply_chat_template_kwargs.api_key={KEY_SECRET}\n'
-            "uri: https://user:hunter2pass@example.com/x\n")
-    assert redact_text(text) == ("api_key: '***'\nheader: Bearer ***\npad_token: <pad>\n"
-                                 '{"hf_token": "***"} data.apply_chat_template_kwargs.api_key=***\n'
-                                 'uri: https://user:***@example.com/x\n')
+    text = (
+        f"api_key: {KEY_SECRET}\nheader: Bearer {ENV_SECRET}\npad_token: <pad>\n"
+        f'{{"hf_token": "{KEY_SECRET}"}} data.apply_chat_template_kwargs.api_key={KEY_SECRET}\n'
+        "uri: https://user:hunter2pass@example.com/x\n"
+    )
+    assert redact_text(text) == (
+        "api_key: '***'\nheader: Bearer ***\npad_token: <pad>\n"
+        '{"hf_token": "***"} data.apply_chat_template_kwargs.api_key=***\n'
+        "uri: https://user:***@example.com/x\n"
+    )
 
 
 def test_planted_secrets_appear_nowhere(client, store_dir, monkeypatch, tmp_path):
@@ -207,8 +229,9 @@ def test_planted_secrets_appear_nowhere(client, store_dir, monkeypatch, tmp_path
 def test_metric_histories_with_sanitised_names(client):
     tracker = Tracker(["console", "mlflow"], project_name="metrics", experiment_name="e", total_steps=5, rank=0)
     for step in range(1, 6):
-        tracker.log_metrics({"val/pass@1": step / 10, "actor/pg_loss": -step, "bad": math.nan, "worse": math.inf},
-                            step=step)
+        tracker.log_metrics(
+            {"val/pass@1": step / 10, "actor/pg_loss": -step, "bad": math.nan, "worse": math.inf}, step=step
+        )
     tracker.finish()
     run = only_run(client, "metrics")
     assert history(client, run.info.run_id, "val/pass_at_1") == [(s, s / 10) for s in range(1, 6)]
@@ -218,15 +241,19 @@ def test_metric_histories_with_sanitised_names(client):
 
 
 def test_a_table_artifact_reads_back(client):
-    rows = [{"prompt": "1+1=", "response": "2", "score": 1.0, "data_source": "arith", "extras": {"digits": 1}},
-            {"prompt": "2+2=", "response": "five", "score": 0.0, "data_source": "arith", "extras": {"digits": 0}}]
+    rows = [
+        {"prompt": "1+1=", "response": "2", "score": 1.0, "data_source": "arith", "extras": {"digits": 1}},
+        {"prompt": "2+2=", "response": "five", "score": 0.0, "data_source": "arith", "extras": {"digits": 0}},
+    ]
     tracker = mlflow_tracker("table")
     tracker.log_table(rows, "generations/val_step_3.json")
     tracker.finish()
     run = only_run(client, "table")
     table = client.load_table(run.info.experiment_id, "generations/val_step_3.json", run_ids=[run.info.run_id])
     assert table[["prompt", "response", "score", "data_source"]].values.tolist() == [
-        ["1+1=", "2", 1.0, "arith"], ["2+2=", "five", 0.0, "arith"]]
+        ["1+1=", "2", 1.0, "arith"],
+        ["2+2=", "five", 0.0, "arith"],
+    ]
     assert list(table["extras"]) == [{"digits": 1}, {"digits": 0}]
 
 
@@ -272,7 +299,9 @@ def test_a_metric_name_over_mlflows_limit_loses_no_metric_of_its_batch(client):
     assert history(client, run.info.run_id, "actor/pg_loss") == [(1, -1), (2, -2)]
     assert history(client, run.info.run_id, "critic/score/mean") == [(1, 0.5), (2, 1.0)]
     said = [str(w.message) for w in caught if "logged to MLflow as" in str(w.message)]
-    assert said == [f"tracking: the metric {long} is logged to MLflow as {cut} (longer than MLflow's limit of {limit} characters)"]
+    assert said == [
+        f"tracking: the metric {long} is logged to MLflow as {cut} (longer than MLflow's limit of {limit} characters)"
+    ]
     assert tracker.failures == 0 and tracker.dropped == 0
 
 
@@ -281,7 +310,9 @@ def test_metric_names_that_sanitise_alike_stay_two_curves(client):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in (1, 2):
-            tracker.log_metrics({"val/a@b": step, "val/a_at_b": 10 * step, "x(1)": -step, "x_1_": -10 * step}, step=step)
+            tracker.log_metrics(
+                {"val/a@b": step, "val/a_at_b": 10 * step, "x(1)": -step, "x_1_": -10 * step}, step=step
+            )
         tracker.finish()
     run = only_run(client, "collisions")
     [a_at_b, x_1] = sorted(name for name in run.data.metrics if "-" in name)
@@ -292,14 +323,22 @@ def test_metric_names_that_sanitise_alike_stay_two_curves(client):
     assert history(client, run.info.run_id, "x_1_") == [(1, -1), (2, -2)]
     assert history(client, run.info.run_id, x_1) == [(1, -10), (2, -20)]
     said = sorted(str(w.message) for w in caught if "logged to MLflow as" in str(w.message))  # once per name
-    assert said == [f"tracking: the metric val/a_at_b is logged to MLflow as {a_at_b} (val/a_at_b is the MLflow name "
-                    "of the metric val/a@b)",
-                    f"tracking: the metric x_1_ is logged to MLflow as {x_1} (x_1_ is the MLflow name of the metric x(1))"]
+    assert said == [
+        f"tracking: the metric val/a_at_b is logged to MLflow as {a_at_b} (val/a_at_b is the MLflow name "
+        "of the metric val/a@b)",
+        f"tracking: the metric x_1_ is logged to MLflow as {x_1} (x_1_ is the MLflow name of the metric x(1))",
+    ]
 
 
 def test_metric_names_mlflow_would_read_as_other_paths_arrive(client):
-    names = {"reward/a//mean": "reward/a/_/mean", "/lead": "_/lead", "trail/": "trail/_", "./here": "_/here",
-             "..up": "_..up", "a/../b": "a/_/b"}
+    names = {
+        "reward/a//mean": "reward/a/_/mean",
+        "/lead": "_/lead",
+        "trail/": "trail/_",
+        "./here": "_/here",
+        "..up": "_..up",
+        "a/../b": "a/_/b",
+    }
     assert {name: sanitize_metric_name(name) for name in names} == names
     tracker = mlflow_tracker("paths")
     tracker.log_metrics({name: 1.0 for name in names}, step=1)
@@ -316,7 +355,10 @@ def test_a_suffixed_name_taken_already_takes_the_whole_digest():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert [names("a_at_b"), names(f"a_at_b-{digest[:8]}"), names("a@b")] == [
-            "a_at_b", f"a_at_b-{digest[:8]}", f"a_at_b-{digest}"]
+            "a_at_b",
+            f"a_at_b-{digest[:8]}",
+            f"a_at_b-{digest}",
+        ]
     assert names("a@b") == f"a_at_b-{digest}"  # the same name every step
 
 
@@ -378,8 +420,11 @@ def test_system_metrics_are_logged(client, monkeypatch):
     tracker.finish()
     run = only_run(client, "system")
     metrics = set(run.data.metrics)
-    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes",
-            "system/system_memory_usage_percentage"} <= metrics
+    assert {
+        "system/cpu_utilization_percentage",
+        "system/system_memory_usage_megabytes",
+        "system/system_memory_usage_percentage",
+    } <= metrics
     assert len(client.get_metric_history(run.info.run_id, "system/cpu_utilization_percentage")) >= 2
     monitors = [t for t in threading.enumerate() if t.name == "SystemMetricsMonitor" and t.is_alive()]
     assert monitors == []  # stopped at finish

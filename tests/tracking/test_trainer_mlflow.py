@@ -37,11 +37,18 @@ def artifact(client, run_id, path, tmp_path) -> str:
         return f.read()
 
 
-def test_a_run_lands_complete(store, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops,
-                              tmp_path, capsys):
+def test_a_run_lands_complete(
+    store, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path, capsys
+):
     trainer = trainer_for(
-        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out",
-        "trainer.logger=[console,mlflow]", "trainer.log_val_generations=3", "trainer.log_samples_freq=1",
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path / "out",
+        "trainer.logger=[console,mlflow]",
+        "trainer.log_val_generations=3",
+        "trainer.log_samples_freq=1",
         "data.apply_chat_template_kwargs.api_key=sk-planted-secret-123",
     )
     trainer.fit()
@@ -68,8 +75,12 @@ def test_a_run_lands_complete(store, tiny_model_dir, arithmetic_data, ds_test_co
     ds = json.loads(artifact(store, run_id, "config/deepspeed_actor.json", tmp_path))
     assert ds["train_micro_batch_size_per_gpu"] == trainer.actor.ds_config["train_micro_batch_size_per_gpu"]
     tables = {a.path for a in store.list_artifacts(run_id, "generations")}
-    assert tables == {"generations/val_step_0.json", "generations/val_step_2.json", "generations/train_step_1.json",
-                      "generations/train_step_2.json"}
+    assert tables == {
+        "generations/val_step_0.json",
+        "generations/val_step_2.json",
+        "generations/train_step_1.json",
+        "generations/train_step_2.json",
+    }
     val = json.loads(artifact(store, run_id, "generations/val_step_0.json", tmp_path))
     assert val["columns"][:4] == ["prompt", "response", "score", "data_source"] and "digits" in val["columns"]
     assert len(val["data"]) == 3 and all(row[0] and row[3] == "arithmetic" for row in val["data"])
@@ -78,10 +89,18 @@ def test_a_run_lands_complete(store, tiny_model_dir, arithmetic_data, ds_test_co
     assert "sk-planted-secret-123" not in capsys.readouterr().out
 
 
-def test_a_crash_ends_the_run_failed(store, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one,
-                                     deepspeed_cpu_ops, tmp_path):
-    trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out",
-                          "trainer.logger=[console,mlflow]", "trainer.val_before_train=false")
+def test_a_crash_ends_the_run_failed(
+    store, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    trainer = trainer_for(
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path / "out",
+        "trainer.logger=[console,mlflow]",
+        "trainer.val_before_train=false",
+    )
 
     def broken(*args, **kwargs):
         raise RuntimeError("the update broke")
@@ -92,14 +111,22 @@ def test_a_crash_ends_the_run_failed(store, tiny_model_dir, arithmetic_data, ds_
     assert the_run(store).info.status == "FAILED"
 
 
-def test_a_signal_ends_the_run_killed(store, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one,
-                                      deepspeed_cpu_ops, tmp_path):
+def test_a_signal_ends_the_run_killed(
+    store, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
     import signal
 
     from dsrl.runtime.signals import RunSignals, TrainingInterrupted
 
-    trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out",
-                          "trainer.logger=[console,mlflow]", "trainer.val_before_train=false")
+    trainer = trainer_for(
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path / "out",
+        "trainer.logger=[console,mlflow]",
+        "trainer.val_before_train=false",
+    )
     signals = RunSignals()
     signals.signum = int(signal.SIGTERM)  # as if a rank got SIGTERM during the first step
     with pytest.raises(TrainingInterrupted):
@@ -109,7 +136,9 @@ def test_a_signal_ends_the_run_killed(store, tiny_model_dir, arithmetic_data, ds
     assert [m.step for m in store.get_metric_history(run.info.run_id, "critic/score/mean")] == [1]
 
 
-@pytest.mark.parametrize("phase, overrides", [("validate", []), ("validate", ["trainer.val_only=true"]), ("export", [])])
+@pytest.mark.parametrize(
+    "phase, overrides", [("validate", []), ("validate", ["trainer.val_only=true"]), ("export", [])]
+)
 def test_a_signal_outside_the_loop_stops_at_once_and_ends_the_run_killed(
     phase, overrides, store, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
 ):
@@ -121,8 +150,16 @@ def test_a_signal_outside_the_loop_stops_at_once_and_ends_the_run_killed(
 
     from dsrl.runtime.signals import Interrupted, TrainingInterrupted
 
-    trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out",
-                          "trainer.logger=[console,mlflow]", "trainer.total_training_steps=1", *overrides)
+    trainer = trainer_for(
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path / "out",
+        "trainer.logger=[console,mlflow]",
+        "trainer.total_training_steps=1",
+        *overrides,
+    )
     method = {"validate": "validate", "export": "export_final_model"}[phase]
     original = getattr(trainer, method)
 
@@ -139,15 +176,30 @@ def test_a_signal_outside_the_loop_stops_at_once_and_ends_the_run_killed(
     assert trainer.scorer._pool is None  # the reward workers stopped
 
 
-def test_a_resumed_run_continues_its_mlflow_run(store, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one,
-                                                deepspeed_cpu_ops, tmp_path):
+def test_a_resumed_run_continues_its_mlflow_run(
+    store, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
     common = ["trainer.logger=[console,mlflow]", "trainer.val_before_train=false", "trainer.save_freq=1"]
-    trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out", *common,
-                "trainer.total_training_steps=1").fit()
+    trainer_for(
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path / "out",
+        *common,
+        "trainer.total_training_steps=1",
+    ).fit()
     first = the_run(store).info.run_id
     # each trainer_for writes its DeepSpeed JSON to a new path: the only setting that differs
-    resumed = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out", *common,
-                          "trainer.resume_allow_config_change=true")
+    resumed = trainer_for(
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path / "out",
+        *common,
+        "trainer.resume_allow_config_change=true",
+    )
     assert resumed.global_step == 1 and resumed.tracker.run_id == first
     resumed.fit()
     run = the_run(store)  # still one run
@@ -164,10 +216,19 @@ def test_a_lora_run_logs_its_adapter_settings_and_where_its_adapter_is(
     from dsrl.engines.lora import trainable_parameter_count
     from dsrl.trainer.facts import final_facts
 
-    trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "out",
-                          "trainer.logger=[console,mlflow]", "trainer.val_before_train=false",
-                          "trainer.total_training_steps=1", "actor_rollout_ref.model.lora_rank=4",
-                          "actor_rollout_ref.model.lora_alpha=8", "actor_rollout_ref.model.target_modules=all-linear")
+    trainer = trainer_for(
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path / "out",
+        "trainer.logger=[console,mlflow]",
+        "trainer.val_before_train=false",
+        "trainer.total_training_steps=1",
+        "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.model.lora_alpha=8",
+        "actor_rollout_ref.model.target_modules=all-linear",
+    )
     trainer.fit()
     params, tags = the_run(store).data.params, the_run(store).data.tags
     assert params["lora.rank"] == "4" and params["lora.alpha"] == "8"

@@ -51,9 +51,14 @@ def row_record(batch: Batch, i: int) -> tuple:
     prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
     keep = batch.response_mask[i].bool()
     return (
-        int(batch.group_ids[i]), tuple(prompt), tuple(batch.response_ids[i][keep].tolist()),
-        tuple(batch.old_log_probs[i][keep].tolist()), float(batch.reward_baselines[i]),
-        batch.data_sources[i], batch.ground_truths[i], batch.extra_infos[i]["uid"],
+        int(batch.group_ids[i]),
+        tuple(prompt),
+        tuple(batch.response_ids[i][keep].tolist()),
+        tuple(batch.old_log_probs[i][keep].tolist()),
+        float(batch.reward_baselines[i]),
+        batch.data_sources[i],
+        batch.ground_truths[i],
+        batch.extra_infos[i]["uid"],
         int(batch.prompt_mask[i, -1]),  # left padding: the last prompt column is always valid
     )
 
@@ -88,7 +93,10 @@ def test_rows_move_intact_and_tokens_even_out(free_port):
     m = out[0]["metrics"]
     assert m == out[1]["metrics"]
     assert m["global_seqlen/max"] - m["global_seqlen/min"] == m["global_seqlen/minmax_diff"] > 0
-    assert sorted([out[0]["tokens"], out[1]["tokens"]]) == [m["global_seqlen/balanced_min"], m["global_seqlen/balanced_max"]]
+    assert sorted([out[0]["tokens"], out[1]["tokens"]]) == [
+        m["global_seqlen/balanced_min"],
+        m["global_seqlen/balanced_max"],
+    ]
     assert m["global_seqlen/balanced_max"] - m["global_seqlen/balanced_min"] < m["global_seqlen/minmax_diff"]
 
 

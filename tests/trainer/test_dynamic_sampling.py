@@ -96,16 +96,25 @@ def _run(rounds_values, n_groups, max_rounds):
         return _prompts([10 * k + i for i in range(n_groups)])
 
     batch, metrics = fill_batch(
-        _prompts(list(range(n_groups))), scored_round=scored_round, next_prompts=next_prompts,
-        n_groups=n_groups, max_rounds=max_rounds, log=lambda line: None,
+        _prompts(list(range(n_groups))),
+        scored_round=scored_round,
+        next_prompts=next_prompts,
+        n_groups=n_groups,
+        max_rounds=max_rounds,
+        log=lambda line: None,
     )
     return batch, metrics, calls
 
 
 def _prompts(ids):
     empty = torch.empty(len(ids), 0, dtype=torch.long)
-    return Batch(prompt_ids=torch.tensor(ids)[:, None], prompt_mask=torch.ones(len(ids), 1, dtype=torch.long),
-                 response_ids=empty, response_mask=empty, group_ids=torch.arange(len(ids)))
+    return Batch(
+        prompt_ids=torch.tensor(ids)[:, None],
+        prompt_mask=torch.ones(len(ids), 1, dtype=torch.long),
+        response_ids=empty,
+        response_mask=empty,
+        group_ids=torch.arange(len(ids)),
+    )
 
 
 def test_one_round_is_enough_when_every_group_varies(world_of_one):
@@ -149,8 +158,14 @@ def test_a_round_whose_reward_lacks_the_metric_stops(world_of_one):
         return batch, [], "algorithm.filter_groups.metric=acc: the reward gave no finite number"
 
     with pytest.raises(ValueError, match="filter_groups.metric=acc"):
-        fill_batch(_prompts([0]), scored_round=scored_round, next_prompts=_prompts, n_groups=1, max_rounds=0,
-                   log=lambda line: None)
+        fill_batch(
+            _prompts([0]),
+            scored_round=scored_round,
+            next_prompts=_prompts,
+            n_groups=1,
+            max_rounds=0,
+            log=lambda line: None,
+        )
 
 
 # ---------------------------------------------------------------- config rules
@@ -178,17 +193,26 @@ def test_dapo_settings_load(tmp_path):
     on = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"]
     assert _problems(on + ["algorithm.filter_groups.max_num_gen_batches=10"], tmp_path) == []
     # DAPO's scripts set metric and max_num_gen_batches with enable=False: accepted, unread
-    assert _problems(["algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=10"], tmp_path) == []
+    assert (
+        _problems(["algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=10"], tmp_path)
+        == []
+    )
 
 
 def test_filter_groups_rules(tmp_path):
     [v] = _problems(["algorithm.filter_groups.enable=true"], tmp_path)
     assert v.startswith("algorithm.filter_groups.metric=null: algorithm.filter_groups.enable=true needs")
     on = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"]
-    assert any(p.startswith("actor_rollout_ref.rollout.n=1: algorithm.filter_groups.enable=true drops groups")
-               for p in _problems(on + ["actor_rollout_ref.rollout.n=1"], tmp_path))
-    assert any(p.startswith("algorithm.adv_estimator=remax: remax's greedy baseline")
-               for p in _problems(on + ["algorithm.adv_estimator=remax"], tmp_path))
+    assert any(
+        p.startswith("actor_rollout_ref.rollout.n=1: algorithm.filter_groups.enable=true drops groups")
+        for p in _problems(on + ["actor_rollout_ref.rollout.n=1"], tmp_path)
+    )
+    assert any(
+        p.startswith("algorithm.adv_estimator=remax: remax's greedy baseline")
+        for p in _problems(on + ["algorithm.adv_estimator=remax"], tmp_path)
+    )
     final = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward"]
-    assert any(p.startswith("algorithm.filter_groups.metric=seq_final_reward: seq_final_reward is the score after")
-               for p in _problems(final + ["algorithm.use_kl_in_reward=true"], tmp_path))
+    assert any(
+        p.startswith("algorithm.filter_groups.metric=seq_final_reward: seq_final_reward is the score after")
+        for p in _problems(final + ["algorithm.use_kl_in_reward=true"], tmp_path)
+    )

@@ -325,7 +325,8 @@ def test_variance_proxy_by_hand():
     """Row 1: pi = (0.5, 0.25), sum pi^2 = (0.5, 0.25), A = 1 -> W = 0.5 + 0.75 = 1.25.
     Row 2: pi = 1, sum pi^2 = 1, A = 2 -> W = 0. Power = mean(1 * 1.25, 4 * 0) = 0.625."""
     batch = make_batch(
-        [1, 1], [2, 1],
+        [1, 1],
+        [2, 1],
         old_log_probs=[[math.log(0.5), math.log(0.25)], [0.0]],
         sum_pi_squared=[[0.5, 0.25], [1.0]],
         advantages=[[1.0, 1.0], [2.0]],
@@ -342,7 +343,9 @@ def test_variance_proxy_by_hand():
     # Importance weights of 1 are the on-policy case; weights of 2 scale the power by 4 (rho^2).
     ones = batch.replace(rollout_is_weights=torch.ones_like(batch.advantages))
     assert variance_proxy_metrics(ones, grad_norm=0.5) == pytest.approx(want, rel=1e-6)
-    twos = variance_proxy_metrics(batch.replace(rollout_is_weights=2 * torch.ones_like(batch.advantages)), grad_norm=None)
+    twos = variance_proxy_metrics(
+        batch.replace(rollout_is_weights=2 * torch.ones_like(batch.advantages)), grad_norm=None
+    )
     assert twos["variance_proxy/proxy2_total_power"] == pytest.approx(4 * 0.625, rel=1e-6)
     assert twos["variance_proxy/proxy3_pure_noise"] == 0.0  # no gradient norm, no noise estimate
     assert variance_proxy_metrics(batch.replace(sum_pi_squared=None), grad_norm=0.5) == {}

@@ -9,8 +9,15 @@ VERSIONS = {name: "1.0" for name in VERSIONED}
 
 
 def rank(host, node, local_rank, device_id=None):
-    return {"host": host, "node": node, "local_rank": local_rank, "device": "cuda" if device_id else "cpu",
-            "device_id": device_id, "versions": dict(VERSIONS), "rollout": "vllm"}
+    return {
+        "host": host,
+        "node": node,
+        "local_rank": local_rank,
+        "device": "cuda" if device_id else "cpu",
+        "device_id": device_id,
+        "versions": dict(VERSIONS),
+        "rollout": "vllm",
+    }
 
 
 def two_by_four(**changes_of_rank_5):
@@ -38,8 +45,10 @@ def test_uneven_nodes_and_tensor_parallel_groups_across_nodes_are_refused():
     [line] = cluster_problems(uneven, tensor_parallel=1)
     assert line.startswith("the nodes run different numbers of ranks (a 3, b 1);") and "same slots=" in line
     [line] = cluster_problems(two_by_four(), tensor_parallel=8)
-    assert line.startswith("actor_rollout_ref.rollout.tensor_model_parallel_size=8: the vLLM group of ranks 0-7 spans "
-                           "nodes (gpu-a, gpu-b); fix: a tensor-parallel size that divides the ranks per node")
+    assert line.startswith(
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=8: the vLLM group of ranks 0-7 spans "
+        "nodes (gpu-a, gpu-b); fix: a tensor-parallel size that divides the ranks per node"
+    )
     assert cluster_problems(two_by_four(), tensor_parallel=2) == []
 
 

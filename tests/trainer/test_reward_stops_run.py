@@ -58,21 +58,23 @@ def train(tiny_model_dir, data, ds_test_config, out, reward, *overrides) -> int:
     """``dsrl-train grpo cpu`` on the tiny model with the reward file ``reward``; its exit code."""
     from dsrl.commands.train import main
 
-    return main([
-        *recipe("grpo"),
-        f"actor_rollout_ref.model.path={tiny_model_dir}",
-        f"data.train_files={data / 'train.parquet'}",
-        f"data.val_files={data / 'test.parquet'}",
-        f"custom_reward_function.path={reward}",
-        f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
-        "trainer.total_training_steps=5",
-        "trainer.test_freq=-1",
-        "trainer.logger=[console]",
-        f"trainer.default_local_dir={out}",
-        "reward.num_workers=2",
-        "reward.max_failed_steps=2",
-        *overrides,
-    ])
+    return main(
+        [
+            *recipe("grpo"),
+            f"actor_rollout_ref.model.path={tiny_model_dir}",
+            f"data.train_files={data / 'train.parquet'}",
+            f"data.val_files={data / 'test.parquet'}",
+            f"custom_reward_function.path={reward}",
+            f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
+            "trainer.total_training_steps=5",
+            "trainer.test_freq=-1",
+            "trainer.logger=[console]",
+            f"trainer.default_local_dir={out}",
+            "reward.num_workers=2",
+            "reward.max_failed_steps=2",
+            *overrides,
+        ]
+    )
 
 
 def step_line(out: str, step: int) -> str | None:
@@ -121,15 +123,27 @@ def test_a_reward_that_hangs_on_every_call_stops_the_run_in_seconds(
     reward.write_text(HANGING_REWARD)
     before = children()
     start = time.perf_counter()
-    code = train(tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "run", reward,
-                 "reward.timeout_s=2", "trainer.val_before_train=false")
+    code = train(
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path / "run",
+        reward,
+        "reward.timeout_s=2",
+        "trainer.val_before_train=false",
+    )
     elapsed = time.perf_counter() - start
     out, err = capfd.readouterr()
     assert code == 1
-    assert f"dsrl: step 2: every reward call failed in 2 steps in a row (this step's {ROWS} rows: " \
+    assert (
+        f"dsrl: step 2: every reward call failed in 2 steps in a row (this step's {ROWS} rows: "
         f"reward/fail_timeout={ROWS};" in err
-    assert "First failure: the call ran past reward.timeout_s=2 s and was killed. Fix the reward function " \
-        f"(custom_reward_function.path={reward}, name=compute_score), or raise reward.timeout_s=2 if it is only slow" in err
+    )
+    assert (
+        "First failure: the call ran past reward.timeout_s=2 s and was killed. Fix the reward function "
+        f"(custom_reward_function.path={reward}, name=compute_score), or raise reward.timeout_s=2 if it is only slow"
+        in err
+    )
     step_s = float(re.search(r"step_s=([\d.]+)", step_line(out, 1)).group(1))
     assert 4 * 2 <= step_s < 25, step_s
     assert elapsed < 180, elapsed

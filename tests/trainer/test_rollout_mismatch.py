@@ -54,14 +54,20 @@ def test_the_defaults_stop_after_three_steps_in_a_row_above_0_05():
 
 
 def test_a_step_within_the_bound_resets_the_streak():
-    streaks, stopped = run(gate("algorithm.rollout_mismatch.patience=2"),
-                           [step_metrics(v) for v in (0.1, 0.01, 0.1, 0.01, 0.1, 0.1)])
+    streaks, stopped = run(
+        gate("algorithm.rollout_mismatch.patience=2"), [step_metrics(v) for v in (0.1, 0.01, 0.1, 0.01, 0.1, 0.1)]
+    )
     assert streaks == [1, 0, 1, 0, 1, 2] and stopped == 6
 
 
 def test_steps_without_the_metric_neither_count_nor_reset():
-    steps = [step_metrics(0.1), step_metrics(0, valid=False), step_metrics(0.1), step_metrics(0, valid=False),
-             step_metrics(0.1)]
+    steps = [
+        step_metrics(0.1),
+        step_metrics(0, valid=False),
+        step_metrics(0.1),
+        step_metrics(0, valid=False),
+        step_metrics(0.1),
+    ]
     streaks, stopped = run(gate(), steps)
     assert streaks == [1, 1, 2, 2, 3] and stopped == 5
     # A step whose metrics lack the check altogether counts as one without it.
@@ -75,8 +81,10 @@ def test_a_nan_gap_on_a_valid_step_counts_as_above_the_bound():
 
 
 def test_patience_1_stops_at_the_first_step_above_the_bound():
-    streaks, stopped = run(gate("algorithm.rollout_mismatch.patience=1", "algorithm.rollout_mismatch.max_probs_diff=1e-4"),
-                           [step_metrics(v) for v in (1e-7, 1e-4, 2e-4, 1e-7)])
+    streaks, stopped = run(
+        gate("algorithm.rollout_mismatch.patience=1", "algorithm.rollout_mismatch.max_probs_diff=1e-4"),
+        [step_metrics(v) for v in (1e-7, 1e-4, 2e-4, 1e-7)],
+    )
     assert streaks == [0, 0, 1] and stopped == 3
 
 
@@ -112,12 +120,30 @@ def test_the_message_names_the_steps_their_gaps_the_keys_and_the_causes():
     "overrides, sleep_named, dtypes",
     [
         (["actor_rollout_ref.rollout.name=vllm"], True, ("bfloat16", "bfloat16")),
-        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.sleep_level=1"], False, ("bfloat16", "bfloat16")),
-        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enable_sleep_mode=false"], False,
-         ("bfloat16", "bfloat16")),
-        (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=bfloat16",
-          "actor_rollout_ref.model.dtype=float32"], True, ("bfloat16", "float32")),
-        (["actor_rollout_ref.model.dtype=float32"], False, ("float32", "float32")),  # hf: the rollout runs in the model's
+        (
+            ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.sleep_level=1"],
+            False,
+            ("bfloat16", "bfloat16"),
+        ),
+        (
+            ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enable_sleep_mode=false"],
+            False,
+            ("bfloat16", "bfloat16"),
+        ),
+        (
+            [
+                "actor_rollout_ref.rollout.name=vllm",
+                "actor_rollout_ref.rollout.dtype=bfloat16",
+                "actor_rollout_ref.model.dtype=float32",
+            ],
+            True,
+            ("bfloat16", "float32"),
+        ),
+        (
+            ["actor_rollout_ref.model.dtype=float32"],
+            False,
+            ("float32", "float32"),
+        ),  # hf: the rollout runs in the model's
     ],
 )
 def test_the_causes_follow_the_rollout_engine_and_its_precision(overrides, sleep_named, dtypes):
@@ -125,8 +151,11 @@ def test_the_causes_follow_the_rollout_engine_and_its_precision(overrides, sleep
     message = mismatch.record(step_metrics(0.3), 1)
     assert ("vLLM woken from sleep level 2 without a full push" in message) == sleep_named
     vllm = "actor_rollout_ref.rollout.name=vllm" in overrides
-    keys = ("actor_rollout_ref.rollout.dtype, actor_rollout_ref.model.dtype" if vllm
-            else "actor_rollout_ref.model.dtype, which the transformers rollout follows")
+    keys = (
+        "actor_rollout_ref.rollout.dtype, actor_rollout_ref.model.dtype"
+        if vllm
+        else "actor_rollout_ref.model.dtype, which the transformers rollout follows"
+    )
     assert f"here the rollout runs in {dtypes[0]}, the actor in {dtypes[1]}: {keys})" in message
     assert "stale rollout weights" in message and "padded vocabulary" in message
 

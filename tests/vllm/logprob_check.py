@@ -29,11 +29,19 @@ if args.lora:
     from omegaconf import OmegaConf
     from peft import get_peft_model
 
-    adapters = lora_config(OmegaConf.create(
-        {"lora_rank": 4, "lora_alpha": 16, "target_modules": "all-linear", "exclude_modules": None}))
+    adapters = lora_config(
+        OmegaConf.create({"lora_rank": 4, "lora_alpha": 16, "target_modules": "all-linear", "exclude_modules": None})
+    )
     model = get_peft_model(model, adapters).eval()
-rollout = VLLMRollout(args.path, dtype="float32", max_model_len=64, enforce_eager=True, gpu_memory_utilization=0.1,
-                      enable_sleep_mode=False, lora=adapters)
+rollout = VLLMRollout(
+    args.path,
+    dtype="float32",
+    max_model_len=64,
+    enforce_eager=True,
+    gpu_memory_utilization=0.1,
+    enable_sleep_mode=False,
+    lora=adapters,
+)
 generator = torch.Generator().manual_seed(0)
 if args.perturb_head:
     with torch.no_grad():

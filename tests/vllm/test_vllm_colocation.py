@@ -76,7 +76,9 @@ def recorded(vllm_rollout, actor, monkeypatch):
     for name in ("offload_states", "reload_states"):
         monkeypatch.setattr(engine, name, lambda *a, _n=name, **k: calls.append(f"actor.{_n}"))
     partition_cache = engine.empty_partition_cache
-    monkeypatch.setattr(engine, "empty_partition_cache", lambda: (calls.append("actor.empty_partition_cache"), partition_cache()))
+    monkeypatch.setattr(
+        engine, "empty_partition_cache", lambda: (calls.append("actor.empty_partition_cache"), partition_cache())
+    )
     return calls
 
 
@@ -125,7 +127,13 @@ def test_one_generation_phase_runs_in_the_design_order(vllm_rollout, actor, reco
         "actor.reload_states",
     ]
     assert out.response_ids.shape == (2, 4)
-    assert {"timing_s/release_memory", "timing_s/update_weights", "timing_s/wake", "timing_s/gen", "timing_s/sleep"} <= set(metrics)
+    assert {
+        "timing_s/release_memory",
+        "timing_s/update_weights",
+        "timing_s/wake",
+        "timing_s/gen",
+        "timing_s/sleep",
+    } <= set(metrics)
     assert all(v >= 0 for v in metrics.values())
 
 

@@ -14,8 +14,14 @@ pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.vllm
 
-VLLM = ["--engine", "vllm", "--dtype", "float32", "actor_rollout_ref.rollout.enforce_eager=true",
-        "actor_rollout_ref.rollout.gpu_memory_utilization=0.1"]
+VLLM = [
+    "--engine",
+    "vllm",
+    "--dtype",
+    "float32",
+    "actor_rollout_ref.rollout.enforce_eager=true",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.1",
+]
 
 
 def test_eval_with_vllm_reports_its_rows(tiny_model_dir, arithmetic_data, tmp_path):
@@ -29,8 +35,9 @@ def test_eval_with_vllm_reports_its_rows(tiny_model_dir, arithmetic_data, tmp_pa
     check_report(report, 4, lambda response: response["score"] >= 0.25)
 
 
-def test_vllm_ab_of_one_model_is_zero_and_greedy_matches_the_transformers_rollout(tiny_model_dir, arithmetic_data,
-                                                                                  tmp_path):
+def test_vllm_ab_of_one_model_is_zero_and_greedy_matches_the_transformers_rollout(
+    tiny_model_dir, arithmetic_data, tmp_path
+):
     args = [*common(arithmetic_data), "--no-mlflow"]
     model = str(tiny_model_dir)
     ab = run_eval([model, model, *args, *VLLM, "--out", str(tmp_path / "ab.json")], "sqlite:///unused.db", timeout=600)

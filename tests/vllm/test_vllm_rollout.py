@@ -81,8 +81,9 @@ def test_greedy_decoding_takes_the_argmax_and_reports_raw_log_probs(initial, ref
     torch.testing.assert_close(out.log_probs[mask], expected[mask], atol=FP32_ATOL, rtol=0)
     width = batch.prompt_ids.shape[1]
     with torch.no_grad():
-        logits = reference_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                 position_ids=batch.position_ids).logits[:, width - 1 : -1]
+        logits = reference_model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        ).logits[:, width - 1 : -1]
     assert (logits.argmax(-1) == batch.response_ids)[mask].all()
 
 

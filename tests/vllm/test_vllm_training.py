@@ -51,8 +51,14 @@ def overrides(arithmetic_data, tiny_model_dir, ds_test_config, deepspeed_cpu_ops
 
 
 def run(command, port, returncode=0):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "5",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "MASTER_PORT": str(port)}
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "DEEPSPEED_TIMEOUT": "5",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "MASTER_PORT": str(port),
+    }
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
     assert result.returncode == returncode, (result.stdout + result.stderr)[-5000:]
     return result
@@ -66,8 +72,15 @@ def check_run(report):
         assert not bad, (entry["step"], bad)
     for entry in report["logged"][1:]:
         metrics = entry["metrics"]
-        for key in ("timing_s/update_weights", "timing_s/gen", "timing_s/wake", "timing_s/sleep",
-                    "rollout_corr/is_ratio_mean", "rollout_corr/masked_fraction", "actor/pg_loss"):
+        for key in (
+            "timing_s/update_weights",
+            "timing_s/gen",
+            "timing_s/wake",
+            "timing_s/sleep",
+            "rollout_corr/is_ratio_mean",
+            "rollout_corr/masked_fraction",
+            "actor/pg_loss",
+        ):
             assert key in metrics, key
         # Each step pushes the weights of the previous step's update: vLLM scores like the actor.
         assert metrics["training/rollout_probs_diff_max"] < FP32_ATOL, metrics["training/rollout_probs_diff_max"]
@@ -77,8 +90,7 @@ def check_run(report):
 
 
 def test_three_steps_in_one_process(overrides, tmp_path, free_port):
-    run([sys.executable, str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides],
-        free_port())
+    run([sys.executable, str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides], free_port())
     report = json.loads((tmp_path / "rank0.json").read_text())
     assert (report["world"], report["tp"]) == (1, 1)
     check_run(report)
@@ -90,8 +102,18 @@ def test_three_steps_in_one_process(overrides, tmp_path, free_port):
 def test_two_ranks_under_the_launcher(overrides, tmp_path, free_port, tp):
     port = free_port()
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port)]
-    run([*launcher, str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides,
-         f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"], port)
+    run(
+        [
+            *launcher,
+            str(WORKER),
+            "--out",
+            str(tmp_path),
+            *QUICKSTART,
+            *overrides,
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+        ],
+        port,
+    )
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [(r["world"], r["tp"]) for r in reports] == [(2, tp), (2, tp)]
     for report in reports:
@@ -111,10 +133,22 @@ def test_a_push_that_never_reaches_vllm_stops_the_run(overrides, tmp_path, free_
     Step 1 samples from the weights the actor still holds (within fp32 numerics, as above); steps 2 and 3 are two
     steps in a row off by more than FP32_ATOL, so ``algorithm.rollout_mismatch`` stops the run at step 3, exit 1."""
     # Sleep mode off, as on CPU, also on a GPU: there a level-2 sleep without a push fails generate before any gap.
-    result = run([sys.executable, str(WORKER), "--out", str(tmp_path), "--skip-push", *QUICKSTART, *overrides,
-                  "actor_rollout_ref.rollout.enable_sleep_mode=false",
-                  f"algorithm.rollout_mismatch.max_probs_diff={FP32_ATOL}", "algorithm.rollout_mismatch.patience=2"],
-                 free_port(), returncode=1)
+    result = run(
+        [
+            sys.executable,
+            str(WORKER),
+            "--out",
+            str(tmp_path),
+            "--skip-push",
+            *QUICKSTART,
+            *overrides,
+            "actor_rollout_ref.rollout.enable_sleep_mode=false",
+            f"algorithm.rollout_mismatch.max_probs_diff={FP32_ATOL}",
+            "algorithm.rollout_mismatch.patience=2",
+        ],
+        free_port(),
+        returncode=1,
+    )
     report = json.loads((tmp_path / "rank0.json").read_text())
     assert report["rollout"] == "VLLMRollout"
     assert [entry["step"] for entry in report["logged"]] == [0, 1, 2]  # validation, then steps 1 and 2; 3 stopped
@@ -129,11 +163,22 @@ def test_multi_turn_with_tools_on_vllm(overrides, tool_model_dir, calculator_dat
     """The tool loop around the vLLM engine: each turn one generate call with each conversation's own token cap;
     the actor's log-probs on the model's tokens, read with the tool outputs in the context, are vLLM's."""
     data = calculator_data
-    run([sys.executable, str(WORKER), "--out", str(tmp_path), *QUICKSTART, str(REPO / "configs" / "calculator_cpu.yaml"), *overrides,
-         f"actor_rollout_ref.model.path={tool_model_dir}",
-         f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
-         "custom_reward_function.path=null"],
-        free_port())
+    run(
+        [
+            sys.executable,
+            str(WORKER),
+            "--out",
+            str(tmp_path),
+            *QUICKSTART,
+            str(REPO / "configs" / "calculator_cpu.yaml"),
+            *overrides,
+            f"actor_rollout_ref.model.path={tool_model_dir}",
+            f"data.train_files={data / 'train.parquet'}",
+            f"data.val_files={data / 'test.parquet'}",
+            "custom_reward_function.path=null",
+        ],
+        free_port(),
+    )
     report = json.loads((tmp_path / "rank0.json").read_text())
     assert report["rollout"] == "VLLMRollout" and report["multi_turn"]
     steps = [e["metrics"] for e in report["logged"] if "actor/grad_norm" in e["metrics"]]
@@ -149,11 +194,23 @@ def test_lora_pushes(overrides, tmp_path, free_port, merge):
     """LoRA with either push (actor_rollout_ref.model.lora.merge): the merged weights streamed as for full
     fine-tuning, or the adapters alone over the base weights vLLM read at start-up (sleep level 1: level 2 would
     drop those). After each step's update vLLM scores as the actor does, within fp32 numerics."""
-    result = run([sys.executable, str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides,
-                  "actor_rollout_ref.model.lora_rank=8", f"actor_rollout_ref.model.lora.merge={str(merge).lower()}",
-                  "actor_rollout_ref.rollout.sleep_level=1", "trainer.total_training_steps=2", "trainer.test_freq=-1",
-                  "trainer.val_before_train=false"],
-                 free_port())
+    result = run(
+        [
+            sys.executable,
+            str(WORKER),
+            "--out",
+            str(tmp_path),
+            *QUICKSTART,
+            *overrides,
+            "actor_rollout_ref.model.lora_rank=8",
+            f"actor_rollout_ref.model.lora.merge={str(merge).lower()}",
+            "actor_rollout_ref.rollout.sleep_level=1",
+            "trainer.total_training_steps=2",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+        ],
+        free_port(),
+    )
     # vLLM logs the LoRA kernels it picks when built with LoRA (enable_lora): adapter pushes only.
     assert ("Using PunicaWrapper" in result.stdout + result.stderr) == (not merge)
     report = json.loads((tmp_path / "rank0.json").read_text())

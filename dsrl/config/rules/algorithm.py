@@ -260,7 +260,12 @@ def _optim_rules(cfg: Config, role: str, need: Need) -> None:
     for key in ("lr_scheduler_type", "warmup_style"):
         value = optim[key]
         if value is not None:
-            need(value in LR_SCHEDULES, f"{role}.optim.{key}", "unknown schedule", f"use one of {', '.join(LR_SCHEDULES)}")
+            need(
+                value in LR_SCHEDULES,
+                f"{role}.optim.{key}",
+                "unknown schedule",
+                f"use one of {', '.join(LR_SCHEDULES)}",
+            )
     need(0 <= optim.min_lr_ratio <= 1, f"{role}.optim.min_lr_ratio", "must be in [0, 1]", "set it to e.g. 0.1, or 0")
     need(optim.num_cycles > 0, f"{role}.optim.num_cycles", "must be > 0", "set it to 0.5 (one half-cosine)")
     for key in (f"{role}.optim.clip_grad", f"{role}.grad_clip"):
@@ -285,13 +290,21 @@ def loss_param_rules(cfg: Config, given: Collection[str], need: Need) -> None:
                 f"remove it, or set {prefix}.policy_loss.loss_mode={loss}",
             )
     ranges = {  # name: (ok, rule, fix)
-        "clip_cov_ratio": (0 < losses.clip_cov_ratio <= 1, "must be in (0, 1]: a fraction of the tokens", "set it to 0.0002"),
+        "clip_cov_ratio": (
+            0 < losses.clip_cov_ratio <= 1,
+            "must be in (0, 1]: a fraction of the tokens",
+            "set it to 0.0002",
+        ),
         "clip_cov_ub": (
             losses.clip_cov_lb < losses.clip_cov_ub,
             f"must be > clip_cov_lb ({show(losses.clip_cov_lb)}): the covariance band is (clip_cov_lb, clip_cov_ub)",
             "set clip_cov_lb=1.0 and clip_cov_ub=5.0",
         ),
-        "kl_cov_ratio": (0 < losses.kl_cov_ratio <= 1, "must be in (0, 1]: a fraction of the tokens", "set it to 0.0002"),
+        "kl_cov_ratio": (
+            0 < losses.kl_cov_ratio <= 1,
+            "must be in (0, 1]: a fraction of the tokens",
+            "set it to 0.0002",
+        ),
         "ppo_kl_coef": (losses.ppo_kl_coef >= 0, "must be >= 0: the weight of a penalty", "set it to 0.1"),
         "tau_pos": (actor.tau_pos > 0, "must be > 0: the gate's temperature", "set it to 1.0"),
         "tau_neg": (actor.tau_neg > 0, "must be > 0: the gate's temperature", "set it to 1.05"),
@@ -312,7 +325,9 @@ def loss_param_rules(cfg: Config, given: Collection[str], need: Need) -> None:
             name in own,
             f"{prefix}.policy_loss.params.{name}",
             f"loss_mode={mode} declares no parameter {name}" if key is None else f"{name} has a key of its own",
-            f"set {key} instead" if key else f"remove it (the parameters of {mode} set here: {', '.join(own) or 'none'})",
+            f"set {key} instead"
+            if key
+            else f"remove it (the parameters of {mode} set here: {', '.join(own) or 'none'})",
         )
 
 

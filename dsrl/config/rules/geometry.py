@@ -49,7 +49,8 @@ def batch_rules(cfg: Config, world_size: int, need: Need) -> None:
     longest = data.max_prompt_length + data.max_response_length
     actor = cfg.actor_rollout_ref.actor
     no_grad_passes: list[tuple[str, str, Any]] = [
-        ("actor_rollout_ref.rollout", "log_prob_", actor), ("actor_rollout_ref.ref", "log_prob_", actor)
+        ("actor_rollout_ref.rollout", "log_prob_", actor),
+        ("actor_rollout_ref.ref", "log_prob_", actor),
     ]
     if critic_used(cfg):
         no_grad_passes.append(("critic", "forward_", cfg.critic))

@@ -46,7 +46,13 @@ def file_rules(cfg: Config, need: Need) -> None:
             out = "" if folder == Path("outputs", "data", task) else f" --out {folder}"
             prepare = f"python scripts/prepare_data.py --task {task}{out}"
             if not Path(p).expanduser().exists():
-                need(False, key, "file does not exist", f"point it at existing parquet files, e.g. written by {prepare}", value=p)
+                need(
+                    False,
+                    key,
+                    "file does not exist",
+                    f"point it at existing parquet files, e.g. written by {prepare}",
+                    value=p,
+                )
                 continue
             need(
                 parquet_paths(p),
@@ -68,7 +74,9 @@ def file_rules(cfg: Config, need: Need) -> None:
                 if (first_index, first) != (index, file) and (first_index, index) not in reported:
                     reported.add((first_index, index))
                     named = (_named_by(first, paths[first_index]), _named_by(file, p))
-                    twice = f"{named[0]} twice" if named[0] == named[1] else f"one file twice, as {named[0]} and {named[1]}"
+                    twice = (
+                        f"{named[0]} twice" if named[0] == named[1] else f"one file twice, as {named[0]} and {named[1]}"
+                    )
                     need(
                         False,
                         key,
@@ -105,7 +113,9 @@ def file_rules(cfg: Config, need: Need) -> None:
         )
         if problem is None and Path(path).expanduser().is_dir():  # a hub id is checked when it downloads
             # The run's tokenizer is the actor's (the critic shares it).
-            for rule, fix in model_dir_problems(Path(path).expanduser(), tokenizer=key == "actor_rollout_ref.model.path"):
+            for rule, fix in model_dir_problems(
+                Path(path).expanduser(), tokenizer=key == "actor_rollout_ref.model.path"
+            ):
                 need(False, key, rule, fix)
 
 
@@ -124,15 +134,24 @@ def _run_dir_problem(folder: Path) -> tuple[str, str] | None:
     kind = file_kind(existing) or "a symlink that points nowhere"
     if kind != "a directory":
         where = "it" if existing == folder else f"{existing}, a folder it would be made in,"
-        return (f"{where} is {kind}, not a folder (checkpoints and the final model are written there)",
-                f"point it at a folder (one that is missing is made), or move {existing} away")
+        return (
+            f"{where} is {kind}, not a folder (checkpoints and the final model are written there)",
+            f"point it at a folder (one that is missing is made), or move {existing} away",
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
         where = "it" if existing == folder else f"{existing}, where it would be made,"
-        return (f"{where} is not writable by this user (checkpoints and the final model are written there)",
-                "point it at a folder you can write to, or change its permissions")
+        return (
+            f"{where} is not writable by this user (checkpoints and the final model are written there)",
+            "point it at a folder you can write to, or change its permissions",
+        )
     final = folder / FINAL_MODEL_DIR
     final_kind = "a symlink" if final.is_symlink() else file_kind(final)
-    if final_kind not in (None, "a directory"):  # a directory there is an earlier run's export, which the new one replaces
-        return (f"{final} is {final_kind}, where the final model is exported (only an earlier export, a folder, is replaced)",
-                f"move {final} away, or point trainer.default_local_dir at another folder")
+    if final_kind not in (
+        None,
+        "a directory",
+    ):  # a directory there is an earlier run's export, which the new one replaces
+        return (
+            f"{final} is {final_kind}, where the final model is exported (only an earlier export, a folder, is replaced)",
+            f"move {final} away, or point trainer.default_local_dir at another folder",
+        )
     return None

@@ -129,8 +129,11 @@ def vllm_rules(cfg: Config, need: Need) -> None:
     )
     if name == "vllm":
         need(
-            not (pushes_lora_adapters(cfg.actor_rollout_ref.model) and rollout.sleep_level == 2
-                 and rollout.enable_sleep_mode is not False),
+            not (
+                pushes_lora_adapters(cfg.actor_rollout_ref.model)
+                and rollout.sleep_level == 2
+                and rollout.enable_sleep_mode is not False
+            ),
             f"{prefix}.sleep_level",
             "a level-2 sleep drops vLLM's base weights, and LoRA adapter pushes (actor_rollout_ref.model.lora.merge=false) "
             "never bring them back",
@@ -229,7 +232,11 @@ def rollout_correction_rules(cfg: Config, need: Need) -> None:
     if corr.bypass_mode:
         estimator, actor = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.actor
         for ok, key, what in (
-            ("sum_pi_squared" not in estimator_needs(estimator), "algorithm.adv_estimator", f"{estimator} needs sum_pi_squared"),
+            (
+                "sum_pi_squared" not in estimator_needs(estimator),
+                "algorithm.adv_estimator",
+                f"{estimator} needs sum_pi_squared",
+            ),
             (not actor.calculate_sum_pi_squared, "actor_rollout_ref.actor.calculate_sum_pi_squared", "sum_pi_squared"),
         ):
             need(
@@ -244,7 +251,12 @@ def _correction_rules(section: Any, prefix: str, need: Need) -> None:
     """One correction section: known names, thresholds that parse and accept an exactly on-policy token (ratio 1),
     no threshold set in vain. Mirrors ``dsrl.algorithms.rollout_correction.parse_*`` (which needs torch)."""
     if "loss_type" in section:
-        need(section.loss_type in BYPASS_LOSS_TYPES, f"{prefix}.loss_type", "unknown loss type", f"use one of {', '.join(BYPASS_LOSS_TYPES)}")
+        need(
+            section.loss_type in BYPASS_LOSS_TYPES,
+            f"{prefix}.loss_type",
+            "unknown loss type",
+            f"use one of {', '.join(BYPASS_LOSS_TYPES)}",
+        )
     need(
         section.rollout_is in (None, *ROLLOUT_IS_LEVELS),
         f"{prefix}.rollout_is",
@@ -280,10 +292,18 @@ def _correction_rules(section: Any, prefix: str, need: Need) -> None:
         f"{prefix}.rollout_rs",
         f"must list options (comma-separated) among {', '.join(ROLLOUT_RS_OPTIONS)}",
         "use e.g. token_k1 or seq_mean_k3"
-        + "".join(f"; for {old!r} write {new} (with rollout_rs_threshold 'L_U')" for old, new in renamed.items() if old in unknown),
+        + "".join(
+            f"; for {old!r} write {new} (with rollout_rs_threshold 'L_U')"
+            for old, new in renamed.items()
+            if old in unknown
+        ),
     )
     options = list(dict.fromkeys(options))
-    specs = [] if section.rollout_rs_threshold is None else [p.strip() for p in str(section.rollout_rs_threshold).split(",") if p.strip()]
+    specs = (
+        []
+        if section.rollout_rs_threshold is None
+        else [p.strip() for p in str(section.rollout_rs_threshold).split(",") if p.strip()]
+    )
     problem = None
     if not specs:
         problem = "rejection needs a threshold"
@@ -365,15 +385,27 @@ def multi_turn_rules(cfg: Config, need: Need) -> None:
     )
     for key in ("max_assistant_turns", "max_user_turns"):
         value = getattr(mt, key)
-        need(value is None or value >= 1, f"{prefix}.{key}", "must be >= 1 or null (no limit)", f"set {prefix}.{key}=5, or null")
+        need(
+            value is None or value >= 1,
+            f"{prefix}.{key}",
+            "must be >= 1 or null (no limit)",
+            f"set {prefix}.{key}=5, or null",
+        )
     for key in ("max_parallel_calls", "max_tool_response_length"):
         need(getattr(mt, key) >= 1, f"{prefix}.{key}", "must be >= 1", f"set {prefix}.{key} to a positive count")
     need(mt.tool_timeout > 0, f"{prefix}.tool_timeout", "must be > 0 seconds", f"set {prefix}.tool_timeout=10")
     need(
-        mt.tool_response_truncate_side in TRUNCATE_SIDES, f"{prefix}.tool_response_truncate_side",
-        f"must be one of {', '.join(TRUNCATE_SIDES)}", f"set {prefix}.tool_response_truncate_side=middle",
+        mt.tool_response_truncate_side in TRUNCATE_SIDES,
+        f"{prefix}.tool_response_truncate_side",
+        f"must be one of {', '.join(TRUNCATE_SIDES)}",
+        f"set {prefix}.tool_response_truncate_side=middle",
     )
-    need(mt.format in TOOL_FORMATS, f"{prefix}.format", f"must be one of {', '.join(TOOL_FORMATS)}", f"set {prefix}.format=hermes")
+    need(
+        mt.format in TOOL_FORMATS,
+        f"{prefix}.format",
+        f"must be one of {', '.join(TOOL_FORMATS)}",
+        f"set {prefix}.format=hermes",
+    )
     need(
         cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 1,
         "actor_rollout_ref.rollout.tensor_model_parallel_size",
@@ -387,23 +419,44 @@ def lora_rules(cfg: Config, given: Collection[str], need: Need) -> None:
     """LoRA on the actor (``dsrl.engines.lora``): its settings, the adapter to start from, and the reference's
     DeepSpeed setup, which a LoRA run never uses (its reference is the actor with the adapters off)."""
     model, prefix = cfg.actor_rollout_ref.model, "actor_rollout_ref.model"
-    need(model.lora_rank >= 0, f"{prefix}.lora_rank", "must be >= 0 (0 = full fine-tuning)", f"set {prefix}.lora_rank=32")
+    need(
+        model.lora_rank >= 0, f"{prefix}.lora_rank", "must be >= 0 (0 = full fine-tuning)", f"set {prefix}.lora_rank=32"
+    )
     if not lora_enabled(model):
         return
-    need(model.lora_alpha > 0, f"{prefix}.lora_alpha", "must be > 0 (the update is scaled by alpha / rank)",
-         f"set {prefix}.lora_alpha to the rank or twice it")
+    need(
+        model.lora_alpha > 0,
+        f"{prefix}.lora_alpha",
+        "must be > 0 (the update is scaled by alpha / rank)",
+        f"set {prefix}.lora_alpha to the rank or twice it",
+    )
     for key, allow_none in (("target_modules", False), ("exclude_modules", True)):
         value = getattr(model, key)
         names = list(value) if isinstance(value, ListConfig) else None
-        ok = (value is None and allow_none) or (isinstance(value, str) and value != "") or (
-            names is not None and bool(names) and all(isinstance(name, str) and name for name in names))
-        need(ok, f"{prefix}.{key}", "must be all-linear, a module name pattern, or a list of module names",
-             f"set {prefix}.{key}=all-linear or [q_proj,v_proj]" + (" (or null)" if allow_none else ""))
+        ok = (
+            (value is None and allow_none)
+            or (isinstance(value, str) and value != "")
+            or (names is not None and bool(names) and all(isinstance(name, str) and name for name in names))
+        )
+        need(
+            ok,
+            f"{prefix}.{key}",
+            "must be all-linear, a module name pattern, or a list of module names",
+            f"set {prefix}.{key}=all-linear or [q_proj,v_proj]" + (" (or null)" if allow_none else ""),
+        )
     if model.lora_adapter_path is not None:
         adapter = Path(model.lora_adapter_path).expanduser()
-        need((adapter / "adapter_config.json").is_file(), f"{prefix}.lora_adapter_path",
-             "not a PEFT adapter directory (no adapter_config.json in it)",
-             "point it at a folder PeftModel.save_pretrained wrote (dsrl exports one beside its final model), or null")
+        need(
+            (adapter / "adapter_config.json").is_file(),
+            f"{prefix}.lora_adapter_path",
+            "not a PEFT adapter directory (no adapter_config.json in it)",
+            "point it at a folder PeftModel.save_pretrained wrote (dsrl exports one beside its final model), or null",
+        )
     key = "actor_rollout_ref.ref.deepspeed_config"
-    need(key not in given, key, "a LoRA run builds no reference engine: its reference is the actor with its "
-         "adapters off, so this setup would go unused", f"remove it (or set {prefix}.lora_rank=0 for full fine-tuning)")
+    need(
+        key not in given,
+        key,
+        "a LoRA run builds no reference engine: its reference is the actor with its "
+        "adapters off, so this setup would go unused",
+        f"remove it (or set {prefix}.lora_rank=0 for full fine-tuning)",
+    )

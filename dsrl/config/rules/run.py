@@ -90,7 +90,12 @@ def reward_manager_rules(cfg: Config, need: Need) -> None:
     buffer inside the length it ends at (verl asserts the same at start-up)."""
     manager, kwargs = cfg.reward_model.reward_manager, cfg.reward_model.reward_kwargs
     buffer, prefix = kwargs.overlong_buffer_cfg, "reward_model.reward_kwargs"
-    need(manager in REWARD_MANAGERS, "reward_model.reward_manager", "unknown reward manager", f"use one of {', '.join(REWARD_MANAGERS)}")
+    need(
+        manager in REWARD_MANAGERS,
+        "reward_model.reward_manager",
+        "unknown reward manager",
+        f"use one of {', '.join(REWARD_MANAGERS)}",
+    )
     if not buffer.enable:
         defaults = (("len", 0), ("penalty_factor", 0.0), ("log", False))
         for name, default in defaults:
@@ -147,7 +152,9 @@ def trainer_rules(cfg: Config, need: Need) -> None:
     for key in ("train_max_samples", "val_max_samples"):
         rows = getattr(data, key)
         need(rows == -1 or rows >= 1, f"data.{key}", "must be >= 1, or -1 for all rows", "set it to -1")
-    need(trainer.log_val_generations >= 0, "trainer.log_val_generations", "must be >= 0", "set it to 0 (none) or e.g. 16")
+    need(
+        trainer.log_val_generations >= 0, "trainer.log_val_generations", "must be >= 0", "set it to 0 (none) or e.g. 16"
+    )
     need(
         trainer.log_samples_freq == -1 or trainer.log_samples_freq >= 1,
         "trainer.log_samples_freq",

@@ -33,8 +33,13 @@ class ToolTimeout(Exception):
 # ---------------------------------------------------------------- calculator
 
 _BINARY = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
 }
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
@@ -94,7 +99,9 @@ def _check_size(op: type, left, right) -> None:
     else:
         return
     if bits > _MAX_INT_BITS:
-        raise ValueError(f"the result would have about {int(bits * 0.30103)} digits; at most {int(_MAX_INT_BITS * 0.30103)} are allowed")
+        raise ValueError(
+            f"the result would have about {int(bits * 0.30103)} digits; at most {int(_MAX_INT_BITS * 0.30103)} are allowed"
+        )
 
 
 # ---------------------------------------------------------------- python
@@ -136,10 +143,14 @@ class PythonInterpreter:
                 script.write(parameters["code"])
             process = subprocess.Popen(
                 [sys.executable, "-I", "-u", "main.py"],  # unbuffered: what it printed before a kill is kept
-                cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                cwd=workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
                 # None of the trainer's environment (tokens, credentials) for code a model wrote.
                 env={"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8", "HOME": workdir},
-                process_group=0, preexec_fn=self._limit_child,
+                process_group=0,
+                preexec_fn=self._limit_child,
             )
             try:
                 output, timed_out = _read_bounded(process.stdout.fileno(), time.monotonic() + self.timeout_s)

@@ -63,8 +63,8 @@ def truncate(text: str, max_length: int, side: str) -> str:
     if len(text) <= max_length:
         return text
     if side == "left":
-        return "(truncated)..." + text[len(text) - max_length:]
+        return "(truncated)..." + text[len(text) - max_length :]
     if side == "right":
         return text[:max_length] + "...(truncated)"
     half = max_length // 2
-    return text[:half] + "...(truncated)..." + text[len(text) - half:]
+    return text[:half] + "...(truncated)..." + text[len(text) - half :]

@@ -109,8 +109,13 @@ def _yaml_tools(path: str, tool_timeout: float) -> tuple[list[ToolSpec], list[st
             continue
         source, config, schema = entry["class_name"], entry.get("config") or {}, entry.get("tool_schema")
         if not isinstance(config, dict):
-            problems.append(problem(line, f"tool {source!r}: config must be a mapping, got {type(config).__name__}",
-                                    "write config: {key: value, ...}, or leave it out"))
+            problems.append(
+                problem(
+                    line,
+                    f"tool {source!r}: config must be a mapping, got {type(config).__name__}",
+                    "write config: {key: value, ...}, or leave it out",
+                )
+            )
             continue
         if source.startswith("dsrl:"):
             if source not in BUILTINS:
@@ -122,11 +127,14 @@ def _yaml_tools(path: str, tool_timeout: float) -> tuple[list[ToolSpec], list[st
                 config = {"timeout": 0.8 * tool_timeout, **config}
                 timeout = config["timeout"]
                 if not (isinstance(timeout, (int, float)) and 0 < timeout < tool_timeout):
-                    problems.append(problem(
-                        line, f"dsrl:python config.timeout={timeout!r} must be a number of seconds below "
-                        f"multi_turn.tool_timeout={tool_timeout:g} (past that the worker is killed, not the script)",
-                        "lower it, or leave it out for 0.8 x tool_timeout",
-                    ))
+                    problems.append(
+                        problem(
+                            line,
+                            f"dsrl:python config.timeout={timeout!r} must be a number of seconds below "
+                            f"multi_turn.tool_timeout={tool_timeout:g} (past that the worker is killed, not the script)",
+                            "lower it, or leave it out for 0.8 x tool_timeout",
+                        )
+                    )
                     continue
         else:
             try:
@@ -137,8 +145,14 @@ def _yaml_tools(path: str, tool_timeout: float) -> tuple[list[ToolSpec], list[st
                 continue
         error = _schema_problem(schema)
         if error:
-            problems.append(problem(line, f"tool {source!r}: {error}", "give it a tool_schema: {type: function, "
-                                    "function: {name, description, parameters: {type: object, properties, required}}}"))
+            problems.append(
+                problem(
+                    line,
+                    f"tool {source!r}: {error}",
+                    "give it a tool_schema: {type: function, "
+                    "function: {name, description, parameters: {type: object, properties, required}}}",
+                )
+            )
             continue
         specs.append(ToolSpec(schema["function"]["name"], "class", source, schema, dict(config)))
     return specs, problems
@@ -167,7 +181,9 @@ def _schema_problem(schema) -> str | None:
 
 def _check_class(source: str, yaml_path: str) -> None:
     if not callable(getattr(load_tool_class(source, yaml_path), "execute", None)):
-        raise _UserCodeError(f"{source} has no execute method", "define execute(self, parameters: dict, **kwargs) -> str")
+        raise _UserCodeError(
+            f"{source} has no execute method", "define execute(self, parameters: dict, **kwargs) -> str"
+        )
 
 
 # ---------------------------------------------------------------- importing the user's code
@@ -190,7 +206,9 @@ def load_tool_class(source: str, yaml_path: str) -> type:
     else:
         module_name, _, name = source.rpartition(".")
         if not module_name:
-            raise _UserCodeError(f"class_name {source!r} names no module", "write module.Class or path/to/file.py:Class")
+            raise _UserCodeError(
+                f"class_name {source!r} names no module", "write module.Class or path/to/file.py:Class"
+            )
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -255,15 +273,24 @@ def _function_tools(path: str) -> tuple[list[ToolSpec], list[str]]:
             continue
         specs.append(ToolSpec(fn.__name__, "function", os.path.abspath(path), schema))
     if not specs and not problems:
-        problems.append(_problem("function_tool_path", path, path, None, "defines no public function",
-                                 "define def my_tool(x: int) -> str with a docstring; names starting with _ are not tools"))
+        problems.append(
+            _problem(
+                "function_tool_path",
+                path,
+                path,
+                None,
+                "defines no public function",
+                "define def my_tool(x: int) -> str with a docstring; names starting with _ are not tools",
+            )
+        )
     return specs, problems
 
 
 def public_functions(module: types.ModuleType) -> list[types.FunctionType]:
     """The functions ``module`` defines (not imports), not starting with ``_``, in file order."""
     functions = [
-        fn for name, fn in vars(module).items()
+        fn
+        for name, fn in vars(module).items()
         if inspect.isfunction(fn) and fn.__module__ == module.__name__ and not name.startswith("_")
     ]
     return sorted(functions, key=lambda fn: fn.__code__.co_firstlineno)
@@ -276,27 +303,40 @@ def function_schema(fn: types.FunctionType) -> dict:
     line = fn.__code__.co_firstlineno
     doc = inspect.getdoc(fn)
     if not doc:
-        raise _UserCodeError(f"function {fn.__name__} has no docstring (the model reads it as the tool's description)",
-                             "add a docstring saying what the tool does, with an Args: section", line=line)
+        raise _UserCodeError(
+            f"function {fn.__name__} has no docstring (the model reads it as the tool's description)",
+            "add a docstring saying what the tool does, with an Args: section",
+            line=line,
+        )
     try:
         hints = typing.get_type_hints(fn)
     except Exception as exc:  # noqa: BLE001 -- a NameError in a string annotation, among others
-        raise _UserCodeError(f"function {fn.__name__}: its annotations do not resolve ({exc})",
-                             "use str, int, float, bool, list or dict", line=line) from None
+        raise _UserCodeError(
+            f"function {fn.__name__}: its annotations do not resolve ({exc})",
+            "use str, int, float, bool, list or dict",
+            line=line,
+        ) from None
     described = _args_section(doc)
     properties, required = {}, []
     for name, parameter in inspect.signature(fn).parameters.items():
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            raise _UserCodeError(f"function {fn.__name__}: *{name} has no place in a JSON schema",
-                                 "name every parameter", line=line)
+            raise _UserCodeError(
+                f"function {fn.__name__}: *{name} has no place in a JSON schema", "name every parameter", line=line
+            )
         if name not in hints:
-            raise _UserCodeError(f"function {fn.__name__}: parameter {name!r} has no type annotation (the schema needs one)",
-                                 f"annotate it, e.g. {name}: str", line=line)
+            raise _UserCodeError(
+                f"function {fn.__name__}: parameter {name!r} has no type annotation (the schema needs one)",
+                f"annotate it, e.g. {name}: str",
+                line=line,
+            )
         try:
             properties[name] = _json_type(hints[name])
         except TypeError as exc:
-            raise _UserCodeError(f"function {fn.__name__}: parameter {name!r}: {exc}",
-                                 "use str, int, float, bool, list[...], dict[...] or Optional[...] of them", line=line) from None
+            raise _UserCodeError(
+                f"function {fn.__name__}: parameter {name!r}: {exc}",
+                "use str, int, float, bool, list[...], dict[...] or Optional[...] of them",
+                line=line,
+            ) from None
         if name in described:
             properties[name]["description"] = described[name]
         if parameter.default is parameter.empty:
@@ -373,7 +413,9 @@ def argument_problem(schema: dict, arguments: dict) -> str | None:
             return f"tool {function['name']!r} takes no argument(s) {unknown}; it takes ({takes})"
     for name, value in arguments.items():
         expected = (properties.get(name) or {}).get("type")
-        if expected and not any(_is_json_type(value, t) for t in ([expected] if isinstance(expected, str) else expected)):
+        if expected and not any(
+            _is_json_type(value, t) for t in ([expected] if isinstance(expected, str) else expected)
+        ):
             shown = json.dumps(value, ensure_ascii=False)
             shown = shown if len(shown) <= 60 else shown[:60] + "..."
             return f"tool {function['name']!r}: argument {name!r} must be {expected}, got {shown}"

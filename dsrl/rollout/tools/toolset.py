@@ -56,14 +56,24 @@ class ToolSet:
     """
 
     def __init__(
-        self, specs: list[ToolSpec], *, tool_timeout: float, max_tool_response_length: int,
-        tool_response_truncate_side: str, yaml_path: str | None = None, num_workers: int | None = None,
-        log_file: str | os.PathLike | None = None, log_max_mb: int = 64, memory_limit_mb: int = 4096,
+        self,
+        specs: list[ToolSpec],
+        *,
+        tool_timeout: float,
+        max_tool_response_length: int,
+        tool_response_truncate_side: str,
+        yaml_path: str | None = None,
+        num_workers: int | None = None,
+        log_file: str | os.PathLike | None = None,
+        log_max_mb: int = 64,
+        memory_limit_mb: int = 4096,
     ):
         if not tool_timeout > 0:
             raise ValueError(f"{MULTI_TURN_KEY}.tool_timeout={tool_timeout}: must be > 0 seconds")
         if max_tool_response_length < 1:
-            raise ValueError(f"{MULTI_TURN_KEY}.max_tool_response_length={max_tool_response_length}: must be >= 1 character")
+            raise ValueError(
+                f"{MULTI_TURN_KEY}.max_tool_response_length={max_tool_response_length}: must be >= 1 character"
+            )
         if tool_response_truncate_side not in TRUNCATE_SIDES:
             raise ValueError(
                 f"{MULTI_TURN_KEY}.tool_response_truncate_side={tool_response_truncate_side!r}: must be one of {list(TRUNCATE_SIDES)}"
@@ -81,13 +91,26 @@ class ToolSet:
             "tool",
             num_workers or default_num_workers(),
             worker.initialize,
-            (tuple(specs), yaml_path, max_tool_response_length, tool_response_truncate_side, os.getpid(), log_file,
-             log_max_mb, memory_limit_mb),
+            (
+                tuple(specs),
+                yaml_path,
+                max_tool_response_length,
+                tool_response_truncate_side,
+                os.getpid(),
+                log_file,
+                log_max_mb,
+                memory_limit_mb,
+            ),
             memory_limit_mb=memory_limit_mb,
             memory_key=worker.MEMORY_KEY,
         )
         self.startup_s = self._workers.start()
-        logger.info("tools %s: %d worker processes ready in %.2f s", sorted(self._specs), self._workers.num_workers, self.startup_s)
+        logger.info(
+            "tools %s: %d worker processes ready in %.2f s",
+            sorted(self._specs),
+            self._workers.num_workers,
+            self.startup_s,
+        )
 
     @classmethod
     def from_config(cls, cfg, log_file: str | os.PathLike | None = None) -> ToolSet:
@@ -167,9 +190,11 @@ class ToolSet:
             name = request.call.name
             create_kwargs = ((request.tools_kwargs or {}).get(name) or {}).get("create_kwargs") or {}
             try:
-                futures.append(self._workers.pebble.schedule(
-                    worker.run_call, (name, request.call.arguments, create_kwargs), timeout=self.tool_timeout
-                ))
+                futures.append(
+                    self._workers.pebble.schedule(
+                        worker.run_call, (name, request.call.arguments, create_kwargs), timeout=self.tool_timeout
+                    )
+                )
             except RuntimeError as exc:  # the pool broke down while scheduling
                 futures.append(exc)
         wait([f for f in futures if not isinstance(f, Exception)])

@@ -25,14 +25,26 @@ _max_length, _side = 0, "middle"
 
 
 def initialize(
-    specs: tuple[ToolSpec, ...], yaml_path: str | None, max_length: int, side: str,
-    parent_pid: int, log_file: str | None, log_max_mb: int, memory_limit_mb: int, ready,
+    specs: tuple[ToolSpec, ...],
+    yaml_path: str | None,
+    max_length: int,
+    side: str,
+    parent_pid: int,
+    log_file: str | None,
+    log_max_mb: int,
+    memory_limit_mb: int,
+    ready,
 ) -> None:
     """The tool pool's initializer: ``dsrl.workers.process.setup``, then every tool built once."""
     global _max_length, _side
     process.setup(
-        parent_pid, log_file, log_max_mb, memory_limit_mb, ready,
-        what="tool", memory_key=MEMORY_KEY,
+        parent_pid,
+        log_file,
+        log_max_mb,
+        memory_limit_mb,
+        ready,
+        what="tool",
+        memory_key=MEMORY_KEY,
     )
     _max_length, _side = max_length, side
     for spec in specs:
