@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path

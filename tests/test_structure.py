@@ -15,12 +15,12 @@ tiers are markers, not folders.
 from __future__ import annotations
 
 import ast
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from tests.conftest import REPO
 

@@ -159,9 +159,9 @@ def test_a_lora_resume_onto_another_base_model_is_refused(lora_actor, tiny_model
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from dsrl.checkpoint.resume import restore
     from dsrl.checkpoint.save import frozen_checksum
     from dsrl.engines.lora import lora_config
-    from dsrl.checkpoint.resume import restore
 
     checksum = frozen_checksum(lora_actor.module)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -382,9 +382,9 @@ def write_checkpoint(directory, cfg, *, world_size=1, train_data=(), garbage_in=
 def resume_setup(tiny_model_dir, arithmetic_data, world_of_one, tmp_path, monkeypatch):
     """(config overrides, a function that builds a Trainer of them): no model may load, so a Trainer that gets
     past the checks raises 'a model was loaded'."""
-    from dsrl.config import load_and_validate
     import dsrl.trainer.loop
     import dsrl.trainer.setup
+    from dsrl.config import load_and_validate
 
     def models_must_not_load(*args, **kwargs):
         raise AssertionError("a model was loaded")
@@ -402,8 +402,8 @@ def resume_setup(tiny_model_dir, arithmetic_data, world_of_one, tmp_path, monkey
 
 
 def test_resume_refuses_a_changed_run_before_any_model_loads(resume_setup, arithmetic_data, tmp_path):
-    from dsrl.config import load_and_validate
     from dsrl.checkpoint.resume import data_identity
+    from dsrl.config import load_and_validate
 
     base, build = resume_setup
     saved, _ = load_and_validate(recipe("grpo"), base, world_size=1)
@@ -433,8 +433,8 @@ def test_a_training_file_changed_since_the_checkpoint_is_refused_before_any_mode
 
     import pyarrow.parquet as pq
 
-    from dsrl.config import load_and_validate
     from dsrl.checkpoint.resume import data_identity
+    from dsrl.config import load_and_validate
 
     base, build = resume_setup
     data = tmp_path / "data" / "train.parquet"
@@ -457,10 +457,9 @@ def test_a_training_file_changed_since_the_checkpoint_is_refused_before_any_mode
 def test_auto_resume_falls_back_past_damaged_checkpoints_saying_why(
     resume_setup, arithmetic_data, tmp_path, caplog, monkeypatch
 ):
-    from dsrl.config import load_and_validate
-    from dsrl.checkpoint.resume import data_identity
-
     import dsrl.trainer.setup
+    from dsrl.checkpoint.resume import data_identity
+    from dsrl.config import load_and_validate
 
     base, build = resume_setup
     saved, _ = load_and_validate(recipe("grpo"), base, world_size=1)

@@ -9,7 +9,6 @@ import math
 import numpy as np
 import pytest
 
-from dsrl.config import ConfigError
 from dsrl.commands.evaluate import (
     BOOTSTRAP_SAMPLES,
     eval_config,
@@ -20,6 +19,7 @@ from dsrl.commands.evaluate import (
     prompt_results,
     reads,
 )
+from dsrl.config import ConfigError
 from dsrl.trainer.metrics import validation_metrics
 from dsrl.trainer.validation import ScoredResponse, shard_chunks
 from tests.conftest import recipe, write_model_stub, write_parquet_stub

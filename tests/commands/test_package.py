@@ -7,10 +7,10 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 
 import pytest
+import tomllib
 import yaml
 
 from tests.conftest import REPO, write_model_stub, write_parquet_stub

@@ -72,5 +72,5 @@ def test_buffer_settings_without_the_punishment_are_refused(files, setting):
 def test_verl_new_reward_keys_point_to_reward_model(files):
     [v] = problems(files + ["reward.reward_manager.name=dapo"])
     assert v.endswith("fix: set reward_model.reward_manager")
-    [v] = problems(files + [f"reward.reward_kwargs.overlong_buffer_cfg.len=4"])
+    [v] = problems(files + ["reward.reward_kwargs.overlong_buffer_cfg.len=4"])
     assert v.endswith(f"fix: set {BUFFER}.len")

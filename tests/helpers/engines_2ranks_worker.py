@@ -29,8 +29,8 @@ import torch.distributed as dist
 from dsrl.config import load_config
 from dsrl.data.batch import Batch
 from dsrl.engines import ActorEngine, init_distributed
-from dsrl.rollout import HFRollout, SamplingParams
 from dsrl.engines.weight_sync import iter_full_parameters
+from dsrl.rollout import HFRollout, SamplingParams
 
 GLOBAL_PROMPTS, N, P, T = 4, 2, 6, 10  # the fixed global batch: 8 sequences
 TEMPERATURE = 0.9

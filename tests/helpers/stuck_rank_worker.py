@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from dsrl.runtime.distributed import all_reduce, collective_timeout_message, leave_timed_out_group
 from dsrl.engines import init_distributed
+from dsrl.runtime.distributed import all_reduce, collective_timeout_message, leave_timed_out_group
 from dsrl.runtime.phases import PhaseTimer
 
 timeout_s, sleep_s = int(sys.argv[1]), float(sys.argv[2])

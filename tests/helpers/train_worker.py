@@ -22,9 +22,9 @@ every trained parameter's fp32 master weight and Adam moments, gathered, and eac
 import argparse
 import hashlib
 import json
+import os
 import pickle
 import random
-import os
 import signal
 import sys
 from collections import deque

@@ -15,12 +15,12 @@ import time
 
 import pytest
 
-from dsrl.checkpoint import save as ckpt
 from dsrl import config as C
+from dsrl.checkpoint import save as ckpt
 from dsrl.config import load_config
-from dsrl.tracking.console import ProgressConsole
 from dsrl.rewards import FAILURE_COUNTS, RewardScorer
 from dsrl.rewards import scorer as scorer_module
+from dsrl.tracking.console import ProgressConsole
 from tests.conftest import QUICKSTART, stub_file_overrides
 from tests.helpers.processes import run_script, wait_gone
 

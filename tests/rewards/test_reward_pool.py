@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dsrl.checkpoint import save as ckpt
 from dsrl import config as C
+from dsrl.checkpoint import save as ckpt
 from dsrl.config import load_config
 from dsrl.rewards import FAILURE_COUNTS, RewardScorer, default_num_workers
 from tests.conftest import QUICKSTART, stub_file_overrides

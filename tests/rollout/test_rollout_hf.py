@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from dsrl.data.batch import Batch
 from dsrl.engines import ActorEngine
-from dsrl.rollout import HFRollout, SamplingParams
 from dsrl.engines.weight_sync import iter_full_parameters
+from dsrl.rollout import HFRollout, SamplingParams
 from tests.helpers.rollout import P, assert_eos_and_length_handling, prompts
 
 pytestmark = pytest.mark.e2e

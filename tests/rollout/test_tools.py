@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import textwrap
 from types import SimpleNamespace
-from typing import Optional
 
 import pytest
 
@@ -135,7 +134,7 @@ def test_calculator_refuses(expression, error, match):
 
 
 def test_function_schema_from_signature_and_google_docstring():
-    def search(query: str, limit: int = 5, exact: Optional[bool] = None, tags: list[str] = (), extra: dict = None):
+    def search(query: str, limit: int = 5, exact: bool | None = None, tags: list[str] = (), extra: dict = None):
         """Search the notes.
 
         Finds notes whose text matches.

@@ -26,11 +26,11 @@ from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.conftest import QUICKSTART
 from tests.helpers.resume import (
     STEPS,
+    WORKER,
     Baselines,
     assert_same_run,
     resume_chain,
     resume_overrides,
-    WORKER,
     two_nodes,
 )
 

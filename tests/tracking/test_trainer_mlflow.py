@@ -212,8 +212,8 @@ def test_a_lora_run_logs_its_adapter_settings_and_where_its_adapter_is(
 ):
     """A LoRA run's params hold the adapter as PEFT resolved it (all-linear expanded to module names) and its
     trainable parameter count; the exported adapter's folder is tagged, and named in the final summary."""
-    from dsrl.tracking.console import final_summary
     from dsrl.engines.lora import trainable_parameter_count
+    from dsrl.tracking.console import final_summary
     from dsrl.trainer.facts import final_facts
 
     trainer = trainer_for(

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dsrl.algorithms import pf_ppo_indices
-from dsrl.trainer.balance import balance_across_ranks, equal_size_partition, pf_ppo_resample
 from dsrl.data.batch import Batch
+from dsrl.trainer.balance import balance_across_ranks, equal_size_partition, pf_ppo_resample
 
 pytestmark = pytest.mark.dist
 

@@ -10,7 +10,6 @@ from dsrl.data.batch import Batch
 from dsrl.trainer.dynamic_sampling import fill_batch, group_verdicts, kept_groups, metric_values, transfer_plan
 from tests.conftest import recipe, stub_file_overrides
 
-
 # ---------------------------------------------------------------- the group filter
 
 

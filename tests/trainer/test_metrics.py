@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from dsrl.trainer import metrics as metrics_module
 from dsrl.algorithms import RolloutCorrection
 from dsrl.data.batch import Batch
+from dsrl.trainer import metrics as metrics_module
 from dsrl.trainer.metrics import (
     batch_metrics,
     memory_metrics,

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from dsrl.checkpoint import save as ckpt
 from dsrl import config as C
+from dsrl.checkpoint import save as ckpt
 from dsrl.config import load_config
 from dsrl.tracking.console import ProgressConsole
 from dsrl.trainer.stops import STREAK, RolloutMismatch

@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
-from tests.helpers.trainer import changed_fraction, run_config
+from tests.helpers.trainer import changed_fraction
 
 pytestmark = pytest.mark.e2e
 

@@ -17,8 +17,8 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
-from dsrl.rollout import SamplingParams, colocation
 from dsrl.engines.weight_sync import iter_full_parameters
+from dsrl.rollout import SamplingParams, colocation
 
 pytestmark = pytest.mark.vllm
 

@@ -10,8 +10,8 @@ pytest.importorskip("vllm")
 import torch
 
 from dsrl.data.batch import Batch
-from dsrl.rollout import SamplingParams
 from dsrl.engines.weight_sync import iter_full_parameters
+from dsrl.rollout import SamplingParams
 from tests.helpers.rollout import assert_eos_and_length_handling, prompts, vllm_logprob_gap
 
 pytestmark = pytest.mark.vllm
