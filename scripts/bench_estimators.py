@@ -170,13 +170,13 @@ def bench_losses(inputs: EstimatorInputs, repeats: int, verl: ModuleType | None)
     for name in ["vanilla", *(n for n in policy_loss_names() if n != "vanilla")]:
         params = LOSS_PARAMS.get(name, {})
         ms = forward_backward(
-            lambda lp: policy_loss(  # noqa: B023
+            lambda lp, name=name, params=params: policy_loss(
                 name,
                 old_log_probs=old_log_probs,
                 log_probs=lp,
                 advantages=advantages,
                 response_mask=mask,
-                **params,  # noqa: B023
+                **params,
             )
         )
         vanilla_ms = vanilla_ms or ms
@@ -184,15 +184,15 @@ def bench_losses(inputs: EstimatorInputs, repeats: int, verl: ModuleType | None)
         if verl is not None and name in verl.POLICY_LOSSES:
             config = verl.verl_actor_config(params, {})
             verl_ms = forward_backward(
-                lambda lp: verl.verl_policy_loss(  # noqa: B023
+                lambda lp, name=name, config=config: verl.verl_policy_loss(
                     name,
                     old_log_probs=old_log_probs,
                     log_probs=lp,
                     advantages=advantages,
-                    response_mask=mask,  # noqa: B023
+                    response_mask=mask,
                     loss_agg_mode="token-mean",
                     rollout_is_weights=None,
-                    config=config,  # noqa: B023
+                    config=config,
                 )
             )
         print(f"{name:<30} {ms:9.1f} {ms / vanilla_ms:9.2f} {'':8} {ratio_columns(ms, verl_ms)}")

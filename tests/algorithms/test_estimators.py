@@ -454,7 +454,7 @@ def full_inputs(mask_dtype=torch.float32, seed=8):
 def test_integer_and_bool_masks_give_the_float_result(name, mask_dtype):
     expected = compute_advantages(name, full_inputs(), gamma=0.9, lam=0.8)
     got = compute_advantages(name, full_inputs(mask_dtype), gamma=0.9, lam=0.8)
-    for a, b in zip(got, expected):
+    for a, b in zip(got, expected, strict=True):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b)
 
@@ -593,7 +593,7 @@ def test_an_estimator_declared_policy_free_computes_without_the_policy(name):
         return
     inputs = full_inputs()
     without = dataclasses.replace(inputs, old_log_probs=None, sum_pi_squared=None)
-    for expected, got in zip(compute_advantages(name, inputs), compute_advantages(name, without)):
+    for expected, got in zip(compute_advantages(name, inputs), compute_advantages(name, without), strict=True):
         torch.testing.assert_close(got, expected)
 
 

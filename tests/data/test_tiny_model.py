@@ -130,11 +130,11 @@ def test_tool_traces_train_on_the_assistant_turns_only_and_fit_the_positions():
         None,
     )
     assert make_tiny_model.tool_turn_ids(tokenizer, "998001") == loop.tool_turn_ids([conversation[2]])
-    assert tokenizer.decode([i for i, label in zip(ids, labels) if label != -100]) == (
+    assert tokenizer.decode([i for i, label in zip(ids, labels, strict=True) if label != -100]) == (
         call + "<|im_end|>998001<|im_end|>"
     )
     ids, labels = make_tiny_model.tool_trace(tokenizer, 999, 999, call=False)
-    assert tokenizer.decode([i for i, label in zip(ids, labels) if label != -100]) == "998001<|im_end|>"
+    assert tokenizer.decode([i for i, label in zip(ids, labels, strict=True) if label != -100]) == "998001<|im_end|>"
 
 
 def test_calculator_task_is_deterministic_and_reports_its_tool_use(tmp_path, capsys):

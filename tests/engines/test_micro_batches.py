@@ -141,7 +141,7 @@ def test_random_batches_respect_the_budget():
         n = rng.randint(1, 24)
         prompts = [rng.randint(1, 12) for _ in range(n)]
         responses = [rng.randint(1, 20) for _ in range(n)]
-        budget = rng.randint(max(p + r for p, r in zip(prompts, responses)), 150)
+        budget = rng.randint(max(p + r for p, r in zip(prompts, responses, strict=True)), 150)
         batch = make_batch(prompts, responses, P=12, T=20)
         parts = micro_batch_indices(batch, micro_batch_size=1, max_token_len=budget)
         check_parts(batch, parts, budget)

@@ -46,7 +46,10 @@ def training_batch(actor: ActorEngine) -> Batch:
     g = torch.Generator().manual_seed(1)
     mask = batch.response_mask.float()
     old = actor.compute_log_probs(batch, temperature=TEMPERATURE)["old_log_probs"]
-    noise = lambda scale: scale * torch.randn(old.shape, generator=g) * mask
+
+    def noise(scale: float) -> torch.Tensor:
+        return scale * torch.randn(old.shape, generator=g) * mask
+
     return batch.replace(
         old_log_probs=old + noise(0.3),
         ref_log_probs=old + noise(0.5),

@@ -236,7 +236,7 @@ def _differences(a, b, where: str) -> list[str]:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return [f"{where}: length {len(a)} vs {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}[{i}]")]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _differences(x, y, f"{where}[{i}]")]
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return []
     if type(a).__module__.startswith("deepspeed") and type(a) is type(b):  # e.g. the loss scaler
@@ -281,7 +281,7 @@ def checkpoint_differences(a: Path, b: Path) -> list[str]:
             valid = _zero3_valid_masks(a / name)
             for state in (x, y):
                 flat = state["optimizer_state_dict"]["fp32_flat_groups"]
-                flat[:] = [group.detach()[mask] for group, mask in zip(flat, valid)]
+                flat[:] = [group.detach()[mask] for group, mask in zip(flat, valid, strict=True)]
         problems += _differences(x, y, str(name))
     state_a, state_b = (_comparable_state(json.loads((p / "trainer_state.json").read_text())) for p in (a, b))
     problems += _differences(state_a, state_b, "trainer_state.json")
@@ -349,7 +349,7 @@ def resume_chain(
     shutil.copytree(start, out / "ckpt" / start.name)
     resume_points = [int(start.name.rpartition("_")[2])] + [resumes_from for _, resumes_from in kills]
     outputs = []
-    for kill_at, resumes_from in zip([kill_at for kill_at, _ in kills] + [None], resume_points):
+    for kill_at, resumes_from in zip([kill_at for kill_at, _ in kills] + [None], resume_points, strict=True):
         code, output = run_worker(
             name, overrides, out, world=world, port=free_port(), kill_at=kill_at, launcher=launcher
         )

@@ -21,7 +21,7 @@ def assert_eos_and_length_handling(out, eos_token_ids, pad_token_id: int, max_to
     response ends at its first EOS (included in the mask) and is padded after it; a 'length'
     response fills ``max_tokens`` without an EOS; both endings occur."""
     eos = torch.tensor(eos_token_ids)
-    for ids, mask, reason in zip(out.response_ids, out.response_mask, out.finish_reasons):
+    for ids, mask, reason in zip(out.response_ids, out.response_mask, out.finish_reasons, strict=True):
         valid = int(mask.sum())
         assert (mask[:valid] == 1).all() and (mask[valid:] == 0).all()
         is_eos = torch.isin(ids[:valid], eos)

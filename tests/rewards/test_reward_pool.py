@@ -546,7 +546,7 @@ def test_rows_lost_to_a_broken_pool_run_once_more(scorer, monkeypatch):
         if len(calls) == 1:
             outcomes = [
                 ("broken", "the reward worker pool broke down: All workers expired") if row[1] != "b" else outcome
-                for row, outcome in zip(rows, outcomes)
+                for row, outcome in zip(rows, outcomes, strict=True)
             ]
         return outcomes, first
 

@@ -51,7 +51,7 @@ class ScriptedEngine:
 
     def generate(self, prompt_ids, prompt_mask, sampling: SamplingParams) -> RolloutOutput:
         self.calls.append(sampling)
-        rows = [ids[mask.bool()] for ids, mask in zip(prompt_ids, prompt_mask) for _ in range(sampling.n)]
+        rows = [ids[mask.bool()] for ids, mask in zip(prompt_ids, prompt_mask, strict=True) for _ in range(sampling.n)]
         caps = sampling.row_max_tokens or [sampling.max_tokens] * len(rows)
         T = sampling.max_tokens
         out = RolloutOutput(
@@ -60,7 +60,7 @@ class ScriptedEngine:
             torch.zeros(len(rows), T),
             [],
         )
-        for i, (context, cap) in enumerate(zip(rows, caps)):
+        for i, (context, cap) in enumerate(zip(rows, caps, strict=True)):
             text = self.tokenizer.decode(context)
             tokens = self.tokenizer.encode(self.reply(text), add_special_tokens=False) + self.eos_token_ids
             tokens = tokens[:cap]

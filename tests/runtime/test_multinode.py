@@ -104,7 +104,7 @@ def launch_train(
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for (command, extra), cwd in zip(nodes, node_dirs)
+        for (command, extra), cwd in zip(nodes, node_dirs, strict=True)
     ]
     outputs = [process.communicate(timeout=600)[0] for process in processes]
     return [process.returncode for process in processes], outputs
@@ -241,6 +241,6 @@ def test_two_runs_without_a_launcher_on_one_machine_both_finish(quickstart_args,
         for i in (0, 1)
     ]
     outputs = [run.communicate(timeout=600)[0] for run in runs]
-    for run, output in zip(runs, outputs):
+    for run, output in zip(runs, outputs, strict=True):
         assert run.returncode == 0, output[-3000:]
         assert re.search(r"^\[dsrl r0 [\d:]+\] step 1/1 ", output, re.M), output[-3000:]

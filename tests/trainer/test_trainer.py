@@ -276,12 +276,12 @@ def test_folding_the_old_log_prob_pass_changes_no_number(
         if not fold:
             trainer.folds_old_log_prob = lambda batch: False
         logged = []
-        trainer.tracker.log_metrics = lambda metrics, step: logged.append(metrics)
+        trainer.tracker.log_metrics = lambda metrics, step, logged=logged: logged.append(metrics)
         trainer.fit()
         runs[fold] = logged, {name: tensor.clone() for name, tensor in iter_full_parameters(trainer.actor.module)}
     (folded, folded_params), (separate, separate_params) = runs[True], runs[False]
     assert all(torch.equal(folded_params[k], separate_params[k]) for k in separate_params)
-    for with_fold, without in zip(folded, separate):
+    for with_fold, without in zip(folded, separate, strict=True):
         assert "timing_s/old_log_prob" not in with_fold and "timing_s/old_log_prob" in without
         for name in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean"):
             assert with_fold[name] == without[name], name
@@ -640,7 +640,7 @@ def test_dapo_overlong_punishment_and_truncated_masking(
     assert [step for step, _ in logged] == [0, 1, 2]
     for step, metrics in logged:
         assert all(math.isfinite(v) for v in metrics.values()), step
-    for (_, metrics), (before, after, ratio) in zip(logged[1:], masked):
+    for (_, metrics), (before, after, ratio) in zip(logged[1:], masked, strict=True):
         lengths = before.response_mask.sum(-1)
         last = before.response_ids[torch.arange(len(before)), lengths - 1]
         cut = (lengths == 16) & ~torch.isin(last, torch.tensor(trainer.rollout.eos_token_ids))

@@ -64,7 +64,7 @@ def test_ranks_log_the_same_metrics(setup, tmp_path):
     assert [r["world"] for r in reports] == [2, 2]
     steps = [[entry["step"] for entry in r["logged"]] for r in reports]
     assert steps == [[0, 1, 2], [0, 1, 2]]
-    for entry0, entry1 in zip(reports[0]["logged"], reports[1]["logged"]):
+    for entry0, entry1 in zip(reports[0]["logged"], reports[1]["logged"], strict=True):
         shared0 = {k: v for k, v in entry0["metrics"].items() if not k.startswith(RANK_LOCAL)}
         shared1 = {k: v for k, v in entry1["metrics"].items() if not k.startswith(RANK_LOCAL)}
         assert shared0 == shared1
@@ -149,7 +149,7 @@ def test_validation_with_fewer_prompts_than_chunks_on_some_ranks(setup, arithmet
     import pyarrow.parquet as pq
 
     rows = pq.read_table(arithmetic_data / "test.parquet").to_pylist()[:3]
-    for row, truth in zip(rows, ("0", "0", "3")):
+    for row, truth in zip(rows, ("0", "0", "3"), strict=True):
         row["reward_model"]["ground_truth"] = truth
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "val3.parquet")
     (tmp_path / "truth_reward.py").write_text(GROUND_TRUTH_REWARD)
@@ -199,7 +199,7 @@ def test_dynamic_sampling_ranks_agree_on_rounds_and_kept_groups(setup, tmp_path)
         env,
     )
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for entry0, entry1 in zip(reports[0]["logged"], reports[1]["logged"]):
+    for entry0, entry1 in zip(reports[0]["logged"], reports[1]["logged"], strict=True):
         shared0 = {k: v for k, v in entry0["metrics"].items() if not k.startswith(RANK_LOCAL)}
         shared1 = {k: v for k, v in entry1["metrics"].items() if not k.startswith(RANK_LOCAL)}
         assert shared0 == shared1
@@ -234,7 +234,7 @@ def test_multi_turn_ranks_each_run_their_own_turns(setup, tool_model_dir, calcul
     assert all(report["multi_turn"] for report in reports)
     steps = [[e["metrics"] for e in report["logged"] if "actor/grad_norm" in e["metrics"]] for report in reports]
     assert len(steps[0]) == len(steps[1]) == 2
-    for metrics0, metrics1 in zip(*steps):
+    for metrics0, metrics1 in zip(*steps, strict=True):
         assert metrics0["tool/calls/calculator"] > 0
         shared = lambda m: {k: v for k, v in m.items() if not k.startswith(RANK_LOCAL)}  # noqa: E731
         assert shared(metrics0) == shared(metrics1)

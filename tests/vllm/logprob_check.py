@@ -54,7 +54,7 @@ prompt = torch.tensor([[5, 6, 7, 8]])
 def gap() -> float:
     out = rollout.generate(prompt, torch.ones_like(prompt), SamplingParams(n=4, max_tokens=8, seed=0))
     diffs = []
-    for ids, lp, mask in zip(out.response_ids, out.log_probs, out.response_mask):
+    for ids, lp, mask in zip(out.response_ids, out.log_probs, out.response_mask, strict=True):
         full = torch.cat([prompt[0], ids[mask.bool()]])[None]
         with torch.no_grad():
             logits = model(full).logits[0, 3:-1]

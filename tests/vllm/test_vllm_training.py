@@ -122,7 +122,7 @@ def test_two_ranks_under_the_launcher(overrides, tmp_path, free_port, tp):
     states = [report["generator_states"] for report in reports]
     assert len(states[0]) == len(states[1]) >= 4
     assert (states[0] == states[1]) == (tp == 2)  # two engines of their own draw from their own seeds
-    for entry0, entry1 in zip(reports[0]["logged"], reports[1]["logged"]):
+    for entry0, entry1 in zip(reports[0]["logged"], reports[1]["logged"], strict=True):
         shared0 = {k: v for k, v in entry0["metrics"].items() if not k.startswith(RANK_LOCAL)}
         shared1 = {k: v for k, v in entry1["metrics"].items() if not k.startswith(RANK_LOCAL)}
         assert shared0 == shared1  # all-reduced: every rank logs the same numbers
