@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{d} -> buffer {runs[d]['buffer_dtype']}, communication {runs[d]['communication_dtype']}" for d in VARIANTS
     )
     header = (
-        f"[grad_accum_dtype] {device}; {Path(config).stem} ({runs['fp32']['optimizer']}) grad_accum_dtype {got}; {size.dtype}, "
-        f"{n_params / 1e6:.1f}M parameters (random weights); one step over {rows // micro} micro-batches "
+        f"[grad_accum_dtype] {device}; {Path(config).stem} ({runs['fp32']['optimizer']}) grad_accum_dtype {got}; "
+        f"{size.dtype}, {n_params / 1e6:.1f}M parameters (random weights); one step over {rows // micro} micro-batches "
         f"of {micro} rows x ({prompt_length} + {response_length}) tokens"
     )
     recipe_geometry.write_report(args.json, header, table)

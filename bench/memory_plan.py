@@ -83,10 +83,12 @@ RECIPE_DATA = [
 QWEN_05B = "bench/model_shapes/Qwen2.5-0.5B-Instruct.json"
 QWEN3_8B = "bench/model_shapes/Qwen3-8B.json"
 RECIPES = {
-    **{name: (name, QWEN_05B, []) for name in ("grpo", "dapo", "grpo_lora", "opo", "otb", "ppo", "reinforce_pp", "rloo", "tir_otb")},
+    **{name: (name, QWEN_05B, [])
+       for name in ("grpo", "dapo", "grpo_lora", "opo", "otb", "ppo", "reinforce_pp", "rloo", "tir_otb")},
     "grpo, Qwen3-8B": ("grpo", QWEN3_8B, [
         "actor_rollout_ref.model.path=Qwen/Qwen3-8B", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
         "data.max_response_length=4096", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         "actor_rollout_ref.rollout.gpu_memory_utilization=0.85"]),
 }  # fmt: skip
@@ -229,7 +231,8 @@ def estimator_table() -> list[dict]:
             rows.append(row)
             print(f"{row['model']:22} {row['setup']:15} params {total:,} (plan {planned:,})  device/rank plan "
                   f"{row['plan_device_gib']:.2f} DeepSpeed {row['deepspeed_device_gib']:.2f} GiB  host/node plan "
-                  f"{row['plan_host_node_gib']:.2f} DeepSpeed {row['deepspeed_host_node_gib']:.2f} GiB", flush=True)  # fmt: skip
+                  f"{row['plan_host_node_gib']:.2f} DeepSpeed {row['deepspeed_host_node_gib']:.2f} GiB",
+                  flush=True)  # fmt: skip
     return rows
 
 
@@ -245,7 +248,8 @@ def recipe_table() -> list[dict]:
         rows.append(row)
         cells = "  ".join(f"{n} {p.device / GIB:.1f}/{p.host / GIB:.1f}" for n, p in phases.items())
         print(
-            f"{label:16} {cells}  | {plan.kv.describe()} | {'fits' if not row['over'] else 'EXCEEDS: ' + ', '.join(row['over'])}"
+            f"{label:16} {cells}  | {plan.kv.describe()} | "
+            f"{'fits' if not row['over'] else 'EXCEEDS: ' + ', '.join(row['over'])}"
         )
     return rows
 

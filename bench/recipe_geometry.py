@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             table += measure(size, model_dir, deepspeed_config, case, cases[case])
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     header = (
-        f"[recipe_geometry] {device}; actor {size.deepspeed_config}{note}; {size.dtype}, {n_params / 1e6:.1f}M parameters "
-        f"(random weights); rows of {size.prompt_length} prompt + {size.max_tokens} response tokens"
+        f"[recipe_geometry] {device}; actor {size.deepspeed_config}{note}; {size.dtype}, {n_params / 1e6:.1f}M "
+        f"parameters (random weights); rows of {size.prompt_length} prompt + {size.max_tokens} response tokens"
     )
     write_report(args.json, header, table)
     return 0

@@ -97,7 +97,8 @@ def main() -> int:
     print(f"{'step':<16}{step_s:>10.3f}{1:>8.0%}")
     tokens = statistics.mean(m["perf/throughput"] for m in timed)
     print(
-        f"tokens/s per rank: {tokens:.0f}; response length mean {statistics.mean(m['response_length/mean'] for m in timed):.2f}"
+        f"tokens/s per rank: {tokens:.0f}; response length mean "
+        f"{statistics.mean(m['response_length/mean'] for m in timed):.2f}"
     )
     return 0
 

@@ -406,8 +406,8 @@ def run(size: CheckSize, optimizer: str, out_dir: Path, started: float) -> None:
     if rollout_name == "vllm":
         why += f" level {cfg.actor_rollout_ref.rollout.sleep_level}"
     header = (
-        f"[gpu_check] {device_name}; {why}; actor {size.deepspeed_config} ({optimizer_name}){optimizer_note}; {size.dtype}, "
-        f"{n_params / 1e6:.1f}M parameters (random weights); "
+        f"[gpu_check] {device_name}; {why}; actor {size.deepspeed_config} ({optimizer_name}){optimizer_note}; "
+        f"{size.dtype}, {n_params / 1e6:.1f}M parameters (random weights); "
         f"{size.prompts} prompts x {size.prompt_length} tokens, n={size.n}, {size.max_tokens} new tokens"
     )
     print(header)
@@ -432,7 +432,9 @@ def main(argv: list[str] | None = None) -> int:
         "--optimizer",
         choices=("recipe", "adamw"),
         default="recipe",
-        help="recipe: the DeepSpeed config's own (FusedAdam on GPU); adamw: torch's AdamW, where FusedAdam cannot build",
+        help=(
+            "recipe: the DeepSpeed config's own (FusedAdam on GPU); adamw: torch's AdamW, where FusedAdam cannot build"
+        ),
     )
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():

@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> Path:
     elapsed = time.perf_counter() - start
     params = sum(p.numel() for p in model.parameters())
     print(
-        f"{gguf.name} -> {args.out}: {model.config.model_type}, {params / 1e6:.1f}M parameters, {args.dtype}, {elapsed:.0f}s"
+        f"{gguf.name} -> {args.out}: {model.config.model_type}, {params / 1e6:.1f}M parameters, {args.dtype}, "
+        f"{elapsed:.0f}s"
     )
     print(f"greedy answer to {SAMPLE_PROMPT!r}: {greedy_answer(model, tokenizer, SAMPLE_PROMPT)!r}")
     return args.out

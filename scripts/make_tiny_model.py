@@ -17,8 +17,8 @@ Offline and deterministic (same ``--seed`` and ``--sft-steps`` give byte-identic
 - Warm start: supervised training on problems of the arithmetic train pool
   (``dsrl.data.arithmetic``), 128 a step, chat template applied, loss on the answer and the ``<|im_end|>``
   only, stopped as soon as greedy exact match on 200 held-out train-pool problems reaches 25%
-  (checked every 5 steps once the batch loss is below 1.2) or after ``--sft-steps`` steps. Accuracy rises steeply (~5% to ~60%
-  within 100 steps), so a fixed step count would land anywhere in that range depending on the
+  (checked every 5 steps once the batch loss is below 1.2) or after ``--sft-steps`` steps. Accuracy rises steeply (~5%
+  to ~60% within 100 steps), so a fixed step count would land anywhere in that range depending on the
   seed and the CPU's floating-point kernels; stopping on accuracy gives a model that is clearly
   non-zero but far from perfect on every machine, which RL (GRPO, 8 samples per prompt) then
   improves. ``--sft-steps 0`` saves the random initialisation in seconds.

@@ -1,8 +1,8 @@
 """PF-PPO: the step's batch resampled by reward, with the weights of verl 0.9.1.
 
 Policy filtration for PPO ("Policy Filtration in RLHF to Fine-Tune LLM for Code Generation",
-https://arxiv.org/abs/2409.06957) trains more on the responses whose reward is most reliable. As verl computes it, every row's outcome score
-s_i = Σ_t token_level_scores[i, t] gives a weight, and B rows are drawn with replacement with
+https://arxiv.org/abs/2409.06957) trains more on the responses whose reward is most reliable. As verl computes it, every
+row's outcome score s_i = Σ_t token_level_scores[i, t] gives a weight, and B rows are drawn with replacement with
 probabilities proportional to the weights:
 
     pow:         w_i = |s_i| ^ weight_pow

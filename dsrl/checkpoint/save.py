@@ -392,7 +392,8 @@ def _stop_when_unwritable(tmp: Path, step: int) -> Iterator[None]:
 
 
 def _rank() -> int:
-    """This process's rank; 0 in a process without a process group (``dsrl.commands.convert``, run without the launcher)."""
+    """This process's rank; 0 in a process without a process group (``dsrl.commands.convert``, run without the
+    launcher)."""
     return dist.get_rank() if dist.is_initialized() else 0
 
 

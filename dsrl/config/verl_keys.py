@@ -35,12 +35,14 @@ def verl_only_key(key: str) -> tuple[str, str] | None:
     if ".fsdp_config" in key or ".megatron" in key:
         return (
             "verl FSDP/Megatron key; dsrl always trains with DeepSpeed ZeRO",
-            f"remove it and choose the ZeRO setup with {ds}: zero3_offload | zero3 | zero2 or a path to a DeepSpeed JSON",
+            f"remove it and choose the ZeRO setup with {ds}: zero3_offload | zero3 | zero2 or a path to a DeepSpeed "
+            "JSON",
         )
     if key.endswith((".zero_stage", ".offload")):
         return (
             "verl DeepSpeed-engine key; dsrl picks the whole ZeRO setup by name",
-            f"set {ds}: zero2 (stage 2) | zero3 (stage 3) | {offloaded} (stage 3, offloaded to CPU), or a DeepSpeed JSON path",
+            f"set {ds}: zero2 (stage 2) | zero3 (stage 3) | {offloaded} (stage 3, offloaded to CPU), or a DeepSpeed "
+            "JSON path",
         )
     if key.endswith((".rollout.response_length", ".rollout.prompt_length")):
         which = key.rpartition(".")[2].replace("_length", "")

@@ -65,7 +65,8 @@ def rows(split: str, size: int, seed: int) -> list[dict]:
 
 
 def verl_rows(split: str, pairs, data_source: str, question, answer) -> list[dict]:
-    """verl-schema rows of the problems ``pairs`` (a, b): ``question(a, b)`` asked, ``answer(a, b)`` the ground truth."""
+    """verl-schema rows of the problems ``pairs`` (a, b): ``question(a, b)`` asked, ``answer(a, b)`` the ground
+    truth."""
     return [
         {
             "data_source": data_source,

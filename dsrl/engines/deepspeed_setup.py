@@ -91,7 +91,10 @@ def unlink_shared_memory_buffers() -> None:
         return  # DeepSpeed makes them for CPU ranks that all share one machine only
     dist.barrier()
     # The name DeepSpeed's shm.cpp gives them: deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>.
-    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}_{rank}"
+    name = (
+        f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+        f"{os.environ.get('MASTER_PORT', '')}_{rank}"
+    )
     with contextlib.suppress(FileNotFoundError):
         os.unlink(Path("/dev/shm") / name)
 

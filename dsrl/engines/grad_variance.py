@@ -1,4 +1,5 @@
-"""The variance of the actor's gradient across micro-batches, measured (``actor_rollout_ref.actor.measure_grad_variance``).
+"""The variance of the actor's gradient across micro-batches, measured
+(``actor_rollout_ref.actor.measure_grad_variance``).
 
 A mini-batch's loss is a sum of micro-batch losses ``l_k`` (``training.py``: each normalised by the mini-batch's
 global token or sequence count), so its gradient is ``G = sum_k g_k`` with ``g_k = grad l_k``, over every
@@ -21,9 +22,9 @@ where the config has them. Defined with two or more micro-batches per optimizer 
 logged); like the other actor metrics, averaged over a step's optimizer steps. It grows as micro-batches shrink
 (roughly as 1 / their size), so runs compare at the same micro-batch size.
 
-verl's ``variance_proxy/*`` (``dsrl.trainer.metrics.variance_proxy_metrics``, logged where ``sum_pi_squared`` is computed)
-is another thing: per response, ``A^2`` times ``W = sum_t (1 - 2 pi_t + sum_v pi_v^2)``, the squared norm of the
-gradient of the token log-probs with respect to the logits, so an estimate from the logits standing in for the
+verl's ``variance_proxy/*`` (``dsrl.trainer.metrics.variance_proxy_metrics``, logged where ``sum_pi_squared`` is
+computed) is another thing: per response, ``A^2`` times ``W = sum_t (1 - 2 pi_t + sum_v pi_v^2)``, the squared norm of
+the gradient of the token log-probs with respect to the logits, so an estimate from the logits standing in for the
 parameters' gradient, and its "pure noise" that power less the squared gradient norm over ``N - 1``.
 """
 

@@ -90,8 +90,8 @@ def add_adapters(module: torch.nn.Module, model_cfg: Any) -> PeftModel:
         settings = saved_adapter_settings(model_cfg.lora_adapter_path)
         if model_cfg.lora_rank not in (0, settings["r"]):
             raise ValueError(
-                f"actor_rollout_ref.model.lora_rank={model_cfg.lora_rank} but the adapter at lora_adapter_path has rank "
-                f"{settings['r']}; set lora_rank={settings['r']} (or 0: the adapter's rank is used)"
+                f"actor_rollout_ref.model.lora_rank={model_cfg.lora_rank} but the adapter at lora_adapter_path has "
+                f"rank {settings['r']}; set lora_rank={settings['r']} (or 0: the adapter's rank is used)"
             )
         peft_model = PeftModel.from_pretrained(module, model_cfg.lora_adapter_path, is_trainable=True)
     else:

@@ -59,7 +59,8 @@ class SkipCounter:
         if applied and not finite:
             raise RuntimeError(
                 f"{self.prefix}: DeepSpeed applied an optimizer step with loss={loss}, grad_norm={grad_norm}; "
-                "dsrl needs ZeRO's non-finite gradient check (zero_optimization.stage 1-3, bf16.check_grad_overflow true)"
+                "dsrl needs ZeRO's non-finite gradient check (zero_optimization.stage 1-3, bf16.check_grad_overflow "
+                "true)"
             )
         if applied:
             self.consecutive = 0

@@ -141,8 +141,8 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
     if inputs.critic is not None:
         backbone = s.parameters(lm_head=False)
         phases.append(forward_phase("values", "critic", inputs.critic_values, False))
-        phases.append(update_phase("update_critic", "critic", inputs.critic, inputs.critic_update, backbone + s.hidden + 1,
-                                   inputs.critic_checkpointing, False))  # fmt: skip
+        phases.append(update_phase("update_critic", "critic", inputs.critic, inputs.critic_update,
+                                   backbone + s.hidden + 1, inputs.critic_checkpointing, False))  # fmt: skip
     phases.append(update_phase("update_actor", "actor", inputs.actor, inputs.update, inputs.actor_trained,
                                inputs.actor_checkpointing, True))  # fmt: skip
     return Plan(inputs, device, phases, kv)
@@ -223,11 +223,14 @@ def _largest_micro_batch(inputs: PlanInputs, device: Device, phase: str, field: 
 
 # The micro-batch keys of each phase: (count key, budget key, PlanInputs field).
 _MICRO_KEYS = {
-    "old_log_prob": ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", "old_log_prob"),
-    "ref": ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "ref_pass"),
+    "old_log_prob": ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", "old_log_prob"),
+    "ref": ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "ref_pass"),
     "values": ("critic.forward_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu", "critic_values"),
     "update_critic": ("critic.ppo_micro_batch_size_per_gpu", "critic.ppo_max_token_len_per_gpu", "critic_update"),
-    "update_actor": ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "update"),
+    "update_actor": ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "update"),
 }  # fmt: skip
 _ROLE_KEYS = {"actor": "actor_rollout_ref.actor.deepspeed_config", "critic": "critic.deepspeed_config",
               "ref": "actor_rollout_ref.ref.deepspeed_config"}  # fmt: skip
@@ -287,6 +290,7 @@ def plan_problems(plan: Plan) -> list[str]:
     for phase in plan.over():
         lines.append(
             f"trainer.memory_plan_check: phase {phase.name} needs {plan.need(phase) / GIB:.2f} GiB, more than the "
-            f"{plan.device.bytes / GIB:.2f} GiB of the {plan.device.kind} device; fix: {' or '.join(fixes(plan, phase))}"
+            f"{plan.device.bytes / GIB:.2f} GiB of the {plan.device.kind} device; fix: "
+            f"{' or '.join(fixes(plan, phase))}"
         )
     return lines

@@ -55,7 +55,8 @@ def model_states(role: str, zero: ZeroSetup, params: int, trained: int, b: int, 
     pinned = " (pinned)" if zero.pinned else ""
     lp = b * params // N if stage3 else b * params
     terms = [Term(f"{role} parameters", *((0, lp) if stage3 and zero.offload_param else (lp, 0)),
-                  f"{b} B x {params / 1e6:,.1f} M" + (f" / {N}" if stage3 else "") + (pinned if zero.offload_param else ""))]  # fmt: skip
+                  f"{b} B x {params / 1e6:,.1f} M" + (f" / {N}" if stage3 else "")
+                  + (pinned if zero.offload_param else ""))]  # fmt: skip
     if not trained:
         return terms
     oo = zero.offload_optimizer
@@ -187,7 +188,8 @@ def rollout_terms(inputs: PlanInputs, device: Device) -> tuple[list[Term], KvBud
         )
         awake = [Term("vLLM weights", weights // tp, 0, f"{rb} B x P / TP {tp}"),
                  Term("vLLM KV cache", kv_bytes, 0, f"gpu_memory_utilization {inputs.gpu_memory_utilization}"),
-                 Term("vLLM working memory", min(VLLM_RESERVE_BYTES, reserved), 0, "activation peak, CUDA graphs: unverified on GPU")]  # fmt: skip
+                 Term("vLLM working memory", min(VLLM_RESERVE_BYTES, reserved), 0,
+                      "activation peak, CUDA graphs: unverified on GPU")]  # fmt: skip
         if not inputs.sleep_mode:
             asleep = awake
         elif inputs.sleep_level == 1:
@@ -203,7 +205,8 @@ def rollout_terms(inputs: PlanInputs, device: Device) -> tuple[list[Term], KvBud
     on_device = device.kind == "cuda"
     copy = Term("HF rollout weights", weights, 0, f"{rb} B x P, a plain copy")
     awake = [copy,
-             Term("HF rollout KV cache", prompts * per_prompt, 0, f"{rows:,} rows x {length:,} tokens per generate call"),
+             Term("HF rollout KV cache", prompts * per_prompt, 0,
+                  f"{rows:,} rows x {length:,} tokens per generate call"),
              Term("HF rollout prefill", rows * inputs.prompt_length * s.forward_working_bytes(rb), 0,
                   f"{rows:,} rows x {inputs.prompt_length:,} prompt tokens, no grad"),
              Term("HF rollout logits", 2 * rows * s.vocab * 4, 0, f"{rows:,} rows x vocab, float32")]  # fmt: skip

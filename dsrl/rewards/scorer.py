@@ -244,8 +244,8 @@ class RewardScorer:
 
     def _run(self, rows: list[tuple]) -> tuple[list[tuple], str | None]:
         """One outcome per row (see ``dsrl.rewards.worker``), ``("timeout" | "crash" | "broken", message)`` added
-        (``broken``: the pool broke down under the call), and the message of the first call to fail (in time: a call that ran, not one cancelled). Cuts short a
-        batch that hangs and reports a slow one (the module doc)."""
+        (``broken``: the pool broke down under the call), and the message of the first call to fail (in time: a call
+        that ran, not one cancelled). Cuts short a batch that hangs and reports a slow one (the module doc)."""
         if self.batch:
             size = self.batch_chunk_size or max(1, -(-len(rows) // self.num_workers))
             task, spans = worker.score_chunk, [(i, min(i + size, len(rows))) for i in range(0, len(rows), size)]

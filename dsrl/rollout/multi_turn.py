@@ -167,7 +167,8 @@ class MultiTurnRollout:
         return TurnStats(dict.fromkeys(self.tool_names, 0), dict.fromkeys(TOOL_FAILURE_KINDS, 0))
 
     def take_stats(self) -> TurnStats:
-        """The counts of the conversations generated since the last call (``dsrl.trainer.metrics.multi_turn_metrics``)."""
+        """The counts of the conversations generated since the last call
+        (``dsrl.trainer.metrics.multi_turn_metrics``)."""
         stats, self.stats = self.stats, self._new_stats()
         return stats
 

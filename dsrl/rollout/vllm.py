@@ -365,7 +365,8 @@ class VLLMRollout:
             raise RuntimeError(f"VLLMRollout.generate while {sorted(self.asleep)} sleep: call wake_up() first")
         if not self.weights_valid:
             raise RuntimeError(
-                "VLLMRollout.generate after a level-2 sleep: the weights were dropped; push them with update_weights first"
+                "VLLMRollout.generate after a level-2 sleep: the weights were dropped; push them with update_weights "
+                "first"
             )
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt

@@ -53,7 +53,8 @@ class AdapterDirectory:
         self.pushes = 0
 
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Save the adapters (the actor's names, full tensors) under PEFT's names; returns the push's number (1, 2, ...)."""
+        """Save the adapters (the actor's names, full tensors) under PEFT's names; returns the push's number (1, 2,
+        ...)."""
         tensors = saved_adapter_tensors(named_tensors)
         other = [name for name in tensors if ".lora_A." not in name and ".lora_B." not in name]
         if not tensors or other:

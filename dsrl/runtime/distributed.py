@@ -129,11 +129,11 @@ def collective_timeout_message(err: BaseException) -> str | None:
         return None
     rank = dist.get_rank() if dist.is_initialized() else 0
     return (
-        f"rank {rank} on {socket.gethostname()}: a collective timed out in phase {current_phase()!r} ({str(err).splitlines()[0]}): another rank did "
-        "not join it within actor_rollout_ref.nccl_timeout seconds, so it is stuck (stopped, deadlocked, waiting on "
-        "I/O or in another collective) in this phase or an earlier one; its own output shows where. Fix: if a rank "
-        "is stuck, stop the run and resume from the last checkpoint; if this phase is only slow on some ranks, "
-        "raise actor_rollout_ref.nccl_timeout"
+        f"rank {rank} on {socket.gethostname()}: a collective timed out in phase {current_phase()!r} "
+        f"({str(err).splitlines()[0]}): another rank did not join it within actor_rollout_ref.nccl_timeout seconds, so "
+        "it is stuck (stopped, deadlocked, waiting on I/O or in another collective) in this phase or an earlier one; "
+        "its own output shows where. Fix: if a rank is stuck, stop the run and resume from the last checkpoint; if "
+        "this phase is only slow on some ranks, raise actor_rollout_ref.nccl_timeout"
     )
 
 

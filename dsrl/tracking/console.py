@@ -28,9 +28,9 @@ included) times the steps left. Failure counts follow only when non-zero: ``rewa
 ``reward_timeouts``, ``reward_invalid``, ``reward_crashes`` (reward/fail_exception, reward/fail_timeout,
 reward/fail_invalid, reward/fail_crash), ``tracking_failures``, ``tracking_dropped``
 (tracking/failures, tracking/dropped), ``rollout_mismatch`` (training/rollout_mismatch_streak: steps in a row
-whose rollout-vs-actor gap is above algorithm.rollout_mismatch.max_probs_diff); on a validation line, the reward failures of the validation
-(val-aux/reward/fail_*). Metrics logged at a step not after the last one shown (the validation before
-training, at step 0 or at the resumed step) print as a validation line only.
+whose rollout-vs-actor gap is above algorithm.rollout_mismatch.max_probs_diff); on a validation line, the reward
+failures of the validation (val-aux/reward/fail_*). Metrics logged at a step not after the last one shown (the
+validation before training, at step 0 or at the resumed step) print as a validation line only.
 
 Summaries (``startup_summary``, ``final_summary``): ``key: value`` blocks under a title, to log with
 ``logger.info``; the keys of their ``facts`` are in their docstrings. Every log line, a record's

@@ -137,7 +137,8 @@ def startup_facts(trainer) -> dict[str, Any]:
 
 
 def final_facts(trainer, *, status: str, wall_time_s: float) -> dict[str, Any]:
-    """What ``dsrl.tracking.console.final_summary`` shows about a ``dsrl.trainer.loop.Trainer`` whose run ended with ``status``."""
+    """What ``dsrl.tracking.console.final_summary`` shows about a ``dsrl.trainer.loop.Trainer`` whose run ended with
+    ``status``."""
     return {
         **trainer.tracker.console_facts(),
         "total_steps": trainer.total_steps,

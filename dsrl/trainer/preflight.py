@@ -61,9 +61,10 @@ def _device() -> tuple[str, str | None, str | None]:
             name,
             None,
             (
-                f"LOCAL_RANK={local_rank} but this rank sees {count} {name} device(s) (CUDA_VISIBLE_DEVICES={visible}): a "
-                "rank takes the device of its local rank; fix: let every rank of a node see all the node's GPUs (srun "
-                "--gpus-per-node=N, not --gpus-per-task=1 or --gpu-bind), or start as many ranks per node as it has GPUs"
+                f"LOCAL_RANK={local_rank} but this rank sees {count} {name} device(s) "
+                f"(CUDA_VISIBLE_DEVICES={visible}): a rank takes the device of its local rank; fix: let every rank of "
+                "a node see all the node's GPUs (srun --gpus-per-node=N, not --gpus-per-task=1 or --gpu-bind), or "
+                "start as many ranks per node as it has GPUs"
             ),
         )
     props = torch.cuda.get_device_properties(local_rank)
@@ -166,8 +167,8 @@ def cluster_problems(cluster: Cluster, tensor_parallel: int) -> list[str]:
                 problems.append(
                     f"actor_rollout_ref.rollout.tensor_model_parallel_size={tensor_parallel}: the vLLM group of "
                     f"ranks {group[0]}-{group[-1]} spans nodes "
-                    f"({', '.join(dict.fromkeys(cluster.node_name(node_of[r]) for r in group))}); fix: a tensor-parallel "
-                    "size that divides the ranks per node"
+                    f"({', '.join(dict.fromkeys(cluster.node_name(node_of[r]) for r in group))}); fix: a "
+                    "tensor-parallel size that divides the ranks per node"
                 )
                 break
     for what, value_of in [
@@ -228,8 +229,8 @@ def _shared_directory_problem(cfg: Config) -> str | None:
         return None
     return (
         f"trainer.default_local_dir={cfg.trainer.default_local_dir} is not the directory rank 0 writes checkpoints "
-        f"in ({nonce[1]}): the file rank 0 wrote there is missing here; every rank writes its shards of each checkpoint "
-        "there and rank 0 publishes them; fix: a directory every node sees at the same absolute path (a "
+        f"in ({nonce[1]}): the file rank 0 wrote there is missing here; every rank writes its shards of each "
+        "checkpoint there and rank 0 publishes them; fix: a directory every node sees at the same absolute path (a "
         "shared mount such as NFS or Lustre); dsrl has no node-local checkpoints"
     )
 

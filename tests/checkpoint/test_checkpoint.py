@@ -482,8 +482,10 @@ def test_auto_resume_falls_back_past_damaged_checkpoints_saying_why(
     assert chosen == [step_dir(tmp_path, 2)]
     skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: skipping")]
     assert skipped == [
-        f"resume: skipping {step_dir(tmp_path, 6)}: actor/ds/model_states.pt changed since it was written (its SHA-256 does not match)",
-        f"resume: skipping {step_dir(tmp_path, 4)}: trainer_state.json was changed after it was written (its checksum does not match)",
+        f"resume: skipping {step_dir(tmp_path, 6)}: actor/ds/model_states.pt changed since it was written (its SHA-256 "
+        "does not match)",
+        f"resume: skipping {step_dir(tmp_path, 4)}: trainer_state.json was changed after it was written (its checksum "
+        "does not match)",
     ]
     with pytest.raises(
         CheckpointError, match=r"global_step_4: not a complete dsrl checkpoint: trainer_state.json was changed"

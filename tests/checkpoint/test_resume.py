@@ -37,9 +37,10 @@ from tests.helpers.resume import (
 pytestmark = pytest.mark.e2e
 
 # Each resumed chain starts from the uninterrupted run's step-2 checkpoint; three are killed with SIGKILL on the
-# way, at a phase of writing a checkpoint or in the middle of a step (and RLOO's is stopped by SIGTERM below): (kill point, the checkpoint the next run resumes
-# from: a kill while a checkpoint is written falls back to the one before). tests/checkpoint/test_resume_2ranks.py
-# resumes the same configurations at step 3, and tests/checkpoint/test_adam_resume.py the optimizer at every count.
+# way, at a phase of writing a checkpoint or in the middle of a step (and RLOO's is stopped by SIGTERM below): (kill
+# point, the checkpoint the next run resumes from: a kill while a checkpoint is written falls back to the one before).
+# tests/checkpoint/test_resume_2ranks.py resumes the same configurations at step 3, and
+# tests/checkpoint/test_adam_resume.py the optimizer at every count.
 RESUME_AT = 2
 KILLS = {
     "grpo": [("save_engines@4", 3)],
@@ -62,8 +63,8 @@ def baselines(tmp_path_factory, overrides_for, free_port, deepspeed_cpu_ops):
 
 
 # REINFORCE++, OPO, OTB and RLOO resume through the same outcome-estimator path as GRPO (whose full and LoRA runs
-# stay in the default run), DAPO through GRPO's and dynamic sampling's (test_resume_with_dynamic_sampling_is_bit_identical):
-# slow variants.
+# stay in the default run), DAPO through GRPO's and dynamic sampling's
+# (test_resume_with_dynamic_sampling_is_bit_identical): slow variants.
 SLOW_RESUMES = ("reinforce_pp", "opo", "otb", "rloo", "dapo")
 
 
@@ -200,7 +201,8 @@ def test_resume_with_dynamic_sampling_is_bit_identical(overrides_for, free_port,
     assert assert_same_run(baseline, chain, first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
 
 
-@pytest.mark.slow  # the loop's state is the same with tools (multi-turn trains in tests/trainer/test_trainer_multi_turn.py)
+# the loop's state is the same with tools (multi-turn trains in tests/trainer/test_trainer_multi_turn.py)
+@pytest.mark.slow
 def test_resume_with_tool_calls_is_bit_identical(
     tool_model_dir, calculator_data, ds_test_config, free_port, deepspeed_cpu_ops, tmp_path
 ):

@@ -8,7 +8,8 @@ What two ranks add to a resume is the same code in every recipe (each rank's par
 the prompts, rows moved between ranks); what a recipe adds is resumed on one rank in every configuration.
 So the default run keeps PPO (the one with a second trained engine); the quickstart's two-rank resume is in the
 default run as tests/runtime/test_multinode.py (resumed under three launchers, bit-identical to one node), and the
-other six here are ``slow`` (``python -m pytest -m slow tests/checkpoint/test_resume_2ranks.py``), about two minutes each on two cores.
+other six here are ``slow`` (``python -m pytest -m slow tests/checkpoint/test_resume_2ranks.py``), about two minutes
+each on two cores.
 """
 
 from __future__ import annotations

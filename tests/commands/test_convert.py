@@ -44,7 +44,8 @@ def files(directory: Path) -> dict[str, str]:
 
 
 def convert_without_launcher(*args) -> subprocess.CompletedProcess:
-    """``python -m dsrl.commands.convert`` in a fresh process, without a launcher's variables or a chosen accelerator."""
+    """``python -m dsrl.commands.convert`` in a fresh process, without a launcher's variables or a chosen
+    accelerator."""
     env = {k: v for k, v in os.environ.items() if k not in (*LAUNCHER_VARIABLES, "DS_ACCELERATOR")}
     return subprocess.run(
         [sys.executable, "-m", "dsrl.commands.convert", *map(str, args)],

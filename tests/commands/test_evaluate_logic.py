@@ -1,5 +1,5 @@
-"""dsrl-eval's arithmetic and its config (``dsrl.commands.evaluate``): pass@k against hand counts, the paired bootstrap on
-constructed cases, per-prompt results against validation's metrics, and which config problems it reports."""
+"""dsrl-eval's arithmetic and its config (``dsrl.commands.evaluate``): pass@k against hand counts, the paired bootstrap
+on constructed cases, per-prompt results against validation's metrics, and which config problems it reports."""
 
 from __future__ import annotations
 

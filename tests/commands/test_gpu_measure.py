@@ -38,7 +38,8 @@ EXPECTED = {
 DEVICE_ONLY = ("MFU", "memory freed by sleep", "peak memory", "min free device memory")
 
 
-@pytest.mark.slow  # a rehearsal of the GPU sitting (90 s): run it before one; gpu_check's smoke stays in the default run
+# a rehearsal of the GPU sitting (90 s): run it before one; gpu_check's smoke stays in the default run
+@pytest.mark.slow
 def test_smoke_writes_every_step_with_finite_numbers(tmp_path, deepspeed_cpu_ops):
     # Without the process group settings an in-process test left behind (its port is taken): each step's
     # process picks a free port of its own.

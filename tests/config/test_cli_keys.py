@@ -55,12 +55,13 @@ def test_show_keys_prints_type_default_and_help_of_each_key_under_the_prefix():
     assert len(lines) == len(expected_keys) == 11
     assert lines[0] == "# actor_rollout_ref.actor.optim: actor optimizer"
     assert lines[1] == (
-        "actor_rollout_ref.actor.optim.lr: float = 1e-06  # AdamW learning rate; ~1e-6 for a 0.5B-7B actor, ~1e-5 for a critic"
+        "actor_rollout_ref.actor.optim.lr: float = 1e-06  # AdamW learning rate; ~1e-6 for a 0.5B-7B actor, ~1e-5 for "
+        "a critic"
     )
     assert "actor_rollout_ref.actor.optim.betas: list[float] = [0.9,0.999]  # AdamW (beta1, beta2)" in lines
     assert (
-        "actor_rollout_ref.actor.optim.warmup_style: str | null = null  # verl's deprecated name of lr_scheduler_type; used when set (setting both to different values is refused)"
-        in lines
+        "actor_rollout_ref.actor.optim.warmup_style: str | null = null  # verl's deprecated name of lr_scheduler_type; "
+        "used when set (setting both to different values is refused)" in lines
     )
     assert elapsed < 10, elapsed  # about 0.7 s measured on 2 CPU cores: the schema only, no torch
 
@@ -93,8 +94,8 @@ def test_show_keys_with_a_prefix_no_key_has_exits_2_listing_the_sections():
     result = train("--show-keys", "actor.optim")
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip() == (
-        "dsrl: --show-keys actor.optim: no config key starts with it; fix: start it with one of data, actor_rollout_ref, "
-        "critic, algorithm, custom_reward_function, reward_model, reward, trainer"
+        "dsrl: --show-keys actor.optim: no config key starts with it; fix: start it with one of data, "
+        "actor_rollout_ref, critic, algorithm, custom_reward_function, reward_model, reward, trainer"
     )
 
 

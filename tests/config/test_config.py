@@ -147,7 +147,8 @@ def test_unknown_override_key_suggests_the_closest():
     with pytest.raises(C.ConfigError) as err:
         C.load_config(None, ["actor_rollout_ref.actor.ppo_mini_batchsize=4", "data.train_batchsize=4"])
     assert err.value.violations == [
-        "actor_rollout_ref.actor.ppo_mini_batchsize=4: unknown key; fix: did you mean actor_rollout_ref.actor.ppo_mini_batch_size?",
+        "actor_rollout_ref.actor.ppo_mini_batchsize=4: unknown key; fix: did you mean "
+        "actor_rollout_ref.actor.ppo_mini_batch_size?",
         "data.train_batchsize=4: unknown key; fix: did you mean data.train_batch_size?",
     ]
 

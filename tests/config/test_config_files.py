@@ -154,10 +154,13 @@ def test_every_problem_of_a_directory_is_reported(model, data):
     found = problems(data + [f"{ACTOR}={model}"])
     rules = [
         "no config.json",
-        "no weights (none of model.safetensors, model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json)",
+        "no weights (none of model.safetensors, model.safetensors.index.json, pytorch_model.bin, "
+        "pytorch_model.bin.index.json)",
         "no tokenizer files (tokenizer.json, tokenizer.model, vocab.json with merges.txt, vocab.txt or *.tiktoken)",
     ]
-    assert len(found) == 3 and all(line.startswith(f"{ACTOR}={model}: {rule}") for line, rule in zip(found, rules, strict=True))
+    assert len(found) == 3 and all(
+        line.startswith(f"{ACTOR}={model}: {rule}") for line, rule in zip(found, rules, strict=True)
+    )
 
 
 def test_the_critic_directory_is_checked_but_needs_no_tokenizer(model, data, tiny_model_dir, tmp_path):

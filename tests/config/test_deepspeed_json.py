@@ -89,11 +89,13 @@ def test_auto_keys_are_filled_from_the_run_config():
         ),
         (
             {**TRAINED, "bf16": {"enabled": True}},  # the CPU overlay trains in float32
-            'bf16.enabled=true disagrees with the run config (actor_rollout_ref.model.dtype gives false); fix: set bf16.enabled to "auto"',
+            "bf16.enabled=true disagrees with the run config (actor_rollout_ref.model.dtype gives false); fix: set "
+            'bf16.enabled to "auto"',
         ),
         (
             {**TRAINED, "train_micro_batch_size_per_gpu": 2},
-            "train_micro_batch_size_per_gpu=2 disagrees with the run config (the actor_rollout_ref.actor batch geometry at world size 1 gives 4)",
+            "train_micro_batch_size_per_gpu=2 disagrees with the run config (the actor_rollout_ref.actor batch "
+            "geometry at world size 1 gives 4)",
         ),
         (
             {**TRAINED, "gradient_clipping": 2.0},
@@ -120,10 +122,12 @@ def test_every_problem_of_a_file_is_listed_at_once(files, tmp_path):
     rules = [v.removeprefix(f"{ACTOR}={path}: ").split(";")[0] for v in found]
     assert rules == [
         "fp16 is not supported",
-        "train_micro_batch_size_per_gpu=2 disagrees with the run config (the actor_rollout_ref.actor batch geometry at world size 1 gives 4)",
+        "train_micro_batch_size_per_gpu=2 disagrees with the run config (the actor_rollout_ref.actor batch geometry at "
+        "world size 1 gives 4)",
         'a training engine needs an "optimizer" section',
         "a DeepSpeed scheduler is refused: dsrl steps the lr once per training step from actor_rollout_ref.actor.optim",
-        "zero_optimization.stage=0: a training engine needs ZeRO stage 1, 2 or 3 (dsrl relies on its check that skips steps with a non-finite gradient norm)",
+        "zero_optimization.stage=0: a training engine needs ZeRO stage 1, 2 or 3 (dsrl relies on its check that skips "
+        "steps with a non-finite gradient norm)",
     ]
 
 
@@ -204,7 +208,8 @@ def test_the_error_lists_every_problem_as_violation_lines():
     assert isinstance(err.value, ValueError)
     assert (
         str(err.value)
-        == "k=zero3: this engine never trains, so its DeepSpeed config must have no optimizer section; fix: use zero3_offload_inference or remove the section"
+        == "k=zero3: this engine never trains, so its DeepSpeed config must have no optimizer section; fix: use "
+        "zero3_offload_inference or remove the section"
     )
     assert err.value.problems == [
         (

@@ -260,7 +260,9 @@ def varied_files(tmp_path):
         del r["extra_info"]
     nulls = [row("9-1=", "8", source="s1") | {"extra_info": None}]
     names = ["strings", "lists", "numbers", "nulls"]
-    return [write(tmp_path / f"{n}.parquet", rows) for n, rows in zip(names, [strings, lists, numbers, nulls], strict=True)]
+    return [
+        write(tmp_path / f"{n}.parquet", rows) for n, rows in zip(names, [strings, lists, numbers, nulls], strict=True)
+    ]
 
 
 @pytest.mark.parametrize(

@@ -295,7 +295,8 @@ def test_ds_config_filling_refuses_conflicts(world_of_one, tmp_path, make_cfg):
             r"compute_grad_norm=false turns off the gradient norm",
         ),
         (
-            '{"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}, "bf16": {"check_grad_overflow": false}}',
+            '{"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}, "bf16": {"check_grad_overflow": '
+            "false}}",
             "bfloat16",
             r"bf16.check_grad_overflow=false would apply optimizer steps",
         ),

@@ -1,6 +1,7 @@
 """One rank of the engine checks in ``test_engines_2ranks.py`` (also runs alone as a world of one).
 
-    deepspeed --num_gpus 2 --master_port PORT tests/helpers/engines_2ranks_worker.py --out DIR --model DIR --ds-config JSON [--lora-rank R]
+    deepspeed --num_gpus 2 --master_port PORT tests/helpers/engines_2ranks_worker.py --out DIR --model DIR \\
+        --ds-config JSON [--lora-rank R]
 
 Each rank: builds a ZeRO-3 + offload actor and a transformers rollout copy; pushes the weights and
 samples its own prompts (rank-local generation) and checks the actor scores them as the rollout

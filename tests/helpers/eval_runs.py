@@ -18,8 +18,9 @@ PROMPTS = 5
 
 
 def run_eval(args: list[str], store: str, *, launcher=(), timeout: int = 300) -> subprocess.CompletedProcess:
-    """``dsrl-eval args`` as this checkout runs it (``python -m dsrl.commands.evaluate``, the installed command's function), in
-    a process of its own (under ``launcher``, e.g. the deepspeed runner's arguments before ``--module``)."""
+    """``dsrl-eval args`` as this checkout runs it (``python -m dsrl.commands.evaluate``, the installed command's
+    function), in a process of its own (under ``launcher``, e.g. the deepspeed runner's arguments before
+    ``--module``)."""
     env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
     env.update(
         {

@@ -1,10 +1,11 @@
 """One rank of a training run (hf or vLLM rollout): the real Trainer; every logged step's metrics go
 to ``<out>/rank<N>.json`` at the end and, as they happen, to ``<out>/metrics_rank<N>.jsonl`` (so a
-killed run keeps what it logged). Runs alone (a world of one) or under any launcher (``tests.helpers.resume.start_worker``).
+killed run keeps what it logged). Runs alone (a world of one) or under any launcher
+(``tests.helpers.resume.start_worker``).
 
 ``engine_calls`` lists the rows of every generate call of the rollout engine (a multi-turn rollout calls it
-once per turn). With a vLLM rollout, ``generator_states`` in the report lists, for every ``LLM.generate`` call, a digest of
-the global generators (python, numpy, torch) the call started with: the ranks of a tensor-parallel group
+once per turn). With a vLLM rollout, ``generator_states`` in the report lists, for every ``LLM.generate`` call, a digest
+of the global generators (python, numpy, torch) the call started with: the ranks of a tensor-parallel group
 must start every call alike, whichever model runner draws from which.
 
 Fault injection: ``--kill-at PHASE@STEP`` sends SIGKILL to this process at one point of training

@@ -10,7 +10,8 @@ from tests.conftest import recipe
 
 
 def trainer_for(name, tiny_model_dir, data, ds_test_config, out, *overrides):
-    """A Trainer for configs/<name>.yaml (CPU overlay) on the tiny model and the digits reward, 2 steps, checkpoints in ``out``."""
+    """A Trainer for configs/<name>.yaml (CPU overlay) on the tiny model and the digits reward, 2 steps, checkpoints in
+    ``out``."""
     from dsrl.config import load_and_validate
     from dsrl.trainer.loop import Trainer
 

@@ -68,8 +68,8 @@ REWARD = textwrap.dedent(
         if kind == "dict":
             return {"score": 0.5, "acc": 1.0, "source": data_source}
         if kind == "env":
-            return {"score": 1.0, "torch": "torch" in sys.modules, "main_file": getattr(sys.modules["__main__"], "__file__", None),
-                    "pid": os.getpid()}
+            return {"score": 1.0, "torch": "torch" in sys.modules,
+                    "main_file": getattr(sys.modules["__main__"], "__file__", None), "pid": os.getpid()}
         return float(solution_str == ground_truth) + (extra_info or {}).get("bonus", 0.0)
     """
 )

@@ -113,7 +113,9 @@ tools:
         description: Greet someone.
         parameters: {type: object, properties: {name: {type: string}}, required: [name]}
   - class_name: classes.py:Responder
-    tool_schema: {type: function, function: {name: respond, description: Respond., parameters: {type: object, properties: {}}}}
+    tool_schema:
+      type: function
+      function: {name: respond, description: Respond., parameters: {type: object, properties: {}}}
 """
 
 
@@ -199,7 +201,8 @@ def test_each_failure_kind_gives_an_error_text_and_the_others_go_on(toolset):
     assert results[1].text.startswith("Unknown tool 'nope'; the tools are ['add', 'calculator', 'dies',")
     assert results[2].text == "tool 'add': argument 'a' must be integer, got \"1\""
     assert results[3].text == (
-        "Error executing tool 'fails': ZeroDivisionError: integer division or modulo by zero (at functions.py:15 in fails)"
+        "Error executing tool 'fails': ZeroDivisionError: integer division or modulo by zero (at functions.py:15 in "
+        "fails)"
     )
     assert results[4].text == "Error executing tool 'exits': called sys.exit(3)"
     assert results[5].text.startswith(

@@ -230,7 +230,10 @@ def test_good_files_have_no_problems(tmp_path):
             config: {prefix: "> "}
             tool_schema:
               type: function
-              function: {name: echo, description: Echo the text., parameters: {type: object, properties: {text: {type: string}}, required: [text]}}
+              function:
+                name: echo
+                description: Echo the text.
+                parameters: {type: object, properties: {text: {type: string}}, required: [text]}
         """,
     )
     functions = write(

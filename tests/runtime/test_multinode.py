@@ -144,8 +144,8 @@ def test_checkpoint_directories_that_differ_per_node_stop_the_run_at_the_preflig
 
 
 def test_a_save_that_rank_0_cannot_see_whole_is_not_published(quickstart_args, free_port, tmp_path):
-    """Past the preflight (tests/helpers/train_worker.py builds the Trainer itself), node directories that differ leave rank 0
-    without rank 1's files: the save stops both ranks and publishes nothing."""
+    """Past the preflight (tests/helpers/train_worker.py builds the Trainer itself), node directories that differ leave
+    rank 0 without rank 1's files: the save stops both ranks and publishes nothing."""
     nodes = (tmp_path / "node0", tmp_path / "node1")
     for node in (*nodes, tmp_path / "out"):
         node.mkdir()

@@ -234,7 +234,9 @@ def test_bootstrap_draws_and_majority_ties_follow_verl():
     # values [1, 0], votes A, B: a sample {0, 1} is a tie, won by the vote seen first
     state = np.random.get_state()
     got = validation_metrics(["a", "a"], ["p", "p"], {"reward": [1.0, 0.0]}, ["A", "B"])
-    assert all(np.array_equal(x, y) for x, y in zip(state[1:], np.random.get_state()[1:], strict=True))  # global RNG untouched
+    assert all(
+        np.array_equal(x, y) for x, y in zip(state[1:], np.random.get_state()[1:], strict=True)
+    )  # global RNG untouched
     for name, hits in {"best": (draws == 0).any(1), "worst": (draws == 0).all(1), "maj": draws[:, 0] == 0}.items():
         p = hits.mean()
         assert got[f"val-core/a/reward/{name}@2/mean" if name != "worst" else "val-aux/a/reward/worst@2/mean"] == p

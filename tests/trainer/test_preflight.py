@@ -1,5 +1,6 @@
-"""The preflight's checks over the cluster (``dsrl.trainer.preflight.cluster_problems``) on the facts ranks exchange; the
-collective part (the nonce in trainer.default_local_dir, the exchange itself) runs in tests/runtime/test_multinode.py."""
+"""The preflight's checks over the cluster (``dsrl.trainer.preflight.cluster_problems``) on the facts ranks exchange;
+the collective part (the nonce in trainer.default_local_dir, the exchange itself) runs in
+tests/runtime/test_multinode.py."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def test_versions_and_rollout_engines_that_differ_are_named_with_their_ranks_and
         "torch differs across ranks: 1.0 on ranks 0-4, 6-7 (gpu-a, gpu-b); 2.12.0 on rank 5 (gpu-b); fix: the same "
         "environment on every node (one image, or one venv on a shared mount)",
         "the rollout engine (actor_rollout_ref.rollout.name) differs across ranks: vllm on ranks 0-4, 6-7 (gpu-a, "
-        "gpu-b); hf on rank 5 (gpu-b); fix: the same environment on every node (one image, or one venv on a shared mount)",
+        "gpu-b); hf on rank 5 (gpu-b); fix: the same environment on every node (one image, or one venv on a shared "
+        "mount)",
     ]
     # A rank whose config did not validate has no rollout engine: its own problems say why.
     assert cluster_problems(two_by_four(rollout=None), tensor_parallel=1) == []

@@ -92,8 +92,9 @@ def test_a_rollout_left_with_stale_weights_stops_the_run(
     assert history(store, "training/rollout_mismatch_streak") == [(1, 0.0), (2, 1.0)]
     message = re.search(r"dsrl: (step 3: the rollout's token probabilities .*)\n", stderr).group(1)
     assert message.startswith(
-        "step 3: the rollout's token probabilities left the actor's in 2 steps in a row (training/rollout_probs_diff_mean"
-        f" above algorithm.rollout_mismatch.max_probs_diff={BOUND:g}, patience=2; step 2: {gaps[1][1]:.3g} (max "
+        "step 3: the rollout's token probabilities left the actor's in 2 steps in a row "
+        f"(training/rollout_probs_diff_mean above algorithm.rollout_mismatch.max_probs_diff={BOUND:g}, patience=2; "
+        f"step 2: {gaps[1][1]:.3g} (max "
     )
     assert re.search(
         r", step 3: [\d.e-]+ \(max [\d.e-]+\)\): the rollout is not sampling from the policy being trained", message

@@ -309,7 +309,8 @@ def test_bypass_mode_trains_without_the_old_log_prob_pass(
         for key, value in settings.items()
     ]
     trainer = trainer_for("grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path,
-                          "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", "algorithm.rollout_correction.bypass_mode=true",
+                          "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
+                          "algorithm.rollout_correction.bypass_mode=true",
                           f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}", "trainer.val_before_train=false",
                           "trainer.test_freq=-1", *overrides)  # fmt: skip
     trainer.actor.compute_log_probs = lambda *a, **kw: pytest.fail("bypass mode ran the old-log-prob pass")
@@ -329,7 +330,8 @@ def test_bypass_mode_trains_without_the_old_log_prob_pass(
     for metrics in logged:
         assert "timing_s/old_log_prob" not in metrics and math.isfinite(metrics["actor/pg_loss"])
         for name in ("actor/entropy", "training/rollout_probs_diff_mean", "rollout_corr/rollout_is_mean",
-                     "rollout_corr/rollout_rs_token_k1_masked_fraction", "rollout_corr/kl", "actor/ppo_kl"):  # fmt: skip
+                     "rollout_corr/rollout_rs_token_k1_masked_fraction", "rollout_corr/kl",
+                     "actor/ppo_kl"):  # fmt: skip
             assert math.isfinite(metrics[name]), name
 
 

@@ -21,8 +21,8 @@ def optimizer() -> torch.optim.Optimizer:
 
 
 def dsrl_lrs(kind: str, warmup: int, total: int, floor: float = 0.0, cycles: float = 0.5) -> list[float]:
-    optim = SimpleNamespace(warmup_style=None, lr_scheduler_type=kind, lr_warmup_steps=warmup, lr_warmup_steps_ratio=0.0,
-                            min_lr_ratio=floor, num_cycles=cycles)  # fmt: skip
+    optim = SimpleNamespace(warmup_style=None, lr_scheduler_type=kind, lr_warmup_steps=warmup,
+                            lr_warmup_steps_ratio=0.0, min_lr_ratio=floor, num_cycles=cycles)  # fmt: skip
     return stepped(lr_scheduler(optimizer(), optim, total_training_steps=total, prefix="actor"), total + 3)
 
 

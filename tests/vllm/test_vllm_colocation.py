@@ -26,7 +26,8 @@ NOT_ON_CPU = ("sleep", "wake_up")  # recorded, not executed: the CPU build has n
 
 
 def describe(name, args, kwargs) -> str:
-    """``llm.collective_rpc(reload_weights)``, ``llm.wake_up(['weights'])``, ``llm.sleep(level=1)``, ``llm.generate``."""
+    """``llm.collective_rpc(reload_weights)``, ``llm.wake_up(['weights'])``, ``llm.sleep(level=1)``,
+    ``llm.generate``."""
     if name == "collective_rpc":
         return f"llm.collective_rpc({getattr(args[0], '__name__', args[0])})"
     if name == "wake_up":

@@ -80,7 +80,8 @@ def estimator_rules(cfg: Config, need: Need) -> None:
         need(
             actor.ppo_mini_batch_size == cfg.data.train_batch_size,
             "actor_rollout_ref.actor.ppo_mini_batch_size",
-            f"opo trains exactly on-policy: one optimizer step per batch, so it must equal data.train_batch_size={cfg.data.train_batch_size}",
+            "opo trains exactly on-policy: one optimizer step per batch, so it must equal "
+            f"data.train_batch_size={cfg.data.train_batch_size}",
             f"set it to {cfg.data.train_batch_size}, or algorithm.opo_allow_off_policy=true",
         )
         need(
@@ -234,7 +235,8 @@ def _kl_kind_rule(key: str, value: str, need: Need) -> None:
         need(
             False,
             key,
-            "the full-vocabulary KL needs both policies' whole distributions; dsrl computes KL from sampled-token log-probs only",
+            "the full-vocabulary KL needs both policies' whole distributions; dsrl computes KL from sampled-token "
+            "log-probs only",
             "use low_var_kl (k3, low variance) or kl (k1)",
         )
     else:
@@ -310,7 +312,8 @@ def loss_param_rules(cfg: Config, given: Collection[str], need: Need) -> None:
         "tau_neg": (actor.tau_neg > 0, "must be > 0: the gate's temperature", "set it to 1.05"),
         "dro_beta": (
             losses.dro_beta is not None and losses.dro_beta > 0,
-            f"must be > 0 with loss_mode={mode}: the weight of the quadratic log-ratio penalty (no default, as in verl)",
+            f"must be > 0 with loss_mode={mode}: the weight of the quadratic log-ratio penalty (no default, as in "
+            "verl)",
             "set it, e.g. to 0.1",
         ),
     }

@@ -24,7 +24,8 @@ def batch_rules(cfg: Config, world_size: int, need: Need) -> None:
         need(
             data.train_batch_size % world_size == 0,
             "data.train_batch_size",
-            f"must be divisible by the world size {world_size} (each rank takes train_batch_size/world_size prompts and generates their n responses itself, so train_batch_size*n splits evenly too)",
+            f"must be divisible by the world size {world_size} (each rank takes train_batch_size/world_size prompts "
+            "and generates their n responses itself, so train_batch_size*n splits evenly too)",
             f"use a multiple of {world_size}, e.g. {-(-data.train_batch_size // world_size) * world_size}",
         )
     need(
@@ -117,7 +118,8 @@ def _mini_batch_rules(cfg: Config, role: str, world_size: int, need: Need) -> No
         need(
             per_rank % micro == 0,
             f"{role}.ppo_micro_batch_size_per_gpu",
-            f"must divide the per-rank mini-batch ppo_mini_batch_size*n/world_size = {mini}*{n}/{world_size} = {per_rank} sequences",
+            f"must divide the per-rank mini-batch ppo_mini_batch_size*n/world_size = {mini}*{n}/{world_size} = "
+            f"{per_rank} sequences",
             f"use a divisor of {per_rank}, e.g. {_divisor_at_most(per_rank, micro)}, or use_dynamic_bsz=true",
         )
 

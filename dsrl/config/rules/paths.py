@@ -64,7 +64,10 @@ def file_rules(cfg: Config, need: Need) -> None:
             for file in parquet_paths(p):
                 problem = parquet_problem(Path(file).expanduser())
                 if problem is not None:
-                    fix = f"write it (again) as parquet, e.g. pandas.read_json(path, lines=True).to_parquet(out), or with {prepare}"
+                    fix = (
+                        "write it (again) as parquet, e.g. pandas.read_json(path, lines=True).to_parquet(out), or with "
+                        f"{prepare}"
+                    )
                     need(False, key, problem, fix, value=file)
                     continue
                 # One file named twice (the same path, another spelling, a link, or by a directory entry as well)
@@ -109,7 +112,8 @@ def file_rules(cfg: Config, need: Need) -> None:
             problem is None,
             key,
             problem,
-            f"point it at a model directory or a hub id owner/name, e.g. create one with python scripts/make_tiny_model.py{out}",
+            "point it at a model directory or a hub id owner/name, e.g. create one with python "
+            f"scripts/make_tiny_model.py{out}",
         )
         if problem is None and Path(path).expanduser().is_dir():  # a hub id is checked when it downloads
             # The run's tokenizer is the actor's (the critic shares it).
@@ -151,7 +155,8 @@ def _run_dir_problem(folder: Path) -> tuple[str, str] | None:
         "a directory",
     ):  # a directory there is an earlier run's export, which the new one replaces
         return (
-            f"{final} is {final_kind}, where the final model is exported (only an earlier export, a folder, is replaced)",
+            f"{final} is {final_kind}, where the final model is exported (only an earlier export, a folder, is "
+            "replaced)",
             f"move {final} away, or point trainer.default_local_dir at another folder",
         )
     return None

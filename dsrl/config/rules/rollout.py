@@ -125,7 +125,8 @@ def vllm_rules(cfg: Config, need: Need) -> None:
         rollout.kv_cache_max_gb is None or rollout.kv_cache_max_gb > 0,
         f"{prefix}.kv_cache_max_gb",
         "must be > 0 (GB of KV cache per generate call)",
-        "set it to the device memory generation may use beside the model's weights, or null for micro_batch_size prompts",
+        "set it to the device memory generation may use beside the model's weights, or null for micro_batch_size "
+        "prompts",
     )
     if name == "vllm":
         need(
@@ -135,8 +136,8 @@ def vllm_rules(cfg: Config, need: Need) -> None:
                 and rollout.enable_sleep_mode is not False
             ),
             f"{prefix}.sleep_level",
-            "a level-2 sleep drops vLLM's base weights, and LoRA adapter pushes (actor_rollout_ref.model.lora.merge=false) "
-            "never bring them back",
+            "a level-2 sleep drops vLLM's base weights, and LoRA adapter pushes "
+            "(actor_rollout_ref.model.lora.merge=false) never bring them back",
             f"set {prefix}.sleep_level=1 (base weights kept in CPU memory), or actor_rollout_ref.model.lora.merge=true",
         )
         for key in (f"{prefix}.temperature", f"{prefix}.val_kwargs.temperature"):

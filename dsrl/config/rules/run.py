@@ -172,7 +172,8 @@ def trainer_rules(cfg: Config, need: Need) -> None:
             value_at(cfg, f"{role}.strategy") == "deepspeed",
             f"{role}.strategy",
             "dsrl trains with DeepSpeed ZeRO only (no FSDP or Megatron)",
-            f"remove it and choose the ZeRO setup with {role}.deepspeed_config: zero3_offload | zero3 | zero2 or a JSON path",
+            f"remove it and choose the ZeRO setup with {role}.deepspeed_config: zero3_offload | zero3 | zero2 or a "
+            "JSON path",
         )
     need(
         cfg.actor_rollout_ref.model.dtype in MODEL_DTYPES,

@@ -100,7 +100,8 @@ def _check_size(op: type, left, right) -> None:
         return
     if bits > _MAX_INT_BITS:
         raise ValueError(
-            f"the result would have about {int(bits * 0.30103)} digits; at most {int(_MAX_INT_BITS * 0.30103)} are allowed"
+            f"the result would have about {int(bits * 0.30103)} digits; at most {int(_MAX_INT_BITS * 0.30103)} are "
+            "allowed"
         )
 
 

@@ -131,7 +131,8 @@ def _yaml_tools(path: str, tool_timeout: float) -> tuple[list[ToolSpec], list[st
                         problem(
                             line,
                             f"dsrl:python config.timeout={timeout!r} must be a number of seconds below "
-                            f"multi_turn.tool_timeout={tool_timeout:g} (past that the worker is killed, not the script)",
+                            f"multi_turn.tool_timeout={tool_timeout:g} (past that the worker is killed, not the "
+                            "script)",
                             "lower it, or leave it out for 0.8 x tool_timeout",
                         )
                     )

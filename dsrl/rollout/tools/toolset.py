@@ -76,7 +76,8 @@ class ToolSet:
             )
         if tool_response_truncate_side not in TRUNCATE_SIDES:
             raise ValueError(
-                f"{MULTI_TURN_KEY}.tool_response_truncate_side={tool_response_truncate_side!r}: must be one of {list(TRUNCATE_SIDES)}"
+                f"{MULTI_TURN_KEY}.tool_response_truncate_side={tool_response_truncate_side!r}: must be one of "
+                f"{list(TRUNCATE_SIDES)}"
             )
         if not specs:
             raise ValueError(f"{MULTI_TURN_KEY}: no tools; set tool_config_path and/or function_tool_path")
