@@ -52,7 +52,7 @@ from deepspeed.accelerator import get_accelerator
 from safetensors.torch import save_file
 
 from dsrl.config import RESUME_HARMLESS_KEYS, Config, to_dict
-from dsrl.config.schema import ADAPTER_DIR, FINAL_MODEL_DIR
+from dsrl.config.layout import ADAPTER_DIR, FINAL_MODEL_DIR
 from dsrl.engines.lora import (
     ADAPTER,
     ADAPTER_FILE,

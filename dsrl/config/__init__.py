@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dsrl.config.deepspeed_json import DeepSpeedJsonError, fill_ds_json
 from dsrl.config.files import parquet_paths
+from dsrl.config.layout import DS_CONFIG_DIR, RECIPE_DIR
 from dsrl.config.loading import (
     ConfigError,
     ConfigFiles,
@@ -64,12 +65,10 @@ from dsrl.config.names import (
     TRUNCATION_MODES,
 )
 from dsrl.config.reference import describe_keys
+from dsrl.config.resume_keys import RESUME_HARMLESS_KEYS
 from dsrl.config.rules import load_and_validate, validate
 from dsrl.config.schema import (
-    DS_CONFIG_DIR,
     LOGGED_SAMPLES,
-    RECIPE_DIR,
-    RESUME_HARMLESS_KEYS,
     SCHEMA,
     Config,
     KeyInfo,

@@ -16,9 +16,10 @@ import json
 from typing import Any
 
 from dsrl.config.files import not_regular
+from dsrl.config.layout import DS_CONFIG_DIR
 from dsrl.config.loading import deepspeed_config_path
 from dsrl.config.names import MODEL_DTYPES
-from dsrl.config.schema import DS_CONFIG_DIR, violation
+from dsrl.config.problems import violation
 
 _SECTIONS = ("bf16", "fp16", "optimizer", "scheduler", "zero_optimization")  # each a JSON object when present
 

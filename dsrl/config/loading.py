@@ -16,20 +16,20 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dsrl.config.files import not_regular
-from dsrl.config.schema import (
-    DS_CONFIG_DIR,
-    LEAF_KEYS,
-    OLDER_NAMES,
-    RECIPE_DIR,
-    SCHEMA,
-    Config,
-    show,
-    value_at,
-    violation,
-)
+from dsrl.config.layout import DS_CONFIG_DIR, RECIPE_DIR
+from dsrl.config.problems import show, violation
+from dsrl.config.schema import LEAF_KEYS, SCHEMA, Config, value_at
 from dsrl.config.user_code import estimator_needs
 from dsrl.config.verl_keys import unknown_key
 from dsrl.runtime.redaction import secret_environment
+
+# verl's older names of a setting, each with the key that names it now: set alone, the older name is used (as in
+# verl); set in the layers together with the current key to a different value, it is refused.
+OLDER_NAMES = {
+    f"{role}.{old}": f"{role}.{new}"
+    for role in ("actor_rollout_ref.actor", "critic")
+    for old, new in (("optim.warmup_style", "optim.lr_scheduler_type"), ("grad_clip", "optim.clip_grad"))
+}
 
 
 class ConfigError(ValueError):

@@ -1,5 +1,5 @@
 """The typed config tree: one dataclass per section, each key with its default and one-line documentation;
-``SCHEMA``, every dotted key with its type, documentation and default; and the one line a problem is reported as.
+``SCHEMA``, every dotted key with its type, documentation and default.
 The names a key may take are in ``dsrl.config.names``.
 """
 
@@ -7,52 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NamedTuple, Optional, cast, get_type_hints
 
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 LOGGED_SAMPLES = 16  # training rollouts per trainer.log_samples_freq table
-# Keys (regular expressions over dotted keys) that may change when a run resumes: how long it runs, how
-# often it validates and saves, where it logs. Every other key shapes the run and must match the checkpoint
-# unless trainer.resume_allow_config_change is set.
-RESUME_HARMLESS_KEYS = (
-    r"trainer\.(total_epochs|total_training_steps|save_freq|test_freq|val_before_train|val_only|logger)",
-    r"trainer\.(log_val_generations|log_samples_freq|log_model|memory_plan_check)",
-    r"reward\.(num_workers|batch_chunk_size|max_failed_steps|memory_limit_mb|log_max_mb)",
-    r"trainer\.(project_name|experiment_name|default_local_dir|max_consecutive_skips)",
-    r"trainer\.(resume_mode|resume_from_path|resume_allow_config_change|resume_allow_world_size_change)",
-    r"trainer\.(max_actor_ckpt_to_keep|max_critic_ckpt_to_keep)",
-    r"data\.(val_files|val_batch_size)",
-    r"actor_rollout_ref\.rollout\.val_kwargs\..*",
-    r"actor_rollout_ref\.actor\.checkpoint\..*",
-    r"actor_rollout_ref\.nccl_timeout",
-    r"algorithm\.rollout_mismatch\..*",
-)
-# verl's older names of a setting, each with the key that names it now: set alone, the older name is used (as in
-# verl); set in the layers together with the current key to a different value, it is refused.
-OLDER_NAMES = {
-    f"{role}.{old}": f"{role}.{new}"
-    for role in ("actor_rollout_ref.actor", "critic")
-    for old, new in (("optim.warmup_style", "optim.lr_scheduler_type"), ("grad_clip", "optim.clip_grad"))
-}
-# The final model's folder in trainer.default_local_dir (validation checks what is there; dsrl.checkpoint.save writes
-# it).
-FINAL_MODEL_DIR = "huggingface"
-# A LoRA actor's adapter as a PEFT directory, inside each exported model's folder (verl's name for it).
-ADAPTER_DIR = "lora_adapter"
-
-
-def _shipped(folder: str) -> Path:
-    """A folder dsrl ships beside its code: inside the package when installed from a wheel (dsrl/<folder>),
-    at the top of the source checkout otherwise."""
-    package = Path(__file__).resolve().parents[1]  # dsrl/ (this file is dsrl/config/schema.py)
-    installed = package / folder
-    return installed if installed.is_dir() else package.parent / folder
-
-
-DS_CONFIG_DIR = _shipped("ds_configs")
-RECIPE_DIR = _shipped("configs")
 
 
 def _f(default: Any, help: str) -> Any:
@@ -930,22 +889,3 @@ def value_at(cfg: object, key: str, **select: Any) -> Any:
     """The value at dotted ``key`` of a loaded config (None where absent): ``OmegaConf.select`` on the DictConfig
     that a ``Config`` (or a section of one) is at run time; ``select``: its keyword arguments."""
     return OmegaConf.select(cast(DictConfig, cfg), key, **select)
-
-
-def show(value: Any) -> str:
-    """A value as it would be written in an override: null, true, [a,b]."""
-    if isinstance(value, (DictConfig, ListConfig)):
-        value = OmegaConf.to_container(value, resolve=False)
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(show(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {show(v)}" for k, v in value.items()) + "}"
-    return " ".join(str(value).split())
-
-
-def violation(key: str, value: Any, rule: str, fix: str) -> str:
-    return f"{key}={show(value)}: {rule}; fix: {fix}"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dsrl.config.files import not_regular
 from dsrl.config.names import ESTIMATOR_NEEDS
-from dsrl.config.schema import violation
+from dsrl.config.problems import violation
 
 # The registries of dsrl.algorithms by the config key that names their entries: (module, function listing the names).
 REGISTRIES = {

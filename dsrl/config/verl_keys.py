@@ -7,7 +7,8 @@ import difflib
 import fnmatch
 from typing import Any
 
-from dsrl.config.schema import LEAF_KEYS, SCHEMA, violation
+from dsrl.config.problems import violation
+from dsrl.config.schema import LEAF_KEYS, SCHEMA
 
 
 def _ds_config_key(key: str) -> str:

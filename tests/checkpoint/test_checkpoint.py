@@ -24,7 +24,7 @@ from dsrl.checkpoint.save import (
     step_dir,
     write_state,
 )
-from dsrl.config.schema import ADAPTER_DIR
+from dsrl.config.layout import ADAPTER_DIR
 from dsrl.engines import ActorEngine
 from dsrl.engines.weight_sync import iter_full_parameters
 from tests.conftest import recipe

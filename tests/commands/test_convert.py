@@ -15,7 +15,7 @@ import torch
 
 from dsrl.checkpoint.save import HF_DIR, sha256_file, step_dir
 from dsrl.commands.convert import VALUE_HEAD_FILE, main
-from dsrl.config.schema import ADAPTER_DIR
+from dsrl.config.layout import ADAPTER_DIR
 from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.helpers.engines import make_batch
 from tests.helpers.resume import REPO

@@ -15,7 +15,8 @@ import yaml
 from omegaconf.errors import ReadonlyConfigError
 
 from dsrl import config as C
-from dsrl.config import loading, schema
+from dsrl.config import loading
+from dsrl.config.problems import show
 from tests.conftest import QUICKSTART, recipe, run_train_without_torch, stub_file_overrides, write_parquet_stub
 
 REPO = Path(__file__).resolve().parents[2]
@@ -1084,7 +1085,7 @@ def test_the_critic_geometry_follows_the_actor_unless_set(files):
         "loss_agg_mode": "seq-mean-token-mean",
         "use_dynamic_bsz": True,
     }
-    overrides = [f"actor_rollout_ref.actor.{key}={schema.show(value)}" for key, value in actor.items()]
+    overrides = [f"actor_rollout_ref.actor.{key}={show(value)}" for key, value in actor.items()]
     cfg, _ = C.load_and_validate(recipe("ppo"), files + overrides, 1)
     assert {key: cfg.critic[key] for key in actor} == actor  # as verl: a script that sets the actor's sets both
     cfg, _ = C.load_and_validate(recipe("ppo"), files + overrides + ["critic.ppo_mini_batch_size=8"], 1)

@@ -330,7 +330,7 @@ def test_distinct_files_with_equal_content_are_two_files(inputs, tmp_path):
     ],
 )
 def test_an_older_name_set_to_another_value_than_the_current_one_is_refused(inputs, old, new, old_value, new_value):
-    assert set(C.schema.OLDER_NAMES.items()) >= {(old, new)}
+    assert set(C.loading.OLDER_NAMES.items()) >= {(old, new)}
     critic = [inputs[2].replace(ACTOR, "critic.model.path")]
     ppo = recipe("ppo")  # trains a critic
     one_line(
@@ -359,11 +359,11 @@ def test_the_older_name_is_refused_across_layers_and_used_when_alone(inputs, tmp
 
 
 def test_every_older_name_is_a_key_documented_as_one():
-    for old, new in C.schema.OLDER_NAMES.items():
+    for old, new in C.loading.OLDER_NAMES.items():
         assert old in C.SCHEMA and new in C.SCHEMA
         assert "name of" in C.SCHEMA[old].help and "refused" in C.SCHEMA[old].help, old
     olders = {key for key, info in C.SCHEMA.items() if re.search(r"\b(older|deprecated)\b", info.help)}
-    assert olders == set(C.schema.OLDER_NAMES)
+    assert olders == set(C.loading.OLDER_NAMES)
 
 
 # ---------------------------------------------------------------- a secret in a path

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dsrl.config.schema import ADAPTER_DIR
+from dsrl.config.layout import ADAPTER_DIR
 from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.conftest import QUICKSTART, RANK_LOCAL, recipe
 

@@ -18,8 +18,9 @@ from dsrl.config.names import (
     POLICY_LOSS_MODES,
     POLICY_LOSS_PARAMS,
 )
+from dsrl.config.problems import show
 from dsrl.config.rules.need import Need, critic_used
-from dsrl.config.schema import Config, show, value_at
+from dsrl.config.schema import Config, value_at
 from dsrl.config.user_code import estimator_needs, registered_names, registered_policy_loss_params
 
 

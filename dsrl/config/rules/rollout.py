@@ -24,6 +24,7 @@ from dsrl.config.names import (
     TOOL_FORMATS,
     TRUNCATE_SIDES,
 )
+from dsrl.config.problems import show
 from dsrl.config.rules.need import Need, critic_used
 from dsrl.config.schema import (
     BypassCorrectionConfig,
@@ -31,7 +32,6 @@ from dsrl.config.schema import (
     RolloutCorrectionConfig,
     lora_enabled,
     pushes_lora_adapters,
-    show,
     value_at,
 )
 from dsrl.config.user_code import estimator_needs

@@ -16,8 +16,9 @@ from dsrl.config.names import (
     REWARD_MANAGERS,
     TRUNCATION_MODES,
 )
+from dsrl.config.problems import show
 from dsrl.config.rules.need import Need
-from dsrl.config.schema import Config, show, value_at
+from dsrl.config.schema import Config, value_at
 
 
 def reward_rules(cfg: Config, need: Need) -> None:
