@@ -26,6 +26,7 @@ of the prompt, the turns and these pieces is then what the template renders for 
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +40,8 @@ TURN_SEED_STRIDE = 7_000_003  # seeds of a batch's successive turns
 STOP_REASONS = ("answered", "turn_limit", "length")  # why a conversation ended
 _MARK = "\x00dsrl-turn\x00"  # an assistant message's content while finding what the template puts after it
 _TURN = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+# Stands for the k-th of MultiTurnRollout._literals inside a tool output while the template renders it.
+_LITERAL = re.compile("\x00dsrl-literal-([0-9]+)\x00")
 
 
 @dataclass
@@ -105,6 +108,14 @@ class MultiTurnRollout:
         after_turn = self._closed[self._closed.index(_MARK) + len(_MARK) :]
         end = tokenizer.decode(self.eos_token_ids[:1])
         self._after_turn = after_turn[len(end) :] if after_turn.startswith(end) else after_turn
+        # Texts a tool output holds as text only (tool_turn_ids): the tokenizer's added tokens, longest first (the
+        # tokenizer matches the longest), and NUL, which _LITERAL's placeholders use.
+        added = {token.content for token in tokenizer.added_tokens_decoder.values()}
+        self._literals = sorted(added, key=len, reverse=True) + ["\x00"]
+        self._literal_pattern = re.compile("|".join(re.escape(text) for text in self._literals))
+        self._literal_index = {text: k for k, text in enumerate(self._literals)}
+        added_ids = set(tokenizer.added_tokens_decoder)
+        self._literal_ids = [_text_ids(tokenizer, text, added_ids) for text in self._literals]
         self.stats = self._new_stats()
 
     @classmethod
@@ -208,7 +219,7 @@ class MultiTurnRollout:
             for item in row.pending:
                 result = next(results)
                 stats.record("" if isinstance(item, str) else item.name, result)
-                messages.append({"role": "tool", "content": result.text})
+                messages.append({"role": "tool", "content": valid_utf8(result.text)})
             row.calls += len(messages)
             row.pending = []
             piece = self.tool_turn_ids(messages)
@@ -221,14 +232,28 @@ class MultiTurnRollout:
 
     def tool_turn_ids(self, messages: list[dict]) -> list[int]:
         """The tokens between an assistant turn's end-of-turn token and the next turn: what the chat template
-        renders after the turn, the tool ``messages``, and the next assistant header."""
-        opened = self._render([*_TURN, *messages], add_generation_prompt=True)
+        renders after the turn, the tool ``messages``, and the next assistant header.
+
+        A tool's output is text whatever it holds: it is made valid UTF-8 (a lone surrogate stops the
+        tokenizer), and the text of an added token in it (``<|im_end|>``, ``<|im_start|>``: a forged turn
+        boundary) becomes the tokens of its characters, not that token; the template's own tokens stay."""
+        shown = [{**message, "content": self._placeholders(valid_utf8(message["content"]))} for message in messages]
+        opened = self._render([*_TURN, *shown], add_generation_prompt=True)
         if not opened.startswith(self._closed):
             raise ValueError(
                 "multi_turn: the chat template renders a conversation differently once tool messages follow it; "
                 "dsrl appends tool outputs to the tokens generated so far and needs a template that only appends"
             )
-        return self.tokenizer.encode(self._after_turn + opened[len(self._closed) :], add_special_tokens=False)
+        # Odd parts are the placeholders' numbers; without any, one part: the whole text, encoded as ever.
+        parts = _LITERAL.split(self._after_turn + opened[len(self._closed) :])
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            ids += self._literal_ids[int(part)] if i % 2 else self.tokenizer.encode(part, add_special_tokens=False)
+        return ids
+
+    def _placeholders(self, text: str) -> str:
+        """``text`` with each of ``_literals`` in it replaced by its ``_LITERAL`` placeholder."""
+        return self._literal_pattern.sub(lambda match: f"\x00dsrl-literal-{self._literal_index[match[0]]}\x00", text)
 
     def _render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -257,3 +282,19 @@ class MultiTurnRollout:
                 for row in rows
             ],
         )
+
+
+def valid_utf8(text: str) -> str:
+    """``text`` as valid UTF-8: a lone surrogate (a JSON ``\\ud800`` a tool echoed back, a file name decoded with
+    surrogateescape) becomes ``?``."""
+    return text.encode("utf-8", errors="replace").decode("utf-8")
+
+
+def _text_ids(tokenizer, text: str, added_ids: set[int]) -> list[int]:
+    """The ids of ``text`` read as ordinary characters, not as the added token it spells: split as a special
+    token's text (``<|``, ``im``, ``_end``, ``|>``), else one character at a time (an added token not marked
+    special, e.g. ``<tool_call>``, is matched even then)."""
+    ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    if len(text) == 1 or added_ids.isdisjoint(ids):
+        return ids
+    return [i for char in text for i in tokenizer.encode(char, add_special_tokens=False)]
