@@ -66,3 +66,14 @@ def test_a_bad_tool_file_is_refused_by_validate_only_naming_the_file_and_line(tm
     assert "fix:" in result.stderr
     good = [a for a in args if not a.startswith(f"{MT}.function_tool_path")] + [f"{MT}.tool_config_path={CALCULATOR}"]
     assert run_train_without_torch(good).returncode == 0
+
+
+def test_the_tool_workers_memory_bound_is_refused_below_256_mb_like_the_reward_workers(tmp_path):
+    """security_3 D17: tool_memory_limit_mb=-1 passed and the workers ran with RLIMIT_DATA -1 MiB: no limit."""
+    files = [*stub_file_overrides(tmp_path), f"{MT}.enable=true", f"{MT}.tool_config_path={CALCULATOR}"]
+    for value in (-1, 100):
+        (problem,) = config_problems(recipe("grpo"), [*files, f"{MT}.tool_memory_limit_mb={value}"])
+        assert problem.startswith(f"{MT}.tool_memory_limit_mb={value}: must be 0 (no limit) or >= 256 MB")
+        assert problem.endswith(f"fix: set {MT}.tool_memory_limit_mb=4096, or 0 for no limit")
+    for value in (0, 256):
+        assert config_problems(recipe("grpo"), [*files, f"{MT}.tool_memory_limit_mb={value}"]) == []

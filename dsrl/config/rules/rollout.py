@@ -396,6 +396,13 @@ def multi_turn_rules(cfg: Config, need: Need) -> None:
         need(getattr(mt, key) >= 1, f"{prefix}.{key}", "must be >= 1", f"set {prefix}.{key} to a positive count")
     need(mt.tool_timeout > 0, f"{prefix}.tool_timeout", "must be > 0 seconds", f"set {prefix}.tool_timeout=10")
     need(
+        mt.tool_memory_limit_mb == 0 or mt.tool_memory_limit_mb >= 256,
+        f"{prefix}.tool_memory_limit_mb",
+        "must be 0 (no limit) or >= 256 MB (as reward.memory_limit_mb: a worker holds about 25 MB before it builds "
+        "the tools; a negative limit would be no limit at all)",
+        f"set {prefix}.tool_memory_limit_mb=4096, or 0 for no limit",
+    )
+    need(
         mt.tool_response_truncate_side in TRUNCATE_SIDES,
         f"{prefix}.tool_response_truncate_side",
         f"must be one of {', '.join(TRUNCATE_SIDES)}",

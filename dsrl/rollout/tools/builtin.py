@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import math
 import operator
 import os
 import resource
@@ -20,7 +21,7 @@ import time
 
 from dsrl.workers.pool import kill_process_group
 
-_MAX_INT_BITS = 10_000  # about 3,000 digits: far past any answer, well short of a number that stalls the worker
+_MAX_DIGITS = 3010  # of an integer: far past any answer, well short of a number that stalls the worker
 _KEEP_BYTES = 2**20  # of the python tool's output, the first and the last MiB are kept
 _MB = 2**20
 _PR_SET_PDEATHSIG = 1
@@ -68,41 +69,49 @@ class Calculator:
     def execute(self, parameters: dict, **kwargs) -> str:
         expression = parameters["expression"]
         try:
-            tree = ast.parse(expression.strip(), mode="eval")
+            value = _evaluate(ast.parse(expression.strip(), mode="eval").body)
         except SyntaxError as exc:
-            raise ValueError(f"not an arithmetic expression: {exc.msg}") from None
-        value = _evaluate(tree.body)
+            what = f"not an arithmetic expression: {exc.msg}"
+            if "integer string conversion" in exc.msg:  # Python's advice (set_int_max_str_digits) means nothing here
+                what = f"a number in it has more than {_MAX_DIGITS} digits; at most {_MAX_DIGITS} are allowed"
+            raise ValueError(what) from None
+        except (MemoryError, RecursionError):  # the parser's or _evaluate's stack: a thousand operators in a row
+            raise ValueError("too deeply nested; write it with fewer operators in a row") from None
         return str(value) if isinstance(value, int) else repr(value)
 
 
 def _evaluate(node: ast.AST) -> int | float:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+        return _checked(node.value, "a number in it")
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _evaluate(node.left), _evaluate(node.right)
-        _check_size(type(node.op), left, right)
-        return _BINARY[type(node.op)](left, right)
+        if type(node.op) is ast.Pow:
+            _check_power(left, right)
+        return _checked(_BINARY[type(node.op)](left, right))
     raise ValueError(f"{ast.unparse(node)[:60]!r} is not allowed; use only numbers, + - * / // % ** and parentheses")
 
 
-def _check_size(op: type, left, right) -> None:
-    """Refuse an integer result past ``_MAX_INT_BITS`` before computing it (``9**9**9`` would take
-    minutes and gigabytes); float results overflow on their own (OverflowError)."""
-    if not (isinstance(left, int) and isinstance(right, int)):
-        return
-    if op is ast.Pow and right > 0:
-        bits = max(left.bit_length() - 1, 0) * right  # 1 ** n and (-1) ** n stay small
-    elif op is ast.Mult:
-        bits = left.bit_length() + right.bit_length()
-    else:
-        return
-    if bits > _MAX_INT_BITS:
-        raise ValueError(
-            f"the result would have about {int(bits * 0.30103)} digits; at most {int(_MAX_INT_BITS * 0.30103)} are "
-            "allowed"
-        )
+def _check_power(base, exponent) -> None:
+    """Refuse an integer power far past ``_MAX_DIGITS`` before computing it (``9**9**9`` would take minutes and
+    gigabytes): its digits are about ``exponent * log10(|base|)``. One close to the limit is computed and
+    checked exactly (``_checked``); float results overflow on their own (OverflowError)."""
+    if isinstance(base, int) and isinstance(exponent, int) and exponent > 0 and abs(base) > 1:
+        digits = exponent * math.log10(abs(base))
+        if digits > _MAX_DIGITS + 1:
+            raise ValueError(f"the result would have about {digits:.0f} digits; at most {_MAX_DIGITS} are allowed")
+
+
+def _checked(value: int | float, what: str = "the result") -> int | float:
+    """``value``, or ValueError for an integer of more than ``_MAX_DIGITS`` digits (a product, a sum, a literal:
+    each input is within the limit, so computing it cost nothing)."""
+    if isinstance(value, int) and abs(value) >= _TOO_LARGE:
+        raise ValueError(f"{what} has more than {_MAX_DIGITS} digits; at most {_MAX_DIGITS} are allowed")
+    return value
+
+
+_TOO_LARGE = 10**_MAX_DIGITS
 
 
 # ---------------------------------------------------------------- python

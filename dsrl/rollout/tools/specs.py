@@ -8,6 +8,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import math
 import os
 import re
 import traceback
@@ -23,6 +24,11 @@ from dsrl.config.user_code import import_file_once
 from dsrl.rollout.tools.builtin import BUILTINS
 
 MULTI_TURN_KEY = "actor_rollout_ref.rollout.multi_turn"
+# A built-in named by its module path is the built-in: the same config rules, the same worker code.
+_BUILTIN_PATHS = {f"{tool.__module__}.{tool.__name__}": name for name, tool in BUILTINS.items()}
+# The config keys each built-in reads; ``type`` is verl's (``native``), accepted and unread.
+_BUILTIN_CONFIG = {"dsrl:calculator": ("type",), "dsrl:python": ("type", "timeout", "memory_limit_mb")}
+PYTHON_MEMORY_FLOOR_MB = 64  # a python -I process maps about 20 MB before the script's first line
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 _ARGS_ENTRY = re.compile(r"^(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
 
@@ -117,6 +123,7 @@ def _yaml_tools(path: str, tool_timeout: float) -> tuple[list[ToolSpec], list[st
                 )
             )
             continue
+        source = _BUILTIN_PATHS.get(source, source)
         if source.startswith("dsrl:"):
             if source not in BUILTINS:
                 problems.append(problem(line, f"unknown built-in tool {source!r}", f"use one of {sorted(BUILTINS)}"))
@@ -125,18 +132,10 @@ def _yaml_tools(path: str, tool_timeout: float) -> tuple[list[ToolSpec], list[st
             if source == "dsrl:python":
                 # Its own limit ends the script (and counts a timeout) before the pool's kills the worker.
                 config = {"timeout": 0.8 * tool_timeout, **config}
-                timeout = config["timeout"]
-                if not (isinstance(timeout, (int, float)) and 0 < timeout < tool_timeout):
-                    problems.append(
-                        problem(
-                            line,
-                            f"dsrl:python config.timeout={timeout!r} must be a number of seconds below "
-                            f"multi_turn.tool_timeout={tool_timeout:g} (past that the worker is killed, not the "
-                            "script)",
-                            "lower it, or leave it out for 0.8 x tool_timeout",
-                        )
-                    )
-                    continue
+            wrong = _builtin_problems(source, config, schema, tool_timeout)
+            if wrong:
+                problems += [problem(line, what, fix) for what, fix in wrong]
+                continue
         else:
             try:
                 _check_class(source, path)
@@ -150,13 +149,89 @@ def _yaml_tools(path: str, tool_timeout: float) -> tuple[list[ToolSpec], list[st
                 problem(
                     line,
                     f"tool {source!r}: {error}",
-                    "give it a tool_schema: {type: function, "
-                    "function: {name, description, parameters: {type: object, properties, required}}}",
+                    _SCHEMA_FIX,
                 )
             )
             continue
         specs.append(ToolSpec(schema["function"]["name"], "class", source, schema, dict(config)))
     return specs, problems
+
+
+_SCHEMA_FIX = (
+    "give it a tool_schema: {type: function, function: {name, description, parameters: {type: object, properties, "
+    "required}}}"
+)
+
+
+def _builtin_problems(source: str, config: dict, schema, tool_timeout: float) -> list[tuple[str, str]]:
+    """``(what, fix)`` for each setting of the built-in ``source`` it would not honour: a config key it does not
+    read, a ``dsrl:python`` limit out of range, a ``tool_schema`` without the parameters it reads."""
+    problems = []
+    unknown = sorted(set(config) - set(_BUILTIN_CONFIG[source]))
+    if unknown:
+        problems.append(
+            (
+                f"{source} config has no key(s) {unknown}; it reads {list(_BUILTIN_CONFIG[source])}",
+                "correct or remove them",
+            )
+        )
+    if source == "dsrl:python":
+        timeout, memory = config["timeout"], config.get("memory_limit_mb", 1024)
+        if not (_is_number(timeout) and 0 < timeout < tool_timeout):
+            problems.append(
+                (
+                    f"dsrl:python config.timeout={timeout!r} must be a number of seconds below "
+                    f"multi_turn.tool_timeout={tool_timeout:g} (past that the worker is killed, not the script)",
+                    "lower it, or leave it out for 0.8 x tool_timeout",
+                )
+            )
+        whole = isinstance(memory, int) and not isinstance(memory, bool)
+        if not (whole and (memory == 0 or memory >= PYTHON_MEMORY_FLOOR_MB)):
+            problems.append(
+                (
+                    f"dsrl:python config.memory_limit_mb={memory!r} must be a whole number of MB, 0 (no limit) or "
+                    f">= {PYTHON_MEMORY_FLOOR_MB} (the script's address space, RLIMIT_AS; a negative one is none)",
+                    "set it to 1024, or leave it out for 1024",
+                )
+            )
+    malformed = _schema_problem(schema)
+    if malformed:
+        problems.append((f"tool {source!r}: {malformed}", _SCHEMA_FIX))
+    elif wrong := _reads_problem(source, schema):
+        problems.append(
+            (f"tool {source!r}: {wrong}", f"keep {source}'s parameters: {_parameters(BUILTINS[source].SCHEMA)}")
+        )
+    return problems
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _reads_problem(source: str, schema: dict) -> str | None:
+    """What a built-in's ``tool_schema`` lacks of the parameters its code reads (the model writes what the schema
+    says: a renamed parameter fails every call)."""
+    builtin = BUILTINS[source].SCHEMA["function"]["parameters"]
+    parameters = schema["function"].get("parameters") or {}
+    properties, required = parameters.get("properties") or {}, parameters.get("required") or []  # checked: well formed
+    for name in builtin["required"]:
+        expected = builtin["properties"][name]["type"]
+        if (properties.get(name) or {}).get("type") != expected or name not in required:
+            return (
+                f"tool_schema.function.parameters must require {name!r} ({expected}), which {source} reads; "
+                f"it has {_parameters(schema)}"
+            )
+    return None
+
+
+def _parameters(schema: dict) -> str:
+    parameters = schema["function"].get("parameters") or {}
+    properties, required = parameters.get("properties") or {}, parameters.get("required") or []
+    shown = [
+        f"{k}: {v.get('type', 'any') if isinstance(v, dict) else v}{'' if k in required else ' (optional)'}"
+        for k, v in properties.items()
+    ]
+    return "(" + ", ".join(shown) + ")"
 
 
 def _item_lines(node) -> list[int]:
@@ -177,6 +252,20 @@ def _schema_problem(schema) -> str | None:
     parameters = function.get("parameters", {"type": "object"})
     if not isinstance(parameters, dict) or parameters.get("type") != "object":
         return "tool_schema.function.parameters must be a JSON schema of type object"
+    # What the trainer reads of it for every call (argument_problem): a malformed one would fail there.
+    properties, required = parameters.get("properties") or {}, parameters.get("required") or []
+    if not isinstance(properties, dict) or not all(isinstance(p, dict) for p in properties.values()):
+        return "tool_schema.function.parameters.properties must map each parameter's name to its JSON schema"
+    for name, prop in properties.items():
+        kind = prop.get("type")
+        if not (
+            kind is None or isinstance(kind, str) or (isinstance(kind, list) and all(isinstance(k, str) for k in kind))
+        ):
+            return (
+                f"tool_schema: the type of parameter {name!r} must be a JSON type name or a list of them, got {kind!r}"
+            )
+    if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+        return "tool_schema.function.parameters.required must be a list of parameter names"
     return None
 
 
@@ -236,8 +325,12 @@ def _module_file(module_name: str) -> str | None:
 def import_file(path: str) -> types.ModuleType:
     """The module of the .py file ``path``, imported once per process under a name of its own."""
     path = os.path.abspath(path)
+    if os.path.isdir(path):
+        raise _UserCodeError(f"{path} is a directory, not a .py file", "name the .py file in it")
     if not os.path.isfile(path):
         raise _UserCodeError(f"no such file {path}", "correct the path")
+    if not path.endswith(".py"):
+        raise _UserCodeError(f"{path} is not a .py file", "name a Python file ending in .py")
     try:
         return import_file_once(Path(path), "_dsrl_tools_")
     except BaseException as exc:  # noqa: BLE001 -- SystemExit included
