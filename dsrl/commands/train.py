@@ -10,9 +10,10 @@
 
 Config files (paths, or names of shipped recipes) are merged left to right, then ``dotted.key=value``
 overrides. The config is checked before torch or DeepSpeed is imported (the DeepSpeed JSON files it names
-included): a bad one exits with code 2 within a second, listing every problem (dotted key, value, rule, fix); so do the
-data files and model directories it names, as far as their headers tell, and the rest of them when they load (before any
-model). Under a launcher of several ranks every rank checks, and the ranks meet to report together: rank 0 prints
+included): a bad one exits with code 2 within a second, listing every problem (dotted key, value, rule, fix); so do the data files and model
+directories it names, as far as their headers tell, and the rest of them when they load (before any model). A LoRA
+run's adapters are checked against its model built on the meta device, which takes the seconds of importing torch.
+Under a launcher of several ranks every rank checks, and the ranks meet to report together: rank 0 prints
 every rank's problems, a problem only some ranks have marked with their ranks and hosts (a file missing on
 one node), which takes the seconds of importing torch.
 Exit codes: 0 done; 2 a bad config, data file or model directory, a run folder another run holds, or a
@@ -36,9 +37,10 @@ from pathlib import Path
 from dsrl.checkpoint.run_folder import RunFolderBusy
 from dsrl.config import SCHEMA, ConfigError, describe_keys, load_and_validate, to_yaml
 from dsrl.config.loading import split_files_and_overrides
+from dsrl.config.schema import lora_enabled
 from dsrl.plan.inputs import Device, detect_device, parse_size
 from dsrl.plan.plan import plan_for_config, plan_problems, render
-from dsrl.plan.shape import GIB, PlanError
+from dsrl.plan.shape import GIB, PlanError, model_config_path
 from dsrl.runtime.launch import LaunchError, RendezvousError, join
 from dsrl.runtime.redaction import redact_text
 from dsrl.runtime.signals import Interrupted, RunSignals, TrainingInterrupted
@@ -213,6 +215,18 @@ def check_memory_plan(cfg, world_size: int, args: argparse.Namespace, where: str
     )
 
 
+def lora_problems(cfg, model_config: str | None) -> list[str]:
+    """A LoRA run's adapters against its model (``dsrl.engines.lora.lora_target_problems``: the model built on the
+    meta device from its config.json, or ``--model-config``'s): the only check before the run that imports torch,
+    transformers and peft (seconds), so that a target that matches nothing, or no linear layer, is refused here and
+    not after the model loaded."""
+    from dsrl.engines.lora import lora_target_problems
+
+    model = cfg.actor_rollout_ref.model
+    config_file = Path(model_config).expanduser() if model_config else model_config_path(model.path)
+    return lora_target_problems(model, config_file)
+
+
 def show_keys(prefix: str) -> int:
     """``--show-keys [PREFIX]``: the config reference on stdout; exit code 2 when no key starts with ``prefix``."""
     lines = describe_keys(prefix)
@@ -256,6 +270,9 @@ def main(argv: list[str]) -> int:
         from dsrl.rollout.tools import check_tool_files  # imports no torch
 
         problems = check_tool_files(cfg)
+        cfg = None if problems else cfg
+    if cfg is not None and lora_enabled(cfg.actor_rollout_ref.model):
+        problems = lora_problems(cfg, args.model_config)
         cfg = None if problems else cfg
     checks_alone = args.validate_only or args.plan
     launched = not checks_alone and (int(world_size) > 1 or args.preflight)

@@ -99,6 +99,24 @@ def _json(path: Path) -> tuple[object, str | None]:
         return None, f"{path.name} is not valid JSON ({err})"
 
 
+def adapter_settings(path: Path) -> tuple[dict, str | None]:
+    """``adapter_config.json`` of the PEFT adapter directory ``path`` and None, or ``{}`` and why it is not a LoRA
+    adapter's: unreadable, cut short, another PEFT method, a rank that is not a positive whole number."""
+    file = path / "adapter_config.json"
+    settings, problem = ({}, f"{file.name} is not a regular file") if not_regular(file) else _json(file)
+    if problem is None and not isinstance(settings, dict):
+        problem = f"{file.name} holds a JSON {type(settings).__name__}, not PEFT's settings object"
+    if problem is not None:
+        return {}, problem
+    assert isinstance(settings, dict)
+    if settings.get("peft_type") != "LORA":
+        return {}, f"a {settings.get('peft_type')!r} adapter, not LoRA"
+    rank = settings.get("r")
+    if not (isinstance(rank, int) and not isinstance(rank, bool) and rank > 0):
+        return {}, f"{file.name} has r={rank!r}: a LoRA adapter's rank is a positive whole number"
+    return settings, None
+
+
 def _weights_problem(path: Path) -> str | None:
     """Why the weights file ``path`` would not load in full, or None (read from its header)."""
     size = path.stat().st_size

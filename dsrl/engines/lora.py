@@ -17,14 +17,16 @@ embedding or convolution named in ``target_modules`` is refused at start-up.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import sys
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsrl.config.files import adapter_settings
 from dsrl.engines.weight_sync import DEFAULT_BUCKET_BYTES, iter_gathered
 
 # peft is imported by the functions that use it: a run without LoRA never imports it. (Most of its ~3 s import was
@@ -64,27 +66,31 @@ def lora_config(model_cfg: Any) -> LoraConfig:
 
 
 def saved_adapter_settings(path: str) -> dict[str, Any]:
-    """``adapter_config.json`` of a saved PEFT adapter directory; ValueError naming the key and the fix."""
-    file = Path(path) / "adapter_config.json"
-    try:
-        settings = json.loads(file.read_text())
-    except (OSError, ValueError) as err:
+    """``adapter_config.json`` of a saved PEFT adapter directory; ValueError naming the key and the fix (validation
+    refuses the same, ``dsrl.config.files.adapter_settings``)."""
+    settings, problem = adapter_settings(Path(path).expanduser())
+    if problem is not None:
         raise ValueError(
-            f"actor_rollout_ref.model.lora_adapter_path={path!r}: no readable adapter_config.json ({err}); "
-            "point it at a PEFT adapter directory (PeftModel.save_pretrained writes one)"
-        ) from err
-    if settings.get("peft_type") != "LORA":
-        raise ValueError(
-            f"actor_rollout_ref.model.lora_adapter_path={path!r}: a {settings.get('peft_type')!r} adapter, not LoRA; "
-            "point it at a LoRA adapter directory"
+            f"actor_rollout_ref.model.lora_adapter_path={path!r}: not a LoRA adapter directory: {problem}; "
+            "point it at a folder PeftModel.save_pretrained wrote"
         )
     return settings
 
 
+def saved_adapter_config(path: str) -> LoraConfig:
+    """The settings of the saved adapter at ``path`` as the run trains it: its ``lora_dropout`` 0, so that the
+    rollout and every training pass see one network (``dsrl.config.rules.rollout.adapter_notes`` says so)."""
+    from peft import LoraConfig
+
+    saved_adapter_settings(path)  # a readable LoRA adapter, or the error naming the key
+    config = LoraConfig.from_pretrained(str(Path(path).expanduser()))
+    config.lora_dropout = 0.0
+    return config
+
+
 def add_adapters(module: torch.nn.Module, model_cfg: Any) -> PeftModel:
     """``module`` with trainable LoRA adapters (from ``lora_adapter_path`` when set) and its base frozen."""
-    from peft import PeftModel, get_peft_model
-    from peft.tuners.lora import Linear as LoraLinear
+    from peft import PeftModel
 
     if model_cfg.lora_adapter_path is not None:
         settings = saved_adapter_settings(model_cfg.lora_adapter_path)
@@ -93,24 +99,95 @@ def add_adapters(module: torch.nn.Module, model_cfg: Any) -> PeftModel:
                 f"actor_rollout_ref.model.lora_rank={model_cfg.lora_rank} but the adapter at lora_adapter_path has "
                 f"rank {settings['r']}; set lora_rank={settings['r']} (or 0: the adapter's rank is used)"
             )
-        peft_model = PeftModel.from_pretrained(module, model_cfg.lora_adapter_path, is_trainable=True)
+        path = model_cfg.lora_adapter_path
+        config = saved_adapter_config(path)
+        peft_model = PeftModel.from_pretrained(module, path, config=config, is_trainable=True)
     else:
-        try:
-            peft_model = get_peft_model(module, lora_config(model_cfg))
-        except ValueError as err:  # PEFT refuses targets that leave no module to adapt
-            raise ValueError(
-                f"actor_rollout_ref.model.target_modules={model_cfg.target_modules!r} (exclude_modules="
-                f"{model_cfg.exclude_modules!r}) matched no module of the model ({' '.join(str(err).split())}); "
-                "use all-linear or names from the model's modules (q_proj, v_proj, ...)"
-            ) from err
-    layers = lora_layers(peft_model)
-    other = sorted(name for name, layer in layers.items() if not isinstance(layer, LoraLinear))
+        peft_model = _wrapped(module, lora_config(model_cfg))
+    _check_linear(peft_model)
+    return peft_model
+
+
+def _wrapped(module: torch.nn.Module, config: LoraConfig, adapter_path: str | None = None) -> PeftModel:
+    """``get_peft_model``, its refusal of targets that leave no module to adapt said with the keys and the fix
+    (``adapter_path``: the targets are a saved adapter's)."""
+    from peft import get_peft_model
+
+    linear = sorted({name.rpartition(".")[2] for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)})
+    targets = f"target_modules={_shown(config.target_modules)} (exclude_modules={_shown(config.exclude_modules)})"
+    if adapter_path is None:
+        where = f"actor_rollout_ref.model.{targets}"
+        fix = f"use all-linear or names from the model's linear modules ({', '.join(linear)})"
+    else:
+        where = f"actor_rollout_ref.model.lora_adapter_path={adapter_path}: the adapter's {targets}"
+        fix = "start from an adapter trained on actor_rollout_ref.model.path's model"
+    try:
+        return get_peft_model(module, config)
+    except ValueError as err:
+        raise ValueError(f"{where} matched no module of the model ({' '.join(str(err).split())}); fix: {fix}") from err
+
+
+def _check_linear(peft_model: PeftModel) -> None:
+    from peft.tuners.lora import Linear as LoraLinear
+
+    other = sorted(name for name, layer in lora_layers(peft_model).items() if not isinstance(layer, LoraLinear))
     if other:
         raise ValueError(
             f"actor_rollout_ref.model.target_modules adapts {other[:3]}, which are not linear layers; dsrl trains "
             "LoRA on linear layers only: name linear modules (or all-linear), or exclude these with exclude_modules"
         )
-    return peft_model
+
+
+def _shown(value: Any) -> str:
+    """A target or exclude setting as the user wrote it: a pattern, or a list of names (PEFT keeps a set)."""
+    return repr(sorted(value)) if isinstance(value, (set, list, tuple)) else repr(value)
+
+
+def lora_target_problems(model_cfg: Any, config_file: Path | None) -> list[str]:
+    """The adapters of ``model_cfg`` (``actor_rollout_ref.model``) put on the model built on the meta device from its
+    ``config_file`` (no weights are read: a second or two): ``target_modules`` that match no module or a module
+    that is not linear, ``exclude_modules`` that exclude nothing the targets match (a typo), a saved adapter's
+    targets missing from this model. What ``--validate-only`` and the start of a run refuse before any weight
+    loads; [] also when the model cannot be built here (no config.json, remote code): its load then reports it."""
+    config = (
+        saved_adapter_config(model_cfg.lora_adapter_path) if model_cfg.lora_adapter_path else lora_config(model_cfg)
+    )
+    with warnings.catch_warnings():  # PEFT's and transformers' advice on a model that is never run
+        warnings.simplefilter("ignore")
+        model = _meta_model(config_file)
+        if model is None:
+            return []
+        try:
+            peft_model = _wrapped(model, config, model_cfg.lora_adapter_path)
+            _check_linear(peft_model)
+        except ValueError as err:
+            return [str(err)]
+        if config.exclude_modules and not model_cfg.lora_adapter_path:
+            unexcluded = dataclasses.replace(config, exclude_modules=None)
+            everything = lora_layers(_wrapped(_meta_model(config_file), unexcluded))
+            if set(everything) == set(lora_layers(peft_model)):
+                return [
+                    f"actor_rollout_ref.model.exclude_modules={_shown(config.exclude_modules)}: excludes none of the "
+                    f"{len(everything)} modules target_modules={_shown(config.target_modules)} adapts (a name no "
+                    "module has is ignored); fix: name modules the targets match (e.g. o_proj, or a regex of full "
+                    "names), or null"
+                ]
+    return []
+
+
+def _meta_model(config_file: Path | None) -> torch.nn.Module | None:
+    """The causal LM of ``config_file`` (a config.json) on the meta device, or None when transformers cannot build it
+    without the model's own code."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if config_file is None:
+        return None
+    try:
+        config = AutoConfig.from_pretrained(str(config_file.parent))
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 -- remote code, an architecture this transformers lacks: the load says so
+        return None
 
 
 def lora_layers(module: torch.nn.Module) -> dict[str, LoraLayer]:

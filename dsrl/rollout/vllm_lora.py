@@ -21,7 +21,7 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import save_file
 
-from dsrl.engines.lora import ADAPTER_FILE, lora_config, saved_adapter_settings, saved_adapter_tensors
+from dsrl.engines.lora import ADAPTER_FILE, lora_config, saved_adapter_config, saved_adapter_tensors
 
 
 def vllm_max_lora_rank(rank: int, allowed: Sequence[int]) -> int:
@@ -38,8 +38,7 @@ def vllm_max_lora_rank(rank: int, allowed: Sequence[int]) -> int:
 def actor_adapter_config(model_cfg: Any) -> LoraConfig:
     """The settings the actor's adapters are built with: the saved adapter's (``lora_adapter_path``) or the run's."""
     if model_cfg.lora_adapter_path is not None:
-        saved_adapter_settings(model_cfg.lora_adapter_path)  # a readable LoRA adapter, or the error naming the key
-        return LoraConfig.from_pretrained(model_cfg.lora_adapter_path)
+        return saved_adapter_config(model_cfg.lora_adapter_path)
     return lora_config(model_cfg)
 
 

@@ -3,6 +3,8 @@ adapters, their rank and scaling), and targets dsrl cannot train are refused nam
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -47,3 +49,68 @@ def test_targets_dsrl_cannot_train_are_refused_naming_the_key(tiny_model_dir):
         adapted(tiny_model_dir, target_modules=["embed_tokens", "q_proj"])
     with pytest.raises(ValueError, match=r"target_modules=.*matched no module"):
         adapted(tiny_model_dir, target_modules=["q_proj"], exclude_modules=["q_proj"])
+
+
+def target_problems(tiny_model_dir, **overrides) -> list[str]:
+    from pathlib import Path
+
+    from dsrl.engines.lora import lora_target_problems
+
+    return lora_target_problems(model_cfg(**overrides), Path(tiny_model_dir) / "config.json")
+
+
+def test_targets_are_checked_on_the_meta_device_model_before_any_weight_loads(tiny_model_dir):
+    """security_3 E8 (no module matched), E9 (an embedding), E10 (an exclusion that excludes nothing: silently
+    ignored): refused at validation, from config.json alone, with the model's linear modules named."""
+    (problem,) = target_problems(tiny_model_dir, target_modules=["nothing_matches"])
+    assert problem.startswith("actor_rollout_ref.model.target_modules=['nothing_matches'] (exclude_modules=None) ")
+    assert "matched no module of the model" in problem
+    assert problem.endswith("fix: use all-linear or names from the model's linear modules (down_proj, gate_proj, "
+                            "k_proj, lm_head, o_proj, q_proj, up_proj, v_proj)")  # fmt: skip
+    (problem,) = target_problems(tiny_model_dir, target_modules=["embed_tokens"])
+    assert "target_modules adapts ['base_model.model.model.embed_tokens'], which are not linear layers" in problem
+    (problem,) = target_problems(tiny_model_dir, exclude_modules="all-linear")
+    assert problem.startswith("actor_rollout_ref.model.exclude_modules='all-linear': excludes none of the 28 modules")
+    (problem,) = target_problems(tiny_model_dir, target_modules=["q_proj"], exclude_modules=["v_proj"])
+    assert "exclude_modules=['v_proj']: excludes none of the 4 modules target_modules=['q_proj'] adapts" in problem
+    for fine in ({}, {"exclude_modules": ["o_proj"]}, {"exclude_modules": r"model\.layers\.0\..*"}):
+        assert target_problems(tiny_model_dir, **fine) == [], fine
+    # No config.json here: nothing to check against (the model's load reports it)
+    from dsrl.engines.lora import lora_target_problems
+
+    assert lora_target_problems(model_cfg(target_modules=["nothing_matches"]), None) == []
+
+
+def saved_adapter(tiny_model_dir, folder, **settings) -> str:
+    from peft import LoraConfig, get_peft_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **settings)
+    get_peft_model(model, config).save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_saved_adapter_trains_without_its_dropout_and_exports_saying_so(tiny_model_dir, tmp_path):
+    """security_3 E7: an adapter saved with lora_dropout 0.5 made every training forward drop a random half of
+    the adapters' input. Loaded by dsrl, two forwards in train mode agree and the config says 0."""
+    path = saved_adapter(tiny_model_dir, tmp_path / "adapter", lora_dropout=0.5)
+    model = adapted(tiny_model_dir, lora_rank=0, lora_adapter_path=path)
+    assert model.peft_config["default"].lora_dropout == 0.0
+    for layer in lora_layers(model).values():  # the B matrices start at 0: make the adapters matter
+        torch.nn.init.normal_(layer.lora_B["default"].weight)
+    model.train()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    assert torch.equal(model(ids).logits, model(ids).logits)
+    (tmp_path / "export").mkdir()
+    model.peft_config["default"].save_pretrained(tmp_path / "export")  # what dsrl.checkpoint.save writes
+    assert json.loads((tmp_path / "export" / "adapter_config.json").read_text())["lora_dropout"] == 0.0
+
+
+def test_a_saved_adapter_s_targets_are_checked_against_this_model(tiny_model_dir, tmp_path):
+    path = saved_adapter(tiny_model_dir, tmp_path / "adapter")
+    assert target_problems(tiny_model_dir, lora_rank=0, lora_adapter_path=path) == []
+    settings = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**settings, "target_modules": ["wq"]}))
+    (problem,) = target_problems(tiny_model_dir, lora_rank=0, lora_adapter_path=path)
+    assert problem.startswith(f"actor_rollout_ref.model.lora_adapter_path={path}: the adapter's target_modules=['wq']")
+    assert problem.endswith("fix: start from an adapter trained on actor_rollout_ref.model.path's model")

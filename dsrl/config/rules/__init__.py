@@ -101,6 +101,6 @@ def load_and_validate(
         violations = [line for line in violations if (key := line.partition("=")[0]) not in SCHEMA or reads(key)]
     if violations:
         raise ConfigError(violations)
-    notes = resolve(cfg) + secret_notes(cfg)
+    notes = resolve(cfg) + rollout.adapter_notes(cfg) + secret_notes(cfg)
     OmegaConf.set_readonly(loaded, True)
     return cfg, notes

@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import ListConfig
 
 from dsrl.config.deepspeed_json import DeepSpeedJsonError, read_ds_json
+from dsrl.config.files import adapter_settings
 from dsrl.config.loading import rollout_name
 from dsrl.config.names import (
     BYPASS_LOSS_TYPES,
@@ -423,6 +424,100 @@ def multi_turn_rules(cfg: Config, need: Need) -> None:
     )
 
 
+# What a saved adapter may hold that dsrl's LoRA does not train or push (dsrl.engines.lora: W + s * B @ A on linear
+# layers, lora_A and lora_B the only trainable and exported tensors): the setting, when it is in use, and why.
+_ADAPTER_REFUSED: dict[str, tuple[Any, str]] = {
+    "use_dora": (
+        lambda v: bool(v),
+        "DoRA rescales each column of W + s * B @ A by a trained magnitude, which dsrl's merge and export leave out",
+    ),
+    "bias": (
+        lambda v: v not in (None, "none"),
+        "trained biases are parameters outside lora_A and lora_B: dsrl would neither push nor export them",
+    ),
+    "lora_bias": (lambda v: bool(v), "a bias on lora_B is left out of dsrl's merge W + s * B @ A"),
+    "modules_to_save": (
+        lambda v: bool(v),
+        "fully trained modules beside the adapters are neither merged nor exported by dsrl",
+    ),
+    "trainable_token_indices": (lambda v: bool(v), "trained embedding rows are neither merged nor exported by dsrl"),
+    "target_parameters": (lambda v: bool(v), "adapters on bare parameters (not linear layers) are not dsrl's LoRA"),
+    "layer_replication": (lambda v: bool(v), "a model with replicated layers is not the base model dsrl loads"),
+    "alora_invocation_tokens": (
+        lambda v: bool(v),
+        "activated LoRA turns on mid-sequence; dsrl's adapters are always on",
+    ),
+}
+
+
+def adapter_rules(cfg: Config, adapter: Path, given: Collection[str], need: Need) -> None:
+    """The saved adapter at ``lora_adapter_path`` against the run: its rank and alpha against the keys (a key set
+    to another value would be ignored), and the PEFT settings dsrl would not honour, refused. Its ``lora_dropout``
+    is not refused: it is set to 0 for the run (``adapter_notes``)."""
+    model, prefix = cfg.actor_rollout_ref.model, "actor_rollout_ref.model"
+    key = f"{prefix}.lora_adapter_path"
+    settings, problem = adapter_settings(adapter)
+    need(
+        problem is None,
+        key,
+        f"not a LoRA adapter directory: {problem}",
+        "point it at a folder PeftModel.save_pretrained wrote, or null",
+    )
+    if problem is not None:
+        return
+    rank, alpha = settings["r"], settings.get("lora_alpha", 8)  # 8: PEFT's default when the file has none
+    need(
+        model.lora_rank in (0, rank),
+        f"{prefix}.lora_rank",
+        f"the adapter at lora_adapter_path has rank {rank}, which the run trains with",
+        f"set {prefix}.lora_rank={rank} (or 0: the adapter's rank)",
+    )
+    need(
+        f"{prefix}.lora_alpha" not in given or model.lora_alpha == alpha,
+        f"{prefix}.lora_alpha",
+        f"the adapter at lora_adapter_path has lora_alpha {alpha}, which the run trains with",
+        f"set {prefix}.lora_alpha={alpha}, or leave it out",
+    )
+    for name in ("target_modules", "exclude_modules"):
+        mine, saved = _module_names(getattr(model, name)), _module_names(settings.get(name))
+        need(
+            f"{prefix}.{name}" not in given or mine == saved,
+            f"{prefix}.{name}",
+            f"the adapter at lora_adapter_path has {name} {settings.get(name)!r}, which the run trains with",
+            f"leave {prefix}.{name} out (or set it to the adapter's)",
+        )
+    for name, (in_use, why) in _ADAPTER_REFUSED.items():
+        need(
+            not in_use(settings.get(name)),
+            key,
+            f"the adapter sets {name}={settings.get(name)!r}: {why}",
+            "start from a plain LoRA adapter (PEFT's LoraConfig defaults for it), or without lora_adapter_path",
+        )
+
+
+def adapter_notes(cfg: Config) -> list[str]:
+    """What dsrl changes of a saved adapter's settings for the run: a ``lora_dropout`` above 0 becomes 0, since the
+    rollout, the old log-probs and the update must see one network (PEFT would drop a random part of the adapters'
+    input in every training forward and none in the rollout's). dsrl's own adapters have none either (verl's)."""
+    model = cfg.actor_rollout_ref.model
+    if model.lora_adapter_path is None:
+        return []
+    settings, problem = adapter_settings(Path(model.lora_adapter_path).expanduser())
+    dropout = settings.get("lora_dropout") or 0
+    if problem is not None or not dropout:
+        return []
+    return [
+        f"actor_rollout_ref.model.lora_adapter_path: the adapter's lora_dropout {dropout} is set to 0 for this run: "
+        "the rollout and the training passes must see the same network (the exported adapter says 0)"
+    ]
+
+
+def _module_names(value: Any) -> Any:
+    """``target_modules``/``exclude_modules`` comparable across a config (a ListConfig) and a file (a list): a
+    set of names, or the pattern string."""
+    return set(value) if isinstance(value, (list, ListConfig)) else value
+
+
 def lora_rules(cfg: Config, given: Collection[str], need: Need) -> None:
     """LoRA on the actor (``dsrl.engines.lora``): its settings, the adapter to start from, and the reference's
     DeepSpeed setup, which a LoRA run never uses (its reference is the actor with the adapters off)."""
@@ -460,6 +555,8 @@ def lora_rules(cfg: Config, given: Collection[str], need: Need) -> None:
             "not a PEFT adapter directory (no adapter_config.json in it)",
             "point it at a folder PeftModel.save_pretrained wrote (dsrl exports one beside its final model), or null",
         )
+        if (adapter / "adapter_config.json").is_file():
+            adapter_rules(cfg, adapter, given, need)
     key = "actor_rollout_ref.ref.deepspeed_config"
     need(
         key not in given,
