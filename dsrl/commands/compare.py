@@ -46,7 +46,8 @@ micro-batches of 32 rows (8 per step: the quickstart's 32 prompts x 8 responses)
 configs x two seeds took 8.6 min on our 2-core machine: bench/compare_quick/.
 
 Exit codes: 0 done; 2 a bad argument or config (every config is validated before anything trains); 1 a run
-that failed (its log named).
+that failed (its log named); 128 + the signal number when SIGTERM, SIGINT or SIGHUP stopped it: the signal is passed
+on to the runs in flight, which stop as ``dsrl-train`` does, and no further run starts.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -63,7 +65,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsrl.commands.tiny_runs import build_tiny_inputs, markdown_table, run_logged
+from dsrl.commands.tiny_runs import ChildRuns, build_tiny_inputs, markdown_table, run_logged
 from dsrl.config import ConfigError, load_and_validate
 from dsrl.config.loading import config_file_path, split_files_and_overrides
 from dsrl.runtime.launch import LAUNCHER_VARIABLES
@@ -164,18 +166,20 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], l
         parser.error("name the configs to compare (e.g. grpo rloo opo otb) before the key=value overrides")
     if len(set(args.seed_list)) != len(args.seed_list):
         parser.error(f"--seeds {args.seeds}: each seed once")
-    if args.quick:
-        args.jobs = args.jobs or os.cpu_count() or 1
-        args.steps = args.steps or QUICK_STEPS
-        args.val_every = args.val_every or QUICK_VAL_EVERY
+    if args.quick:  # what --quick sets where the option is not given (0 is given: it is refused below)
+        args.jobs = (os.cpu_count() or 1) if args.jobs is None else args.jobs
+        args.steps = QUICK_STEPS if args.steps is None else args.steps
+        args.val_every = QUICK_VAL_EVERY if args.val_every is None else args.val_every
         args.task = QUICK_TASK if args.task is None else args.task
         overrides = [*QUICK_OVERRIDES, *overrides]
-    if args.steps is None or args.steps < 1:
+    if args.steps is None:
         parser.error("--steps N (N >= 1) is required without --quick")
-    args.jobs = args.jobs or 1
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: must be >= 1 training step")
+    args.jobs = 1 if args.jobs is None else args.jobs
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: must be >= 1")
-    args.val_every = args.val_every or args.steps
+    args.val_every = args.steps if args.val_every is None else args.val_every
     if args.val_every < 1:
         parser.error(f"--val-every {args.val_every}: must be >= 1")
     return args, configs, overrides
@@ -435,13 +439,22 @@ def main(argv: list[str] | None = None) -> int:
                 for seed in args.seed_list for arm in arms}  # fmt: skip
 
     def train(name: str) -> int:
+        if runs.signum:  # stopped by a signal: no further run starts
+            return 128 + runs.signum
         log, begin = out / "runs" / f"{name}.log", time.perf_counter()
-        code, _ = run_logged(commands[name], log, cwd=root, env=env)
+        code, _ = run_logged(commands[name], log, cwd=root, env=env, runs=runs)
         print(f"{name}: exit {code} in {time.perf_counter() - begin:.0f} s (log: {log})", flush=True)
         return code
 
-    with ThreadPoolExecutor(args.jobs) as pool:
+    with ChildRuns() as runs, ThreadPoolExecutor(args.jobs) as pool:
         codes = dict(zip(names, pool.map(train, names), strict=True))
+    if runs.signum:
+        print(
+            f"dsrl-compare: stopped by {signal.Signals(runs.signum).name}; the runs in flight got it too and stopped "
+            f"(their logs: {out / 'runs'})",
+            file=sys.stderr,
+        )
+        return 128 + runs.signum
     failed = [name for name, code in codes.items() if code != 0]
     if failed:
         logs = ", ".join(f"{name} (exit {codes[name]}): {out / 'runs' / name}.log" for name in failed)
