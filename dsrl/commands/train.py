@@ -187,7 +187,8 @@ def check_memory_plan(cfg, world_size: int, args: argparse.Namespace, where: str
     check = cfg.trainer.memory_plan_check
     if check == "ignore" and not args.plan:
         return 0, ""
-    device = Device("cuda", args.device_memory, "--device-memory") if args.device_memory else detect_device()
+    given = args.device_memory is not None
+    device = Device("cuda", args.device_memory, "--device-memory") if given else detect_device()
     try:
         if device is None:
             raise PlanError(
@@ -213,6 +214,15 @@ def check_memory_plan(cfg, world_size: int, args: argparse.Namespace, where: str
         f"# memory plan: every phase fits {device.bytes / GIB:.1f} GiB ({device.kind}, {device.source}); dsrl-train "
         "--plan shows it\n",
     )
+
+
+PLAN_UNREAD = ("data.train_files", "data.val_files", "custom_reward_function.path", "trainer.default_local_dir")
+
+
+def plan_reads(key: str) -> bool:
+    """Whether ``--plan`` reads ``key``: it needs the model's shape and the run's sizes, not the files of its data, its
+    reward or its run folder (the README's plan of a GSM8K recipe runs on a machine without GSM8K)."""
+    return key not in PLAN_UNREAD
 
 
 def lora_problems(cfg, model_config: str | None) -> list[str]:
@@ -262,16 +272,17 @@ def main(argv: list[str]) -> int:
     setup_logging(rank)
     where = " + ".join(files) or "the defaults"
     cfg, problems = None, []
+    plan_only = args.plan and not args.validate_only  # the plan reads no data, reward, tool or run-folder file
     try:
-        cfg, notes = load_and_validate(files, overrides, int(world_size))
+        cfg, notes = load_and_validate(files, overrides, int(world_size), reads=plan_reads if plan_only else None)
     except ConfigError as err:
         problems = err.violations  # the rules that depend on the world size name it in their own lines
-    if cfg is not None and cfg.actor_rollout_ref.rollout.multi_turn.enable:
+    if cfg is not None and cfg.actor_rollout_ref.rollout.multi_turn.enable and not plan_only:
         from dsrl.rollout.tools import check_tool_files  # imports no torch
 
         problems = check_tool_files(cfg)
         cfg = None if problems else cfg
-    if cfg is not None and lora_enabled(cfg.actor_rollout_ref.model):
+    if cfg is not None and lora_enabled(cfg.actor_rollout_ref.model) and not plan_only:
         problems = lora_problems(cfg, args.model_config)
         cfg = None if problems else cfg
     checks_alone = args.validate_only or args.plan

@@ -47,6 +47,8 @@ def parse_size(text: str) -> int:
         raise ValueError(f"{text!r}: not a size; write e.g. 141GiB, 80GB or 512MiB")
     number, unit = float(match[1]), (match[2] or "GiB").upper().rstrip("B")
     scale = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    if int(number * scale) < 1:
+        raise ValueError(f"{text!r}: a device's memory is more than 0 bytes; write e.g. 141GiB, 80GB or 512MiB")
     return int(number * scale)
 
 

@@ -40,25 +40,44 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: dict[str, Any], source: str) -> ModelShape:
-        """The shape in ``config`` (a parsed config.json read from ``source``); raises PlanError."""
-        if any(key in config for key in ("num_experts", "num_local_experts", "n_routed_experts")):
-            raise PlanError(f"{source}: a mixture-of-experts model; the memory plan knows dense decoders only")
-        missing = [
-            k
-            for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-            if k not in config
-        ]
-        if missing:
+        """The shape in ``config`` (a parsed config.json read from ``source``); raises PlanError for a model that is
+        not a dense decoder (experts at any depth: ``ffn_config.moe_num_experts``, ``text_config.num_local_experts``)
+        and for sizes that are not positive whole numbers or do not fit together."""
+        if not isinstance(config, dict):
+            raise PlanError(f"{source}: config.json holds a JSON {type(config).__name__}; fix: {_FIX}")
+        experts = _experts_key(config)
+        if experts:
             raise PlanError(
-                f"{source}: config.json has no {', '.join(missing)}; fix: point at a transformers model's config.json"
+                f"{source}: a mixture-of-experts model ({experts}); the memory plan knows dense decoders only"
             )
+        missing = [k for k in _SIZES if k not in config]
+        if missing:
+            nested = [key for key, value in config.items() if isinstance(value, dict) and "hidden_size" in value]
+            inside = f" (they are in {nested[0]}: a multimodal model, not a plain decoder)" if nested else ""
+            raise PlanError(f"{source}: config.json has no {', '.join(missing)}{inside}; fix: {_FIX}")
+        sizes = {key: config[key] for key in _SIZES}
+        sizes.update({key: config[key] for key in ("num_key_value_heads", "head_dim") if config.get(key) is not None})
+        wrong = [f"{key}={value!r}" for key, value in sizes.items() if not _positive_int(value)]
+        if wrong:
+            raise PlanError(f"{source}: {', '.join(wrong)}: sizes must be positive whole numbers; fix: {_FIX}")
         heads = config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise PlanError(
+                f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads} (each KV "
+                f"head serves a whole group of query heads); fix: {_FIX}"
+            )
+        if config.get("head_dim") is None and config["hidden_size"] % heads:
+            raise PlanError(
+                f"{source}: hidden_size={config['hidden_size']} is not a multiple of num_attention_heads={heads} and "
+                f"no head_dim is given; fix: {_FIX}"
+            )
         model_type = config.get("model_type", "")
         return cls(
             hidden=config["hidden_size"],
             layers=config["num_hidden_layers"],
             heads=heads,
-            kv_heads=config.get("num_key_value_heads") or heads,
+            kv_heads=kv_heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             intermediate=config["intermediate_size"],
             vocab=config["vocab_size"],
@@ -116,6 +135,27 @@ class ModelShape:
         return (2 * self.hidden + max(self.q_dim + 2 * self.kv_dim, 3 * self.intermediate)) * dtype_bytes
 
 
+_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_FIX = "point at a transformers model's config.json (or correct it)"
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _experts_key(config: dict, prefix: str = "") -> str | None:
+    """The dotted key of a number of experts above 1 anywhere in ``config`` (nested ``*_config`` dicts too)."""
+    for key, value in config.items():
+        if key in _EXPERTS and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1:
+            return f"{prefix}{key}"
+        if isinstance(value, dict):
+            found = _experts_key(value, f"{prefix}{key}.")
+            if found:
+                return found
+    return None
+
+
 def model_config_path(model_path: str) -> Path | None:
     """``config.json`` of ``model_path``: in the directory, or in the Hugging Face cache for a hub id (nothing is
     downloaded); None when neither has it."""
@@ -130,7 +170,15 @@ def model_config_path(model_path: str) -> Path | None:
 
 def read_shape(model_path: str, model_config: str | None = None) -> ModelShape:
     """The shape of ``model_path`` (from ``model_config``, a config.json path, when given); raises PlanError."""
-    path = Path(model_config).expanduser() if model_config else model_config_path(model_path)
+    if model_config:
+        path = Path(model_config).expanduser()
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            what = "a directory without a config.json" if path.name == "config.json" else "no such file"
+            raise PlanError(f"--model-config {model_config}: {what}; fix: pass the path of a model's config.json")
+    else:
+        path = model_config_path(model_path)
     if path is None or not path.is_file():
         raise PlanError(
             f"no config.json for {model_path} here (not a local directory, not in the Hugging Face cache); fix: "
@@ -138,7 +186,7 @@ def read_shape(model_path: str, model_config: str | None = None) -> ModelShape:
         )
     try:
         config = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:
         raise PlanError(
             f"{path} cannot be read as JSON ({err}); fix: point at a transformers model's config.json"
         ) from None
