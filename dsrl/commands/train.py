@@ -8,14 +8,14 @@
     dsrl-train grpo --plan --world-size 8 --device-memory 141GiB  # memory per rank and phase (dsrl.plan.plan)
     dsrl-train --show-keys actor_rollout_ref.actor.optim          # the config reference: type, default, meaning
 
-Config files (paths, or names of shipped recipes) are merged left to right, then ``dotted.key=value``
-overrides. The config is checked before torch or DeepSpeed is imported (the DeepSpeed JSON files it names
-included): a bad one exits with code 2 within a second, listing every problem (dotted key, value, rule, fix); so do the data files and model
-directories it names, as far as their headers tell, and the rest of them when they load (before any model). A LoRA
-run's adapters are checked against its model built on the meta device, which takes the seconds of importing torch.
-Under a launcher of several ranks every rank checks, and the ranks meet to report together: rank 0 prints
-every rank's problems, a problem only some ranks have marked with their ranks and hosts (a file missing on
-one node), which takes the seconds of importing torch.
+Config files (paths, or names of shipped recipes) are merged left to right, then ``dotted.key=value`` overrides. The
+config is checked before torch or DeepSpeed is imported (the DeepSpeed JSON files it names included): a bad one
+exits with code 2 within a second, listing every problem (dotted key, value, rule, fix); so do the data files and
+model directories it names, as far as their headers tell, and the rest of them when they load (before any model). A
+LoRA run's adapters are checked against its model built on the meta device, which takes the seconds of importing
+torch. Under a launcher of several ranks every rank checks, and the ranks meet to report together: rank 0 prints
+every rank's problems, a problem only some ranks have marked with their ranks and hosts (a file missing on one
+node), which takes the seconds of importing torch.
 Exit codes: 0 done; 2 a bad config, data file or model directory, a run folder another run holds, or a
 checkpoint that cannot be resumed from; 1 a run that cannot go on (e.g. non-finite updates, a checkpoint
 that cannot be written, a rank stuck past actor_rollout_ref.nccl_timeout, an unexpected error: its rank,
