@@ -6,9 +6,10 @@ blindly:
 - ``checkpoint_to_resume``: the checkpoint ``trainer.resume_mode`` asks for (``auto``: the newest under
   ``trainer.default_local_dir``; ``resume_path``: ``trainer.resume_from_path``) whose state checks out
   (``dsrl.checkpoint.save.state_problem``: unchanged since written, this format and step, every file there with
-  its size; ``fields_problem``: every field of the trainer's state of the expected type) and whose files'
-  SHA-256 match the manifest (each rank hashes a share). ``auto`` falls back to the previous checkpoint and
-  says why; an explicit path is refused with the reason.
+  its size; ``fields_problem``: every field of the trainer's state of the expected type), whose files'
+  SHA-256 match the manifest and whose torch files load as data (``pickled_code_problems``: each rank checks a
+  share). ``auto`` falls back to the previous checkpoint and says why; an explicit path is refused with the
+  reason.
 - ``check_settings``: the same world size (unless ``trainer.resume_allow_world_size_change``: ``restore``
   then loads through ``dsrl.checkpoint.universal``), and the settings that shape the run unchanged (unless
   ``trainer.resume_allow_config_change``).
@@ -40,6 +41,7 @@ from dsrl.checkpoint.save import (
     file_problems,
     frozen_checksum,
     load_checkpoint,
+    pickled_code_problems,
     sha256_file,
     state_config,
     state_problem,
@@ -188,7 +190,7 @@ def restore(
 
 def checkpoint_to_resume(cfg: Config, root: Path, roles: Sequence[str]) -> tuple[Path | None, dict | None]:
     """The checkpoint to resume from and its state, or (None, None) to start fresh (module doc). Collective:
-    rank 0 reads the states, every rank hashes a share of each candidate's files."""
+    rank 0 reads the states, every rank hashes a share of each candidate's files and loads its torch files as data."""
     trainer = cfg.trainer
     if trainer.resume_mode == "disable":
         return None, None
@@ -209,7 +211,10 @@ def checkpoint_to_resume(cfg: Config, root: Path, roles: Sequence[str]) -> tuple
         state, problem = decision
         if problem is None:
             shares: list = [None] * world
-            dist.all_gather_object(shares, file_problems(path, state["files"], rank, world))
+            mine = file_problems(path, state["files"], rank, world) or pickled_code_problems(
+                path, state["files"], rank, world
+            )
+            dist.all_gather_object(shares, mine)
             problem = next((line for share in shares for line in share), None)
         if problem is None:
             return path, state

@@ -28,6 +28,12 @@ file of the manifest is there with its size; ``dsrl.checkpoint.resume`` checks i
 ``file_problems`` (every file's SHA-256, the ranks hashing a share each); a crash at any point of a
 save, or a file changed since, falls back to the previous checkpoint.
 
+A checkpoint is data: torch files unpickle with ``weights_only=True`` (tensors and plain values, and the three
+classes of ``DEEPSPEED_TYPES`` that DeepSpeed's files hold), never as arbitrary pickles that could run code. Each
+rank loads its share of them so before anything else reads them (``pickled_code_problems``, beside the SHA-256,
+which protects against damage, not against whoever wrote the manifest), and every load of DeepSpeed's, which passes
+``weights_only=False`` and has no setting for it, runs under ``weights_only_loads``.
+
 Every function that takes engines is a collective: every rank calls it.
 """
 
@@ -36,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -49,6 +56,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 from safetensors.torch import save_file
 
 from dsrl.config import RESUME_HARMLESS_KEYS, Config, to_dict
@@ -77,6 +87,17 @@ HF_DIR = FINAL_MODEL_DIR  # the Hugging Face model: the run folder's final one, 
 FORMAT = 3
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 MAX_SHARD_BYTES = 5 * 2**30
+# The classes beyond tensors and plain values that DeepSpeed's (0.19.8) checkpoint files hold, found by loading
+# every file of a checkpoint of each shipped kind (ZeRO-2, ZeRO-3, ZeRO-3 + offload; float32 and bfloat16; LoRA;
+# the critic) and of its universal form with weights_only=True: the only classes their loads allow.
+DEEPSPEED_TYPES = (
+    LossScaler,  # the optimizer state's loss scaler (static, scale 1: dsrl refuses fp16)
+    ZeroStageEnum,  # the optimizer state's ZeRO stage
+    fragment_address,  # ZeRO-1/2's param_slice_mappings: each parameter's (numel, start) in its rank's partition
+)
+# torch's switch that overrides a torch.load call's own weights_only=False (read at each call).
+_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+_FORCE_NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # with the first set too, torch.load refuses to run
 
 
 class CheckpointError(ValueError):
@@ -539,13 +560,84 @@ def file_problems(directory: Path, files: dict[str, dict], rank: int, world: int
     ]
 
 
+def pickled_code_problem(path: Path, name: str) -> str | None:
+    """Why the torch file ``path`` (``name`` in the message) does not load as data, or None (``_load_error``). A file
+    in neither of torch.save's formats (a zip, or a pickle of protocol 2 or more) is left to its loader, which
+    refuses it under ``weights_only_loads`` as well."""
+    with path.open("rb") as f:
+        head = f.read(4)
+    if head != b"PK\x03\x04" and not head.startswith(b"\x80"):
+        return None
+    err = _load_error(path)
+    return None if err is None else _not_data(name, err)
+
+
+def _load_error(path: Path) -> pickle.UnpicklingError | None:
+    """What unpickling ``path`` with ``weights_only=True`` and ``DEEPSPEED_TYPES`` allowed raised, or None; a zip is
+    memory-mapped, so its tensors are not read."""
+    with path.open("rb") as f:
+        zipped = f.read(4) == b"PK\x03\x04"
+    try:
+        with torch.serialization.safe_globals(list(DEEPSPEED_TYPES)):
+            torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+    except pickle.UnpicklingError as err:
+        return err
+    return None
+
+
+def _not_data(name: str, err: pickle.UnpicklingError) -> str:
+    found = re.search(r"GLOBAL (\S+)", str(err))
+    what = f"a reference to {found.group(1)}" if found else " ".join(str(err).split())
+    return (
+        f"{name} holds pickled Python beyond tensors and plain values ({what}), which loading could run: dsrl "
+        "loads checkpoint files as data only (torch.load with weights_only=True)"
+    )
+
+
+def pickled_code_problems(directory: Path, files: dict[str, dict], rank: int, world: int) -> list[str]:
+    """One line for each torch file of this rank's share (every world-th of the manifest ``files``' ``.pt`` files,
+    sorted) that does not load as data (``pickled_code_problem``)."""
+    names = sorted(name for name in files if name.endswith(".pt"))[rank::world]
+    return [line for name in names if (line := pickled_code_problem(directory / name, name)) is not None]
+
+
+@contextmanager
+def weights_only_loads(directory: Path) -> Iterator[None]:
+    """Within ``with``: every ``torch.load`` of this process loads as data (``weights_only=True``, the classes of
+    ``DEEPSPEED_TYPES`` allowed), DeepSpeed's too, which pass ``weights_only=False``: torch's
+    ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` overrides the call's argument. A file that holds more raises
+    ``CheckpointError`` naming the first torch file under ``directory`` that does not load as data; none of its
+    code has run."""
+    saved = {key: os.environ.pop(key, None) for key in (_FORCE_WEIGHTS_ONLY, _FORCE_NO_WEIGHTS_ONLY)}
+    os.environ[_FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(list(DEEPSPEED_TYPES)):
+            yield
+    except pickle.UnpicklingError as err:
+        found = ((path, _load_error(path)) for path in sorted(directory.rglob("*.pt")))
+        culprit = next(((path, error) for path, error in found if error is not None), None)
+        line = _not_data(str(culprit[0].relative_to(directory)), culprit[1]) if culprit else _not_data("a file", err)
+        raise CheckpointError(
+            f"{directory}: {line}; fix: use a checkpoint that dsrl wrote (one from elsewhere may carry code: "
+            "docs/checkpoints.md)"
+        ) from None
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def load_checkpoint(directory: Path, engines: dict[str, Any], rank: int) -> None:
-    """Restore every engine (weights, optimizer, LR scheduler, step counters) and this rank's RNG. Collective."""
+    """Restore every engine (weights, optimizer, LR scheduler, step counters) and this rank's RNG, every file
+    loaded as data (``weights_only_loads``). Collective."""
     for role, engine in engines.items():
         # A LoRA actor's checkpoint lacks the frozen base (loaded from model.path; frozen_checksum checked it).
-        path, _ = engine.load_checkpoint(
-            str(directory / role), tag=DS_TAG, load_module_strict=not _has_frozen(engine.module)
-        )
+        with weights_only_loads(directory / role):
+            path, _ = engine.load_checkpoint(
+                str(directory / role), tag=DS_TAG, load_module_strict=not _has_frozen(engine.module)
+            )
         if path is None:
             raise CheckpointError(f"{directory / role}: DeepSpeed found no {role} checkpoint to load")
     set_rng_state(torch.load(directory / "rng" / f"rank_{rank}.pt", weights_only=True))

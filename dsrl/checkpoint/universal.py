@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-from dsrl.checkpoint.save import DS_TAG, CheckpointError, set_rng_state, step_dir
+from dsrl.checkpoint.save import DS_TAG, CheckpointError, set_rng_state, step_dir, weights_only_loads
 from dsrl.runtime.seeding import seed_all
 
 logger = logging.getLogger("dsrl")
@@ -54,21 +54,23 @@ def new_rank_seed(seed: int, step: int, rank: int) -> int:
 
 
 def convert(checkpoint: Path, roles: list[str], out: Path) -> None:
-    """Each role's ``checkpoint/<role>/ds`` in universal form under ``out/<role>/ds``."""
+    """Each role's ``checkpoint/<role>/ds`` in universal form under ``out/<role>/ds``, its files loaded as data
+    (``weights_only_loads``: CheckpointError for one that holds more)."""
     for role in roles:
-        ds_to_universal(
-            SimpleNamespace(
-                input_folder=str(checkpoint / role / DS_TAG),
-                output_folder=str(out / role / DS_TAG),
-                num_extract_workers=1,
-                num_merge_workers=1,  # in-process: no pool forked from a rank
-                # ZeRO-1/2's conversion asks for the tensor-parallel layout Megatron-style clients record; a model
-                # without tensor parallelism has none, and the injected default says so.
-                keep_temp_folder=False,
-                strict=True,
-                inject_missing_state=True,
+        with weights_only_loads(checkpoint / role):
+            ds_to_universal(
+                SimpleNamespace(
+                    input_folder=str(checkpoint / role / DS_TAG),
+                    output_folder=str(out / role / DS_TAG),
+                    num_extract_workers=1,
+                    num_merge_workers=1,  # in-process: no pool forked from a rank
+                    # ZeRO-1/2's conversion asks for the tensor-parallel layout Megatron-style clients record; a model
+                    # without tensor parallelism has none, and the injected default says so.
+                    keep_temp_folder=False,
+                    strict=True,
+                    inject_missing_state=True,
+                )
             )
-        )
 
 
 def load_at_new_world_size(
@@ -102,7 +104,8 @@ def load_at_new_world_size(
         # engine is built), so it is turned on here, for this load alone.
         engine._config.load_universal_checkpoint = True
         try:
-            path, _ = engine.load_checkpoint(str(out / role), tag=DS_TAG)
+            with weights_only_loads(out / role):
+                path, _ = engine.load_checkpoint(str(out / role), tag=DS_TAG)
         finally:
             engine._config.load_universal_checkpoint = False  # a later load reads a checkpoint of this world size
         if path is None:
