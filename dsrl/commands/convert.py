@@ -21,9 +21,12 @@ What OUT holds:
   ``OUT/<role>/ds`` (``dsrl.checkpoint.universal.convert``, which ``trainer.resume_allow_world_size_change``
   runs by itself when a run resumes at another world size), for DeepSpeed's ``checkpoint.load_universal``.
 
-How: the checkpoint is checked first, as a resume checks it (``state_problem``, ``fields_problem``, and the
-SHA-256 of each file of the role against the manifest). DeepSpeed's ``zero_to_fp32`` reads the fp32 master
-weights out of the ZeRO partitions (any stage, any world size), one tensor at a time. They are cast into the
+How: the checkpoint is checked first, as a resume checks it (``state_problem``, ``fields_problem``, the SHA-256
+of each file of the role against the manifest, and each torch file unpickled as data: ``pickled_code_problems``);
+every file is loaded as data (``weights_only_loads``), DeepSpeed's loads included, so a checkpoint from elsewhere
+runs no code. The base model's own code (``auto_map`` in its ``config.json``) runs only with
+``--trust-remote-code``, never because the checkpoint's settings say so. DeepSpeed's ``zero_to_fp32`` reads the
+fp32 master weights out of the ZeRO partitions (any stage, any world size), one tensor at a time. They are cast into the
 model built as the engine builds it, from the run's ``actor_rollout_ref.model.path`` (``critic.model.path``) in
 the run's dtype: DeepSpeed casts the master weights into the engine's own after every optimizer step, so
 the cast gives the engine's weights bit for bit. The trainer's export function then writes them. A
@@ -31,7 +34,8 @@ DeepSpeed checkpoint holds weights alone: the config, generation config and toke
 frozen base) come from that model directory, which ``--model-path`` replaces when it has moved.
 
 Exit codes: 0 written; 2 a directory that is not a complete dsrl checkpoint of the role (one line: what is
-wrong and the fix), a base model directory that is missing or not the run's, an OUT that is not empty.
+wrong and the fix), a file in it that holds more than data, a base model directory that is missing or not the
+run's, a run with ``trust_remote_code`` converted without ``--trust-remote-code``, an OUT that is not empty.
 """
 
 from __future__ import annotations
@@ -53,13 +57,16 @@ from dsrl.checkpoint.resume import fields_problem
 from dsrl.checkpoint.save import (
     DS_TAG,
     STATE_FILE,
+    CheckpointError,
     complete_steps,
     export_hf_model,
     file_problems,
     frozen_checksum,
+    pickled_code_problems,
     save_adapter,
     state_problem,
     step_dir,
+    weights_only_loads,
 )
 from dsrl.checkpoint.universal import convert as convert_to_universal
 from dsrl.config.files import model_dir_problems, model_path_problem
@@ -125,12 +132,19 @@ def checked_state(directory: Path, role: str) -> dict[str, Any]:
             f"{directory}: {changed[0]}{more}: the checkpoint is damaged; fix: convert another "
             "checkpoint, or restore this one from a copy"
         )
+    if unsafe := pickled_code_problems(directory, files, rank=0, world=1):
+        raise ConvertError(
+            f"{directory}: {unsafe[0]}; fix: convert a checkpoint that dsrl wrote (one from elsewhere may carry "
+            "code: docs/checkpoints.md)"
+        )
     return state
 
 
-def model_settings(state: dict[str, Any], role: str, model_path: str | None) -> DictConfig:
+def model_settings(state: dict[str, Any], role: str, model_path: str | None, trust_remote_code: bool) -> DictConfig:
     """``role``'s model settings as the run had them (``actor_rollout_ref.model``, ``critic.model``: path, LoRA,
-    trust_remote_code), its path replaced by ``model_path`` when given."""
+    trust_remote_code), its path replaced by ``model_path`` when given. The base model's code runs only when the run
+    ran it and the user allows it (``trust_remote_code``: ``--trust-remote-code``); a checkpoint, which anyone can
+    edit, does not decide it: ConvertError when the run ran it and the user does not allow it."""
     section = MODEL_KEYS[role]
     tree = OmegaConf.create()
     for key, value in state["config"].items():
@@ -139,6 +153,12 @@ def model_settings(state: dict[str, Any], role: str, model_path: str | None) -> 
     settings = OmegaConf.select(tree, section)
     if model_path is not None:
         settings.path = model_path
+    if settings.trust_remote_code and not trust_remote_code:
+        raise ConvertError(
+            f"{section}.trust_remote_code=true in the checkpoint: the run built its model with the code shipped in "
+            f"{settings.path} (config.json's auto_map); dsrl-convert runs a model's code only when asked; fix: "
+            "--trust-remote-code, if you trust the code in that directory"
+        )
     return settings
 
 
@@ -169,11 +189,14 @@ def load_trained_weights(module: torch.nn.Module, role_dir: Path, *, trained_onl
     after loading (LoRA adapters: float32) as PEFT made them. ``trained_only``: the checkpoint holds the
     parameters that train alone (a LoRA actor's adapters); the frozen ones stay as loaded."""
     ds_dir = role_dir / DS_TAG
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's progress lines: stdout says what was written
+    # DeepSpeed's progress lines go to stderr: stdout says what was written
+    with weights_only_loads(role_dir), contextlib.redirect_stdout(sys.stderr):
         saved = get_fp32_state_dict_from_zero_checkpoint(
             str(role_dir), tag=DS_TAG, exclude_frozen_parameters=trained_only, lazy_mode=True
         )
-    engine_state = torch.load(get_model_state_files(str(ds_dir))[0], map_location="cpu", mmap=True, weights_only=False)
+        engine_state = torch.load(
+            get_model_state_files(str(ds_dir))[0], map_location="cpu", mmap=True, weights_only=True
+        )
     dtypes = {name: tensor.dtype for name, tensor in engine_state["module"].items()}
     params = {name: p for name, p in module.named_parameters() if p.requires_grad or not trained_only}
     known = {name for name, _ in module.named_parameters(remove_duplicate=False)}  # tied weights under each name
@@ -238,6 +261,7 @@ def convert(
     adapter_only: bool = False,
     universal: bool = False,
     model_path: str | None = None,
+    trust_remote_code: bool = False,
 ) -> str:
     """Write ``out`` from ``checkpoint`` (module doc); what was written, in words. ConvertError when refused."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -255,7 +279,7 @@ def convert(
     if adapter_only and role != "actor":
         raise ConvertError("--adapter-only: only the actor trains LoRA adapters; fix: drop --role critic")
     state = checked_state(checkpoint, role)
-    settings = model_settings(state, role, model_path)
+    settings = model_settings(state, role, model_path, trust_remote_code)
     if adapter_only and not lora_enabled(settings):
         raise ConvertError(
             f"--adapter-only: {checkpoint} is of a full fine-tuning (actor_rollout_ref.model.lora_rank="
@@ -314,6 +338,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="the run's base model, when it is no longer at the checkpoint's actor_rollout_ref.model."
         "path (critic.model.path): config, generation config and tokenizer come from it",
     )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the model code shipped in the base model's directory (config.json's auto_map), as a run with "
+        "actor_rollout_ref.model.trust_remote_code=true (critic.model.trust_remote_code) did: only for a model "
+        "you trust; the checkpoint's own setting never turns it on",
+    )
     return parser.parse_args(argv)
 
 
@@ -328,8 +359,9 @@ def main(argv: list[str] | None = None) -> int:
             adapter_only=args.adapter_only,
             universal=args.universal,
             model_path=args.model_path,
+            trust_remote_code=args.trust_remote_code,
         )
-    except ConvertError as err:
+    except (ConvertError, CheckpointError) as err:  # CheckpointError: a file that does not load as data
         print(f"dsrl-convert: {err}", file=sys.stderr)
         return 2
     print(f"{args.out}: {written}, from {args.checkpoint} in {time.perf_counter() - start:.1f} s")

@@ -19,6 +19,7 @@ from dsrl.config.layout import ADAPTER_DIR
 from dsrl.runtime.launch import LAUNCHER_VARIABLES
 from tests.helpers.engines import make_batch
 from tests.helpers.resume import REPO
+from tests.helpers.tampered import model_with_code, rewrite_state, with_payload
 from tests.helpers.trainer import trainer_for
 
 pytestmark = pytest.mark.e2e
@@ -43,10 +44,10 @@ def files(directory: Path) -> dict[str, str]:
     return {str(p.relative_to(directory)): sha256_file(p) for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def convert_without_launcher(*args) -> subprocess.CompletedProcess:
-    """``python -m dsrl.commands.convert`` in a fresh process, without a launcher's variables or a chosen
-    accelerator."""
-    env = {k: v for k, v in os.environ.items() if k not in (*LAUNCHER_VARIABLES, "DS_ACCELERATOR")}
+def convert_without_launcher(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m dsrl.commands.convert`` in a fresh process, without a launcher's variables or a chosen accelerator
+    (``env``: variables to set)."""
+    env = {k: v for k, v in os.environ.items() if k not in (*LAUNCHER_VARIABLES, "DS_ACCELERATOR")} | (env or {})
     return subprocess.run(
         [sys.executable, "-m", "dsrl.commands.convert", *map(str, args)],
         env=env,
@@ -201,6 +202,78 @@ def test_a_damaged_checkpoint_or_a_missing_part_is_refused_in_one_line(
     assert error.count("\n") == 1 and error.startswith("dsrl-convert: ") and message in error, error
     assert "fix: " in error
     assert not out.exists()
+
+
+@pytest.mark.parametrize("layer", ["check", "load"])
+@pytest.mark.parametrize(
+    "options, file",
+    [
+        ([], "actor/ds/zero_pp_rank_0_mp_rank_00_model_states.pt"),
+        (["--role", "critic"], "critic/ds/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+        (["--universal"], "critic/ds/zero_pp_rank_0_mp_rank_00_model_states.pt"),
+    ],
+)
+def test_a_checkpoint_whose_files_hold_code_is_refused_naming_the_file_and_the_code_never_runs(
+    ppo_run, tmp_path, capsys, monkeypatch, options, file, layer
+):
+    """The review's F7: a pickled call of os.system in one of DeepSpeed's files, the manifest's SHA-256 and the
+    state's checksum recomputed. Refused in one line naming the file, by the check before anything loads
+    (``check``) and, with that check skipped, by the loads themselves, DeepSpeed's included (``load``); the
+    payload never runs. Loaded as DeepSpeed 0.19.8 loads it (weights_only=False), it does."""
+    import dsrl.commands.convert
+
+    _, root = ppo_run
+    marker = tmp_path / "marker"
+    checkpoint = with_payload(step_dir(root, 2), tmp_path / "global_step_2", marker, file)
+    if layer == "load":
+        monkeypatch.setattr(dsrl.commands.convert, "pickled_code_problems", lambda *args, **kwargs: [])
+    assert main([str(checkpoint), str(tmp_path / "out"), *options]) == 2
+    error = capsys.readouterr().err
+    if layer == "check":  # before anything loads: the refusal alone
+        assert error.count("\n") == 1, error
+    else:  # after the progress lines of what loaded before that file
+        error = error.splitlines()[-1]
+    assert error.startswith(f"dsrl-convert: {checkpoint}"), error
+    named = file if layer == "check" else file.partition("/")[2]  # the loads name it within the role's folder
+    assert f"{named} holds pickled Python beyond tensors and plain values (a reference to posix.system)" in error
+    assert "fix: " in error
+    assert not marker.exists()
+    if layer == "check":
+        assert not (tmp_path / "out").exists()
+    torch.load(checkpoint / file, weights_only=False)
+    assert marker.read_text().startswith("code ran in pid")
+
+
+def test_trust_remote_code_comes_from_the_command_line_never_from_the_checkpoint(ppo_run, tiny_model_dir, tmp_path):
+    """The review's F9: the checkpoint's state edited to run the code of a model that leaves a mark when imported
+    (``actor_rollout_ref.model.trust_remote_code: true``, its path that model; hashes recomputed). Without
+    --trust-remote-code it is refused, with or without --model-path, and the code never runs; a checkpoint that
+    does not ask for it loads the built-in class from the same directory; --trust-remote-code runs it."""
+    _, root = ppo_run
+    marker = tmp_path / "marker"
+    model = model_with_code(tiny_model_dir, tmp_path / "model_with_code", marker)
+    checkpoint = tmp_path / "global_step_2"
+    shutil.copytree(step_dir(root, 2), checkpoint)
+    trusting = {"actor_rollout_ref.model.trust_remote_code": True, "actor_rollout_ref.model.path": str(model)}
+    rewrite_state(checkpoint, config=trusting)
+    env = {"HF_MODULES_CACHE": str(tmp_path / "modules")}  # where transformers copies a model's code to import it
+    for options in ([], ["--model-path", str(model)]):
+        result = convert_without_launcher(checkpoint, tmp_path / "refused", *options, env=env)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "actor_rollout_ref.model.trust_remote_code=true in the checkpoint" in result.stderr
+        assert "fix: --trust-remote-code, if you trust the code in that directory" in result.stderr
+        assert not marker.exists() and not (tmp_path / "refused").exists()
+
+    rewrite_state(checkpoint, config={"actor_rollout_ref.model.trust_remote_code": False})
+    result = convert_without_launcher(checkpoint, tmp_path / "built_in", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not marker.exists()
+    assert files(tmp_path / "built_in") != {}
+
+    rewrite_state(checkpoint, config={"actor_rollout_ref.model.trust_remote_code": True})
+    result = convert_without_launcher(checkpoint, tmp_path / "asked", "--trust-remote-code", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert marker.read_text() == "remote code imported\n"
 
 
 @pytest.mark.parametrize("stage", ["zero3_offload", pytest.param("zero2", marks=pytest.mark.slow)])
