@@ -137,8 +137,14 @@ def deepspeed_cpu_ops() -> None:
     """Build DeepSpeed's CPU ops (shared-memory collectives, CPU Adam) once, in one process.
 
     Ranks that find them missing compile them concurrently, which on two cores takes minutes;
-    the torch extensions cache (``~/.cache/torch_extensions``) keeps them for later runs.
+    the torch extensions cache (``~/.cache/torch_extensions``) keeps them for later runs. A build killed
+    earlier (a timed-out test) leaves torch's extension lock there, and this build, its output captured, would
+    wait on it forever: such a lock fails the tests that need the ops, naming the file to remove.
     """
+    from dsrl.runtime.stalls import lock_report, stale_extension_locks
+
+    if stale := stale_extension_locks():
+        pytest.fail("DeepSpeed's CPU ops cannot be built: " + "; ".join(lock_report(lock) for lock in stale))
     code = (
         "from deepspeed.accelerator import get_accelerator as a\n"
         "a().create_op_builder('ShareMemCommBuilder').load()\n"

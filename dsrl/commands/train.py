@@ -144,10 +144,12 @@ def checked_cluster(cfg, problems: list[str], launch, where: str, timeout_s: int
     the cluster, or None when the run must stop (exit code 2, once every rank got here: the launcher stops
     every rank when one exits). Collective."""
     from dsrl.engines import init_distributed
+    from dsrl.runtime.stalls import startup_watchdog
     from dsrl.trainer.preflight import preflight
 
     init_distributed(timeout_s)
-    cluster, problems = preflight(cfg, problems, launch)
+    with startup_watchdog():  # a rank that waits a minute on the others says so
+        cluster, problems = preflight(cfg, problems, launch)
     if problems:
         leave_together(refuse(f"{where}: {len(problems)} problem(s) in the configuration or the cluster", problems))
         return None

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from deepspeed.accelerator import get_accelerator
 
 from dsrl.runtime.launch import Launch
 from dsrl.runtime.phases import current_phase
+from dsrl.runtime.stalls import extension_wait, in_call
 
 logger = logging.getLogger(__name__)
 
@@ -150,11 +152,13 @@ RENDEZVOUS_REPORT_S = 15.0
 
 @contextmanager
 def rendezvous_watchdog(launch: Launch, report_after_s: float = RENDEZVOUS_REPORT_S) -> Iterator[None]:
-    """Within ``with`` (forming the process group): every ``report_after_s`` seconds this rank is still
-    waiting for the others, say so: where it waits, for how many ranks, and why they may not come (a host
-    that never started its ranks; a ``WORLD_SIZE`` left over in the environment when no launcher started
-    this process)."""
+    """Within ``with`` (forming the process group): every ``report_after_s`` seconds this rank is still in it, say
+    what it waits on: an op DeepSpeed builds, or the extension lock of one (``dsrl.runtime.stalls.extension_wait``:
+    on a fresh machine, the shared-memory collectives' op); else, in a world of several ranks, the others: where it
+    waits, for how many ranks, and why they may not come (a host that never started its ranks; a ``WORLD_SIZE``
+    left over in the environment when no launcher started this process)."""
     done = threading.Event()
+    watched = threading.get_ident()
     address = f"{launch.master_addr}:{launch.master_port}"
     if launch.launcher == "environment":
         hint = (
@@ -173,11 +177,24 @@ def rendezvous_watchdog(launch: Launch, report_after_s: float = RENDEZVOUS_REPOR
         waited = 0.0
         while not done.wait(report_after_s):
             waited += report_after_s
-            logger.warning(
-                f"rank {launch.rank} on {socket.gethostname()}: waited {waited:.0f} s for the {launch.world_size} "
-                f"ranks of the run to meet at {address}{hint}",
-                extra={"all_ranks": True},
-            )
+            frame = sys._current_frames().get(watched)
+            if frame is None:
+                return
+            where = f"rank {launch.rank} on {socket.gethostname()}"
+            if (what := extension_wait(frame)) is not None:  # DeepSpeed builds its collectives' op in it
+                message = f"{where}: DeepSpeed's init_distributed has run {waited:.0f} s, {what}"
+            elif launch.world_size == 1:
+                message = (
+                    f"{where}: DeepSpeed's init_distributed has run {waited:.0f} s in a world of one process (no "
+                    f"other rank to wait for), {in_call(frame)}"
+                )
+            else:
+                message = (
+                    f"{where}: waited {waited:.0f} s for the {launch.world_size} ranks of the run to meet at "
+                    f"{address}{hint}"
+                )
+            del frame  # a frame kept between looks would keep its locals alive
+            logger.warning(message, extra={"all_ranks": True})
 
     threading.Thread(target=watch, name="dsrl-rendezvous-watchdog", daemon=True).start()
     try:

@@ -50,6 +50,7 @@ from dsrl.runtime.distributed import all_gather_rows, all_reduce, global_mean
 from dsrl.runtime.phases import PhaseTimer, in_phase
 from dsrl.runtime.seeding import seed_all
 from dsrl.runtime.signals import Interrupted, RunSignals, TrainingInterrupted
+from dsrl.runtime.stalls import startup_watchdog
 from dsrl.tracking.console import final_summary, logger, setup_logging, startup_summary
 from dsrl.trainer.balance import balance_across_ranks, pf_ppo_resample
 from dsrl.trainer.batches import prompt_batch, with_responses
@@ -93,21 +94,22 @@ class Trainer(TrainerSetup):
         self.checkpoint_root = Path(cfg.trainer.default_local_dir)
         self.scorer = self.tracker = self.tools = None
         self.model_dir = None  # the exported model, once fit has run
-        self._take_run_folder()
-        try:
-            resume_state = self._choose_checkpoint()
-            self._load_user_files()
-            self._check_train_data(resume_state)
-            self._setup_engines()
-            self._setup_stops()
-            self._setup_kl_controller()
-            self._restore(resume_state)
-            self._setup_tracking(resume_state)
-            if self.rank == 0:
-                logger.info(startup_summary(startup_facts(self)))
-        except BaseException as err:
-            self.close("KILLED" if isinstance(err, Interrupted) else "FAILED")
-            raise
+        with startup_watchdog():  # a minute without progress (an op build, its lock left behind): every rank says so
+            self._take_run_folder()
+            try:
+                resume_state = self._choose_checkpoint()
+                self._load_user_files()
+                self._check_train_data(resume_state)
+                self._setup_engines()
+                self._setup_stops()
+                self._setup_kl_controller()
+                self._restore(resume_state)
+                self._setup_tracking(resume_state)
+                if self.rank == 0:
+                    logger.info(startup_summary(startup_facts(self)))
+            except BaseException as err:
+                self.close("KILLED" if isinstance(err, Interrupted) else "FAILED")
+                raise
 
     # ---- checkpoints --------------------------------------------------------------------------
 
