@@ -53,6 +53,19 @@ def wait_gone(pids, seconds: float = 10.0) -> list[int]:
     return live(pids)
 
 
+def with_argument(argument: str) -> list[int]:
+    """The host's processes with ``argument`` on their command line (a process in a pid namespace of its own
+    knows itself by another pid)."""
+    pids = []
+    for p in psutil.process_iter():
+        try:
+            if argument in p.cmdline():
+                pids.append(p.pid)
+        except psutil.Error:  # ended meanwhile, or not ours to read
+            pass
+    return pids
+
+
 def children() -> set[int]:
     """This process's descendants, less multiprocessing's resource tracker (one per process, it ends on
     its own when this process does; it is not a reward worker)."""

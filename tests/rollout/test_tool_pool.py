@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from dsrl.rollout.tools import TOOL_FAILURE_KINDS, ToolCall, ToolRequest, ToolSet
-from tests.helpers.processes import live, wait_gone
+from tests.helpers.processes import live, wait_gone, with_argument
 
 TOOL_TIMEOUT = 3.0
 
@@ -267,13 +267,15 @@ def test_python_runs_in_a_fresh_directory_removed_afterwards(toolset):
 
 
 def test_python_past_its_limit_is_killed_with_its_children(toolset):
-    # Its own limit (0.8 x tool_timeout) ends it first: counted as a timeout, no process left.
+    # Its own limit (0.8 x tool_timeout) ends it first: counted as a timeout, no process left. The code's pids
+    # are its pid namespace's, so the host finds its child by an argument.
+    marker = f"child-of-{os.getpid()}-{time.monotonic_ns()}"
     start = time.monotonic()
     result = python(
         toolset,
-        """
+        f"""
         import subprocess, sys, os, time
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "{marker}"])
         print(os.getpid(), child.pid)
         time.sleep(600)
     """,
@@ -282,7 +284,7 @@ def test_python_past_its_limit_is_killed_with_its_children(toolset):
     assert result.failure == "timeout"
     assert f"the code ran past {0.8 * TOOL_TIMEOUT:g} s and was killed; its output until then:" in result.text
     pids = [int(p) for p in re.findall(r"\b\d+\b", result.text.split("until then:")[1])]
-    assert len(pids) == 2 and wait_gone(pids) == []
+    assert len(pids) == 2 and wait_gone(with_argument(marker)) == []
 
 
 def test_python_memory_limit(toolset):

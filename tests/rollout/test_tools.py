@@ -278,6 +278,36 @@ def test_good_files_have_no_problems(tmp_path):
             "lower it, or leave it out for 0.8 x tool_timeout",
         ),
         (
+            "tools:\n  - class_name: dsrl:python\n    config: {sandbox: docker}\n",
+            2,
+            "dsrl:python config.sandbox='docker' must be bubblewrap or none",
+            "leave it out for bubblewrap",
+        ),
+        (
+            "tools:\n  - class_name: dsrl:python\n    config: {memory_limit_mb: 100}\n",
+            2,
+            "dsrl:python config.memory_limit_mb=100 must be 0 (no limit) or an integer >= 256",
+            "set it to 1024, or leave it out",
+        ),
+        (
+            "tools:\n  - class_name: dsrl:python\n    config: {network: 'yes'}\n",
+            2,
+            "dsrl:python config.network='yes' must be true or false",
+            "set network: true, or remove it",
+        ),
+        (
+            "tools:\n  - class_name: dsrl:python\n    config: {sandbox: none, gpus: false}\n",
+            2,
+            "dsrl:python config.gpus is a setting of the sandbox; with config.sandbox: none the code has",
+            "remove config.gpus, or the sandbox: none",
+        ),
+        (
+            "tools:\n  - class_name: dsrl:python\n    config: {timeout: 2, sandbx: none}\n",
+            2,
+            "dsrl:python has no config key(s) ['sandbx']",
+            "use timeout, memory_limit_mb, sandbox, network, gpus",
+        ),
+        (
             "tools:\n  - class_name: dsrl:calculator\n  - class_name: dsrl:calculator\n",
             None,
             "two tools are named 'calculator'",

@@ -12,7 +12,6 @@ import math
 import operator
 import os
 import resource
-import select
 import signal
 import subprocess
 import sys
@@ -20,9 +19,9 @@ import tempfile
 import time
 
 from dsrl.workers.pool import kill_process_group
+from dsrl.workers.sandbox import Sandbox, SandboxUnavailable, read_bounded
 
 _MAX_DIGITS = 3010  # of an integer: far past any answer, well short of a number that stalls the worker
-_KEEP_BYTES = 2**20  # of the python tool's output, the first and the last MiB are kept
 _MB = 2**20
 _PR_SET_PDEATHSIG = 1
 
@@ -118,16 +117,19 @@ _TOO_LARGE = 10**_MAX_DIGITS
 
 
 class PythonInterpreter:
-    """``python(code)``: runs ``code`` as a script in a new ``python -I`` process and returns what it printed
-    (stdout and stderr together), with the exit status when it is not 0.
+    """``python(code)``: runs ``code`` as a script by ``python -I`` and returns what it printed (stdout and
+    stderr together), with the exit status when it is not 0.
 
-    Each run has a fresh temporary working directory (also its ``HOME``), removed afterwards, an
-    environment of ``PATH`` and ``LANG`` only, a wall-time limit
-    (``config.timeout`` seconds: a run past it is killed and counted as a timeout) and a memory limit
-    (``config.memory_limit_mb``, ``RLIMIT_AS``; default 1024). The process leads a process group of its
-    own, killed when the run ends, so what the code starts goes with it; it also dies with its worker
-    (``PR_SET_PDEATHSIG``). Of a long output the first and the last MiB are read; the rest is skipped, not
-    held in memory.
+    Each run has a fresh scratch folder (also its ``HOME``), an environment of ``PATH``, ``LANG`` and ``HOME``
+    only, and a wall-time limit (``config.timeout`` seconds: a run past it is killed and counted as a timeout).
+    It runs in dsrl's sandbox (``dsrl.workers.sandbox``; ``config.sandbox: bubblewrap``, the default): it
+    sees the interpreter and its packages but none of the trainer's files, processes or network (unless
+    ``config.network``) and no GPU (unless ``config.gpus``); ``config.memory_limit_mb`` (default 1024) bounds
+    each process and, where a cgroup can be made, all of them together; what it starts ends with it. Where no
+    sandbox runs, the tool refuses to start. ``config.sandbox: none`` runs the code as the trainer's user in a
+    temporary folder instead, with ``RLIMIT_AS`` per process, in a process group of its own that is killed
+    when the run ends. Of a long output the first and the last MiB are read; the rest is skipped, not held in
+    memory.
     """
 
     SCHEMA = {
@@ -146,36 +148,58 @@ class PythonInterpreter:
     def __init__(self, config: dict, tool_schema: dict):
         self.timeout_s = float(config["timeout"])
         self.memory_limit_mb = int(config.get("memory_limit_mb", 1024))
+        self.sandbox = None
+        if config.get("sandbox", "bubblewrap") == "bubblewrap":
+            self.sandbox = python_sandbox(config)
+            print(f"[dsrl tool worker {os.getpid()}] dsrl:python runs code in {self.sandbox.describe()}")
 
     def execute(self, parameters: dict, **kwargs) -> str:
+        if self.sandbox is None:
+            output, returncode, timed_out = self._run_unsandboxed(parameters["code"])
+            out_of_memory = False
+        else:
+            command = [sys.executable, "-I", "-u", "main.py"]  # unbuffered: what it printed before a kill is kept
+            result = self.sandbox.run(command, {"main.py": parameters["code"]}, timeout_s=self.timeout_s)
+            output, returncode, timed_out, out_of_memory = (
+                result.output,
+                result.returncode,
+                result.timed_out,
+                result.out_of_memory,
+            )
+            if returncode is not None and returncode > 128:  # how bwrap reports a command a signal killed
+                returncode = 128 - returncode
+        text = output.decode("utf-8", errors="replace")
+        if timed_out:
+            raise ToolTimeout(f"the code ran past {self.timeout_s:g} s and was killed; its output until then:\n{text}")
+        if out_of_memory:
+            text += f"\n(out of memory: its processes together reached config.memory_limit_mb={self.memory_limit_mb})"
+        if returncode < 0:
+            return f"{text}\n(killed by {signal.Signals(-returncode).name})"
+        if returncode:
+            return f"{text}\n(exit status {returncode})"
+        return text
+
+    def _run_unsandboxed(self, code: str) -> tuple[bytes, int, bool]:
         with tempfile.TemporaryDirectory(prefix="dsrl_python_tool_") as workdir:
             with open(os.path.join(workdir, "main.py"), "w") as script:
-                script.write(parameters["code"])
+                script.write(code)
             process = subprocess.Popen(
-                [sys.executable, "-I", "-u", "main.py"],  # unbuffered: what it printed before a kill is kept
+                [sys.executable, "-I", "-u", "main.py"],
                 cwd=workdir,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                # None of the trainer's environment (tokens, credentials) for code a model wrote.
                 env={"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8", "HOME": workdir},
                 process_group=0,
                 preexec_fn=self._limit_child,
             )
             try:
-                output, timed_out = _read_bounded(process.stdout.fileno(), time.monotonic() + self.timeout_s)
+                output, timed_out = read_bounded(process.stdout.fileno(), time.monotonic() + self.timeout_s)
             finally:
                 kill_process_group(process.pid)  # at once, on a timeout; else what the code left running
                 process.wait()
                 process.stdout.close()
-        text = output.decode("utf-8", errors="replace")
-        if timed_out:
-            raise ToolTimeout(f"the code ran past {self.timeout_s:g} s and was killed; its output until then:\n{text}")
-        if process.returncode < 0:
-            return f"{text}\n(killed by {signal.Signals(-process.returncode).name})"
-        if process.returncode:
-            return f"{text}\n(exit status {process.returncode})"
-        return text
+        return output, process.returncode, timed_out
 
     def _limit_child(self) -> None:
         # In the child, between fork and exec: plain system calls only.
@@ -186,31 +210,29 @@ class PythonInterpreter:
             _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+PYTHON_UNSANDBOXED = (
+    "the code then runs as the trainer's user: it reads and writes every file the trainer can (the tokens in "
+    "/proc/<pid>/environ of the trainer's processes included), reaches the network, sees the GPUs and can "
+    "signal the trainer"
+)
+
+
+def python_sandbox(config: dict) -> Sandbox:
+    """The sandbox for a python tool ``config``; :class:`SandboxUnavailable` names the opt-out too."""
+    try:
+        return Sandbox(
+            memory_limit_mb=int(config.get("memory_limit_mb", 1024)),
+            network=bool(config.get("network", False)),
+            gpus=bool(config.get("gpus", False)),
+        )
+    except SandboxUnavailable as exc:
+        raise SandboxUnavailable(
+            f"dsrl:python runs model-written code in a sandbox, and none works here: {exc.reason}",
+            f"{exc.fix}; or set config.sandbox: none to run the code without one ({PYTHON_UNSANDBOXED})",
+        ) from None
+
+
 _prctl = getattr(ctypes.CDLL(None), "prctl", None)  # Linux; looked up here, not in the child after fork
-
-
-def _read_bounded(fd: int, deadline: float) -> tuple[bytes, bool]:
-    """``(output, timed_out)``: what ``fd`` gives until its end of file or ``deadline``; past
-    2 x ``_KEEP_BYTES`` the middle is dropped (and marked) as it is read."""
-    head, tail, skipped = bytearray(), bytearray(), 0
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return _joined(head, tail, skipped), True
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            return _joined(head, tail, skipped), False
-        room = _KEEP_BYTES - len(head)
-        head += chunk[:room]
-        tail += chunk[room:] if room > 0 else chunk
-        if len(tail) > _KEEP_BYTES:
-            skipped += len(tail) - _KEEP_BYTES
-            del tail[: len(tail) - _KEEP_BYTES]
-
-
-def _joined(head: bytearray, tail: bytearray, skipped: int) -> bytes:
-    middle = f"\n...({skipped} bytes of output skipped)...\n".encode() if skipped else b""
-    return bytes(head + middle + tail)
 
 
 BUILTINS = {"dsrl:calculator": Calculator, "dsrl:python": PythonInterpreter}

@@ -21,13 +21,17 @@ import yaml
 
 from dsrl.config.loading import tool_config_file
 from dsrl.config.user_code import import_file_once
-from dsrl.rollout.tools.builtin import BUILTINS
+from dsrl.rollout.tools.builtin import BUILTINS, python_sandbox
+from dsrl.workers.sandbox import SandboxUnavailable
 
 MULTI_TURN_KEY = "actor_rollout_ref.rollout.multi_turn"
 # A built-in named by its module path is the built-in: the same config rules, the same worker code.
 _BUILTIN_PATHS = {f"{tool.__module__}.{tool.__name__}": name for name, tool in BUILTINS.items()}
 # The config keys each built-in reads; ``type`` is verl's (``native``), accepted and unread.
-_BUILTIN_CONFIG = {"dsrl:calculator": ("type",), "dsrl:python": ("type", "timeout", "memory_limit_mb")}
+_BUILTIN_CONFIG = {
+    "dsrl:calculator": ("type",),
+    "dsrl:python": ("type", "timeout", "memory_limit_mb", "sandbox", "network", "gpus"),
+}
 PYTHON_MEMORY_FLOOR_MB = 64  # a python -I process maps about 20 MB before the script's first line
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 _ARGS_ENTRY = re.compile(r"^(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
@@ -194,6 +198,7 @@ def _builtin_problems(source: str, config: dict, schema, tool_timeout: float) ->
                     "set it to 1024, or leave it out for 1024",
                 )
             )
+        problems += _sandbox_problems(config)
     malformed = _schema_problem(schema)
     if malformed:
         problems.append((f"tool {source!r}: {malformed}", _SCHEMA_FIX))
@@ -202,6 +207,33 @@ def _builtin_problems(source: str, config: dict, schema, tool_timeout: float) ->
             (f"tool {source!r}: {wrong}", f"keep {source}'s parameters: {_parameters(BUILTINS[source].SCHEMA)}")
         )
     return problems
+
+
+def _sandbox_problems(config: dict) -> list[tuple[str, str]]:
+    """``(what, fix)`` for a ``dsrl:python`` config's sandbox settings. With ``sandbox: bubblewrap`` (the default)
+    the sandbox is built here, so that one that cannot run fails before any model loads."""
+    sandbox = config.get("sandbox", "bubblewrap")
+    if sandbox not in ("bubblewrap", "none"):
+        return [(f"dsrl:python config.sandbox={sandbox!r} must be bubblewrap or none", "leave it out for bubblewrap")]
+    for key in ("network", "gpus"):
+        if key in config and sandbox == "none":
+            return [
+                (
+                    f"dsrl:python config.{key} is a setting of the sandbox; with config.sandbox: none the code has "
+                    "the trainer's network and GPUs whatever it says",
+                    f"remove config.{key}, or the sandbox: none",
+                )
+            ]
+        if not isinstance(config.get(key, False), bool):
+            return [
+                (f"dsrl:python config.{key}={config[key]!r} must be true or false", f"set {key}: true, or remove it")
+            ]
+    if sandbox == "bubblewrap":
+        try:
+            python_sandbox(config)
+        except SandboxUnavailable as exc:
+            return [(exc.reason, exc.fix)]
+    return []
 
 
 def _is_number(value) -> bool:
