@@ -113,7 +113,7 @@ def schema(name: str, parameter: str, kind: str = "string") -> str:
         # D15, D16
         (
             "class_name: dsrl:python\n    config: {memory_limit_mb: -5}",
-            "dsrl:python config.memory_limit_mb=-5 must be a whole number of MB, 0 (no limit) or >= 64",
+            "dsrl:python config.memory_limit_mb=-5 must be a whole number of MB, 0 (no limit) or >= 256",
         ),
         ("class_name: dsrl:python\n    config: {memory_limit_mb: abc}", "config.memory_limit_mb='abc' must be"),
         ("class_name: dsrl:python\n    config: {memory_limit_mb: 10}", "config.memory_limit_mb=10 must be"),
@@ -124,7 +124,8 @@ def schema(name: str, parameter: str, kind: str = "string") -> str:
         # A key a built-in does not read (a typo) was ignored
         (
             "class_name: dsrl:python\n    config: {memory_limt_mb: 512}",
-            "dsrl:python config has no key(s) ['memory_limt_mb']; it reads ['type', 'timeout', 'memory_limit_mb']",
+            "dsrl:python config has no key(s) ['memory_limt_mb']; it reads ['type', 'timeout', 'memory_limit_mb', "
+            "'sandbox', 'network', 'gpus']",
         ),
         (
             "class_name: dsrl:calculator\n    config: {precision: 3}",
@@ -180,7 +181,7 @@ def test_a_built_in_named_by_its_module_path_is_the_built_in(tmp_path):
     [
         f"class_name: dsrl:calculator\n    tool_schema: {schema('calc', 'expression')}",  # renamed: fine
         "class_name: dsrl:python\n    config: {memory_limit_mb: 0, timeout: 5}",
-        "class_name: dsrl:python\n    config: {memory_limit_mb: 64}",
+        "class_name: dsrl:python\n    config: {memory_limit_mb: 256}",
     ],
 )
 def test_what_a_built_in_honours_is_accepted(tmp_path, entry):

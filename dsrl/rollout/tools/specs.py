@@ -32,7 +32,7 @@ _BUILTIN_CONFIG = {
     "dsrl:calculator": ("type",),
     "dsrl:python": ("type", "timeout", "memory_limit_mb", "sandbox", "network", "gpus"),
 }
-PYTHON_MEMORY_FLOOR_MB = 64  # a python -I process maps about 20 MB before the script's first line
+PYTHON_MEMORY_FLOOR_MB = 256  # of address space: importing numpy alone reserves about 200 MB
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 _ARGS_ENTRY = re.compile(r"^(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
 
@@ -198,7 +198,8 @@ def _builtin_problems(source: str, config: dict, schema, tool_timeout: float) ->
                     "set it to 1024, or leave it out for 1024",
                 )
             )
-        problems += _sandbox_problems(config)
+        if not problems:  # the sandbox is built with these limits
+            problems += _sandbox_problems(config)
     malformed = _schema_problem(schema)
     if malformed:
         problems.append((f"tool {source!r}: {malformed}", _SCHEMA_FIX))
