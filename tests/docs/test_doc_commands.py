@@ -73,7 +73,7 @@ PAGES = (
 )
 QUICKSTART = 'pip install -e ".[cpu,test]" && bash scripts/quickstart.sh'
 TESTS = (
-    'pip install -e ".[cpu,test]" && ruff check && ruff format --check && mypy && python -m pytest '
+    'bash scripts/install_bubblewrap.sh && pip install -e ".[cpu,test]" && ruff check && ruff format --check && mypy && python -m pytest '
     "&& bash .ci/vllm_tier.sh && bash .ci/verl_tier.sh"
 )
 SMOLLM2_RUN = (
