@@ -61,6 +61,7 @@ EVAL_KEYS = (
     r"custom_reward_function\..*",
     r"reward_model\..*",
     r"reward\.(num_workers|timeout_s|fallback_score|batch_chunk_size|math_verify_sources|memory_limit_mb|log_max_mb)",
+    r"reward\.sandbox_fusion\..*",
     r"trainer\.(seed|project_name)",
 )
 _EVAL_KEY = re.compile("|".join(f"(?:{pattern})" for pattern in EVAL_KEYS))
@@ -508,6 +509,7 @@ def evaluate(args: argparse.Namespace) -> int:
             {"data.val_files": loaded[0][1]},
             custom_path=cfg.custom_reward_function.path,
             math_verify_sources=cfg.reward.math_verify_sources,
+            sandbox_fusion_url=cfg.reward.sandbox_fusion.url,
         )
         log = None if args.out is None else args.out.parent / f"reward_workers_rank{rank}.log"
         scorer = RewardScorer.from_config(cfg, log_file=log)

@@ -10,8 +10,10 @@ each as one line: dotted key, value, rule, fix. The config it returns is resolve
 
 This package must not import torch: it runs before anything heavy so a bad config fails in a second.
 
-- ``schema``: the typed tree (one dataclass per section; every key's default and documentation), ``SCHEMA`` (every
-  dotted key) and the one line a problem is reported as (``violation``).
+- ``schema``: the typed tree (one dataclass per section; every key's default and documentation); ``keys``:
+  ``SCHEMA`` (every dotted key, read off the tree) and ``value_at``; ``problems``: the one line a problem is
+  reported as (``violation``); ``layout``: the folders dsrl ships and the names inside a run folder;
+  ``resume_keys``: the keys a resumed run may change.
 - ``names``: the names each key may take, which the rules check against; some restate ``dsrl.algorithms``' registries.
 - ``verl_keys``: keys the tree does not know: verl's FSDP/Megatron-only keys with the dsrl key to use
   instead, "did you mean" for the rest.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 from dsrl.config.deepspeed_json import DeepSpeedJsonError, fill_ds_json
 from dsrl.config.files import parquet_paths
+from dsrl.config.keys import SCHEMA, KeyInfo
 from dsrl.config.layout import DS_CONFIG_DIR, RECIPE_DIR
 from dsrl.config.loading import (
     ConfigError,
@@ -69,9 +72,7 @@ from dsrl.config.resume_keys import RESUME_HARMLESS_KEYS
 from dsrl.config.rules import load_and_validate, validate
 from dsrl.config.schema import (
     LOGGED_SAMPLES,
-    SCHEMA,
     Config,
-    KeyInfo,
     lora_enabled,
     pushes_lora_adapters,
 )

@@ -16,9 +16,10 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dsrl.config.files import not_regular
+from dsrl.config.keys import LEAF_KEYS, SCHEMA, value_at
 from dsrl.config.layout import DS_CONFIG_DIR, RECIPE_DIR
 from dsrl.config.problems import show, violation
-from dsrl.config.schema import LEAF_KEYS, SCHEMA, Config, value_at
+from dsrl.config.schema import Config
 from dsrl.config.user_code import estimator_needs
 from dsrl.config.verl_keys import unknown_key
 from dsrl.runtime.redaction import secret_environment

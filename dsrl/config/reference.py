@@ -8,8 +8,8 @@ from typing import Any, Union, get_args, get_origin
 
 from omegaconf import MISSING
 
+from dsrl.config.keys import SCHEMA
 from dsrl.config.problems import show
-from dsrl.config.schema import SCHEMA
 
 
 def _type_text(tp: Any) -> str:

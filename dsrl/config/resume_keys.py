@@ -9,6 +9,7 @@ RESUME_HARMLESS_KEYS = (
     r"trainer\.(total_epochs|total_training_steps|save_freq|test_freq|val_before_train|val_only|logger)",
     r"trainer\.(log_val_generations|log_samples_freq|log_model|memory_plan_check)",
     r"reward\.(num_workers|batch_chunk_size|max_failed_steps|memory_limit_mb|log_max_mb)",
+    r"reward\.sandbox_fusion\.(url|max_concurrent)",
     r"trainer\.(project_name|experiment_name|default_local_dir|max_consecutive_skips)",
     r"trainer\.(resume_mode|resume_from_path|resume_allow_config_change|resume_allow_world_size_change)",
     r"trainer\.(max_actor_ckpt_to_keep|max_critic_ckpt_to_keep)",

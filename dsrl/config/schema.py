@@ -1,15 +1,13 @@
-"""The typed config tree: one dataclass per section, each key with its default and one-line documentation;
-``SCHEMA``, every dotted key with its type, documentation and default.
-The names a key may take are in ``dsrl.config.names``.
+"""The typed config tree: one dataclass per section, each key with its default and one-line documentation
+(``dsrl.config.keys`` reads every dotted key off it). The names a key may take are in ``dsrl.config.names``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, cast, get_type_hints
+from typing import Any, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING
 
 LOGGED_SAMPLES = 16  # training rollouts per trainer.log_samples_freq table
 
@@ -350,7 +348,8 @@ class MultiTurnConfig:
     tool_config_path: Optional[str] = _f(
         None,
         "verl's tool YAML: tools: [{class_name, config, tool_schema}]; class_name 'dsrl:python' / 'dsrl:calculator' "
-        "are dsrl's built-ins, 'module.Class' a user tool class; a path, or a shipped file's name (calculator)",
+        "/ 'dsrl:sandbox_fusion' are dsrl's built-ins, 'module.Class' a user tool class; a path, or a shipped file's "
+        "name (calculator)",
     )
     function_tool_path: Optional[str] = _f(
         None, "a .py file whose public functions are tools; the schema comes from their signatures and docstrings"
@@ -713,6 +712,22 @@ class RewardModelConfig:
 
 
 @dataclass
+class SandboxFusionConfig:
+    url: Optional[str] = _f(
+        None,
+        "a SandboxFusion server's /run_code URL (verl's key): the built-in scorer runs the code of the data sources "
+        "codecontests, apps, codeforces and taco there against the ground truth's test cases and scores the pass "
+        "rate of the first 10, as verl does (dsrl.rewards.code; a custom reward function reaches it through "
+        "dsrl.rewards.compute_score or dsrl.rewards.code.sandbox_client()); null = no server, and those data "
+        "sources are refused",
+    )
+    max_concurrent: int = _f(
+        64, "requests to the server in flight at most, over the reward workers of one rank (verl: per reward worker)"
+    )
+    memory_limit_mb: int = _f(1024, "the memory the server gives each run, in MB (the request's memory_limit_MB)")
+
+
+@dataclass
 class RewardConfig:
     num_workers: Optional[int] = _f(
         None,
@@ -747,6 +762,9 @@ class RewardConfig:
         "memory bound of each reward worker in MB, applied with RLIMIT_DATA to every worker process and inherited by "
         "each process it starts; a call past it fails and scores fallback_score (a MemoryError counts as "
         "reward/fail_exception, a worker killed by it as reward/fail_crash); 0 = no limit",
+    )
+    sandbox_fusion: SandboxFusionConfig = _f(
+        SandboxFusionConfig, "the SandboxFusion server that runs the code of code data sources (verl's keys)"
     )
     log_max_mb: int = _f(
         64,
@@ -856,36 +874,7 @@ class Config:
     algorithm: AlgorithmConfig = _f(AlgorithmConfig, "advantage estimator and in-reward KL")
     custom_reward_function: CustomRewardFunctionConfig = _f(CustomRewardFunctionConfig, "user reward function")
     reward_model: RewardModelConfig = _f(RewardModelConfig, "the reward manager: naive, or dapo's overlong punishment")
-    reward: RewardConfig = _f(RewardConfig, "reward worker processes, time limit and Math-Verify data sources")
+    reward: RewardConfig = _f(
+        RewardConfig, "reward worker processes, time limit, Math-Verify data sources and the SandboxFusion server"
+    )
     trainer: TrainerConfig = _f(TrainerConfig, "loop length, evaluation, checkpoints, logging")
-
-
-class KeyInfo(NamedTuple):
-    type: Any  # resolved annotation; a dataclass for a section
-    help: str
-    default: Any  # the default value of a leaf (MISSING for required ones); None for a section
-
-
-def _schema(cls: type = Config, prefix: str = "") -> dict[str, KeyInfo]:
-    """Every dotted key of the tree, sections and leaves, with its type, documentation and default."""
-    hints = get_type_hints(cls)
-    keys: dict[str, KeyInfo] = {}
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            keys[prefix + f.name] = KeyInfo(tp, f.metadata["help"], None)
-            keys.update(_schema(tp, f"{prefix}{f.name}."))
-        else:
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]
-            keys[prefix + f.name] = KeyInfo(tp, f.metadata["help"], default)
-    return keys
-
-
-SCHEMA = _schema()
-LEAF_KEYS = tuple(key for key, info in SCHEMA.items() if not dataclasses.is_dataclass(info.type))
-
-
-def value_at(cfg: object, key: str, **select: Any) -> Any:
-    """The value at dotted ``key`` of a loaded config (None where absent): ``OmegaConf.select`` on the DictConfig
-    that a ``Config`` (or a section of one) is at run time; ``select``: its keyword arguments."""
-    return OmegaConf.select(cast(DictConfig, cfg), key, **select)

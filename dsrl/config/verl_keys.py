@@ -7,8 +7,8 @@ import difflib
 import fnmatch
 from typing import Any
 
+from dsrl.config.keys import LEAF_KEYS, SCHEMA
 from dsrl.config.problems import violation
-from dsrl.config.schema import LEAF_KEYS, SCHEMA
 
 
 def _ds_config_key(key: str) -> str:
@@ -76,6 +76,14 @@ def verl_only_key(key: str) -> tuple[str, str] | None:
             "older verl name",
             "set actor_rollout_ref.actor.calculate_sum_pi_squared (optimal_token_baseline turns it on itself)",
         )
+    if key.startswith(("sandbox_fusion.", "reward_model.sandbox_fusion.")):
+        rule = (
+            "verl 0.9.1's legacy place of reward.sandbox_fusion.*, which verl moves there at start-up; dsrl reads "
+            "the new place only"
+            if key.startswith("sandbox_fusion.")
+            else "verl 0.4-0.6's place of reward.sandbox_fusion.* (verl 0.9.1 no longer reads it)"
+        )
+        return rule, f"set reward.sandbox_fusion.{key.rpartition('.')[2]}"
     if key.startswith(("reward.reward_manager", "reward.reward_kwargs")):
         older = (
             "reward_model.reward_manager"

@@ -4,7 +4,8 @@ Public API (verl's signature, so a verl ``custom_reward_function`` works unchang
 
 - ``compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float``: the built-in
   dispatcher (``arithmetic``; ``calculator``; ``worded_arithmetic``; ``openai/gsm8k``; ``lighteval/MATH``,
-  ``DigitalLearningGmbH/MATH-lighteval``, ``HuggingFaceH4/MATH-500``).
+  ``DigitalLearningGmbH/MATH-lighteval``, ``HuggingFaceH4/MATH-500``; with ``reward.sandbox_fusion.url``, the
+  code sources ``codecontests``, ``apps``, ``codeforces``, ``taco``: ``dsrl.rewards.code``).
 - ``load_custom_reward_function(path, name)``: a user's function with the same signature.
 - ``make_compute_score(math_verify_sources)``: the dispatcher with some data sources scored by
   Math-Verify (``dsrl.rewards.mathverify``, the optional extra ``dsrl[math]``) instead.
@@ -24,7 +25,7 @@ This package imports no torch, so a worker process starts in a fraction of a sec
 import importlib
 from collections.abc import Callable, Iterable
 
-from dsrl.rewards import arithmetic, calculator, gsm8k, worded
+from dsrl.rewards import arithmetic, calculator, code, gsm8k, worded
 from dsrl.rewards import math as math_answer
 from dsrl.rewards.custom import load_custom_reward_function
 from dsrl.rewards.overlong import overlong_penalties
@@ -47,33 +48,48 @@ def rule_sources() -> list[str]:
     return sorted(_RULES)
 
 
-def check_reward_rules(prompt_sets: dict[str, object], *, custom_path: str | None, math_verify_sources) -> None:
+def check_reward_rules(
+    prompt_sets: dict[str, object], *, custom_path: str | None, math_verify_sources, sandbox_fusion_url: str | None
+) -> None:
     """ValueError naming every data source of ``prompt_sets`` ({config key: a PromptStore or None}) that nothing
-    would score: without a custom reward function every data source needs a built-in rule (or Math-Verify); one
-    without would score 0 on every row for the whole run."""
+    would score: without a custom reward function every data source needs a built-in rule (or Math-Verify, or for
+    the code sources a SandboxFusion server); one without would score 0 on every row for the whole run."""
     if custom_path:
         return
-    scored = set(rule_sources()) | set(math_verify_sources)
+    scored = set(rule_sources()) | set(math_verify_sources) | set(code.CODE_SOURCES if sandbox_fusion_url else ())
     unmatched = [
-        f"{source!r} ({rows} rows of {key})"
+        (source, f"{source!r} ({rows} rows of {key})")
         for key, prompts in prompt_sets.items()
         if prompts is not None
         for source, rows in prompts.source_counts().items()
         if source not in scored
     ]
-    if unmatched:
-        raise ValueError(
-            f"data sources without a reward rule: {', '.join(unmatched)}; built-in rules: {rule_sources()}. "
-            "Fix: set custom_reward_function.path to a file defining compute_score(data_source, solution_str, "
-            "ground_truth, extra_info=None), list them in reward.math_verify_sources, or rename data_source"
+    if not unmatched:
+        return
+    fixes = (
+        "set custom_reward_function.path to a file defining compute_score(data_source, solution_str, ground_truth, "
+        "extra_info=None), list them in reward.math_verify_sources, or rename data_source"
+    )
+    if any(source in code.CODE_SOURCES for source, _ in unmatched):
+        fixes = (
+            f"the code sources {list(code.CODE_SOURCES)} are scored by running the code on a SandboxFusion server: "
+            f"set reward.sandbox_fusion.url to its /run_code URL; others: {fixes}"
         )
+    raise ValueError(
+        f"data sources without a reward rule: {', '.join(shown for _, shown in unmatched)}; built-in rules: "
+        f"{rule_sources()}. Fix: {fixes}"
+    )
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
     """Score one response with the rule registered for ``data_source`` (1.0 correct, 0.0 otherwise).
 
-    ``extra_info`` is accepted for signature compatibility with verl; the built-in rules ignore it.
+    ``extra_info`` is accepted for signature compatibility with verl; the built-in rules ignore it. The code
+    sources run on the SandboxFusion server of ``reward.sandbox_fusion.url`` (``dsrl.rewards.code``): in a
+    reward worker of a run that sets it; elsewhere they raise ValueError.
     """
+    if data_source in code.CODE_SOURCES:
+        return code.compute_score(solution_str, ground_truth, code.sandbox_client())
     rule = _RULES.get(data_source)
     if rule is None:
         raise ValueError(

@@ -72,6 +72,8 @@ class RewardScorer:
             trainer's own stdout and stderr.
         log_max_mb: ``log_file`` is rotated to ``<log_file>.1`` past this many MB; 0 = never.
         memory_limit_mb: the ``RLIMIT_DATA`` of every worker and of each process it starts; 0 = none.
+        sandbox_fusion: ``reward.sandbox_fusion``'s ``{url, max_concurrent, memory_limit_mb}``: each worker builds
+            the client the code data sources run on (``dsrl.rewards.code``); None = no server.
 
     Raises ValueError at construction when the custom file or function is missing, its import fails,
     its signature does not fit ``batch``, or math-verify is needed and not installed, so a broken reward
@@ -93,6 +95,7 @@ class RewardScorer:
         log_file: str | os.PathLike | None = None,
         log_max_mb: int = 64,
         memory_limit_mb: int = 4096,
+        sandbox_fusion: dict | None = None,
     ):
         if not timeout_s > 0:
             raise ValueError(f"reward timeout_s={timeout_s}: must be > 0 seconds")
@@ -133,6 +136,7 @@ class RewardScorer:
                 self.log_file,
                 log_max_mb,
                 memory_limit_mb,
+                sandbox_fusion,
             ),
             memory_limit_mb=memory_limit_mb,
             memory_key="reward.memory_limit_mb",
@@ -145,7 +149,7 @@ class RewardScorer:
     def from_config(cls, cfg, log_file: str | os.PathLike | None = None) -> RewardScorer:
         """The scorer of a run: ``custom_reward_function.*`` and ``reward.*`` of the config; the
         workers' output goes to ``log_file``."""
-        fn, reward = cfg.custom_reward_function, cfg.reward
+        fn, reward, sandbox = cfg.custom_reward_function, cfg.reward, cfg.reward.sandbox_fusion
         return cls(
             fn.path,
             fn.name,
@@ -158,6 +162,13 @@ class RewardScorer:
             log_file=log_file,
             log_max_mb=reward.log_max_mb,
             memory_limit_mb=reward.memory_limit_mb,
+            sandbox_fusion=(
+                None
+                if sandbox.url is None
+                else dict(
+                    url=sandbox.url, max_concurrent=sandbox.max_concurrent, memory_limit_mb=sandbox.memory_limit_mb
+                )
+            ),
         )
 
     @property

@@ -41,13 +41,19 @@ def initialize(
     log_file: str | None,
     log_max_mb: int,
     memory_limit_mb: int,
+    sandbox_fusion: dict | None,
     ready,
 ) -> None:
-    """The reward pool's initializer: ``process.setup``, then the reward function loaded once."""
+    """The reward pool's initializer: ``process.setup``, the SandboxFusion client of the code data sources
+    (``sandbox_fusion``: ``dsrl.rewards.code.configure``'s arguments, or None), then the reward function loaded once."""
     global _fn, _batch
     process.setup(parent_pid, log_file, log_max_mb, memory_limit_mb, ready)
     _batch = batch
     try:
+        if sandbox_fusion is not None:
+            from dsrl.rewards import code
+
+            code.configure(**sandbox_fusion)
         _fn = load_reward_function(custom_path, custom_name, batch, math_verify_sources)
     except ValueError as exc:
         process.keep_load_error(str(exc))

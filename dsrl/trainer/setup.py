@@ -144,6 +144,7 @@ class TrainerSetup:
             {"data.train_files": self.train_prompts, "data.val_files": self.val_prompts},
             custom_path=cfg.custom_reward_function.path,
             math_verify_sources=cfg.reward.math_verify_sources,
+            sandbox_fusion_url=cfg.reward.sandbox_fusion.url,
         )
         # The run's folder holds the workers' prints and tracebacks: a chatty reward function floods no console.
         log = self.checkpoint_root / f"reward_workers_rank{self.rank}.log"

@@ -34,6 +34,7 @@ _LOG_CHECK_PERIOD_S = 1.0
 _MB = 2**20
 
 _load_error: str | None = None
+_parent_pid: int | None = None  # the trainer's pid, in a worker
 _ready = None  # the multiprocessing.Barrier every worker of a new pool meets in probe()
 _what = "reward"  # the pool's name and config keys, for messages
 _memory_key = "reward.memory_limit_mb"
@@ -84,7 +85,8 @@ def setup(
     """Every pool initializer's first step: a process group of its own, tied to the trainer, memory
     bounded, output to ``log_file`` (None: the trainer's stdout and stderr) rotated at ``log_max_mb`` (0:
     never), ``ready`` kept for :func:`probe`. ``what`` and ``memory_key`` name the pool in messages."""
-    global _ready, _what, _memory_key, _memory_limit_mb, _log_file, _log_max_mb
+    global _ready, _what, _memory_key, _memory_limit_mb, _log_file, _log_max_mb, _parent_pid
+    _parent_pid = parent_pid
     # Before the user's file runs, so that every process it or a call starts joins the group the pool
     # kills with this worker (the group's id is this pid).
     os.setpgrp()
@@ -96,6 +98,11 @@ def setup(
         if log_max_mb:
             _log_file, _log_max_mb = log_file, log_max_mb
             threading.Thread(target=_watch_log, name="dsrl-worker-log", daemon=True).start()
+
+
+def trainer_pid() -> int:
+    """The trainer's pid: this worker's parent, or this process when it is not a pool worker."""
+    return _parent_pid or os.getpid()
 
 
 def keep_load_error(message: str) -> None:

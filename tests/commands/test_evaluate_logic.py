@@ -135,6 +135,7 @@ def test_a_training_recipe_evaluates_whatever_its_training_keys_say(inputs, tmp_
     assert cfg.actor_rollout_ref.model.path == str(inputs / "model") and cfg.data.max_response_length == 16
     assert reads("actor_rollout_ref.rollout.val_kwargs.n") and not reads("data.train_files")
     assert not reads("actor_rollout_ref.rollout.n") and reads("custom_reward_function.path")
+    assert reads("reward.sandbox_fusion.url") and reads("reward.sandbox_fusion.max_concurrent")
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dsrl.rollout.tools import ToolCall, check_tool_files, function_schema, parse_tool_calls, truncate
+from dsrl.rollout.tools import ToolCall, check_tool_files, function_schema, load_tool_specs, parse_tool_calls, truncate
 from dsrl.rollout.tools.builtin import Calculator
 from dsrl.rollout.tools.specs import argument_problem
 
@@ -263,7 +263,7 @@ def test_good_files_have_no_problems(tmp_path):
             "tools:\n  - class_name: dsrl:shell\n",
             2,
             "unknown built-in tool 'dsrl:shell'",
-            "use one of ['dsrl:calculator', 'dsrl:python']",
+            "use one of ['dsrl:calculator', 'dsrl:python', 'dsrl:sandbox_fusion']",
         ),
         (
             "tools:\n  - class_name: no_such_module_xyz.Tool\n  ",
@@ -398,3 +398,122 @@ def test_a_function_named_like_a_yaml_tool(tmp_path):
     )
     [problem] = check_tool_files(config(path, functions))
     assert problem.startswith(f"{KEY}: two tools are named 'calculator' (dsrl:calculator and {functions})")
+
+
+# ---------------------------------------------------------------- dsrl:sandbox_fusion's config (verl's keys)
+
+SANDBOX = "http://localhost:8080/run_code"
+
+
+def test_sandbox_fusion_takes_verls_keys_and_fills_the_defaults(tmp_path):
+    path = write(
+        tmp_path / "tools.yaml",
+        f"""
+        tools:
+          - class_name: dsrl:sandbox_fusion
+            config: {{sandbox_fusion_url: {SANDBOX}, type: native, enable_global_rate_limit: false}}
+          - class_name: dsrl:sandbox_fusion
+            config:
+              sandbox_fusion_url: {SANDBOX}
+              default_timeout: 4
+              default_language: cpp
+              memory_limit_mb: 512
+              rate_limit: 3
+            tool_schema:
+              type: function
+              function:
+                name: run_cpp
+                description: Run C++.
+                parameters: {{type: object, properties: {{code: {{type: string}}}}, required: [code]}}
+        """,
+    )
+    (default, cpp), problems = load_tool_specs(config(path).actor_rollout_ref.rollout.multi_turn)
+    assert problems == []
+    assert default.name == "code_interpreter" and default.schema["function"]["parameters"]["required"] == ["code"]
+    assert default.config == {
+        "sandbox_fusion_url": SANDBOX,
+        "type": "native",
+        "enable_global_rate_limit": False,
+        "default_timeout": 4.0,  # 0.8 x tool_timeout (5 s here)
+        "default_language": "python",
+        "memory_limit_mb": 1024,
+        "rate_limit": 10,
+    }
+    assert cpp.name == "run_cpp"
+    assert (cpp.config["default_timeout"], cpp.config["default_language"], cpp.config["rate_limit"]) == (4, "cpp", 3)
+
+
+@pytest.mark.parametrize(
+    "settings, what, fix",
+    [
+        ("{}", "config.sandbox_fusion_url=None must be the URL of the server's /run_code endpoint", "set it to"),
+        (
+            "{sandbox_fusion_url: localhost:8080}",
+            "config.sandbox_fusion_url='localhost:8080' must be an http:// or https:// URL with a host",
+            "set it to the server's /run_code URL",
+        ),
+        (
+            f"{{sandbox_fusion_url: {SANDBOX}, default_timeout: 30}}",
+            "config.default_timeout=30 must be a number of seconds below multi_turn.tool_timeout=5",
+            "lower it, or leave it out for 0.8 x tool_timeout",
+        ),
+        (
+            f"{{sandbox_fusion_url: {SANDBOX}, num_workers: 10}}",
+            "config.num_workers is the size of verl's Ray thread pool for the tool; dsrl runs each call in a tool "
+            "worker",
+            "remove it; rate_limit bounds the calls in flight",
+        ),
+        (
+            f"{{sandbox_fusion_url: {SANDBOX}, enable_global_rate_limit: true}}",
+            "config.enable_global_rate_limit=True: verl counts rate_limit over the whole cluster; dsrl counts it "
+            "per rank",
+            "set it to false (or leave it out)",
+        ),
+        (
+            f"{{sandbox_fusion_url: {SANDBOX}, rate_limit: 0}}",
+            "config.rate_limit=0 must be an integer >= 1",
+            "set it to 10",
+        ),
+        (
+            f"{{sandbox_fusion_url: {SANDBOX}, memory_limit_mb: 1.5}}",
+            "config.memory_limit_mb=1.5 must be an integer >= 1",
+            "set it to 1024",
+        ),
+        (
+            f"{{sandbox_fusion_url: {SANDBOX}, default_language: Python}}",
+            "config.default_language='Python' is not one the sandbox runs",
+            "use one of python, cpp,",
+        ),
+        (
+            f"{{sandbox_fusion_url: {SANDBOX}, type: mcp}}",
+            "config.type='mcp': this is a native tool",
+            "set type: native",
+        ),
+        (
+            f"{{sandbox_fusion_url: {SANDBOX}, timeout: 5}}",
+            "config.timeout is not a key of this tool",
+            "remove it; the keys are default_language, default_timeout, enable_global_rate_limit, memory_limit_mb",
+        ),
+    ],
+)
+def test_sandbox_fusion_refuses_what_it_does_not_do(tmp_path, settings, what, fix):
+    path = write(tmp_path / "tools.yaml", f"tools:\n  - class_name: dsrl:sandbox_fusion\n    config: {settings}\n")
+    [problem] = check_tool_files(config(path))
+    assert problem.startswith(f"{KEY}.tool_config_path={path}: {path}:2: dsrl:sandbox_fusion {what}"), problem
+    assert f"; fix: {fix}" in problem, problem
+
+
+def test_verls_class_path_names_the_built_in(tmp_path):
+    path = write(
+        tmp_path / "tools.yaml",
+        f"""
+        tools:
+          - class_name: verl.tools.sandbox_fusion_tools.SandboxFusionTool
+            config: {{sandbox_fusion_url: {SANDBOX}}}
+        """,
+    )
+    [problem] = check_tool_files(config(path))
+    assert problem == (
+        f"{KEY}.tool_config_path={path}: {path}:2: verl.tools.sandbox_fusion_tools.SandboxFusionTool is verl's tool, "
+        "which dsrl has built in; fix: write class_name: dsrl:sandbox_fusion (it reads the same config keys)"
+    )

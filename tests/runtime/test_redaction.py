@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from dsrl.config import load_and_validate, to_yaml
-from dsrl.config.schema import LEAF_KEYS
+from dsrl.config.keys import LEAF_KEYS
 from dsrl.runtime.redaction import MASK, is_secret_name, redact, redact_text
 from tests.conftest import recipe, stub_file_overrides
 

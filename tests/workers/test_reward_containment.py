@@ -255,7 +255,7 @@ def test_workers_that_find_the_log_too_large_together_rotate_it_once(tmp_path):
     script = f"""
         import os, time
         from dsrl.rewards import worker
-        worker.initialize(None, "compute_score", False, (), os.getppid(), {str(log)!r}, 1, 0, None)
+        worker.initialize(None, "compute_score", False, (), os.getppid(), {str(log)!r}, 1, 0, None, None)
         first, deadline = os.fstat(1), time.monotonic() + 60
         while os.path.samestat(os.fstat(1), first) and time.monotonic() < deadline:  # the watcher moves fd 1
             time.sleep(0.02)

@@ -17,11 +17,12 @@ from typing import Any, cast
 
 from omegaconf import MISSING, ListConfig, OmegaConf
 
+from dsrl.config.keys import LEAF_KEYS, SCHEMA, value_at
 from dsrl.config.loading import ConfigError, ConfigFiles, load_layers, resolve, secret_notes
 from dsrl.config.problems import show, violation
 from dsrl.config.rules import algorithm, geometry, paths, rollout, run
 from dsrl.config.rules.need import is_missing
-from dsrl.config.schema import LEAF_KEYS, SCHEMA, Config, value_at
+from dsrl.config.schema import Config
 from dsrl.config.user_code import import_user_modules
 
 _VALUE_AT_KEY = object()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from dsrl.config.keys import value_at
 from dsrl.config.loading import policy_loss_param_key
 from dsrl.config.names import (
     ADV_ESTIMATORS,
@@ -20,7 +21,7 @@ from dsrl.config.names import (
 )
 from dsrl.config.problems import show
 from dsrl.config.rules.need import Need, critic_used
-from dsrl.config.schema import Config, value_at
+from dsrl.config.schema import Config
 from dsrl.config.user_code import estimator_needs, registered_names, registered_policy_loss_params
 
 

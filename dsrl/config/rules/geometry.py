@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from dsrl.config.deepspeed_json import DeepSpeedJsonError, clip_grad, fill_ds_json
+from dsrl.config.keys import value_at
 from dsrl.config.rules.need import Need, critic_used, ref_used
-from dsrl.config.schema import Config, value_at
+from dsrl.config.schema import Config
 
 
 def batch_rules(cfg: Config, world_size: int, need: Need) -> None:

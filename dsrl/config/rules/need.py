@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 from omegaconf import OmegaConf
 
-from dsrl.config.schema import Config, value_at
+from dsrl.config.keys import value_at
+from dsrl.config.schema import Config
 from dsrl.config.user_code import estimator_needs
 
 Need = Callable[..., None]  # validate's need(ok, key, rule, fix, value=...), handed to each group of rules

@@ -17,10 +17,11 @@ from dsrl.config.files import (
     parquet_paths,
     parquet_problem,
 )
+from dsrl.config.keys import value_at
 from dsrl.config.layout import FINAL_MODEL_DIR
 from dsrl.config.names import PREPARED_TASKS
 from dsrl.config.rules.need import Need, critic_used, is_missing
-from dsrl.config.schema import Config, value_at
+from dsrl.config.schema import Config
 
 
 def file_rules(cfg: Config, need: Need) -> None:

@@ -14,6 +14,7 @@ from omegaconf import ListConfig
 
 from dsrl.config.deepspeed_json import DeepSpeedJsonError, read_ds_json
 from dsrl.config.files import adapter_settings
+from dsrl.config.keys import value_at
 from dsrl.config.loading import rollout_name
 from dsrl.config.names import (
     BYPASS_LOSS_TYPES,
@@ -33,7 +34,6 @@ from dsrl.config.schema import (
     RolloutCorrectionConfig,
     lora_enabled,
     pushes_lora_adapters,
-    value_at,
 )
 from dsrl.config.user_code import estimator_needs
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from dsrl.config.keys import value_at
 from dsrl.config.names import (
     CHECKPOINT_CONTENTS,
     LOGGERS,
@@ -18,7 +19,8 @@ from dsrl.config.names import (
 )
 from dsrl.config.problems import show
 from dsrl.config.rules.need import Need
-from dsrl.config.schema import Config, value_at
+from dsrl.config.schema import Config
+from dsrl.workers.sandbox_fusion import DEFAULT_RUN_TIMEOUT_S, url_problem
 
 
 def reward_rules(cfg: Config, need: Need) -> None:
@@ -63,6 +65,7 @@ def reward_rules(cfg: Config, need: Need) -> None:
         "needs custom_reward_function.path (the built-in scorers take one row at a time)",
         "set custom_reward_function.path to a file defining a batch function, or batch=false",
     )
+    sandbox_fusion_rules(cfg, need)
     sources = list(reward.math_verify_sources)
     if not sources:
         return
@@ -83,6 +86,30 @@ def reward_rules(cfg: Config, need: Need) -> None:
         "reward.math_verify_sources",
         "needs the math-verify package, which is not installed",
         "pip install 'dsrl[math]' (or pip install math-verify), or set it to []",
+    )
+
+
+def sandbox_fusion_rules(cfg: Config, need: Need) -> None:
+    """reward.sandbox_fusion.*: a server's URL, and a reward call long enough for the test cases it runs."""
+    sandbox, prefix = cfg.reward.sandbox_fusion, "reward.sandbox_fusion"
+    need(sandbox.max_concurrent >= 1, f"{prefix}.max_concurrent", "must be >= 1 request", "set it to 64")
+    need(sandbox.memory_limit_mb >= 1, f"{prefix}.memory_limit_mb", "must be >= 1 MB", "set it to 1024")
+    if sandbox.url is None:
+        return
+    problem = url_problem(sandbox.url)
+    need(
+        problem is None,
+        f"{prefix}.url",
+        problem,
+        "set it to the server's /run_code URL, e.g. http://localhost:8080/run_code, or to null",
+    )
+    need(
+        cfg.reward.timeout_s > DEFAULT_RUN_TIMEOUT_S,
+        "reward.timeout_s",
+        f"with {prefix}.url set, a code row runs its test cases on the server, each for up to "
+        f"{DEFAULT_RUN_TIMEOUT_S:g} s (verl's limit); a reward call this short would be killed before a slow but "
+        "correct solution is judged",
+        "set reward.timeout_s=30",
     )
 
 

@@ -13,10 +13,11 @@ What the agent loop calls::
 The two files (either or both):
 
 - ``tool_config_path``: verl's YAML, ``tools: [{class_name, config, tool_schema}]``. ``class_name``
-  ``dsrl:calculator`` and ``dsrl:python`` are the built-ins (``dsrl.rollout.tools.builtin``; their
-  ``tool_schema`` may be left out). Any other ``class_name`` is a user tool class, ``module.Class``
-  (importable) or ``path/file.py:Class`` (relative to the YAML's folder), with a ``tool_schema``
-  (``{type: function, function: {name, description, parameters}}``). Its protocol, dsrl's own::
+  ``dsrl:calculator``, ``dsrl:python`` and ``dsrl:sandbox_fusion`` (verl's ``SandboxFusionTool``, its config
+  keys checked) are the built-ins (``dsrl.rollout.tools.builtin``; their ``tool_schema`` may be left out). Any
+  other ``class_name`` is a user tool class, ``module.Class`` (importable) or ``path/file.py:Class`` (relative to
+  the YAML's folder), with a ``tool_schema`` (``{type: function, function: {name, description, parameters}}``).
+  Its protocol, dsrl's own::
 
       class MyTool:
           def __init__(self, config: dict, tool_schema: dict): ...    # once per worker

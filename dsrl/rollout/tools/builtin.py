@@ -1,6 +1,6 @@
-"""dsrl's built-in tools, named ``dsrl:calculator`` and ``dsrl:python`` in the tool YAML.
+"""dsrl's built-in tools, named ``dsrl:calculator``, ``dsrl:python`` and ``dsrl:sandbox_fusion`` in the tool YAML.
 
-Both follow the protocol of user tool classes (``dsrl.rollout.tools``): ``Tool(config, tool_schema)``
+All follow the protocol of user tool classes (``dsrl.rollout.tools``): ``Tool(config, tool_schema)``
 and ``execute(parameters) -> str``. They run in the tool workers, so they import no torch.
 """
 
@@ -11,6 +11,7 @@ import ctypes
 import math
 import operator
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import time
 
 from dsrl.workers.pool import kill_process_group
 from dsrl.workers.sandbox import Sandbox, SandboxUnavailable, read_bounded
+from dsrl.workers.sandbox_fusion import LANGUAGES, SandboxFusionClient, SandboxFusionError, url_problem
 
 _MAX_DIGITS = 3010  # of an integer: far past any answer, well short of a number that stalls the worker
 _MB = 2**20
@@ -235,4 +237,141 @@ def python_sandbox(config: dict) -> Sandbox:
 _prctl = getattr(ctypes.CDLL(None), "prctl", None)  # Linux; looked up here, not in the child after fork
 
 
-BUILTINS = {"dsrl:calculator": Calculator, "dsrl:python": PythonInterpreter}
+class SandboxFusionTool:
+    """``code_interpreter(code)``: runs ``code`` on a SandboxFusion server (``dsrl.workers.sandbox_fusion``), as
+    verl's ``SandboxFusionTool`` did (verl 0.8.0 removed it from its tree), and returns what the run printed,
+    stdout then stderr, with the exit status when it is not 0. A run past its limit counts as a timeout, with what it
+    printed until then; a server that gives no verdict (unreachable after 3 attempts, an HTTP error, a
+    ``SandboxError``) raises, counted as an exception with the reason, and one that does not answer in time as a
+    timeout.
+
+    ``config``: verl's keys, checked by :func:`sandbox_fusion_config`. The model may also pass ``language`` and a
+    shorter ``timeout`` when the ``tool_schema`` declares them (verl's tool read both).
+    """
+
+    SCHEMA = {
+        "type": "function",
+        "function": {
+            "name": "code_interpreter",
+            "description": "Run Python code and return what it prints. Use print() to see results.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string", "description": "the code to run"}},
+                "required": ["code"],
+            },
+        },
+    }
+
+    def __init__(self, config: dict, tool_schema: dict):
+        self.timeout_s = float(config["default_timeout"])
+        self.language = config["default_language"]
+        self.client = SandboxFusionClient(
+            config["sandbox_fusion_url"],
+            max_concurrent=config["rate_limit"],
+            memory_limit_mb=config["memory_limit_mb"],
+            name="tool-" + re.sub(r"[^\w.-]", "_", tool_schema["function"]["name"]),
+        )
+
+    def execute(self, parameters: dict, **kwargs) -> str:
+        language, timeout = parameters.get("language", self.language), parameters.get("timeout", self.timeout_s)
+        if language not in LANGUAGES:
+            raise ValueError(f"language {language!r} is not one the sandbox runs: {', '.join(LANGUAGES)}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= self.timeout_s:
+            raise ValueError(f"timeout must be a number of seconds, more than 0 and at most {self.timeout_s:g}")
+        try:
+            run = self.client.run_code(str(parameters["code"]), language=language, run_timeout=timeout)
+        except SandboxFusionError as exc:
+            if exc.kind == "timeout":
+                raise ToolTimeout(f"the sandbox did not answer in time: {exc}") from None
+            raise
+        if run.compile_status == "TimeLimitExceeded":
+            raise ToolTimeout(f"the compilation ran past {timeout:g} s on the sandbox and was stopped")
+        if run.run_status is None:
+            return f"{run.compile_stderr or ''}\n(compilation failed, exit status {run.compile_return_code})"
+        if run.run_status == "TimeLimitExceeded":
+            raise ToolTimeout(
+                f"the code ran past {timeout:g} s on the sandbox and was stopped; its output until then:\n{run.output}"
+            )
+        if run.return_code:
+            return f"{run.output}\n(exit status {run.return_code})"
+        return run.output
+
+
+_SANDBOX_FUSION_DEFAULTS = {"default_language": "python", "memory_limit_mb": 1024, "rate_limit": 10}
+
+
+def sandbox_fusion_config(config: dict, tool_timeout: float) -> tuple[dict, list[tuple[str, str]]]:
+    """``dsrl:sandbox_fusion``'s config with its defaults, and its problems as ``(what, fix)``: verl's keys, each
+    honoured or refused with the reason.
+
+    - ``sandbox_fusion_url``: the server's ``/run_code`` URL; required.
+    - ``default_timeout``: the run's limit on the server, in seconds; below ``multi_turn.tool_timeout`` (past it the
+      worker is killed before the server answers); default 0.8 x ``tool_timeout`` (verl's 30 s is past dsrl's
+      default tool_timeout of 10 s).
+    - ``default_language`` (python), ``memory_limit_mb`` (1024): the run's language and memory on the server.
+    - ``rate_limit`` (10): calls in flight at most, over the tool workers of one rank.
+    - ``enable_global_rate_limit``: false only; verl's true counts ``rate_limit`` over the whole cluster.
+    - ``num_workers``: refused; each call runs in a tool worker process of its own.
+    - ``type``: native only (verl's tool registry reads it; ``mcp`` is another kind of tool).
+    """
+    config = {"default_timeout": 0.8 * tool_timeout, **_SANDBOX_FUSION_DEFAULTS, **config}
+    keys = sorted(
+        ["sandbox_fusion_url", "default_timeout", "enable_global_rate_limit", "type", *_SANDBOX_FUSION_DEFAULTS]
+    )
+    problems = []
+    for key in sorted(set(config) - set(keys)):
+        if key == "num_workers":
+            problems.append(
+                (
+                    "config.num_workers is the size of verl's Ray thread pool for the tool; dsrl runs each call in a "
+                    "tool worker process (one call a worker, as many workers as the rollout's tool pool has)",
+                    "remove it; rate_limit bounds the calls in flight",
+                )
+            )
+        else:
+            problems.append((f"config.{key} is not a key of this tool", f"remove it; the keys are {', '.join(keys)}"))
+    url = config.get("sandbox_fusion_url")
+    problem = url_problem(url)
+    if problem:
+        problems.append((f"config.sandbox_fusion_url={url!r} {problem}", "set it to the server's /run_code URL"))
+    timeout = config["default_timeout"]
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < tool_timeout:
+        problems.append(
+            (
+                f"config.default_timeout={timeout!r} must be a number of seconds below multi_turn.tool_timeout="
+                f"{tool_timeout:g} (past that the worker is killed before the server answers)",
+                "lower it, or leave it out for 0.8 x tool_timeout",
+            )
+        )
+    if config["default_language"] not in LANGUAGES:
+        problems.append(
+            (
+                f"config.default_language={config['default_language']!r} is not one the sandbox runs",
+                f"use one of {', '.join(LANGUAGES)}",
+            )
+        )
+    for key in ("memory_limit_mb", "rate_limit"):
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(
+                (f"config.{key}={value!r} must be an integer >= 1", f"set it to {_SANDBOX_FUSION_DEFAULTS[key]}")
+            )
+    if config.get("enable_global_rate_limit", False) is not False:
+        problems.append(
+            (
+                f"config.enable_global_rate_limit={config['enable_global_rate_limit']!r}: verl counts rate_limit over "
+                "the whole cluster; dsrl counts it per rank (R ranks may have R x rate_limit calls in flight)",
+                "set it to false (or leave it out), with rate_limit the server's capacity divided by the ranks",
+            )
+        )
+    if config.get("type", "native") != "native":
+        problems.append(
+            (
+                f"config.type={config['type']!r}: this is a native tool (verl's mcp type talks to an MCP server)",
+                "set type: native, or leave it out",
+            )
+        )
+    return config, problems
+
+
+BUILTINS = {"dsrl:calculator": Calculator, "dsrl:python": PythonInterpreter, "dsrl:sandbox_fusion": SandboxFusionTool}

@@ -21,13 +21,14 @@ import yaml
 
 from dsrl.config.loading import tool_config_file
 from dsrl.config.user_code import import_file_once
-from dsrl.rollout.tools.builtin import BUILTINS, python_sandbox
+from dsrl.rollout.tools.builtin import BUILTINS, python_sandbox, sandbox_fusion_config
 from dsrl.workers.sandbox import SandboxUnavailable
 
 MULTI_TURN_KEY = "actor_rollout_ref.rollout.multi_turn"
 # A built-in named by its module path is the built-in: the same config rules, the same worker code.
 _BUILTIN_PATHS = {f"{tool.__module__}.{tool.__name__}": name for name, tool in BUILTINS.items()}
-# The config keys each built-in reads; ``type`` is verl's (``native``), accepted and unread.
+# The config keys each built-in reads; ``type`` is verl's (``native``), accepted and unread. dsrl:sandbox_fusion's
+# are verl's tool's, each checked by ``sandbox_fusion_config``.
 _BUILTIN_CONFIG = {
     "dsrl:calculator": ("type",),
     "dsrl:python": ("type", "timeout", "memory_limit_mb", "sandbox", "network", "gpus"),
@@ -35,6 +36,8 @@ _BUILTIN_CONFIG = {
 PYTHON_MEMORY_FLOOR_MB = 256  # of address space: importing numpy alone reserves about 200 MB
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 _ARGS_ENTRY = re.compile(r"^(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
+# verl's tool classes dsrl has built in (verl 0.8.0 removed them from its own tree)
+_VERL_BUILTINS = {"verl.tools.sandbox_fusion_tools.SandboxFusionTool": "dsrl:sandbox_fusion"}
 
 
 @dataclass(frozen=True)
@@ -136,10 +139,23 @@ def _yaml_tools(path: str, tool_timeout: float) -> tuple[list[ToolSpec], list[st
             if source == "dsrl:python":
                 # Its own limit ends the script (and counts a timeout) before the pool's kills the worker.
                 config = {"timeout": 0.8 * tool_timeout, **config}
-            wrong = _builtin_problems(source, config, schema, tool_timeout)
+            wrong = []
+            if source == "dsrl:sandbox_fusion":  # verl's keys, with their defaults
+                config, refused = sandbox_fusion_config(config, tool_timeout)
+                wrong = [(f"dsrl:sandbox_fusion {what}", fix) for what, fix in refused]
+            wrong += _builtin_problems(source, config, schema, tool_timeout)
             if wrong:
                 problems += [problem(line, what, fix) for what, fix in wrong]
                 continue
+        elif source in _VERL_BUILTINS:
+            problems.append(
+                problem(
+                    line,
+                    f"{source} is verl's tool, which dsrl has built in",
+                    f"write class_name: {_VERL_BUILTINS[source]} (it reads the same config keys)",
+                )
+            )
+            continue
         else:
             try:
                 _check_class(source, path)
@@ -171,7 +187,7 @@ def _builtin_problems(source: str, config: dict, schema, tool_timeout: float) ->
     """``(what, fix)`` for each setting of the built-in ``source`` it would not honour: a config key it does not
     read, a ``dsrl:python`` limit out of range, a ``tool_schema`` without the parameters it reads."""
     problems = []
-    unknown = sorted(set(config) - set(_BUILTIN_CONFIG[source]))
+    unknown = sorted(set(config) - set(_BUILTIN_CONFIG[source])) if source in _BUILTIN_CONFIG else []
     if unknown:
         problems.append(
             (
