@@ -7,6 +7,7 @@ so that ZeRO-3 partitions even the tiny model's small tensors.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -266,17 +267,22 @@ def tool_model_dir(tmp_path_factory) -> Path:
     digest = digest.hexdigest()[:16]
     cache = Path(os.environ.get("DSRL_TEST_CACHE", Path.home() / ".cache" / "dsrl" / "test_models"))
     out = cache / f"tiny_tool_model-{digest}"
-    if not (out / "config.json").exists():
-        building = tmp_path_factory.mktemp("tiny_tool_model")
-        subprocess.run(
-            [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), *TOOL_MODEL_ARGS, "--out", str(building)],
-            check=True,
-            capture_output=True,
-        )
-        cache.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(out, ignore_errors=True)  # a build interrupted while it was copied
-        shutil.copytree(building, out.with_suffix(".partial"), dirs_exist_ok=True)
-        out.with_suffix(".partial").rename(out)
+    cache.mkdir(parents=True, exist_ok=True)
+    # One build for the test processes of a run (pytest-xdist's workers): the others wait on the lock, then find it.
+    with open(out.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (out / "config.json").exists():
+            building = tmp_path_factory.mktemp("tiny_tool_model")
+            script = REPO / "scripts" / "make_tiny_model.py"
+            subprocess.run(
+                [sys.executable, str(script), *TOOL_MODEL_ARGS, "--out", str(building)],
+                check=True,
+                capture_output=True,
+            )
+            shutil.rmtree(out, ignore_errors=True)  # a build interrupted while it was copied
+            shutil.rmtree(out.with_suffix(".partial"), ignore_errors=True)
+            shutil.copytree(building, out.with_suffix(".partial"))
+            out.with_suffix(".partial").rename(out)
     return out
 
 
