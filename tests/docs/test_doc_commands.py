@@ -74,7 +74,7 @@ PAGES = (
 QUICKSTART = 'pip install -e ".[cpu,test]" && bash scripts/quickstart.sh'
 TESTS = (
     'bash scripts/install_bubblewrap.sh && pip install -e ".[cpu,test]" && ruff check && ruff format --check && mypy '
-    "&& python -m pytest && bash .ci/vllm_tier.sh && bash .ci/verl_tier.sh"
+    "&& python -m pytest -n 2 --dist loadfile && bash .ci/vllm_tier.sh && bash .ci/verl_tier.sh"
 )
 SMOLLM2_RUN = (
     "OMP_NUM_THREADS=2 DS_ACCELERATOR=cpu python scripts/train.py "
@@ -151,9 +151,11 @@ LONG |= {
     "python -m pytest tests/docs/test_doc_commands.py": "this file",
     'pip install -e ".[cpu,test]" && pre-commit install': "installs packages and git hooks into the checkout",
     "pre-commit run --all-files": "lints the repository (CI runs the same checks, .ci/run)",
-    'python -m pytest -m "not slow and not e2e and not dist"': "the fast tier of the test suite this file is part of",
-    'DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m pytest -m "not slow and not e2e and not dist"': "the fast tier "
-    "with one thread a process (CI runs the whole suite)",
+    'python -m pytest -n 2 -m "not slow and not e2e and not dist"': "the fast tier of the test suite this file is "
+    "part of",
+    'DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m pytest -n 2 -m "not slow and not e2e and not dist"': (
+        "the fast tier with one thread a process (CI runs the whole suite)"
+    ),
 }
 TRAINS = {
     QUICKSTART_RUN,

@@ -69,7 +69,7 @@ def test_the_settings_are_the_run_s_or_the_saved_adapter_s(peft_model, tmp_path)
     peft_model.save_pretrained(tmp_path)
     saved = actor_adapter_config(model_cfg(lora_rank=0, lora_alpha=99, lora_adapter_path=str(tmp_path)))
     assert (saved.r, saved.lora_alpha, sorted(saved.target_modules)) == (4, 16, ["q_proj", "v_proj"])
-    with pytest.raises(ValueError, match="lora_adapter_path=.*no readable adapter_config.json"):
+    with pytest.raises(ValueError, match="lora_adapter_path=.*adapter_config.json cannot be read"):
         actor_adapter_config(model_cfg(lora_adapter_path=str(tmp_path / "missing")))
 
 
