@@ -3,8 +3,8 @@ actor_rollout_ref.actor.mask_truncated_completions (the CPU overlay's data.max_r
 
 import pytest
 
-from dsrl import config as C
-from tests.conftest import recipe, stub_file_overrides
+from tests.conftest import stub_file_overrides
+from tests.helpers.config import problems
 
 BUFFER = "reward_model.reward_kwargs.overlong_buffer_cfg"
 DAPO = ["reward_model.reward_manager=dapo", f"{BUFFER}.enable=true", f"{BUFFER}.len=4", f"{BUFFER}.penalty_factor=1.0"]
@@ -13,14 +13,6 @@ DAPO = ["reward_model.reward_manager=dapo", f"{BUFFER}.enable=true", f"{BUFFER}.
 @pytest.fixture
 def files(tmp_path):
     return stub_file_overrides(tmp_path)
-
-
-def problems(overrides):
-    try:
-        C.load_and_validate(recipe("grpo"), overrides, 1)
-    except C.ConfigError as err:
-        return err.violations
-    return []
 
 
 def test_dapo_overlong_punishment_loads(files):

@@ -3,8 +3,8 @@ cases, and verl's older places of the keys refused with the new one."""
 
 import pytest
 
-from dsrl import config as C
-from tests.conftest import recipe, stub_file_overrides
+from tests.conftest import stub_file_overrides
+from tests.helpers.config import problems
 
 URL = "reward.sandbox_fusion.url=http://localhost:8080/run_code"
 
@@ -12,14 +12,6 @@ URL = "reward.sandbox_fusion.url=http://localhost:8080/run_code"
 @pytest.fixture
 def files(tmp_path):
     return stub_file_overrides(tmp_path)
-
-
-def problems(overrides):
-    try:
-        C.load_and_validate(recipe("grpo"), overrides, 1)
-    except C.ConfigError as err:
-        return err.violations
-    return []
 
 
 def test_a_server_loads_with_a_reward_call_long_enough(files):

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -24,6 +23,7 @@ from dsrl.rollout.tools import ToolCall, ToolRequest, ToolSet, ToolSpec, check_t
 from dsrl.rollout.tools.builtin import PythonInterpreter
 from dsrl.workers.sandbox import Sandbox
 from tests.helpers.processes import live, wait_gone, with_argument
+from tests.helpers.tools import tool_run_config
 
 TOOL_TIMEOUT = 10.0
 SECRET = "hf_FAKEsecretTOKEN1234567890"
@@ -32,19 +32,8 @@ MEMORY_LIMIT_MB = 512
 
 def tool_config(tmp_path, python_config: str = "", **multi_turn):
     (tmp_path / "tools.yaml").write_text(f"tools:\n  - class_name: dsrl:python\n    config: {{{python_config}}}\n")
-    values = dict(
-        tool_config_path=str(tmp_path / "tools.yaml"),
-        function_tool_path=None,
-        tool_timeout=TOOL_TIMEOUT,
-        max_tool_response_length=4000,
-        tool_response_truncate_side="middle",
-        tool_memory_limit_mb=4096,
-    )
-    values.update(multi_turn)
-    return SimpleNamespace(
-        actor_rollout_ref=SimpleNamespace(rollout=SimpleNamespace(multi_turn=SimpleNamespace(**values))),
-        reward=SimpleNamespace(log_max_mb=64),
-    )
+    limits = dict(tool_timeout=TOOL_TIMEOUT, max_tool_response_length=4000, tool_memory_limit_mb=4096)
+    return tool_run_config(tmp_path / "tools.yaml", **{**limits, **multi_turn})
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,12 @@ import os
 import re
 import textwrap
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from dsrl.rollout.tools import TOOL_FAILURE_KINDS, ToolCall, ToolRequest, ToolSet
 from tests.helpers.processes import live, wait_gone, with_argument
+from tests.helpers.tools import tool_run_config
 
 TOOL_TIMEOUT = 3.0
 
@@ -123,19 +123,8 @@ def run_config(tmp_path, **multi_turn):
     (tmp_path / "functions.py").write_text(FUNCTIONS)
     (tmp_path / "classes.py").write_text(CLASSES)
     (tmp_path / "tools.yaml").write_text(YAML)
-    values = dict(
-        tool_config_path=str(tmp_path / "tools.yaml"),
-        function_tool_path=str(tmp_path / "functions.py"),
-        tool_timeout=TOOL_TIMEOUT,
-        max_tool_response_length=200,
-        tool_response_truncate_side="middle",
-        tool_memory_limit_mb=2048,
-    )
-    values.update(multi_turn)
-    return SimpleNamespace(
-        actor_rollout_ref=SimpleNamespace(rollout=SimpleNamespace(multi_turn=SimpleNamespace(**values))),
-        reward=SimpleNamespace(log_max_mb=64),
-    )
+    functions = dict(function_tool_path=str(tmp_path / "functions.py"), tool_timeout=TOOL_TIMEOUT)
+    return tool_run_config(tmp_path / "tools.yaml", **{**functions, **multi_turn})
 
 
 @pytest.fixture(scope="module")
