@@ -60,7 +60,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any, get_args
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,7 +69,7 @@ from peft import LoraConfig
 
 from dsrl.config import pushes_lora_adapters
 from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded, stop_and_pad_ids
-from dsrl.rollout.vllm_lora import AdapterDirectory, actor_adapter_config, vllm_max_lora_rank
+from dsrl.rollout.vllm_lora import AdapterDirectory, actor_adapter_config, vllm_lora_ranks, vllm_max_lora_rank
 
 _SEED_RANGE = 2**62  # per-prompt seeds; + n stays far inside int64
 
@@ -232,10 +232,10 @@ class VLLMRollout:
         adapters = {}
         self.adapters, self.lora_request = None, None  # the adapter directory; the request of the last push
         if lora is not None:
-            from vllm.config.lora import MaxLoRARanks
+            import vllm.config.lora
 
             self.adapters = AdapterDirectory(lora)
-            rank = vllm_max_lora_rank(lora.r, get_args(MaxLoRARanks))
+            rank = vllm_max_lora_rank(lora.r, vllm_lora_ranks(vllm.config.lora))
             adapters = {"enable_lora": True, "max_loras": 1, "max_lora_rank": rank}
         self.llm = LLM(
             model=model_path,

@@ -15,13 +15,24 @@ import tempfile
 import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, get_args
 
 import torch
 from peft import LoraConfig
 from safetensors.torch import save_file
 
 from dsrl.engines.lora import ADAPTER_FILE, lora_config, saved_adapter_config, saved_adapter_tensors
+
+# The max_lora_rank values vLLM 0.10.2 (dsrl's floor) allows, a tuple inside LoRAConfig.__post_init__ there; later
+# releases name them as vllm.config.lora.MaxLoRARanks (0.33 adds rank 1).
+VLLM_0_10_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_ranks(vllm_lora_config: ModuleType) -> tuple[int, ...]:
+    """The ``max_lora_rank`` values the installed vLLM allows, from its ``vllm.config.lora`` module."""
+    ranks = getattr(vllm_lora_config, "MaxLoRARanks", None)
+    return VLLM_0_10_LORA_RANKS if ranks is None else get_args(ranks)
 
 
 def vllm_max_lora_rank(rank: int, allowed: Sequence[int]) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import os
+import types
+from typing import Literal
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from dsrl.engines.lora import iter_adapter_parameters, lora_config, saved_adapter_tensors
-from dsrl.rollout.vllm_lora import AdapterDirectory, actor_adapter_config, vllm_max_lora_rank
+from dsrl.rollout.vllm_lora import AdapterDirectory, actor_adapter_config, vllm_lora_ranks, vllm_max_lora_rank
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks in vLLM 0.32
 
@@ -32,6 +34,17 @@ def model_cfg(**overrides):
 @pytest.mark.parametrize("rank, built", [(1, 1), (2, 8), (8, 8), (9, 16), (257, 320), (512, 512)])
 def test_the_engine_is_built_for_the_smallest_allowed_rank_that_holds_the_adapters(rank, built):
     assert vllm_max_lora_rank(rank, VLLM_RANKS) == built
+
+
+def test_the_allowed_ranks_come_from_the_installed_vllm_or_its_floors_tuple():
+    """vLLM 0.10.2 has no ``vllm.config.lora.MaxLoRARanks`` (review G3): its ranks are then 0.10.2's own tuple."""
+    floor = types.ModuleType("vllm.config.lora")  # 0.10.2's module: LoRAConfig, no MaxLoRARanks
+    newer = types.ModuleType("vllm.config.lora")
+    newer.MaxLoRARanks = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]  # 0.33's
+    assert vllm_lora_ranks(floor) == (8, 16, 32, 64, 128, 256, 320, 512)
+    assert vllm_lora_ranks(newer) == VLLM_RANKS
+    assert vllm_max_lora_rank(1, vllm_lora_ranks(floor)) == 8
+    assert vllm_max_lora_rank(1, vllm_lora_ranks(newer)) == 1
 
 
 def test_a_rank_beyond_vllm_is_refused_naming_the_key():
