@@ -58,8 +58,9 @@ def init_distributed(timeout_s: int | None = None) -> None:
     if dist.is_initialized():
         return
     launch = join()
-    # NCCL must not use cuMem-allocated buffers beside vLLM's memory pool (vLLM sets this when imported, too
-    # late for the group created here); every rank sets it alike, whatever its rollout.
+    # NCCL without cuMem-allocated buffers beside vLLM's memory pool, on every rank alike, whatever its rollout.
+    # Older vLLM set this when imported (vllm/env_override.py); 0.32's no longer does (only its weight-transfer
+    # code reads it). NCCL's NVLS (NVSwitch) is built on cuMem, so a user may set 1 and measure (unmeasured here).
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     timeout = default_pg_timeout if timeout_s is None else timedelta(seconds=timeout_s)
     try:
