@@ -9,7 +9,7 @@ def tool_run_config(tool_config_path, **multi_turn) -> SimpleNamespace:
     """``actor_rollout_ref.rollout.multi_turn``'s tool keys (``multi_turn`` replaces the defaults) and the workers'
     log bound, as attributes."""
     values = dict(
-        tool_config_path=str(tool_config_path),
+        tool_config_path=None if tool_config_path is None else str(tool_config_path),
         function_tool_path=None,
         tool_timeout=10.0,
         max_tool_response_length=200,

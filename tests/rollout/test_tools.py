@@ -4,32 +4,21 @@ schemas from functions, argument checks and the tool files' problems (tests/roll
 from __future__ import annotations
 
 import textwrap
-from types import SimpleNamespace
 
 import pytest
 
 from dsrl.rollout.tools import ToolCall, check_tool_files, function_schema, load_tool_specs, parse_tool_calls, truncate
 from dsrl.rollout.tools.builtin import Calculator
 from dsrl.rollout.tools.specs import argument_problem
+from tests.helpers.tools import tool_run_config
 
 KEY = "actor_rollout_ref.rollout.multi_turn"
 
 
 def config(tool_config_path=None, function_tool_path=None, **multi_turn):
     """A run config with what the tools read."""
-    values = dict(
-        tool_config_path=tool_config_path,
-        function_tool_path=function_tool_path,
-        tool_timeout=5.0,
-        max_tool_response_length=256,
-        tool_response_truncate_side="middle",
-        tool_memory_limit_mb=2048,
-    )
-    values.update(multi_turn)
-    return SimpleNamespace(
-        actor_rollout_ref=SimpleNamespace(rollout=SimpleNamespace(multi_turn=SimpleNamespace(**values))),
-        reward=SimpleNamespace(log_max_mb=64),
-    )
+    limits = dict(function_tool_path=function_tool_path, tool_timeout=5.0, max_tool_response_length=256)
+    return tool_run_config(tool_config_path, **{**limits, **multi_turn})
 
 
 # ---------------------------------------------------------------- hermes
