@@ -302,7 +302,10 @@ def convert(
         save_adapter(module, out)
         return "the actor's LoRA adapter (a PEFT directory)"
     export_hf_model(module, tokenizer, out)
-    merged = " (merged; its adapter in lora_adapter/)" if lora_enabled(settings) else ""
+    merged = ""
+    if lora_enabled(settings):  # bfloat16 weights round a small update out of the merge; the adapter keeps it
+        exact = ", the exact result" if dtype == "bfloat16" else ""
+        merged = f" (merged; its adapter in lora_adapter/{exact})"
     return f"the actor as a Hugging Face model{merged} in {dtype}"
 
 

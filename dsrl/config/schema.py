@@ -62,7 +62,9 @@ class LoraPushConfig:
         "true: push W + (alpha/r)·B·A merged into full weights to the rollout engine, bucket by bucket, every step "
         "(plain generation); false (verl's default): push only the adapters (vLLM's LoRA kernels, which need "
         "rollout.sleep_level=1 where vLLM sleeps; the HF rollout's PEFT copy). dsrl defaults to true: on vLLM's CPU "
-        "build adapter generation ran 1.9-2.9x slower, more than the cheaper push saved (bench/lora_push.py)",
+        "build adapter generation ran 1.9-2.9x slower, more than the cheaper push saved (bench/lora_push.py); in "
+        "bfloat16 a merge rounds small updates away, but the logits move no further than bfloat16's own forward "
+        "does (tests/engines/test_lora.py)",
     )
 
 

@@ -3,6 +3,7 @@ adapters, their rank and scaling), and targets dsrl cannot train are refused nam
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from dsrl.engines.lora import add_adapters, lora_layers
+from dsrl.engines.lora import add_adapters, base_name, iter_merged_parameters, lora_layers
 
 LINEAR = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
@@ -114,3 +115,50 @@ def test_a_saved_adapter_s_targets_are_checked_against_this_model(tiny_model_dir
     (problem,) = target_problems(tiny_model_dir, lora_rank=0, lora_adapter_path=path)
     assert problem.startswith(f"actor_rollout_ref.model.lora_adapter_path={path}: the adapter's target_modules=['wq']")
     assert problem.endswith("fix: start from an adapter trained on actor_rollout_ref.model.path's model")
+
+
+def moved_adapters(tiny_model_dir, steps: int, lr: float = 3e-5):
+    """A rank-32 actor (grpo_lora's adapters) whose ``B`` moved ``lr`` a step for ``steps`` steps, each element in a
+    random direction (Adam's step size at grpo_lora's learning rate), in float32."""
+    torch.manual_seed(steps)
+    model = adapted(tiny_model_dir, lora_rank=32, lora_alpha=32)
+    for layer in lora_layers(model).values():
+        weight = layer.lora_B["default"].weight
+        weight.data = steps * lr * torch.sign(torch.randn_like(weight))
+    return model
+
+
+def merged_share_of_the_update(model) -> float:
+    """Of the adapters' update ``s B A`` (float32), the share that survives merging into bfloat16 weights: the
+    projection of ``merged - W`` on it, over all adapted layers."""
+    merged = dict(iter_merged_parameters(copy.deepcopy(model).to(torch.bfloat16)))
+    along = squared = 0.0
+    for name, layer in lora_layers(model).items():
+        weight = layer.base_layer.weight.to(torch.bfloat16).float()
+        update = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
+        kept = merged[base_name(f"{name}.weight")].float() - weight
+        along, squared = along + float((kept * update).sum()), squared + float((update * update).sum())
+    return along / squared
+
+
+def test_a_bfloat16_merge_rounds_early_updates_away_but_moves_the_logits_no_further_than_bfloat16_does(
+    tiny_model_dir,
+):
+    """gpu_path_3 G2: merged into bfloat16 weights, most of an early update is rounded away (its elements are below
+    half a bfloat16 step of the weights they add to). The actor's own bfloat16 forward loses it too: PEFT adds
+    ``B A x`` into a bfloat16 activation (vLLM's LoRA kernels do the same), so a merged push samples no further
+    from the bfloat16 actor than that actor is from its exact (float32) self. This is why lora.merge stays true in
+    bfloat16; the adapter (lora_adapter/ of an export) remains the exact trained result."""
+    ids = torch.randint(0, 100, (4, 48), generator=torch.Generator().manual_seed(0))
+    shares = {}
+    for steps in (1, 10, 30):
+        model = moved_adapters(tiny_model_dir, steps)
+        shares[steps] = merged_share_of_the_update(model)
+        with torch.no_grad():
+            exact = model(ids).logits
+            actor = copy.deepcopy(model).to(torch.bfloat16)(ids).logits.float()
+            plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+            plain.load_state_dict(dict(iter_merged_parameters(copy.deepcopy(model).to(torch.bfloat16))), strict=False)
+            rollout = plain(ids).logits.float()
+        assert (rollout - actor).norm() <= 1.5 * (actor - exact).norm(), steps
+    assert shares[1] < 0.5 and shares[30] > 0.9, shares
