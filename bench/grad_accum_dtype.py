@@ -16,7 +16,10 @@ Rows: the accumulated gradient (that buffer, read just before the optimizer step
 the bf16 run against the fp32 run's: relative L2 error ``|g_bf16 - g_fp32| / |g_fp32|`` and 1 - cosine;
 the same for the step's change of the fp32 master weights (Adam's first step divides by the gradient's
 magnitude, so this mostly shows sign flips); per variant the seconds of the update (the snapshot's copy
-excluded), its peak memory allocated (CUDA; n/a on CPU) and the buffer's size. The header names the
+excluded), its peak memory allocated (CUDA; n/a on CPU) and the buffer's size. With an offloaded optimizer
+(``zero3_offload``) the buffer is on the host, and each micro-batch after the first copies every gradient
+partition to the device, adds there and copies it back (review gpu_path_3 G5): the rows count those bytes from
+the buffers ``partition_grads`` touched (on CPU nothing crosses, the count is what a GPU moves). The header names the
 buffer dtype each variant really got, which shows whether DeepSpeed honoured the key.
 """
 
@@ -77,6 +80,17 @@ def one_step(size, model_dir: Path, config: Path, batch) -> dict:
         return step(*args, **kwargs)
 
     zero.step = snapshot_then_step
+    result["crossing_bytes"] = []  # per micro-batch
+    partition_grads = zero.partition_grads
+
+    def counted_partition_grads(params, grad_partitions):
+        first = zero.micro_step_id == 0
+        buffers = partition_grads(params, grad_partitions)
+        if zero.offload_optimizer:  # the buffer is on the host: copied in once, then out, added, back per micro-batch
+            result["crossing_bytes"].append(sum(b.numel() * b.element_size() for b in buffers) * (1 if first else 2))
+        return buffers
+
+    zero.partition_grads = counted_partition_grads
     seconds, peak = recipe_geometry.timed(lambda: actor.update(batch, temperature=1.0))
     buffer = zero.grad_partitions_flat_buffer
     result.update(
@@ -85,6 +99,7 @@ def one_step(size, model_dir: Path, config: Path, batch) -> dict:
         peak_gib=peak,
         buffer_dtype=str(buffer.dtype).removeprefix("torch."),
         buffer_mib=buffer.numel() * buffer.element_size() / 2**20,
+        crossing_mib=[n / 2**20 for n in result.pop("crossing_bytes")],
         communication_dtype=str(zero.communication_data_type).removeprefix("torch."),
         optimizer=type(actor.engine.basic_optimizer).__name__,
     )
@@ -161,6 +176,17 @@ def main(argv: list[str] | None = None) -> int:
             (f"{dtype} accumulation peak memory", run["peak_gib"], "GiB"),
             (f"{dtype} accumulation buffer", run["buffer_mib"], f"MiB ({run['buffer_dtype']})"),
         ]
+        if run["crossing_mib"]:  # an offloaded optimizer: the gradient partitions' round trips to the host
+            crossing = run["crossing_mib"]
+            table += [
+                (f"{dtype} host<->device, first micro-batch", crossing[0], "MiB (to the host)"),
+                (
+                    f"{dtype} host<->device, each later micro-batch",
+                    sum(crossing[1:]) / max(len(crossing) - 1, 1),
+                    "MiB",
+                ),
+                (f"{dtype} host<->device, the step", sum(crossing), f"MiB over {len(crossing)} micro-batches"),
+            ]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     got = ", ".join(
         f"{d} -> buffer {runs[d]['buffer_dtype']}, communication {runs[d]['communication_dtype']}" for d in VARIANTS
