@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The first five measurements of review gpu_path_2 §4, in one sitting on one GPU with torch installed and
-# no network: under 10 minutes on an H200, one table. Each step runs under its own timeout; a failed step
-# is recorded (exit code, log) and the next one still runs.
+# One sitting on one GPU with torch installed and no network: the GPU-only checks of reviews gpu_path_2 §4 and
+# gpu_path_3 (2), under 6 minutes, one table. Each step runs under its own timeout; a failed step is recorded
+# (exit code, log) and the next one still runs.
 #
 #   WHEELS=wheels bash bench/gpu_measure.sh      # the GPU machine; wheels/ from bench/gpu_wheels.sh (< 64 MiB)
 #   bash bench/gpu_measure.sh --smoke            # the same steps at tiny sizes on CPU, in about two minutes
@@ -9,29 +9,37 @@
 # Writes to $OUT (default outputs/gpu_measure): gpu_measure.md (the table), gpu_measure.json (every
 # number, and each step's exit code and seconds), <step>.log, and each step's own JSON.
 #
-# Steps and their rows:
-#   1 toolchain        versions (python, torch, CUDA, driver, deepspeed), nvcc and CUDA_HOME, the wheel
-#                      install, ds_report's op lines, and whether the recipes' optimizer op builds
-#                      (FusedAdam; the smoke's offload config: CPUAdam). If FusedAdam cannot build, no
-#                      shipped recipe can start on this image, and steps 2, 4 and 5 measure with torch's
-#                      AdamW (--optimizer adamw; the table says so).
-#   2 gpu_check        scripts/gpu_check.sh: ZeRO-3 update tokens/s and MFU, trainer memory release, weight
-#                      push, wake/sleep, generation tokens/s, rollout-vs-actor prob diff, peak memory
-#                      (Qwen2.5-0.5B shape, transformers rollout: vLLM cannot be carried, its wheel is over 300 MB).
-#   3 logits_head      bench/logits_head.py at GRPO's micro-batch (40 x 1024, vocabulary 151936): seconds and
-#                      peak GiB of the log-prob head's forward + backward, old and new implementation.
-#   4 recipe_geometry  bench/recipe_geometry.py: update and log-prob pass per micro-batch for GRPO, OPO and
-#                      OTB at prompt 512 + response 1024: seconds per micro-batch, tokens/s, peak GiB.
-#   5 grad_accum_dtype bench/grad_accum_dtype.py: one OPO-like step over 32 micro-batches with ZeRO-3
-#                      grad_accum_dtype bf16 and fp32: gradient rel L2 error and 1 - cosine, seconds, memory.
+# Steps, their timeouts (s) and their rows:
+#   toolchain         90  versions (python, torch, CUDA, driver, deepspeed), nvcc and CUDA_HOME, the wheel
+#                         install, ds_report's op lines, and whether the recipes' optimizer op builds
+#                         (FusedAdam; the smoke's offload config: CPUAdam). If FusedAdam cannot build, no
+#                         shipped recipe can start on this image, and the later steps measure with torch's
+#                         AdamW (--optimizer adamw; the table says so). Generous: a build killed half-way
+#                         leaves torch's extension lock behind, on which every later step would wait.
+#   gpu_check         75  scripts/gpu_check.py: ZeRO-3 update tokens/s and MFU, trainer memory release, the
+#                         actor's offload and reload, weight push, wake/sleep, generation tokens/s,
+#                         rollout-vs-actor prob diff, peak memory (Qwen2.5-0.5B shape, transformers rollout:
+#                         vLLM cannot be carried, its wheel is over 300 MB).
+#   gpu_check_lora    60  scripts/gpu_check.py --lora 32 (review gpu_path_3 G1, G2): LoRA on zero3 in bf16,
+#                         the actor's states offloaded and reloaded around each generation, two rounds each
+#                         of merged and of adapter pushes: release seconds, prob diff mean/max per mode, the
+#                         updates with the KL loss to the adapter-off reference.
+#   grad_accum_dtype_zero3          30  bench/grad_accum_dtype.py --config zero3, and
+#   grad_accum_dtype_zero3_offload  60  --config zero3_offload (G5; its CPUAdam builds here on first use):
+#                         one step over 32 micro-batches of 2 rows x (256 + 512) tokens with grad_accum_dtype
+#                         bf16 and fp32: gradient rel L2 error and 1 - cosine, seconds, memory.
 #
-# BUDGET_S (default 570): the whole script's seconds. Each step's timeout is cut to what is left, so the
-# table is written before a 600-second device limit ends the command. The smoke has no device limit: its steps
-# get 4x the time (BUDGET_S default 2280), so a loaded CI machine slows it down without failing it.
-# FusedAdam's first build (nvcc) falls in step 1; later steps load it from ~/.cache/torch_extensions.
+# BUDGET_S (default 330): the whole script's seconds, so that a failed sitting can be run again inside a
+# lent GPU's 15 minutes with a machine start of 1-2 minutes each (2 x (330 + 120) = 900). The timeouts add
+# up to 90 + 75 + 60 + 30 + 60 = 315, and 15 s are kept for the table. They are estimates: no step has run
+# on a GPU yet, so read each step's seconds in the table and re-size them after the first sitting. Each
+# step's timeout is also cut to what is left, so the table is written before a device limit ends the
+# command. The smoke has no device limit: its steps get 6x the time (BUDGET_S default 1980), so a loaded
+# CI machine slows it down without failing it.
+# FusedAdam's first build (nvcc) falls in the toolchain step; later steps load it from ~/.cache/torch_extensions.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python}"
+PYTHON="${PYTHON:-python3}"  # the device image's interpreter with torch
 OUT="${OUT:-outputs/gpu_measure}"
 SMOKE=""
 case "${1:-}" in
@@ -39,8 +47,8 @@ case "${1:-}" in
     "") ;;
     *) echo "usage: [WHEELS=dir] [OUT=dir] bash bench/gpu_measure.sh [--smoke]" >&2; exit 2 ;;
 esac
-SLACK=$([ -n "$SMOKE" ] && echo 4 || echo 1)  # the smoke's timeouts guard against hangs, not a device limit
-BUDGET_S="${BUDGET_S:-$((570 * SLACK))}"
+SLACK=$([ -n "$SMOKE" ] && echo 6 || echo 1)  # the smoke's timeouts guard against hangs, not a device limit
+BUDGET_S="${BUDGET_S:-$((330 * SLACK))}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # dsrl from this checkout
 if [ -n "$SMOKE" ]; then
@@ -116,25 +124,23 @@ PY
 }
 
 export PYTHON OUT SMOKE
-step toolchain 150 bash -c "$(declare -f toolchain); toolchain"  # a function: timeout runs programs only
+step toolchain 90 bash -c "$(declare -f toolchain); toolchain"  # a function: timeout runs programs only
 OPTIMIZER=recipe
 if "$PYTHON" -c "import json, sys; sys.exit(0 if json.load(open('$OUT/toolchain.json')).get('optimizer op problem') else 1)" 2>/dev/null; then
     OPTIMIZER=adamw  # the recipes could not start here; measure the rest with torch's AdamW
 fi
 
-if [ -n "$SMOKE" ]; then
-    step gpu_check 120 env OUT="$OUT" bash scripts/gpu_check.sh --smoke --optimizer "$OPTIMIZER"
-    step logits_head 60 "$PYTHON" bench/logits_head.py 4 64 4096 --device cpu --json "$OUT/logits_head.json"
-    step recipe_geometry 120 "$PYTHON" bench/recipe_geometry.py --smoke --optimizer "$OPTIMIZER" --json "$OUT/recipe_geometry.json"
-    step grad_accum_dtype 120 "$PYTHON" bench/grad_accum_dtype.py --smoke --optimizer "$OPTIMIZER" --json "$OUT/grad_accum_dtype.json"
-else
-    step gpu_check 240 env OUT="$OUT" bash scripts/gpu_check.sh --optimizer "$OPTIMIZER"
-    step logits_head 60 "$PYTHON" bench/logits_head.py 40 1024 151936 --device cuda --json "$OUT/logits_head.json"
-    step recipe_geometry 150 "$PYTHON" bench/recipe_geometry.py --shape qwen2.5-0.5b --cases grpo,opo,otb \
-        --optimizer "$OPTIMIZER" --json "$OUT/recipe_geometry.json"
-    step grad_accum_dtype 150 "$PYTHON" bench/grad_accum_dtype.py --micro 32 --rows 1024 --lengths 512,1024 \
-        --optimizer "$OPTIMIZER" --json "$OUT/grad_accum_dtype.json"
-fi
+# The check itself, not scripts/gpu_check.sh: the toolchain step has installed the wheels, and the wrapper's
+# look for missing packages would import them all again.
+step gpu_check 75 env OUT="$OUT" "$PYTHON" scripts/gpu_check.py ${SMOKE:+--smoke} --optimizer "$OPTIMIZER"
+step gpu_check_lora 60 env OUT="$OUT" "$PYTHON" scripts/gpu_check.py ${SMOKE:+--smoke} --lora 32 --optimizer "$OPTIMIZER"
+# 32 micro-batches, as the OPO-like accumulation of review gpu_path_2 N3; short rows: what differs between the
+# variants is the accumulation buffer and, under zero3_offload, its copy per micro-batch, not the model's FLOPs.
+if [ -n "$SMOKE" ]; then shape=(--smoke); else shape=(--micro 2 --rows 64 --lengths 256,512); fi
+step grad_accum_dtype_zero3 30 "$PYTHON" bench/grad_accum_dtype.py "${shape[@]}" --config zero3 \
+    --optimizer "$OPTIMIZER" --json "$OUT/grad_accum_dtype_zero3.json"
+step grad_accum_dtype_zero3_offload 60 "$PYTHON" bench/grad_accum_dtype.py "${shape[@]}" --config zero3_offload \
+    --optimizer "$OPTIMIZER" --json "$OUT/grad_accum_dtype_zero3_offload.json"
 
 # The table: the toolchain's facts, then each step's exit code and seconds and its JSON's numbers
 # (gpu_check's format: "metrics" rows of name, value, unit; any other JSON: its numeric leaves by dotted path).

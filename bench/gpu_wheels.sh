@@ -8,24 +8,24 @@
 # deepspeed (and omegaconf where it has no wheel) are sdist-only on PyPI: built here with `pip wheel`
 # (deepspeed's ops compile on the device when first used, so its wheel is pure Python). The rest is
 # `pip download` with dependencies resolved for each target Python; torch and its own dependencies are
-# the device's, so deepspeed's and accelerate's requirements are resolved without torch. vLLM cannot be
+# the device's, so deepspeed's, accelerate's and peft's requirements are resolved without torch. vLLM cannot be
 # carried: its wheel alone is over 300 MB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python}"
+PYTHON="${PYTHON:-python3}"
 DEST="${DEST:-wheels}"
 LIMIT_MIB=64
 mkdir -p "$DEST"
 
 "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$DEST" "deepspeed>=0.19" omegaconf
-"$PYTHON" -m pip download -q --no-deps -d "$DEST" --only-binary=:all: "accelerate>=1.1"
+"$PYTHON" -m pip download -q --no-deps -d "$DEST" --only-binary=:all: "accelerate>=1.1" "peft>=0.14"
 # The requirements of the no-deps wheels above, torch's excepted (it is on the device).
 mapfile -t requirements < <("$PYTHON" - "$DEST" <<'PY'
 import sys, zipfile
 from pathlib import Path
 from packaging.requirements import Requirement
 for wheel in Path(sys.argv[1]).glob("*.whl"):
-    if not wheel.name.split("-")[0].lower() in ("deepspeed", "omegaconf", "accelerate"):
+    if not wheel.name.split("-")[0].lower() in ("deepspeed", "omegaconf", "accelerate", "peft"):
         continue
     with zipfile.ZipFile(wheel) as archive:
         meta = next(name for name in archive.namelist() if name.endswith(".dist-info/METADATA"))

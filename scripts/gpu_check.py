@@ -1,7 +1,8 @@
 """One check of a colocated ZeRO-3 actor and rollout engine on one device, printed as one table.
 
     python scripts/gpu_check.py             # Qwen2.5-0.5B's shape, one GPU, < 8 minutes
-    python scripts/gpu_check.py --smoke     # a tiny shape, the same code, seconds on CPU
+    python scripts/gpu_check.py --lora 32   # the LoRA case, merged and adapter pushes
+    python scripts/gpu_check.py --smoke     # a tiny shape, the same code, seconds on CPU (with --lora too)
 
 Model: Qwen2.5-0.5B's shape with random weights (nothing is downloaded) and the character tokenizer
 of ``scripts/make_tiny_model.py``; embedding rows beyond the tokenizer's vocabulary are padding, as in
@@ -16,6 +17,18 @@ Two rounds of: push the actor's weights into the rollout engine and generate
 (``colocated_generation``), the actor's log-probs of the responses, a PPO update. Round one warms up
 (compilation, allocator) and its update moves the weights, so round two's push carries weights the
 rollout engine never loaded; round two is reported, its update timed over ``UPDATE_REPEATS`` calls.
+Each generation offloads the actor's DeepSpeed states the phase releases (``offload_targets``) and
+reloads them after; on a CPU too (``offload_on_cpu``), where only ``--lora`` has states to move (the
+full case's offload config keeps them in host memory). On CUDA the table says how much of them was
+still on the device while generating and how much was back after the reload.
+
+The LoRA case (``--lora RANK``; review gpu_path_3 G1, G2): adapters of that rank with alpha = rank on
+every linear layer (``target_modules=all-linear``), the frozen base in the check's dtype on the same
+ZeRO-3 setup, a smaller batch (``QWEN25_05B_LORA``). One actor, two transformers rollouts: the two
+rounds above with merged pushes (``lora.merge=true``, ``W + s·B·A`` cast to the dtype: G2's rounding
+shows in the prob diff), then two with adapter pushes into a PEFT copy (``lora.merge=false``). Each
+update adds the KL loss to the actor with its adapters off (``AdapterOffReference``), as a LoRA run's
+reference is. Rows of each mode carry its name; the table goes to ``$OUT/gpu_check_lora.json``.
 
 MFU = 6 * N * tokens / seconds / peak bf16 dense FLOP/s, the 6N convention: N counts every parameter
 once (the tied LM head included), tokens are the batch's valid prompt + response tokens; the
@@ -32,6 +45,7 @@ them from a folder that ``bench/gpu_wheels.sh`` builds), or FusedAdam not compil
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -57,6 +71,7 @@ REQUIRED = {
     "omegaconf": "omegaconf",
     "yaml": "pyyaml",
     "psutil": "psutil",
+    "peft": "peft",  # the LoRA case (--lora)
 }
 # Dense bf16 FLOP/s by device-name substring, first match wins (SXM parts unless named).
 PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
@@ -118,6 +133,11 @@ SMOKE = CheckSize(
     deepspeed_config="zero3_offload",
     gradient_checkpointing=True,
 )
+# The LoRA case (--lora) checks colocation and the pushes rather than throughput: a smaller batch of the same shape.
+QWEN25_05B_LORA = dataclasses.replace(QWEN25_05B, prompts=16, max_tokens=128)
+# zero3, whose states are on the "device": the CPU runs the offload and reload a GPU does (the offload config keeps
+# them in host memory, with nothing to offload).
+SMOKE_LORA = dataclasses.replace(SMOKE, deepspeed_config="zero3")
 
 
 def missing_packages() -> list[str]:
@@ -314,100 +334,162 @@ def format_value(value: float | None) -> str:
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
 
 
-def run(size: CheckSize, optimizer: str, out_dir: Path, started: float) -> None:
-    """The check at ``size``; ``started`` is the ``time.perf_counter()`` the wall time counts from."""
+def run(size: CheckSize, optimizer: str, out_dir: Path, started: float, lora_rank: int = 0) -> None:
+    """The check at ``size``; ``started`` is the ``time.perf_counter()`` the wall time counts from; ``lora_rank``
+    above 0: the LoRA case (the module's docstring)."""
     from deepspeed.accelerator import get_accelerator
 
     from dsrl.data.batch import Batch
     from dsrl.engines import ActorEngine, init_distributed
+    from dsrl.engines.lora import iter_adapter_parameters, iter_merged_parameters, trainable_parameter_count
+    from dsrl.engines.reference import AdapterOffReference
     from dsrl.engines.weight_sync import iter_full_parameters
     from dsrl.rollout import HFRollout, SamplingParams
-    from dsrl.rollout.colocation import colocated_generation
+    from dsrl.rollout.colocation import colocated_generation, offload_targets, offloaded_bytes
     from dsrl.trainer.metrics import rollout_logprob_metrics
 
     accelerator = get_accelerator()
     on_cuda = accelerator.device_name() == "cuda"
-    rollout_name, why = choose_rollout(on_cuda)
+    if lora_rank:
+        rollout_name, why = "hf", "LoRA: transformers rollouts (a plain copy, a PEFT copy)"
+    else:
+        rollout_name, why = choose_rollout(on_cuda)
     memory = DeviceMemory(on_cuda)
     sampling = SamplingParams(n=size.n, max_tokens=size.max_tokens, seed=1)
     advantage_generator = torch.Generator().manual_seed(0)
 
-    def generation_round(rollout, actor, prompt_ids, prompt_mask) -> tuple[Batch, dict[str, float]]:
-        """Push, generate, then the actor's log-probs and random per-row advantages."""
-        metrics: dict[str, float] = {}
+    def states_on_device_gib(actor) -> float | None:
+        """GiB of the actor's offload targets (``offloaded_bytes``) on the CUDA device: ~0 while they are
+        offloaded, all of them after the reload. None off CUDA, where device and host are one memory."""
+        return offloaded_bytes(actor.engine, offload_targets(actor.engine)) / GIB if on_cuda else None
+
+    def generation_round(rollout, push, actor, reference, prompt_ids, prompt_mask) -> tuple[Batch, dict]:
+        """Push ``push(actor.module)``, generate, then the actor's log-probs (with a ``reference``, its
+        log-probs too) and random per-row advantages; the phase's metrics and where the actor's states were."""
+        metrics: dict[str, float | None] = {}
         with colocated_generation(
             rollout,
-            weights=lambda: iter_full_parameters(actor.module),
+            weights=lambda: push(actor.module),
             trainer_engines={"actor": actor.engine},
             metrics=metrics,
+            offload_on_cpu=True,  # a CPU runs the GPU's offload_states / reload_states calls too
         ):
             out = rollout.generate(prompt_ids, prompt_mask, sampling)
             memory.sample()  # awake: weights and KV cache allocated
+            metrics["states_in_generation_gib"] = states_on_device_gib(actor)
+        metrics["states_after_reload_gib"] = states_on_device_gib(actor)
         batch = Batch.of_responses(prompt_ids, prompt_mask, out, size.n)
         batch = batch.replace(**actor.compute_log_probs(batch, temperature=sampling.temperature))
+        if reference is not None:
+            batch = batch.replace(ref_log_probs=reference.compute_log_probs(batch, temperature=sampling.temperature))
         advantages = torch.randn(len(batch), 1, generator=advantage_generator) * batch.response_mask  # [B, T]
         return batch.replace(advantages=advantages), metrics
 
-    def timed_update(actor, batch) -> float:
+    def timed_update(actor, batch) -> tuple[float, dict[str, float]]:
+        """Seconds and ``actor/*`` metrics of one update."""
         accelerator.synchronize()
         begin = time.perf_counter()
-        actor.update(batch, temperature=sampling.temperature)
+        metrics = actor.update(batch, temperature=sampling.temperature)
         accelerator.synchronize()
         seconds = time.perf_counter() - begin
         memory.sample()  # the caching allocator still holds the update's peak
-        return seconds
+        return seconds, metrics
 
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
         model_dir = Path(tmp)
         n_params = save_random_model(size, model_dir)
         prompt_ids, prompt_mask = random_prompts(model_dir, size)
         deepspeed_config, optimizer_note = actor_deepspeed_config(size, optimizer, model_dir)
-        cfg = run_config(size, model_dir, rollout_name, deepspeed_config)
-        if rollout_name == "vllm":
-            from dsrl.rollout.vllm import VLLMRollout
-
+        reference = None
+        if lora_rank:
+            lora = (
+                f"actor_rollout_ref.model.lora_rank={lora_rank}",
+                f"actor_rollout_ref.model.lora_alpha={lora_rank}",
+                "actor_rollout_ref.model.target_modules=all-linear",
+                "actor_rollout_ref.actor.use_kl_loss=true",  # the update goes through the adapter-off reference
+            )
+            cfg = run_config(size, model_dir, rollout_name, deepspeed_config, *lora)
+            adapter_cfg = run_config(
+                size, model_dir, rollout_name, deepspeed_config, *lora, "actor_rollout_ref.model.lora.merge=false"
+            )
             init_distributed()
-            rollout = VLLMRollout.from_config(cfg)  # before the actor: vLLM sizes itself on an empty device
             actor = ActorEngine(cfg)
+            reference = AdapterOffReference(cfg, actor)
+            # The pushes ActorEngine.rollout_weights makes for lora.merge true and false, into the rollout of each.
+            modes = {
+                "merged": (HFRollout.from_config(cfg), iter_merged_parameters),
+                "adapter": (HFRollout.from_config(adapter_cfg), iter_adapter_parameters),
+            }
         else:
+            cfg = run_config(size, model_dir, rollout_name, deepspeed_config)
             init_distributed()
-            actor = ActorEngine(cfg)
-            rollout = HFRollout.from_config(cfg)
+            if rollout_name == "vllm":
+                from dsrl.rollout.vllm import VLLMRollout
+
+                rollout = VLLMRollout.from_config(cfg)  # before the actor: vLLM sizes itself on an empty device
+                actor = ActorEngine(cfg)
+            else:
+                actor = ActorEngine(cfg)
+                rollout = HFRollout.from_config(cfg)
+            modes = {"": (rollout, iter_full_parameters)}
         memory.sample()
 
-        warmup_batch, _ = generation_round(rollout, actor, prompt_ids, prompt_mask)
-        timed_update(actor, warmup_batch)
-        batch, phase = generation_round(rollout, actor, prompt_ids, prompt_mask)
-        agreement = rollout_logprob_metrics(batch)
-        update_s = sum(timed_update(actor, batch) for _ in range(UPDATE_REPEATS))
+        # Per mode, round one warms up (compilation, allocator; a rollout's first push) and its update moves the
+        # weights, so round two's push carries weights that rollout never held; round two is reported.
+        rounds = {}
+        for mode, (rollout, push) in modes.items():
+            warmup_batch, _ = generation_round(rollout, push, actor, reference, prompt_ids, prompt_mask)
+            timed_update(actor, warmup_batch)
+            batch, phase = generation_round(rollout, push, actor, reference, prompt_ids, prompt_mask)
+            updates = [timed_update(actor, batch) for _ in range(UPDATE_REPEATS)]
+            rounds[mode] = batch, phase, rollout_logprob_metrics(batch), updates
         optimizer_name = type(actor.engine.basic_optimizer).__name__
+        trained = trainable_parameter_count(actor.module)
 
-    tokens = batch.attention_mask.sum().item() * UPDATE_REPEATS
-    update_tokens_per_s = tokens / update_s
     device_name = torch.cuda.get_device_name() if on_cuda else accelerator.device_name()
     peak = peak_flops(device_name)
-    generated = batch.response_mask.sum().item()
-    table = [
-        ("model parameters", n_params / 1e6, "M"),
-        ("actor update throughput", update_tokens_per_s, "tokens/s"),
-        ("actor update MFU (6N)", None if peak is None else 100 * 6 * n_params * update_tokens_per_s / peak, "%"),
-        ("trainer memory release", phase["timing_s/release_memory"], "s"),
-        ("weight push", phase["timing_s/update_weights"], "s"),
-        ("rollout wake", phase["timing_s/wake"], "s"),
-        ("rollout sleep", phase["timing_s/sleep"], "s"),
-        ("memory freed by sleep", phase.get("rollout/sleep_freed_gib"), "GiB"),
-        ("generation throughput", generated / phase["timing_s/gen"], "tokens/s"),
-        ("prob diff mean", agreement["training/rollout_probs_diff_mean"], "|p_rollout - p_actor| (verl's metric)"),
-        ("prob diff max", agreement["training/rollout_probs_diff_max"], "|p_rollout - p_actor| (verl's metric)"),
+    table: list[tuple[str, float | None, str]] = [("model parameters", n_params / 1e6, "M")]
+    if lora_rank:
+        table.append(("trained parameters", trained / 1e6, "M (the adapters)"))
+    for mode, (batch, phase, agreement, updates) in rounds.items():
+        suffix = f" ({mode} pushes)" if mode else ""
+        update_tokens_per_s = batch.attention_mask.sum().item() * len(updates) / sum(s for s, _ in updates)
+        rows: list[tuple[str, float | None, str]] = [("actor update throughput", update_tokens_per_s, "tokens/s")]
+        if not lora_rank:  # 6N counts the weight gradients, which LoRA's frozen weights do not get
+            mfu = None if peak is None else 100 * 6 * n_params * update_tokens_per_s / peak
+            rows.append(("actor update MFU (6N)", mfu, "%"))
+        rows += [
+            ("trainer memory release", phase["timing_s/release_memory"], "s"),
+            ("actor states offloaded", phase["perf/offloaded_gib/actor"], "GiB (offload_states, then reload_states)"),
+            ("actor states on device in generation", phase["states_in_generation_gib"], "GiB (offloaded: ~0)"),
+            ("actor states on device after reload", phase["states_after_reload_gib"], "GiB (reloaded: all)"),
+            ("weight push", phase["timing_s/update_weights"], "s"),
+            ("rollout wake", phase["timing_s/wake"], "s"),
+            ("rollout sleep", phase["timing_s/sleep"], "s"),
+            ("memory freed by sleep", phase.get("rollout/sleep_freed_gib"), "GiB"),
+            ("generation throughput", batch.response_mask.sum().item() / phase["timing_s/gen"], "tokens/s"),
+            ("prob diff mean", agreement["training/rollout_probs_diff_mean"], "|p_rollout - p_actor| (verl's metric)"),
+            ("prob diff max", agreement["training/rollout_probs_diff_max"], "|p_rollout - p_actor| (verl's metric)"),
+        ]
+        if lora_rank:
+            rows.append(("KL to the reference", updates[-1][1]["actor/kl_loss"], "the update's KL loss, adapters off"))
+        table += [(name + suffix, value, unit) for name, value, unit in rows]
+    table += [
         ("peak memory allocated", memory.peak_allocated_gib(), "GiB"),
         ("min free device memory", memory.min_free_gib, "GiB"),
         ("check wall time", time.perf_counter() - started, "s"),
     ]
     if rollout_name == "vllm":
         why += f" level {cfg.actor_rollout_ref.rollout.sleep_level}"
+    lora_note = (
+        f"; LoRA rank {lora_rank}, alpha {lora_rank}, all-linear, {trained / 1e6:.2f}M trained, merged pushes then "
+        "adapter pushes, KL loss to the actor with its adapters off"
+        if lora_rank
+        else ""
+    )
     header = (
-        f"[gpu_check] {device_name}; {why}; actor {size.deepspeed_config} ({optimizer_name}){optimizer_note}; "
-        f"{size.dtype}, {n_params / 1e6:.1f}M parameters (random weights); "
+        f"[gpu_check] {device_name}; {why}; actor {size.deepspeed_config} ({optimizer_name}){optimizer_note}"
+        f"{lora_note}; {size.dtype}, {n_params / 1e6:.1f}M parameters (random weights); "
         f"{size.prompts} prompts x {size.prompt_length} tokens, n={size.n}, {size.max_tokens} new tokens"
     )
     print(header)
@@ -421,7 +503,8 @@ def run(size: CheckSize, optimizer: str, out_dir: Path, started: float) -> None:
         "rollout": rollout_name,
         "metrics": [{"name": name, "value": value, "unit": unit} for name, value, unit in table],
     }
-    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    stem = "gpu_check_lora" if lora_rank else "gpu_check"  # bench/gpu_measure.sh's step names
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -436,7 +519,16 @@ def main(argv: list[str] | None = None) -> int:
             "recipe: the DeepSpeed config's own (FusedAdam on GPU); adamw: torch's AdamW, where FusedAdam cannot build"
         ),
     )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="the LoRA case: adapters of this rank (alpha = rank) on every linear layer, merged and adapter pushes",
+    )
     args = parser.parse_args(argv)
+    if args.lora < 0:
+        parser.error(f"--lora {args.lora}: a LoRA rank is > 0 (leave --lora out for full fine-tuning)")
     if not args.smoke and not torch.cuda.is_available():
         print("[gpu_check] no CUDA device; run with --smoke for the CPU smoke test")
         return 0
@@ -448,13 +540,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    size = SMOKE if args.smoke else QWEN25_05B
+    if args.lora:
+        size = SMOKE_LORA if args.smoke else QWEN25_05B_LORA
+    else:
+        size = SMOKE if args.smoke else QWEN25_05B
     problem = optimizer_problem(size, args.optimizer)
     if problem:
         print(f"[gpu_check] {problem}", file=sys.stderr)
         return 2
     sys.path.insert(0, str(REPO))  # dsrl from this checkout, installed or not
-    run(size, args.optimizer, Path(os.environ.get("OUT", "outputs/gpu_check")), started)
+    run(size, args.optimizer, Path(os.environ.get("OUT", "outputs/gpu_check")), started, args.lora)
     return 0
 
 

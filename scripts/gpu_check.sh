@@ -7,15 +7,17 @@
 #   bash scripts/gpu_check.sh                  # one CUDA device (without one it says so and exits 0)
 #   WHEELS=dir bash scripts/gpu_check.sh       # first installs from dir what the check needs and lacks
 #   bash scripts/gpu_check.sh --optimizer adamw   # torch's AdamW where FusedAdam cannot build (no nvcc)
-#   bash scripts/gpu_check.sh --smoke          # tiny shape: the same code on CPU, in seconds
+#   bash scripts/gpu_check.sh --lora 32        # the LoRA case: offload/reload, merged and adapter pushes
+#   bash scripts/gpu_check.sh --smoke          # tiny shape: the same code on CPU, in seconds (--lora too)
 #
 # WHEELS: a folder of wheels (bench/gpu_wheels.sh builds one) for a machine with torch and no network.
 # Whatever is still missing afterwards stops the check with exit 2 and one line naming it. vLLM cannot
 # come this way (its wheel is over 300 MB); without it the rollout is transformers'.
-# The table is also written to $OUT/gpu_check.json (default outputs/gpu_check).
+# The table is also written to $OUT/gpu_check.json, or gpu_check_lora.json (default OUT: outputs/gpu_check).
+# PYTHON (default python3, the interpreter that holds torch on the device image) runs the check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python}"
+PYTHON="${PYTHON:-python3}"
 
 if [ -n "${WHEELS:-}" ]; then
     # The pip names gpu_check.py would report missing (its REQUIRED), one per line.
