@@ -24,15 +24,17 @@ mapfile -t requirements < <("$PYTHON" - "$DEST" <<'PY'
 import sys, zipfile
 from pathlib import Path
 from packaging.requirements import Requirement
+NO_DEPS = ("deepspeed", "omegaconf", "accelerate", "peft")  # here already; with their dependencies, torch would come
 for wheel in Path(sys.argv[1]).glob("*.whl"):
-    if not wheel.name.split("-")[0].lower() in ("deepspeed", "omegaconf", "accelerate", "peft"):
+    if not wheel.name.split("-")[0].lower() in NO_DEPS:
         continue
     with zipfile.ZipFile(wheel) as archive:
         meta = next(name for name in archive.namelist() if name.endswith(".dist-info/METADATA"))
         for line in archive.read(meta).decode().splitlines():
             if line.startswith("Requires-Dist:"):
                 req = Requirement(line.split(":", 1)[1].strip())
-                if req.name.lower() != "torch" and (req.marker is None or req.marker.evaluate({"extra": ""})):
+                wanted = req.marker is None or req.marker.evaluate({"extra": ""})
+                if req.name.lower() not in ("torch", *NO_DEPS) and wanted:
                     print(str(req).split(";")[0])
 PY
 )
