@@ -153,12 +153,22 @@ def fields_problem(state: dict[str, Any], roles: Sequence[str]) -> str | None:
 
 
 def restore(
-    directory: Path, state: dict[str, Any], *, roles: dict, sampler, kl_ctrl, rank: int, root: Path, seed: int
+    directory: Path,
+    state: dict[str, Any],
+    *,
+    roles: dict,
+    sampler,
+    kl_ctrl,
+    rank: int,
+    root: Path,
+    seed: int,
+    stall_s: float,
 ) -> None:
     """Load every trained role's engine (weights, optimizer, LR scheduler, step counters) and this rank's RNG,
-    then the trainer's state: sampler position, KL coefficient, skip counters and LR schedules. A checkpoint of
-    another world size (``check_settings`` let it through) is loaded through its universal form under ``root``
-    (``dsrl.checkpoint.universal``; ``seed``: ``trainer.seed``, for ranks it did not have). Collective."""
+        then the trainer's state: sampler position, KL coefficient, skip counters and LR schedules. A checkpoint of
+        another world size (``check_settings`` let it through) is loaded through its universal form under ``root``
+        (``dsrl.checkpoint.universal``; ``seed``: ``trainer.seed``, for ranks it did not have; ``stall_s``: how long
+    ranks wait for its conversion to change). Collective."""
     start = time.perf_counter()
     for name, role in roles.items():
         saved, now = state["frozen_checksums"][name], frozen_checksum(role.engine.module)
@@ -173,7 +183,7 @@ def restore(
     if state["world_size"] == dist.get_world_size():
         load_checkpoint(directory, engines, rank)
     else:
-        load_at_new_world_size(directory, state, engines, root=root, seed=seed, rank=rank)
+        load_at_new_world_size(directory, state, engines, root=root, seed=seed, rank=rank, stall_s=stall_s)
     sampler.load_state_dict(state["sampler"])
     kl_ctrl.value = state["kl_coef"]
     for name, role in roles.items():

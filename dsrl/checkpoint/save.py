@@ -62,6 +62,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from safetensors.torch import save_file
 
 from dsrl.config import RESUME_HARMLESS_KEYS, Config, to_dict
+from dsrl.config.keys import SCHEMA
 from dsrl.config.layout import ADAPTER_DIR, FINAL_MODEL_DIR
 from dsrl.engines.lora import (
     ADAPTER,
@@ -127,12 +128,15 @@ def config_hash(config: dict[str, Any]) -> str:
 
 
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """``key: saved -> now`` for every state-relevant setting that differs (absent keys show as <unset>)."""
+    """``key: saved -> now`` for every state-relevant setting that differs (absent keys show as <unset>). A key
+    the checkpoint lacks that is at its default now is none: a key dsrl gained since, whose default is what the
+    run that wrote the checkpoint did."""
     unset = "<unset>"
     return [
         f"{key}: {saved.get(key, unset)!r} -> {now.get(key, unset)!r}"
         for key in sorted(set(saved) | set(now))
         if saved.get(key, unset) != now.get(key, unset)
+        and not (key not in saved and key in SCHEMA and now[key] == SCHEMA[key].default)
     ]
 
 

@@ -74,6 +74,7 @@ from dsrl.config.schema import (
     LOGGED_SAMPLES,
     Config,
     lora_enabled,
+    prompts_per_round,
     pushes_lora_adapters,
 )
 from dsrl.config.user_code import import_user_modules
@@ -114,6 +115,7 @@ __all__ = [
     "load_config",
     "lora_enabled",
     "policy_loss_param_values",
+    "prompts_per_round",
     "pushes_lora_adapters",
     "resolve",
     "rollout_name",

@@ -31,6 +31,11 @@ class DataConfig:
     train_batch_size: int = _f(
         8, "prompts per step over all ranks; each gets rollout.n responses; must be divisible by the world size"
     )
+    gen_batch_size: Optional[int] = _f(
+        None,
+        "prompts a round of dynamic sampling (algorithm.filter_groups) draws over all ranks; null = train_batch_size; "
+        ">= train_batch_size, divisible by the world size; verl's DAPO script: 3 x train_batch_size",
+    )
     val_batch_size: Optional[int] = _f(
         None, "prompts per validation batch on each rank; null = the whole validation set in one pass"
     )
@@ -108,6 +113,12 @@ def lora_enabled(model: Any) -> bool:
     """Whether the actor trains LoRA adapters (a ``ModelConfig``): a rank above 0, or an adapter to start from, as
     verl decides."""
     return model.lora_rank > 0 or model.lora_adapter_path is not None
+
+
+def prompts_per_round(data: Any) -> int:
+    """Prompts one generation round draws from the sampler over all ranks (a ``DataConfig``): ``gen_batch_size``,
+    null = ``train_batch_size`` as verl (``data.get("gen_batch_size") or data.train_batch_size``)."""
+    return data.train_batch_size if data.gen_batch_size is None else data.gen_batch_size
 
 
 def pushes_lora_adapters(model: Any) -> bool:
@@ -595,7 +606,7 @@ class FilterGroupsConfig:
     )
     max_num_gen_batches: int = _f(
         0,
-        "rounds of data.train_batch_size prompts a step may generate; a step still short after them stops the run "
+        "rounds of data.gen_batch_size prompts a step may generate; a step still short after them stops the run "
         "(as verl); <= 0 = no limit (verl's default; DAPO's recipe uses 10)",
     )
 

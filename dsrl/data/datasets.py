@@ -8,13 +8,14 @@ Row schema (one row per prompt; other columns such as ``ability`` are ignored):
     reward_model  {ground_truth, style?}     ground_truth is passed to the reward function
     extra_info    dict | null                passed to the reward function as is
 
-How the trainer uses it (B = data.train_batch_size prompts, W ranks)::
+How the trainer uses it (B = ``prompts_per_round(cfg.data)`` prompts: data.train_batch_size, or data.gen_batch_size
+with dynamic sampling; W ranks)::
 
     records, stats = load_prompts(cfg.data.train_files, tokenizer, prompt_key=cfg.data.prompt_key,
                                   max_prompt_length=cfg.data.max_prompt_length,
                                   filter_overlong_prompts=cfg.data.filter_overlong_prompts,
                                   truncation=cfg.data.truncation)
-    sampler = PromptSampler(records, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    sampler = PromptSampler(records, prompts_per_round(cfg.data), shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     # records: a PromptStore (flat int32 tokens + offsets; records built per row asked for)
     rows = sampler.next_batch()[rank * (B // W):(rank + 1) * (B // W)]   # same global batch on every rank
     prompts = collate_prompts(rows, tokenizer.pad_token_id)   # prompt_ids, prompt_mask [B/W, P] + row lists
@@ -517,15 +518,24 @@ class PromptSampler:
     as in verl's ``drop_last``. ``index`` counts the batches already taken in ``epoch``; after the
     last batch of an epoch the next call starts epoch ``e + 1``. Every rank builds the same sampler
     and takes the same global batch, then its own slice. ``records`` is a ``PromptStore`` (only
-    the batch's records are built) or any sequence.
+    the batch's records are built) or any sequence. ``key``: the config key of ``batch_size``, for the errors.
     """
 
-    def __init__(self, records: PromptStore | Sequence[PromptRecord], batch_size: int, *, shuffle: bool, seed: int):
+    def __init__(
+        self,
+        records: PromptStore | Sequence[PromptRecord],
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        key: str = "data.train_batch_size",
+    ):
         if not 0 < batch_size <= len(records):
             raise ValueError(
-                f"data.train_batch_size={batch_size}: must be between 1 and the {len(records)} prompts of the "
-                "dataset. Fix: lower data.train_batch_size or add prompts"
+                f"{key}={batch_size}: must be between 1 and the {len(records)} prompts of the "
+                f"dataset. Fix: lower {key} or add prompts"
             )
+        self.key = key  # the config key batch_size came from, for the messages
         self.records = records
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -570,7 +580,7 @@ class PromptSampler:
         if epoch < 0 or not 0 <= index <= self.batches_per_epoch:
             raise ValueError(
                 f"sampler state {state}: index must be within 0..{self.batches_per_epoch} batches per epoch; "
-                "the checkpoint was written with another dataset or data.train_batch_size"
+                f"the checkpoint was written with another dataset or {self.key}"
             )
         self.epoch, self.index = epoch, index
 

@@ -15,7 +15,7 @@ from typing import Any
 from dsrl.config.deepspeed_json import read_ds_json, zero_stage
 from dsrl.config.loading import rollout_name
 from dsrl.config.names import ADV_ESTIMATORS
-from dsrl.config.schema import lora_enabled
+from dsrl.config.schema import lora_enabled, prompts_per_round
 from dsrl.config.user_code import estimator_needs
 from dsrl.plan.shape import DTYPE_BYTES, ModelShape
 
@@ -250,7 +250,7 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
         rollout=name,
         rollout_dtype_bytes=DTYPE_BYTES[rollout.dtype or model.dtype],
         n=n,
-        prompts_per_rank=data.train_batch_size // N,
+        prompts_per_rank=prompts_per_round(data) // N,  # a generation round's
         gpu_memory_utilization=rollout.gpu_memory_utilization,
         tensor_parallel=rollout.tensor_model_parallel_size,
         sleep_mode=bool(sleep) and name == "vllm",

@@ -3,15 +3,16 @@
 A group (the responses to one prompt, rows sharing a ``group_ids`` value) whose metric is the same for
 every response has zero advantage under a group estimator and teaches nothing. After scoring, such
 groups are dropped; while fewer than ``data.train_batch_size`` informative groups remain, the next
-``data.train_batch_size`` prompts are drawn from the sampler, generated and scored ("a round"), and
-their informative groups added. The step then trains on exactly ``data.train_batch_size`` groups, so
-the optimizer's geometry does not change; informative groups beyond that are dropped, as verl does.
+``data.gen_batch_size`` prompts (null: ``data.train_batch_size``) are drawn from the sampler, generated and
+scored ("a round"), and their informative groups added. The step then trains on exactly
+``data.train_batch_size`` groups, so the optimizer's geometry does not change; informative groups beyond that
+are dropped, as verl does, and so are the prompts they came from: the sampler moves on by whole rounds.
 
 As verl's DAPO recipe (``recipe/dapo/dapo_ray_trainer.py``, ``fit``): a group is kept when its metric's
 std is > 0 or it has a single response (here: when its values are not all equal, which is what std > 0
 means without float round-off); ``max_num_gen_batches`` rounds at most, <= 0 for no limit, and a step
-that is still short after them raises; the rounds draw ``data.train_batch_size`` prompts each
-(verl's ``data.gen_batch_size`` default); ``train/num_gen_batches`` counts a step's rounds.
+that is still short after them raises; each round is one batch of verl's dataloader, ``data.gen_batch_size``
+prompts (verl's DAPO script: 3 x ``data.train_batch_size``); ``train/num_gen_batches`` counts a step's rounds.
 
 Across ranks. Each rank generates its own shard of every round's prompts, exactly as without
 filtering. One collective per round (``all_gather_object`` of each rank's per-group verdicts) gives
@@ -175,10 +176,11 @@ def fill_batch(
             break
         if 0 < max_rounds <= k + 1:
             raise ValueError(
-                f"algorithm.filter_groups.max_num_gen_batches={max_rounds}: {k + 1} rounds of {n_groups} prompts gave "
-                f"{informative} groups whose metric varies, fewer than data.train_batch_size={n_groups} (verl raises "
-                "here too); the prompts are too easy or too hard for the model. Fix: raise max_num_gen_batches "
-                "(0 = no limit, as verl) or actor_rollout_ref.rollout.n, or change the data"
+                f"algorithm.filter_groups.max_num_gen_batches={max_rounds}: {k + 1} rounds of {len(prompts) * world} "
+                f"prompts gave {informative} groups whose metric varies, fewer than data.train_batch_size={n_groups} "
+                "(verl raises here too); the prompts are too easy or too hard for the model. Fix: raise "
+                "max_num_gen_batches (0 = no limit, as verl), data.gen_batch_size or actor_rollout_ref.rollout.n, or "
+                "change the data"
             )
         log(f"dynamic sampling: {informative} of {n_groups} groups after round {k + 1}; generating another round")
         prompts = next_prompts(k + 1)

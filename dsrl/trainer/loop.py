@@ -155,11 +155,12 @@ class Trainer(TrainerSetup):
     # ---- phases -------------------------------------------------------------------------------
 
     def _first_group_id(self) -> int:
-        return self.rank * (self.cfg.data.train_batch_size // self.world_size)
+        return self.rank * (self.sampler.batch_size // self.world_size)
 
     def _next_records(self) -> list:
-        """This rank's share of the sampler's next global batch (the sampler advances on every rank)."""
-        per_rank = self.cfg.data.train_batch_size // self.world_size
+        """This rank's share of the sampler's next global batch, a generation round's prompts (the sampler advances
+        on every rank)."""
+        per_rank = self.sampler.batch_size // self.world_size
         return self.sampler.next_batch()[self.rank * per_rank : (self.rank + 1) * per_rank]
 
     def _prompt_batch(self, records, first_group_id: int) -> Batch:
@@ -219,17 +220,21 @@ class Trainer(TrainerSetup):
         return scores, components
 
     def dynamic_sampling(self, prompts: Batch, timer: PhaseTimer) -> tuple[Batch, dict[str, float]]:
-        """DAPO's dynamic sampling (``algorithm.filter_groups``, ``dsrl.trainer.dynamic_sampling``): rounds of prompts
-        generated and scored until ``data.train_batch_size`` groups whose metric varies are found; this rank's
-        share of them, scored, and the metrics (the reward's over every scored row). Collective; inside the
-        colocated generation."""
+        """DAPO's dynamic sampling (``algorithm.filter_groups``, ``dsrl.trainer.dynamic_sampling``): rounds of
+        ``data.gen_batch_size`` prompts generated and scored until ``data.train_batch_size`` groups whose metric
+        varies are found; this rank's share of them, scored, and the metrics (the reward's over every scored row,
+        and ``timing_s/gen_round_max``, this rank's longest round of generation). Collective; inside the colocated
+        generation."""
         cfg, fg = self.cfg, self.cfg.algorithm.filter_groups
         reward_extras: dict[str, list] = {}
         reward_counts: dict[str, float] = {}
+        round_seconds: list[float] = []
 
         def scored_round(round_prompts: Batch, k: int) -> tuple[Batch, list[float], str | None]:
             sampling = self._sampling(validation=False)
+            start = time.perf_counter()
             batch = self.generate(round_prompts, sampling.replace(seed=sampling.seed + 1_000_003 * k))
+            round_seconds.append(time.perf_counter() - start)
             with timer("reward"):
                 scores, components = self._score_with_components(batch)
             for name, values in scores.extras.items():
@@ -241,7 +246,7 @@ class Trainer(TrainerSetup):
 
         def next_prompts(k: int) -> Batch:
             return self._prompt_batch(
-                self._next_records(), first_group_id=k * cfg.data.train_batch_size + self._first_group_id()
+                self._next_records(), first_group_id=k * self.sampler.batch_size + self._first_group_id()
             )
 
         try:
@@ -256,6 +261,7 @@ class Trainer(TrainerSetup):
         except ValueError as err:
             raise TrainingStopped(f"step {self.global_step + 1}: {err}") from None
         metrics.update(reward_metrics(reward_counts, numeric_extras(reward_extras)))
+        metrics["timing_s/gen_round_max"] = max(round_seconds)
         return batch, metrics
 
     def without_truncated(self, batch: Batch) -> tuple[Batch, dict[str, float]]:

@@ -14,7 +14,7 @@ from dsrl.algorithms import AdaptiveKLController, FixedKLController
 from dsrl.checkpoint import run_folder
 from dsrl.checkpoint.resume import check_settings, check_train_data, checkpoint_to_resume, data_identity, restore
 from dsrl.checkpoint.save import CheckpointError
-from dsrl.config import ConfigError, import_user_modules, to_dict, to_yaml
+from dsrl.config import ConfigError, import_user_modules, prompts_per_round, to_dict, to_yaml
 from dsrl.config.rules.need import critic_used
 from dsrl.data.datasets import PromptSampler, load_prompts, load_tokenizer
 from dsrl.engines import ActorEngine, AdapterOffReference, CriticEngine, ReferenceEngine
@@ -130,9 +130,16 @@ class TrainerSetup:
             else (None, None)
         )
         self.prompt_stats = {"train": train_stats, "val": val_stats}
-        self.sampler = PromptSampler(self.train_prompts, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+        # Batches of a generation round (data.gen_batch_size with dynamic sampling), as verl's dataloader
+        self.sampler = PromptSampler(
+            self.train_prompts,
+            prompts_per_round(data),
+            shuffle=data.shuffle,
+            seed=data.seed,
+            key="data.train_batch_size" if data.gen_batch_size is None else "data.gen_batch_size",
+        )
         # As verl: the lr schedule spans total_training_steps when set, and the run stops at it or
-        # at the end of total_epochs, whichever comes first.
+        # at the end of total_epochs (of batches of a round's prompts), whichever comes first.
         epoch_steps = cfg.trainer.total_epochs * self.sampler.batches_per_epoch
         self.schedule_steps = cfg.trainer.total_training_steps or epoch_steps
         self.total_steps = min(self.schedule_steps, epoch_steps)
@@ -223,6 +230,7 @@ class TrainerSetup:
                 rank=self.rank,
                 root=self.checkpoint_root,
                 seed=self.cfg.trainer.seed,
+                stall_s=self.cfg.actor_rollout_ref.nccl_timeout,
             )
             self.global_step = resume_state["global_step"]
         self.initial_step = self.global_step  # where this run started (a resumed run's checkpoint)

@@ -182,6 +182,7 @@ def test_a_lora_resume_onto_another_base_model_is_refused(lora_actor, tiny_model
             rank=0,
             root=tmp_path,
             seed=1,
+            stall_s=600,
         )
 
 

@@ -118,6 +118,12 @@ def test_changed_settings_are_listed_and_harmless_ones_are_not(tmp_path):
         "world_size: 2 -> 4",
     ]
     assert ckpt.config_hash(saved) != ckpt.config_hash(changed)
+    # A key dsrl gained after the checkpoint was written: no difference at its default, one otherwise
+    older = {key: value for key, value in saved.items() if key != "data.gen_batch_size"}
+    assert ckpt.config_differences(older, saved) == []
+    assert ckpt.config_differences(older, {**saved, "data.gen_batch_size": 64}) == [
+        "data.gen_batch_size: '<unset>' -> 64"
+    ]
 
 
 def test_rng_state_round_trips_through_weights_only_loading(tmp_path):

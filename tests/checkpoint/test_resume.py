@@ -173,7 +173,11 @@ def test_second_signal_exits_at_once(signum, tmp_path):
     assert time.time() - start < 60
 
 
-def test_resume_with_dynamic_sampling_is_bit_identical(overrides_for, free_port, deepspeed_cpu_ops, tmp_path):
+# data.gen_batch_size=16 (rounds of twice the batch of 8) is slow-marked: the sampler's batches are then a round's
+@pytest.mark.parametrize("gen_batch_size", [None, pytest.param(16, marks=pytest.mark.slow)])
+def test_resume_with_dynamic_sampling_is_bit_identical(
+    gen_batch_size, overrides_for, free_port, deepspeed_cpu_ops, tmp_path
+):
     """algorithm.filter_groups draws extra prompt batches in a step; the checkpoint's sampler position counts
     them, so a run killed mid-step and resumed draws the same prompts as the uninterrupted one."""
     from tests.helpers.trainer import FILTERING, PARITY_REWARD
@@ -181,6 +185,8 @@ def test_resume_with_dynamic_sampling_is_bit_identical(overrides_for, free_port,
     reward = tmp_path / "parity_reward.py"
     reward.write_text(PARITY_REWARD)
     extra = [f"custom_reward_function.path={reward}", *FILTERING]
+    if gen_batch_size is not None:
+        extra.append(f"data.gen_batch_size={gen_batch_size}")
     baseline = tmp_path / "baseline"
     code, output = run_worker("grpo", overrides_for("grpo", baseline / "ckpt") + extra, baseline, port=free_port())
     assert code == 0, output[-4000:]

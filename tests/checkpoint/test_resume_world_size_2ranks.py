@@ -3,7 +3,9 @@ launcher: a run on two ranks stopped after step 1, resumed on one rank and stopp
 ranks to the end (step 3). Right after each load, every trained parameter's fp32 master weight equals DeepSpeed's
 ``zero_to_fp32`` consolidation of the checkpoint, and its Adam moments and the optimizer's step equal the
 checkpoint's universal form, exactly; each run continues from the saved step and sampler position with finite
-metrics, writes checkpoints of its own world size, and leaves no conversion behind.
+metrics, writes checkpoints of its own world size, and leaves no conversion behind. The first resume uses a
+conversion made before the launch (``dsrl-convert --universal``); the second converts in the run, 30 s slower than
+``actor_rollout_ref.nccl_timeout`` (20 s) allows a collective, while rank 1 waits (review gpu_path_3 G4).
 
 The default run is the quickstart on ZeRO-3 with CPU offload of parameters and optimizer (the default actor
 config), about 2 minutes on two cores; PPO (a critic too) on ZeRO-2 is ``slow``.
@@ -22,6 +24,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 from dsrl.checkpoint.save import DS_TAG, step_dir
 from dsrl.checkpoint.universal import convert, universal_dir
+from dsrl.commands.convert import main as dsrl_convert
 from tests.helpers.resume import LORA, logged_steps, resume_overrides, run_worker
 
 pytestmark = pytest.mark.dist
@@ -29,6 +32,7 @@ pytestmark = pytest.mark.dist
 LAST_STEP = 3
 # (ranks, the step after whose checkpoint the run is killed; None: to the end)
 CHAIN = ((2, 1), (1, 2), (2, None))
+NCCL_TIMEOUT = 20
 
 
 def loaded_differences(loaded: dict, checkpoint: Path, roles: list[str], scratch: Path) -> list[str]:
@@ -89,12 +93,18 @@ def test_a_run_resumes_on_one_rank_then_on_two_with_its_state_exact(
         f"trainer.total_training_steps={LAST_STEP}",
         "trainer.val_before_train=false",
         "trainer.resume_allow_world_size_change=true",
+        f"actor_rollout_ref.nccl_timeout={NCCL_TIMEOUT}",
     ]
     roles = ["actor"] + (["critic"] if name == "ppo" else [])
     prompts = pq.read_metadata(arithmetic_data / "train.parquet").num_rows
     resumed_from = None
     for run, (world, kill_after) in enumerate(CHAIN):
         out = tmp_path / f"run{run}"
+        if run == 1:  # converted before the launch, where the run looks for it
+            assert (
+                dsrl_convert([str(step_dir(ckpt, resumed_from)), str(universal_dir(ckpt, resumed_from)), "--universal"])
+                == 0
+            )
         code, output = run_worker(
             name,
             overrides,
@@ -103,12 +113,15 @@ def test_a_run_resumes_on_one_rank_then_on_two_with_its_state_exact(
             port=free_port(),
             dump_loaded=True,
             kill_at=f"publish@{kill_after}" if kill_after else None,
+            slow_convert=NCCL_TIMEOUT + 10 if run == 2 else 0,
         )
         assert code == 0 if kill_after is None else f"SIGKILL at publish@{kill_after}" in output, output[-4000:]
         last = kill_after or LAST_STEP
         if resumed_from is not None:
             assert f"resumed from {step_dir(ckpt, resumed_from)} (step {resumed_from};" in output, output[-4000:]
-            assert "to universal form in" in output and ": converted in" in output, output[-4000:]
+            converted = "to universal form in" in output and ": converted in" in output
+            reused = f"using its universal conversion in {universal_dir(ckpt, resumed_from)}" in output
+            assert (converted, reused) == (run == 2, run == 1), output[-4000:]
             loaded = torch.load(out / f"loaded_step_{resumed_from}.pt", weights_only=False)
             assert loaded_differences(loaded, step_dir(ckpt, resumed_from), roles, tmp_path / f"universal{run}") == []
             assert not universal_dir(ckpt, resumed_from).exists()

@@ -183,6 +183,12 @@ def test_sampler_resumes_exactly(tmp_path, tokenizer):
         resumed.load_state_dict({"epoch": 0, "index": 5})
     with pytest.raises(ValueError, match="data.train_batch_size=11"):
         PromptSampler(records, 11, shuffle=True, seed=1)
+    # dynamic sampling's rounds of data.gen_batch_size: the errors name that key
+    rounds = PromptSampler(records, 5, shuffle=True, seed=1, key="data.gen_batch_size")
+    with pytest.raises(ValueError, match="another dataset or data.gen_batch_size"):
+        rounds.load_state_dict({"epoch": 0, "index": 3})
+    with pytest.raises(ValueError, match=r"data.gen_batch_size=11: .* Fix: lower data.gen_batch_size"):
+        PromptSampler(records, 11, shuffle=True, seed=1, key="data.gen_batch_size")
 
 
 def test_left_pad_and_collate():

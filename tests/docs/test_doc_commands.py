@@ -126,6 +126,7 @@ LONG |= {
         "outputs/adapter100 --adapter-only",
         "outputs/value100 --role critic",
         "outputs/universal100 --universal",
+        "checkpoints/dsrl/my_run/.universal_global_step_100 --universal",
     )
 }
 LONG["OMP_NUM_THREADS=1 dsrl-compare grpo rloo opo otb --quick --seeds 1,2 --out outputs/compare"] = (

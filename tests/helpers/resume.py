@@ -133,15 +133,28 @@ def two_nodes(launcher: str, command: list[str], port: int, out: Path) -> list[t
 
 
 def start_worker(
-    config, overrides, out: Path, *, world=1, port, kill_at=None, dump_loaded=False, launcher="deepspeed"
+    config,
+    overrides,
+    out: Path,
+    *,
+    world=1,
+    port,
+    kill_at=None,
+    dump_loaded=False,
+    slow_convert=0,
+    launcher="deepspeed",
 ) -> subprocess.Popen:
     """Start the worker on ``world`` ranks; ``out`` collects its files. Pass a free port per concurrent run.
-    ``dump_loaded``: the worker's ``--dump-loaded`` (the engines' state right after a resume). ``launcher``:
+    ``dump_loaded``, ``slow_convert``: the worker's ``--dump-loaded`` (the engines' state right after a resume),
+    ``--slow-convert`` (a universal conversion that takes that many seconds longer, writing). ``launcher``:
     ``deepspeed`` (one node), or two simulated nodes of one rank each (``two_nodes``), both started here and
     waited for by one shell, which exits with the larger exit code."""
     out.mkdir(parents=True, exist_ok=True)
     flags = (
-        ["--out", str(out)] + (["--kill-at", kill_at] if kill_at else []) + (["--dump-loaded"] if dump_loaded else [])
+        ["--out", str(out)]
+        + (["--kill-at", kill_at] if kill_at else [])
+        + (["--dump-loaded"] if dump_loaded else [])
+        + (["--slow-convert", str(slow_convert)] if slow_convert else [])
     )
     env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
     env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "3"})

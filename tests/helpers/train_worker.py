@@ -17,7 +17,9 @@ trainer stops (``TrainingStopped``) exits 1 with its message, as scripts/train.p
 breaks the weight push: the rollout engine keeps its start-up weights (the actor's parameters are still
 gathered, a collective, and dropped). ``--dump-loaded`` writes, once the Trainer is built, of a resumed run,
 every trained parameter's fp32 master weight and Adam moments, gathered, and each base optimizer's steps to
-``<out>/loaded_step_<N>.pt`` (rank 0).
+``<out>/loaded_step_<N>.pt`` (rank 0). ``--slow-convert S``: rank 0's conversion of a checkpoint of another world
+size first writes a KB a second for S seconds (a slow filesystem), so it outlasts a short
+``actor_rollout_ref.nccl_timeout`` while it progresses.
 """
 
 import argparse
@@ -28,6 +30,7 @@ import pickle
 import random
 import signal
 import sys
+import time
 from collections import deque
 from pathlib import Path
 
@@ -46,11 +49,25 @@ parser.add_argument("--local_rank", type=int)
 parser.add_argument("--kill-at", default=None)
 parser.add_argument("--skip-push", action="store_true")
 parser.add_argument("--dump-loaded", action="store_true")
+parser.add_argument("--slow-convert", type=int, default=0)
 parser.add_argument("args", nargs="+", help="config files, then key=value overrides")
 args = parser.parse_args()
 
 files, overrides = split_files_and_overrides(args.args)
 cfg, _ = load_and_validate(files, overrides, join().world_size)  # under any launcher (srun, mpirun too)
+if args.slow_convert:
+    import dsrl.checkpoint.universal
+
+    convert = dsrl.checkpoint.universal.convert
+
+    def slow_convert(checkpoint, roles, out):
+        (out / "slow").mkdir(parents=True)
+        for second in range(args.slow_convert):
+            (out / "slow" / str(second)).write_bytes(b"x" * 1024)
+            time.sleep(1)
+        convert(checkpoint, roles, out)
+
+    dsrl.checkpoint.universal.convert = slow_convert
 trainer = Trainer(cfg)
 out = Path(args.out)
 if args.dump_loaded and trainer.resume_from is not None:  # the engines right after the resume, before a step

@@ -141,6 +141,13 @@ def test_grpo_on_8_h200s_fits_with_the_phases_and_kv_budget_of_its_header(grpo_i
     assert plan.kv.tokens > plan.kv.needed
 
 
+def test_the_rollout_holds_a_round_of_dynamic_sampling(grpo_inputs):
+    """With algorithm.filter_groups a round generates data.gen_batch_size prompts (null: train_batch_size)."""
+    on = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward"]
+    assert grpo_inputs(*on).prompts_per_rank == 1024 // 8
+    assert grpo_inputs(*on, "data.gen_batch_size=3072").prompts_per_rank == 3072 // 8
+
+
 def test_a_phase_over_the_device_is_refused_with_a_micro_batch_that_fits(grpo_inputs):
     inputs = grpo_inputs()
     device = Device("cuda", 24 * GIB, "test")

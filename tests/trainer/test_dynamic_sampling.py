@@ -83,19 +83,22 @@ def _scored(prompt_ids: list[int], first_group: int, values: list[float], n: int
     return batch, values, None
 
 
-def _run(rounds_values, n_groups, max_rounds):
+def _run(rounds_values, n_groups, max_rounds, per_round=None):
+    """fill_batch over rounds of ``per_round`` prompts (data.gen_batch_size; None: n_groups), round k's prompts
+    numbered 10k, 10k + 1, ...; ``calls``: each round's (index, prompt ids)."""
+    per_round = per_round or n_groups
     calls = []
 
     def scored_round(prompts, k):
-        calls.append(k)
         ids = prompts.prompt_ids[:, 0].tolist()
+        calls.append((k, ids))
         return _scored(ids, first_group=k * 100, values=rounds_values[k])
 
     def next_prompts(k):
-        return _prompts([10 * k + i for i in range(n_groups)])
+        return _prompts([10 * k + i for i in range(per_round)])
 
     batch, metrics = fill_batch(
-        _prompts(list(range(n_groups))),
+        _prompts(list(range(per_round))),
         scored_round=scored_round,
         next_prompts=next_prompts,
         n_groups=n_groups,
@@ -118,7 +121,7 @@ def _prompts(ids):
 
 def test_one_round_is_enough_when_every_group_varies(world_of_one):
     batch, metrics, calls = _run([[1, 0, 0, 1, 1, 0]], n_groups=3, max_rounds=10)
-    assert calls == [0] and len(batch) == 6
+    assert [k for k, _ in calls] == [0] and len(batch) == 6
     assert metrics["train/num_gen_batches"] == 1 and metrics["dynamic_sampling/groups_kept"] == 3
 
 
@@ -129,7 +132,7 @@ def test_refill_keeps_the_first_informative_groups_and_drops_the_surplus(world_o
         [1, 0, 0, 1, 1, 0],  # prompts 20, 21, 22: all kept, one needed
     ]
     batch, metrics, calls = _run(rounds, n_groups=3, max_rounds=0)
-    assert calls == [0, 1, 2]
+    assert [k for k, _ in calls] == [0, 1, 2]
     assert batch.prompt_ids[:, 0].tolist() == [1, 1, 11, 11, 20, 20]
     assert batch.group_ids.tolist() == [1, 1, 101, 101, 200, 200]
     assert batch.token_level_scores[:, 0].tolist() == [0, 1, 1, 0, 1, 0]
@@ -146,9 +149,44 @@ def test_refill_keeps_the_first_informative_groups_and_drops_the_surplus(world_o
     }
 
 
+def test_rounds_of_gen_batch_size_keep_the_first_train_batch_size_groups(world_of_one):
+    """data.gen_batch_size = 2 x train_batch_size: rounds of 4 prompts for a batch of 2 groups. Every round's 4
+    prompts are generated and counted, the kept groups are the first 2 informative ones in (round, position)
+    order, and the other 2 informative groups of round 1 are surplus."""
+    rounds = [
+        [1, 1, 0, 1, 0, 0, 0.5, 0.5],  # prompts 0..3: all_correct, kept, all_wrong, all_equal
+        [0, 0, 1, 0, 0, 1, 1, 0],  # prompts 10..13: all_wrong, kept, kept, kept
+    ]
+    batch, metrics, calls = _run(rounds, n_groups=2, max_rounds=0, per_round=4)
+    assert calls == [(0, [0, 1, 2, 3]), (1, [10, 11, 12, 13])]  # every round draws 4 prompts
+    assert batch.prompt_ids[:, 0].tolist() == [1, 1, 11, 11]
+    assert batch.group_ids.tolist() == [1, 1, 101, 101]
+    assert batch.token_level_scores[:, 0].tolist() == [0, 1, 1, 0]
+    assert metrics == {
+        "train/num_gen_batches": 2,
+        "dynamic_sampling/prompts_consumed": 8,  # both rounds whole, though round 1's last 2 groups are not kept
+        "dynamic_sampling/groups_generated": 8,
+        "dynamic_sampling/groups_informative": 4,
+        "dynamic_sampling/groups_kept": 2,
+        "dynamic_sampling/groups_surplus": 2,
+        "dynamic_sampling/dropped_all_correct": 1,
+        "dynamic_sampling/dropped_all_wrong": 2,
+        "dynamic_sampling/dropped_all_equal": 1,
+    }
+
+
+def test_one_round_of_gen_batch_size_can_fill_the_batch(world_of_one):
+    batch, metrics, calls = _run([[1, 1, 1, 0, 0, 0, 0, 1]], n_groups=2, max_rounds=1, per_round=4)
+    assert [k for k, _ in calls] == [0]
+    assert batch.prompt_ids[:, 0].tolist() == [1, 1, 3, 3]  # prompts 1 and 3 vary; 0 and 2 do not
+    assert metrics["dynamic_sampling/prompts_consumed"] == 4 and metrics["dynamic_sampling/groups_surplus"] == 0
+
+
 def test_too_few_groups_after_max_rounds_raises_as_verl(world_of_one):
     with pytest.raises(ValueError, match=r"max_num_gen_batches=2: 2 rounds of 2 prompts gave 1 groups"):
         _run([[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 1, 0]], n_groups=2, max_rounds=2)
+    with pytest.raises(ValueError, match=r"2 rounds of 4 prompts gave 1 groups .* fewer than data.train_batch_size=2"):
+        _run([[1, 1, 1, 0, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1, 1, 1]], n_groups=2, max_rounds=2, per_round=4)
 
 
 def test_a_round_whose_reward_lacks_the_metric_stops(world_of_one):
@@ -170,11 +208,11 @@ def test_a_round_whose_reward_lacks_the_metric_stops(world_of_one):
 # ---------------------------------------------------------------- config rules
 
 
-def _problems(overrides, tmp_path, name="grpo"):
+def _problems(overrides, tmp_path, name="grpo", world_size=1):
     from dsrl.config import ConfigError, load_and_validate
 
     try:
-        load_and_validate(recipe(name), stub_file_overrides(tmp_path) + overrides, 1)
+        load_and_validate(recipe(name), stub_file_overrides(tmp_path) + overrides, world_size)
     except ConfigError as err:
         return err.violations
     return []
@@ -214,4 +252,46 @@ def test_filter_groups_rules(tmp_path):
     assert any(
         p.startswith("algorithm.filter_groups.metric=seq_final_reward: seq_final_reward is the score after")
         for p in _problems(final + ["algorithm.use_kl_in_reward=true"], tmp_path)
+    )
+
+
+FILTERING_ON = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "data.train_batch_size=8"]
+
+
+def test_gen_batch_size_sizes_the_rounds(tmp_path):
+    from dsrl.config import load_and_validate, prompts_per_round
+
+    stubs = stub_file_overrides(tmp_path)
+    cfg, _ = load_and_validate(recipe("grpo"), stubs + FILTERING_ON, 1)
+    assert cfg.data.gen_batch_size is None and prompts_per_round(cfg.data) == 8  # null = train_batch_size, as verl
+    cfg, _ = load_and_validate(recipe("grpo"), stubs + FILTERING_ON + ["data.gen_batch_size=24"], 2)
+    assert prompts_per_round(cfg.data) == 24
+    # without filtering: null or train_batch_size itself
+    assert _problems(["data.train_batch_size=8", "data.gen_batch_size=8"], tmp_path) == []
+
+
+def test_gen_batch_size_other_than_train_batch_size_needs_filter_groups(tmp_path):
+    [v] = _problems(["data.train_batch_size=8", "data.gen_batch_size=16"], tmp_path)
+    assert v.startswith(
+        "data.gen_batch_size=16: differs from data.train_batch_size=8 but sizes only the rounds of dynamic sampling"
+    )
+    assert "fix: set it to null (or 8), or algorithm.filter_groups.enable=true" in v
+
+
+def test_gen_batch_size_below_train_batch_size_is_refused(tmp_path):
+    [v] = _problems(FILTERING_ON + ["data.gen_batch_size=4"], tmp_path)
+    assert v.startswith("data.gen_batch_size=4: must be >= data.train_batch_size=8: a round draws at least")
+    assert "e.g. 24 (verl's DAPO script's 3x)" in v
+
+
+def test_gen_batch_size_splits_over_the_ranks_as_train_batch_size(tmp_path):
+    problems = _problems(FILTERING_ON + ["data.gen_batch_size=18"], tmp_path, world_size=4)
+    [v] = [v for v in problems if v.startswith("data.gen_batch_size")]
+    assert v.startswith("data.gen_batch_size=18: must be divisible by the world size 4 (each rank takes")
+    assert "use a multiple of 4, e.g. 20" in v
+    mini = ["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6"]
+    [v] = [v for v in _problems(mini, tmp_path, world_size=4) if v.startswith("data.train_batch_size")]  # as before
+    assert v.startswith(
+        "data.train_batch_size=6: must be divisible by the world size 4 (each rank takes train_batch_size/world_size "
+        "prompts and generates their n responses itself, so train_batch_size*n splits evenly too)"
     )

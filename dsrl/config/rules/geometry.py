@@ -1,5 +1,6 @@
-"""The batch geometry against the world size: prompts per step, the trained roles' mini- and micro-batches, the
-no-grad passes' micro-batches and token budgets; and each role's DeepSpeed JSON, filled with that geometry."""
+"""The batch geometry against the world size: prompts per step and per generation round, the trained roles' mini- and
+micro-batches, the no-grad passes' micro-batches and token budgets; and each role's DeepSpeed JSON, filled with that
+geometry."""
 
 from __future__ import annotations
 
@@ -22,13 +23,8 @@ def batch_rules(cfg: Config, world_size: int, need: Need) -> None:
     )
     need(data.train_batch_size > 0, "data.train_batch_size", "must be > 0 (prompts per step)", "set it to e.g. 8")
     if data.train_batch_size > 0:
-        need(
-            data.train_batch_size % world_size == 0,
-            "data.train_batch_size",
-            f"must be divisible by the world size {world_size} (each rank takes train_batch_size/world_size prompts "
-            "and generates their n responses itself, so train_batch_size*n splits evenly too)",
-            f"use a multiple of {world_size}, e.g. {-(-data.train_batch_size // world_size) * world_size}",
-        )
+        _sharded_rule("data.train_batch_size", data.train_batch_size, world_size, need)
+        _gen_batch_rules(cfg, world_size, need)
     need(
         rollout.n >= 1,
         "actor_rollout_ref.rollout.n",
@@ -127,6 +123,44 @@ def _mini_batch_rules(cfg: Config, role: str, world_size: int, need: Need) -> No
 
 def _divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, max(1, min(n, limit)) + 1) if n % d == 0)
+
+
+def _sharded_rule(key: str, prompts: int, world_size: int, need: Need) -> None:
+    """A count of prompts that the ranks split: each takes its share and generates their n responses itself."""
+    name = key.rpartition(".")[2]
+    need(
+        prompts % world_size == 0,
+        key,
+        f"must be divisible by the world size {world_size} (each rank takes {name}/world_size prompts "
+        f"and generates their n responses itself, so {name}*n splits evenly too)",
+        f"use a multiple of {world_size}, e.g. {-(-prompts // world_size) * world_size}",
+    )
+
+
+def _gen_batch_rules(cfg: Config, world_size: int, need: Need) -> None:
+    """``data.gen_batch_size`` (null = train_batch_size): the prompts of a round of dynamic sampling, so it differs
+    from train_batch_size only with algorithm.filter_groups; at least a step's prompts, split as they are."""
+    gen, train = cfg.data.gen_batch_size, cfg.data.train_batch_size
+    filtering = cfg.algorithm.filter_groups.enable
+    if gen is None or gen == train:
+        return
+    need(
+        filtering,
+        "data.gen_batch_size",
+        f"differs from data.train_batch_size={train} but sizes only the rounds of dynamic sampling "
+        "(algorithm.filter_groups); without it each step generates and trains on train_batch_size prompts (verl's "
+        "main trainer would read and train on gen_batch_size prompts a step)",
+        f"set it to null (or {train}), or algorithm.filter_groups.enable=true",
+    )
+    need(
+        not filtering or gen >= train,
+        "data.gen_batch_size",
+        f"must be >= data.train_batch_size={train}: a round draws at least a step's prompts (a smaller round "
+        "would take several even when every group is informative)",
+        f"set it to null (= train_batch_size) or more, e.g. {3 * train} (verl's DAPO script's 3x)",
+    )
+    if filtering and gen >= train:
+        _sharded_rule("data.gen_batch_size", gen, world_size, need)
 
 
 def deepspeed_rules(cfg: Config, world_size: int, need: Need) -> None:
