@@ -17,7 +17,8 @@ from tests.helpers.trainer import FILTERING, PARITY_REWARD, run_config
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("gen_batch_size", [None, 16])  # null = train_batch_size (8); verl's DAPO: a multiple
+# null = train_batch_size (8), also the default run's dynamic sampling resume test; verl's DAPO: a multiple
+@pytest.mark.parametrize("gen_batch_size", [pytest.param(None, marks=pytest.mark.slow), 16])
 def test_grpo_with_dynamic_sampling_trains_two_steps(
     gen_batch_size, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
 ):
