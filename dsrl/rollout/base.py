@@ -91,6 +91,8 @@ class RolloutOutput:
     # is 0 on those); and per row the conversation: messages, num_turns, num_tool_calls, stop. None for one turn.
     attention_mask: torch.Tensor | None = None
     conversations: list[dict] | None = None
+    # Prompt tokens of this call's requests that the engine's prefix cache served (vLLM); 0 for engines without one.
+    prefix_cached_tokens: int = 0
 
 
 def stop_and_pad_ids(tokenizer, generation_eos, model_path: str) -> tuple[list[int], int]:

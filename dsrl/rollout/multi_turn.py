@@ -8,7 +8,9 @@ conversation -- until the model's end-of-turn token. A turn with tool calls (``d
 together in the tool worker pool; the results become ``tool`` messages rendered by the model's own chat
 template, and the next turn starts after them. A conversation ends when a turn has no call, at
 ``max_assistant_turns`` / ``max_user_turns`` (the calls of the last allowed turn are not run), or at the
-length budget.
+length budget. Each later turn re-submits the conversation's whole context: an engine with a prefix cache (vLLM)
+serves what the turn before computed, while its KV blocks are still cached; ``TurnStats`` counts these turns' prompt
+tokens and the cached ones (``multi_turn/later_turns/*``).
 
 The response of a row is all its turns and the tool outputs between them, ``data.max_response_length``
 tokens at most: ``response_mask`` is 1 on the model's tokens (end-of-turn tokens included) and 0 on the tool
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -77,6 +80,11 @@ class TurnStats:
     turns: list[int] = field(default_factory=list)  # per conversation: assistant turns
     calls_per_row: list[int] = field(default_factory=list)  # per conversation: tool calls
     stops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STOP_REASONS, 0))
+    # The turns after the first, which re-submit each conversation's context: their prompt tokens, and those the
+    # engine's prefix cache served (RolloutOutput.prefix_cached_tokens; 0 without a prefix cache).
+    later_prompt_tokens: int = 0
+    later_cached_tokens: int = 0
+    turn_seconds: list[float] = field(default_factory=list)  # per turn: the engine's generate call's wall time
 
     def record(self, name: str, result: ToolResult) -> None:
         if name in self.calls:
@@ -156,7 +164,7 @@ class MultiTurnRollout:
             )
         ]
         stats = self.stats
-        out = self.engine.generate(prompt_ids, prompt_mask, sampling)
+        out = self._timed_generate(prompt_ids, prompt_mask, sampling)
         active = list(range(len(rows)))  # the rows of out, in order
         for turn in itertools.count(1):
             wanting = [i for k, i in enumerate(active) if self._take_turn(rows[i], out, k, budget)]
@@ -167,12 +175,20 @@ class MultiTurnRollout:
             room = [budget - len(rows[i].response) for i in active]
             ids, mask = left_pad([rows[i].context for i in active], self.pad_token_id)
             seed = None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE
-            out = self.engine.generate(
+            out = self._timed_generate(
                 ids, mask, sampling.replace(n=1, max_tokens=max(room), row_max_tokens=tuple(room), seed=seed)
             )
+            stats.later_prompt_tokens += int(mask.sum())
+            stats.later_cached_tokens += out.prefix_cached_tokens
         for row in rows:
             stats.finished(row)
         return self._output(rows, budget)
+
+    def _timed_generate(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParams) -> RolloutOutput:
+        start = time.perf_counter()
+        out = self.engine.generate(ids, mask, sampling)
+        self.stats.turn_seconds.append(time.perf_counter() - start)
+        return out
 
     def _new_stats(self) -> TurnStats:
         return TurnStats(dict.fromkeys(self.tool_names, 0), dict.fromkeys(TOOL_FAILURE_KINDS, 0))

@@ -38,6 +38,13 @@ input embedding) is processed again here. Older releases get the tensors through
 gate/up and shards for tensor parallelism. Then ``reset_prefix_cache()``: cached KV blocks were
 computed by the old weights.
 
+Prefix cache. The engine is built with ``enable_prefix_caching=True``, not left to the release's default (on
+since V1 for decoder models: vLLM 0.10.2's ``_set_default_args_v1``, 0.32's ``is_prefix_caching_supported``): a
+multi-turn rollout re-submits each conversation's whole context every turn, and what the previous turn computed
+is served from the cache while its blocks stay there (whole KV blocks only: 128 tokens on the CPU build).
+``RolloutOutput.prefix_cached_tokens`` counts, per ``generate`` call, the prompt tokens of this rank's requests
+that the cache served (``RequestOutput.num_cached_tokens``).
+
 LoRA adapters (``actor_rollout_ref.model.lora.merge=false``). Built with ``lora`` (the actor's adapter settings),
 the engine serves one adapter (``enable_lora``, ``max_loras=1``, ``max_lora_rank`` the smallest vLLM allows that
 holds the rank) over the base weights it reads from the model directory, which are never pushed. A push brings
@@ -248,6 +255,8 @@ class VLLMRollout:
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
             enable_sleep_mode=self.sleep_mode,
+            # Later turns re-submit whole contexts, whose blocks the earlier turns cached; each push resets the cache.
+            enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             generation_config="vllm",
             seed=self.engine_seed,
@@ -419,4 +428,6 @@ class VLLMRollout:
         finish_reasons = [c.finish_reason for c in rows]
         if not set(finish_reasons) <= {"stop", "length"}:
             raise RuntimeError(f"vLLM finished requests with {sorted(set(finish_reasons))}; expected stop or length")
-        return RolloutOutput(response_ids, response_mask, log_probs, finish_reasons)
+        # One RequestOutput per prompt, whatever n; None where vLLM reports no count.
+        cached = sum(request.num_cached_tokens or 0 for request in outputs)
+        return RolloutOutput(response_ids, response_mask, log_probs, finish_reasons, prefix_cached_tokens=cached)

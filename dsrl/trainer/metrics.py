@@ -357,14 +357,18 @@ def reward_metrics(counts: Mapping[str, float], extras: Mapping[str, list[float]
 def multi_turn_metrics(stats) -> dict[str, float]:
     """Multi-turn rollouts over every rank's conversations since the last count (``stats``: the rollout's
     ``MultiTurnRollout.take_stats``): turns and tool calls per response (mean, max), the shares ended by the turn
-    limit and by the length budget, tool calls by tool and failures by kind (counts); and this rank's own
-    ``timing_s/tool_calls``, its calls' summed seconds (a rank-local timing, as the other ``timing_s/``)."""
+    limit and by the length budget, tool calls by tool and failures by kind (counts), the prompt tokens of the turns
+    after the first and those the rollout's prefix cache served (counts: ``multi_turn/later_turns/``); and this
+    rank's own ``timing_s/tool_calls``, its calls' summed seconds, and ``timing_s/gen_turn_max``, its longest turn
+    of generation (rank-local timings, as the other ``timing_s/``)."""
     turns = torch.tensor(stats.turns, dtype=torch.float64)
     calls = torch.tensor(stats.calls_per_row, dtype=torch.float64)
     turns_mean, turns_max, _ = global_stats(turns)
     calls_mean, calls_max, _ = global_stats(calls)
     counts = {f"tool/calls/{name}": count for name, count in stats.calls.items()}
     counts |= {f"tool/fail_{kind}": count for kind, count in stats.failures.items()}
+    counts["multi_turn/later_turns/prompt_tokens"] = stats.later_prompt_tokens
+    counts["multi_turn/later_turns/prefix_cached_tokens"] = stats.later_cached_tokens
     counts["rows"] = len(stats.turns)
     counts |= {f"stop/{reason}": count for reason, count in stats.stops.items()}
     totals = dict(
@@ -380,4 +384,5 @@ def multi_turn_metrics(stats) -> dict[str, float]:
         "multi_turn/stopped_by_length": totals.pop("stop/length") / rows,
         "multi_turn/answered": totals.pop("stop/answered") / rows,
         "timing_s/tool_calls": stats.seconds,
+        "timing_s/gen_turn_max": max(stats.turn_seconds, default=0.0),
     } | totals

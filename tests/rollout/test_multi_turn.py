@@ -178,6 +178,29 @@ def test_every_conversation_of_a_turn_is_generated_in_one_call_with_its_own_room
     assert [c["num_turns"] for c in out.conversations] == [1, 1, 2, 2]
 
 
+def test_the_later_turns_count_their_prompt_tokens_those_the_engine_had_cached_and_each_turn_its_time(tokenizer, tools):
+    """multi_turn/later_turns/*: every call after the first turn adds the tokens it submitted and the engine's
+    prefix_cached_tokens; the first turn's call (the batch's own prompts) adds nothing. Every call's seconds are
+    kept (timing_s/gen_turn_max)."""
+    submitted = []
+
+    class CachingEngine(ScriptedEngine):
+        def generate(self, prompt_ids, prompt_mask, sampling):
+            out = super().generate(prompt_ids, prompt_mask, sampling)
+            submitted.append(int(prompt_mask.sum()))
+            out.prefix_cached_tokens = 7 * len(submitted)
+            return out
+
+    loop = MultiTurnRollout(CachingEngine(tokenizer, calculator_first), tokenizer, tools, loop_settings())
+    ids, mask = prompts(tokenizer, ["What is 12*34?", "What is 5*6?"], {"tools": tools.schemas})
+    loop.generate(ids, mask, SamplingParams(n=1, max_tokens=200, seed=3), tools_kwargs=[{}, {}])
+    stats = loop.take_stats()
+    assert len(submitted) == 2 and submitted[1] > submitted[0]  # the calls, then the answers on the whole contexts
+    assert (stats.later_prompt_tokens, stats.later_cached_tokens) == (submitted[1], 14)
+    assert len(stats.turn_seconds) == 2 and all(seconds > 0 for seconds in stats.turn_seconds)  # one a call
+    assert (loop.take_stats().later_prompt_tokens, loop.take_stats().later_cached_tokens) == (0, 0)
+
+
 def test_several_calls_in_one_turn_run_up_to_max_parallel_calls_and_a_bad_one_is_answered(tokenizer, tools):
     def two_calls_and_a_broken_one(text):
         if "tool" not in text.split("<|im_start|>assistant")[-1] and text.count("<|im_start|>assistant") == 1:

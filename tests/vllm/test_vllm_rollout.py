@@ -245,15 +245,41 @@ def test_the_push_resets_the_prefix_cache(vllm_rollout, reference_model):
         out = vllm_rollout.generate(prompt_ids, prompt_mask, sampling)
         batch = Batch.of_responses(prompt_ids, prompt_mask, out, n=1)
         mask = out.response_mask.bool()
-        return (out.log_probs - forward_log_probs(changed, batch))[mask].abs().max().item()
+        return (out.log_probs - forward_log_probs(changed, batch))[mask].abs().max().item(), out.prefix_cached_tokens
 
-    # Reload alone (no reset): the cached prompt KV of the old weights is reused.
+    # Reload alone (no reset): the cached prompt KV of the old weights is reused (its first block).
     vllm_rollout.llm.collective_rpc(
         "reload_weights", kwargs={"weights_iterator": iter(full_state(changed)), "is_checkpoint_format": True}
     )
-    assert diff_to_changed() > 1e-2
+    diff, cached = diff_to_changed()
+    assert diff > 1e-2 and cached == vllm_rollout.llm.llm_engine.vllm_config.cache_config.block_size
     vllm_rollout.update_weights(full_state(changed))
-    assert diff_to_changed() < FP32_ATOL
+    diff, cached = diff_to_changed()
+    assert diff < FP32_ATOL and cached == 0
+
+
+def test_a_second_turn_is_served_from_the_prefix_cache(initial):
+    """dsrl builds the engine with enable_prefix_caching=True. A second turn on the first's whole context (prompt,
+    response, then a tool message's tokens), as MultiTurnRollout submits it, finds cached every whole KV block (128
+    tokens on CPU) the first turn computed: its prompt and all its response but the last token, which was sampled and
+    never fed back; prefix_cached_tokens counts them (0 for an engine built without the cache)."""
+    from dsrl.data.datasets import left_pad
+
+    block = initial.llm.llm_engine.vllm_config.cache_config.block_size
+    prompt_ids, prompt_mask = prompts(lengths=(150, 120), width=150, seed=11)
+    first = initial.generate(prompt_ids, prompt_mask, SamplingParams(n=1, max_tokens=20, seed=3))
+    assert first.prefix_cached_tokens == 0  # the push of `initial` dropped the cache; the prompts share no block
+    tool_turn = list(range(5, 25))
+    contexts = [
+        ids[mask.bool()].tolist() + out_ids[: int(out_mask.sum())].tolist() + tool_turn
+        for ids, mask, out_ids, out_mask in zip(
+            prompt_ids, prompt_mask, first.response_ids, first.response_mask, strict=True
+        )
+    ]
+    computed = [len(context) - len(tool_turn) - 1 for context in contexts]
+    second = initial.generate(*left_pad(contexts, initial.pad_token_id), SamplingParams(n=1, max_tokens=8, seed=4))
+    print(f"turn 2: {sum(map(len, contexts))} prompt tokens, {second.prefix_cached_tokens} cached; computed {computed}")
+    assert second.prefix_cached_tokens == sum(block * (c // block) for c in computed) > 0
 
 
 def test_an_untied_output_head_is_pushed(reference_model, tmp_path, free_port):
