@@ -1,0 +1,51 @@
+"""``dsrl.engines.packing``: a micro-batch packed without padding gives the padded forward's response logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dsrl.engines.forward import model_inputs, response_logits
+from dsrl.engines.packing import pack, packed_response_logits
+from tests.helpers.engines import make_batch
+
+
+def context_batch(seed: int = 0):
+    """``make_batch`` with its masked response token kept in the context (a tool output's token, as multi-turn
+    rows have), so that every response token has the same context packed and padded."""
+    batch = make_batch(seed)
+    attended = torch.arange(batch.response_mask.shape[1]) <= (batch.response_mask.cumsum(1).argmax(1))[:, None]
+    return batch.replace(response_attention_mask=attended.long())
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def log_probs(logits, batch, width):
+    return torch.log_softmax(logits, -1).gather(-1, batch.response_ids[:, :width, None])[..., 0]
+
+
+@pytest.mark.parametrize("row_tokens", [None, 10_000])  # rows as long as the longest sequence; one row
+def test_packed_response_log_probs_equal_the_padded_ones(model, row_tokens):
+    batch = context_batch()
+    with torch.no_grad():
+        inputs, width = model_inputs(batch, torch.device("cpu"))
+        padded = log_probs(response_logits(model, inputs, width), batch, width)
+        packed_logits, packed_width = packed_response_logits(model, batch, torch.device("cpu"), row_tokens=row_tokens)
+    assert packed_width == width
+    packed = log_probs(packed_logits, batch, width)
+    mask = batch.response_mask[:, :width].bool()
+    torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_packing_keeps_every_context_token_and_no_padding():
+    batch = context_batch()
+    packed = pack(batch)
+    real = int(batch.prompt_mask.sum() + batch.response_attention.sum())
+    assert packed.tokens == real
+    longest = int((batch.prompt_mask.sum(1) + batch.response_attention.sum(1)).max())
+    assert packed.input_ids.shape[1] == longest  # rows no longer than the longest sequence
+    assert packed.input_ids.numel() < batch.input_ids.numel()
