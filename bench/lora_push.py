@@ -17,16 +17,16 @@ tokens). Both modes draw the same adapters and seeds. The table gives medians ov
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from children import in_children, report  # noqa: E402
+
 MODES = ("merged", "adapters")
 
 
@@ -105,22 +105,9 @@ def main() -> None:
     parser.add_argument("--mode", choices=MODES, help="measure one mode in this process (the parent's child runs)")
     args = parser.parse_args()
     if args.mode:
-        print("RESULT", json.dumps(measure(args)))
+        report(measure(args))
         return
-    rows = []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    for mode in MODES:
-        child = subprocess.run(
-            [sys.executable, __file__, *sys.argv[1:], "--mode", mode],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if child.returncode:
-            sys.exit(f"{mode}: exit {child.returncode}\n{child.stderr[-3000:]}")
-        [line] = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
-        rows.append(json.loads(line.removeprefix("RESULT ")))
+    rows = in_children("--mode", MODES)
     print(
         f"{args.model}: {rows[0]['params_m']:.1f}M parameters, LoRA rank {args.rank} on all linear layers, "
         f"{args.prompts} prompts x n={args.n}, <= {args.max_tokens} tokens; medians of steps 2..{args.steps}"

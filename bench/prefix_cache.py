@@ -16,9 +16,6 @@ turn 2's contexts (prompt + response); the cache serves it in whole KV blocks (`
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +24,9 @@ from typing import Any, cast
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from children import in_children, report  # noqa: E402
+
 SETTINGS = ("on", "off")
 FILLER = "Work it out step by step, and call the calculator for every product. "
 
@@ -105,22 +105,9 @@ def main() -> None:
     parser.add_argument("--setting", choices=SETTINGS, help="measure one setting in this process (the parent's child)")
     args = parser.parse_args()
     if args.setting:
-        print("RESULT", json.dumps(measure(args)))
+        report(measure(args))
         return
-    rows = []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    for setting in SETTINGS:
-        child = subprocess.run(
-            [sys.executable, __file__, *sys.argv[1:], "--setting", setting],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if child.returncode:
-            sys.exit(f"{setting}: exit {child.returncode}\n{child.stderr[-3000:]}")
-        [line] = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
-        rows.append(json.loads(line.removeprefix("RESULT ")))
+    rows = in_children("--setting", SETTINGS)
     print(
         f"{args.model}: {args.prompts} prompts of >= {args.prompt_len} tokens, <= {args.turn_tokens} tokens a turn, "
         f"KV block {rows[0]['block']} tokens; token counts summed over the prompts"

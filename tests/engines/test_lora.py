@@ -133,7 +133,7 @@ def merged_share_of_the_update(model) -> float:
     projection of ``merged - W`` on it, over all adapted layers."""
     merged = dict(iter_merged_parameters(copy.deepcopy(model).to(torch.bfloat16)))
     along = squared = 0.0
-    for name, layer in lora_layers(model).items():
+    for name, layer in lora_layers(model.requires_grad_(False)).items():
         weight = layer.base_layer.weight.to(torch.bfloat16).float()
         update = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
         kept = merged[base_name(f"{name}.weight")].float() - weight
