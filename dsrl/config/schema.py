@@ -83,6 +83,9 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = _f(
         True, "recompute activations in backward: much less memory for long sequences, ~30% slower (verl's default)"
     )
+    use_remove_padding: bool = _f(
+        False, "pack each micro-batch's sequences without padding (actor and reference forwards; verl's key)"
+    )
     shared_prompt_forward: bool = _f(
         False,
         "actor and reference forwards run each distinct prompt of a micro-batch once and its responses on its KV cache "
@@ -480,6 +483,7 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = _f(
         True, "recompute the critic's activations in backward: much less memory, ~30% slower (verl's default)"
     )
+    use_remove_padding: bool = _f(False, "pack each micro-batch's sequences without padding (verl's key)")
 
 
 @dataclass

@@ -103,8 +103,6 @@ def verl_only_key(key: str) -> tuple[str, str] | None:
             "the critic trains in full (LoRA is on the actor only: actor_rollout_ref.model.lora_rank)",
             "remove it; GRPO-family estimators need no critic at all",
         )
-    if key == "actor_rollout_ref.model.use_remove_padding":
-        return ("dsrl always runs padded batches", "remove it")
     return None
 
 

@@ -130,6 +130,7 @@ class ActorEngine:
             with_entropy=with_entropy,
             with_sum_pi_squared=with_sum_pi_squared,
             share_prompts=self.cfg.actor_rollout_ref.model.shared_prompt_forward,
+            packed=self.cfg.actor_rollout_ref.model.use_remove_padding,
         )
 
     def _split(self, mini: Batch) -> list[torch.Tensor]:
@@ -139,6 +140,7 @@ class ActorEngine:
             micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
             max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
             key=f"{self.prefix}.ppo_max_token_len_per_gpu",
+            packed=self.cfg.actor_rollout_ref.model.use_remove_padding,
         )
 
     def on_policy(self, rows: int) -> bool:
@@ -210,8 +212,9 @@ class ActorEngine:
         dev = accelerator_device()
         micro = micro.to(dev)
         T = micro.response_ids.shape[1]
+        model = self.cfg.actor_rollout_ref.model
         logits, width = policy_logits(
-            self.engine, micro, dev, share_prompts=self.cfg.actor_rollout_ref.model.shared_prompt_forward
+            self.engine, micro, dev, share_prompts=model.shared_prompt_forward, packed=model.use_remove_padding
         )
         # verl: the update's entropy only when it is in the loss or asked for; actor/entropy comes from
         # the old-log-prob pass, or from here when this pass stands in for it (``record``).

@@ -26,6 +26,7 @@ from dsrl.engines.deepspeed_setup import (
     lr_scheduler,
 )
 from dsrl.engines.forward import micro_batch_indices, model_inputs, pad_response
+from dsrl.engines.packing import PackedInputs, pack
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 from dsrl.runtime.distributed import accelerator_device
 
@@ -38,12 +39,16 @@ class ValueModel(nn.Module):
         self.backbone = backbone
         self.value_head = value_head
 
-    def forward(self, *, input_ids, attention_mask, position_ids, response_width: int) -> torch.Tensor:
-        """[b, P + T'] inputs -> float32 values [b, T'] at positions ``-T'-1 .. -2``."""
+    def forward(
+        self, *, input_ids, attention_mask, position_ids, response_width: int, packed: PackedInputs | None = None
+    ) -> torch.Tensor:
+        """[b, P + T'] inputs -> float32 values [b, T'] at positions ``-T'-1 .. -2``; ``packed``: the inputs are its
+        packed rows (no attention mask), and the values are gathered back to ``[b, T']``."""
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
-        return self.value_head(hidden[:, -response_width - 1 : -1]).squeeze(-1).float()
+        response = hidden[:, -response_width - 1 : -1] if packed is None else packed.gather(hidden)
+        return self.value_head(response).squeeze(-1).float()
 
 
 class CriticEngine:
@@ -112,11 +117,24 @@ class CriticEngine:
             micro_batch_size=critic[f"{prefix}micro_batch_size_per_gpu"],
             max_token_len=critic[f"{prefix}max_token_len_per_gpu"] if critic.use_dynamic_bsz else None,
             key=f"critic.{prefix}max_token_len_per_gpu",
+            packed=critic.model.use_remove_padding,
         )
 
     def _values(self, micro: Batch) -> torch.Tensor:
-        """[b, T] float32 values of ``micro`` (on the device), zero-padded past its trimmed width."""
-        inputs, width = model_inputs(micro, accelerator_device())
+        """[b, T] float32 values of ``micro`` (on the device), zero-padded past its trimmed width; one packed
+        forward with ``critic.model.use_remove_padding``."""
+        device = accelerator_device()
+        if self.cfg.critic.model.use_remove_padding:
+            packed = pack(micro)
+            values = self.engine(
+                input_ids=packed.input_ids.to(device),
+                attention_mask=None,
+                position_ids=packed.position_ids.to(device),
+                response_width=packed.width,
+                packed=packed,
+            )
+            return pad_response(values, micro.response_ids.shape[1])
+        inputs, width = model_inputs(micro, device)
         values = self.engine(**inputs, response_width=width)
         return pad_response(values, micro.response_ids.shape[1])
 

@@ -33,6 +33,7 @@ from dsrl.algorithms import (
     sum_pi_squared_from_logits,
 )
 from dsrl.data.batch import Batch, last_response_token
+from dsrl.engines.packing import packed_response_logits
 from dsrl.runtime.distributed import accelerator_device, all_reduce
 
 # Float32 elements of one chunk of logits (2**26 * 4 bytes = 256 MiB): a few such temporaries live at once.
@@ -48,22 +49,25 @@ def _padded_lengths(batch: Batch) -> tuple[list[int], list[int]]:
     return prompt.tolist(), response.tolist()
 
 
-def _rectangles(rows: list[int], prompt: list[int], response: list[int]) -> list[int]:
+def _rectangles(rows: list[int], prompt: list[int], response: list[int], packed: bool = False) -> list[int]:
     """``k * (max prompt + max response columns)`` of ``rows[:k]`` for k = 1 .. len(rows): the
-    ``[k, columns]`` input ``model_inputs`` builds (it keeps at least one response column)."""
+    ``[k, columns]`` input ``model_inputs`` builds (it keeps at least one response column); ``packed``: the
+    tokens of ``rows[:k]`` themselves, what a packed forward runs."""
+    if packed:
+        return list(accumulate(prompt[i] + max(1, response[i]) for i in rows))
     prompts, responses = accumulate((prompt[i] for i in rows), max), accumulate((response[i] for i in rows), max)
     return [k * (p + max(1, r)) for k, (p, r) in enumerate(zip(prompts, responses, strict=True), 1)]
 
 
-def _best_cut(run: list[int], prompt: list[int], response: list[int]) -> int:
+def _best_cut(run: list[int], prompt: list[int], response: list[int], packed: bool) -> int:
     """Where to cut ``run`` (2+ rows) in two: the smallest larger rectangle, then the most even halves."""
-    heads, tails = _rectangles(run, prompt, response), _rectangles(run[::-1], prompt, response)
+    heads, tails = _rectangles(run, prompt, response, packed), _rectangles(run[::-1], prompt, response, packed)
     m = len(run)  # run[:c] spans heads[c - 1], run[c:] spans tails[m - c - 1]
     return min(range(1, m), key=lambda c: (max(heads[c - 1], tails[m - c - 1]), abs(2 * c - m)))
 
 
 def micro_batch_indices(
-    batch: Batch, *, micro_batch_size: int, max_token_len: int | None, key: str = "max_token_len"
+    batch: Batch, *, micro_batch_size: int, max_token_len: int | None, key: str = "max_token_len", packed: bool = False
 ) -> list[torch.Tensor]:
     """Row indices of each micro-batch of ``batch`` (collective when ``max_token_len`` is set).
 
@@ -79,6 +83,7 @@ def micro_batch_indices(
     Only a rank with fewer rows than the agreed count gets empty trailing parts (does not arise:
     callers pass equal row counts on every rank, and a rank never needs more parts than rows).
     Row indices within a part are ascending. ``key`` names the config field of the budget in errors.
+    ``packed`` (``use_remove_padding``): the budget counts each part's own tokens, not its rectangle.
     """
     n = len(batch)
     if max_token_len is None:
@@ -91,20 +96,23 @@ def micro_batch_indices(
             "set it to at least max_prompt_length + max_response_length"
         )
     parts: list[list[int]] = []
-    prompt_max = response_max = 0  # of the last part
+    prompt_max = response_max = used = 0  # of the last part (used: its tokens, when packed)
     for i in sorted(range(n), key=lambda i: (response[i], prompt[i])):
         p, r = max(prompt_max, prompt[i]), max(response_max, response[i])
-        if parts and (len(parts[-1]) + 1) * (p + max(1, r)) <= max_token_len:
+        tokens = prompt[i] + max(1, response[i])
+        cost = used + tokens if packed else (len(parts[-1]) + 1 if parts else 1) * (p + max(1, r))
+        if parts and cost <= max_token_len:
             parts[-1].append(i)
+            used = cost
         else:
             parts.append([i])
-            p, r = prompt[i], response[i]
+            p, r, used = prompt[i], response[i], tokens
         prompt_max, response_max = p, r
     (num_parts,) = all_reduce(torch.tensor([len(parts)]), op="max").tolist()
     while len(parts) < num_parts and any(len(part) > 1 for part in parts):
         splittable = [j for j, part in enumerate(parts) if len(part) > 1]
-        j = max(splittable, key=lambda j: _rectangles(parts[j], prompt, response)[-1])
-        cut = _best_cut(parts[j], prompt, response)
+        j = max(splittable, key=lambda j: _rectangles(parts[j], prompt, response, packed)[-1])
+        cut = _best_cut(parts[j], prompt, response, packed)
         parts[j : j + 1] = [parts[j][:cut], parts[j][cut:]]
     parts += [[] for _ in range(num_parts - len(parts))]
     return [torch.tensor(sorted(part), dtype=torch.long) for part in parts]
@@ -151,7 +159,7 @@ def kv_cache(out) -> tuple[str, object]:
 
 
 def policy_logits(
-    module: torch.nn.Module, micro: Batch, device: torch.device, *, share_prompts: bool
+    module: torch.nn.Module, micro: Batch, device: torch.device, *, share_prompts: bool, packed: bool = False
 ) -> tuple[torch.Tensor, int]:
     """Logits ``[b, width, V]`` predicting ``micro``'s response tokens, and ``width`` (``model_inputs``).
 
@@ -163,8 +171,11 @@ def policy_logits(
     only by float rounding (other batch shapes, gradients summed over a group in another order).
     Needs a cache under autograd, so not with gradient checkpointing (the config refuses the pair).
     Two forwards even when every prompt differs: under ZeRO-3 each forward gathers the layers
-    collectively, so every rank must run as many as the others.
+    collectively, so every rank must run as many as the others. ``packed``: one forward over the micro-batch's
+    sequences without padding (``dsrl.engines.packing``; never with ``share_prompts``, which needs a cache).
     """
+    if packed:
+        return packed_response_logits(module, micro, device)
     inputs, width = model_inputs(micro, device)
     if share_prompts:
         P = inputs["input_ids"].shape[1] - width
@@ -311,10 +322,11 @@ def compute_response_stats(
     with_entropy: bool = False,
     with_sum_pi_squared: bool = False,
     share_prompts: bool = False,
+    packed: bool = False,
 ) -> dict[str, torch.Tensor]:
     """No-grad forward of ``batch`` in micro-batches (``micro_batch_indices``), outputs put back in
     row order: ``[B, T]`` float32 ``old_log_probs`` (+ ``entropy``, ``sum_pi_squared``), 0 on
-    response padding, on the batch's device. ``share_prompts``: see ``policy_logits``. Collective
+    response padding, on the batch's device. ``share_prompts``, ``packed``: see ``policy_logits``. Collective
     (ZeRO-3 forwards, micro-batch count)."""
     B, T = batch.response_ids.shape
     names = {"log_probs": "old_log_probs", "entropy": "entropy", "sum_pi_squared": "sum_pi_squared"}
@@ -322,10 +334,12 @@ def compute_response_stats(
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for idx in micro_batch_indices(
-            batch, micro_batch_size=micro_batch_size, max_token_len=max_token_len, key=budget_key
+            batch, micro_batch_size=micro_batch_size, max_token_len=max_token_len, key=budget_key, packed=packed
         ):
             micro = batch.select(idx)
-            logits, width = policy_logits(module, micro, accelerator_device(), share_prompts=share_prompts)
+            logits, width = policy_logits(
+                module, micro, accelerator_device(), share_prompts=share_prompts, packed=packed
+            )
             stats = response_stats(
                 logits,
                 micro.response_ids[:, :width].to(logits.device),

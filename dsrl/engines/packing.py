@@ -6,8 +6,8 @@ one sequence; sequences are placed into packed rows first-fit, longest first, ea
 transformers builds the block-diagonal causal mask from the position ids (``masking_utils.
 find_packed_sequence_indices``; it does so only without a KV cache: a packed forward never uses one). The
 logits at the positions that predict response tokens are gathered back into the ``[b, width, V]`` layout of
-``dsrl.engines.forward.response_logits``, zero where a row's response is shorter, so what follows the forward
-is unchanged.
+``dsrl.engines.forward.response_logits`` (past a row's response, another position's, as padding gives there), so
+what follows the forward is unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +27,15 @@ class PackedInputs:
     columns: torch.Tensor  # [b, width]: its column there (-1: no such token, the row's response is shorter)
     width: int  # response columns kept (the micro-batch's longest response, as model_inputs keeps)
     tokens: int  # real tokens, R * L minus the padding of the packed rows
+
+    def gather(self, per_position: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+        """``[b, width, ...]`` of ``per_position`` (``[R, L, ...]``, or ``[R, len(kept), ...]`` for the ascending
+        packed columns ``kept``) at the position predicting each response token; a column out of the context
+        takes some position's value, as a padded forward's padding does (the response mask drops both)."""
+        columns = self.columns.clamp(min=0)
+        if kept is not None:
+            columns = torch.searchsorted(kept, columns)
+        return per_position[self.rows.to(per_position.device), columns.to(per_position.device)]
 
 
 def sequences(micro: Batch) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
@@ -79,15 +88,14 @@ def pack(micro: Batch, row_tokens: int | None = None) -> PackedInputs:
 def packed_response_logits(
     module: torch.nn.Module, micro: Batch, device: torch.device, *, row_tokens: int | None = None
 ) -> tuple[torch.Tensor, int]:
-    """Logits ``[b, width, V]`` predicting ``micro``'s response tokens from one packed forward, and ``width``."""
+    """Logits ``[b, width, V]`` predicting ``micro``'s response tokens from one packed forward, and ``width``; only
+    the packed columns that predict a response token get logits."""
     packed = pack(micro, row_tokens)
-    keep = torch.unique(packed.columns[packed.columns >= 0])
+    kept = torch.unique(packed.columns[packed.columns >= 0])
     out = module(
         input_ids=packed.input_ids.to(device),
         position_ids=packed.position_ids.to(device),
         use_cache=False,
-        logits_to_keep=keep.to(device),
+        logits_to_keep=kept.to(device),
     )
-    index = torch.searchsorted(keep, packed.columns.clamp(min=0))  # column -> its place among the kept ones
-    logits = out.logits[packed.rows.to(device), index.to(device)]  # [b, width, V]
-    return logits * (packed.columns >= 0).to(device)[..., None], packed.width
+    return packed.gather(out.logits, kept.to(device)), packed.width

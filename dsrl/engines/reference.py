@@ -80,5 +80,6 @@ def reference_log_probs(engine: Any, batch: Batch, cfg: Any, *, temperature: flo
         max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
         budget_key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
         share_prompts=cfg.actor_rollout_ref.model.shared_prompt_forward,
+        packed=cfg.actor_rollout_ref.model.use_remove_padding,
     )
     return stats["old_log_probs"]

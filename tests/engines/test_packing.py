@@ -8,15 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from dsrl.engines.forward import model_inputs, response_logits
 from dsrl.engines.packing import pack, packed_response_logits
-from tests.helpers.engines import make_batch
-
-
-def context_batch(seed: int = 0):
-    """``make_batch`` with its masked response token kept in the context (a tool output's token, as multi-turn
-    rows have), so that every response token has the same context packed and padded."""
-    batch = make_batch(seed)
-    attended = torch.arange(batch.response_mask.shape[1]) <= (batch.response_mask.cumsum(1).argmax(1))[:, None]
-    return batch.replace(response_attention_mask=attended.long())
+from tests.helpers.engines import context_batch
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,19 @@ def make_batch(seed: int = 0) -> Batch:
     )
 
 
+def in_context(batch: Batch) -> Batch:
+    """``batch`` with its masked response tokens before a row's last token kept in the context (a tool output's
+    tokens, as multi-turn rows have them), so that every response token has the same context packed
+    (``use_remove_padding``, which drops tokens out of the context) and padded."""
+    last = batch.response_mask.cumsum(1).argmax(1)
+    attended = torch.arange(batch.response_mask.shape[1]) <= last[:, None]
+    return batch.replace(response_attention_mask=attended.long())
+
+
+def context_batch(seed: int = 0) -> Batch:
+    return in_context(make_batch(seed))
+
+
 def training_batch(actor: ActorEngine) -> Batch:
     """``make_batch`` with old log-probs slightly off the actor's (so ratios move and clip),
     advantages, returns, a reference and rollout IS weights."""

@@ -21,6 +21,12 @@ def batch_rules(cfg: Config, world_size: int, need: Need) -> None:
         "needs the prompts' KV cache under autograd, which gradient checkpointing turns off",
         "set actor_rollout_ref.model.enable_gradient_checkpointing=false or shared_prompt_forward=false",
     )
+    need(
+        not (model.use_remove_padding and model.shared_prompt_forward),
+        "actor_rollout_ref.model.use_remove_padding",
+        "a packed forward takes no KV cache, and shared_prompt_forward runs the responses on the prompts' cache",
+        "set actor_rollout_ref.model.shared_prompt_forward=false or use_remove_padding=false",
+    )
     need(data.train_batch_size > 0, "data.train_batch_size", "must be > 0 (prompts per step)", "set it to e.g. 8")
     if data.train_batch_size > 0:
         _sharded_rule("data.train_batch_size", data.train_batch_size, world_size, need)

@@ -1,0 +1,71 @@
+"""``use_remove_padding`` on the real engines (ZeRO-3 with CPU offload, one rank, float32): packed micro-batches give
+the padded ones' log-probs, entropy and values, and the same update, whatever the micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsrl.engines import ActorEngine, CriticEngine, ReferenceEngine
+from tests.helpers.engines import (
+    ACTOR_TRAINING,
+    CRITIC_TRAINING,
+    TEMPERATURE,
+    assert_same_metrics,
+    assert_same_params,
+    context_batch,
+    full_params,
+    in_context,
+    training_batch,
+)
+
+pytestmark = pytest.mark.e2e
+
+PACKED = "actor_rollout_ref.model.use_remove_padding=true"
+
+
+@pytest.fixture(scope="module")
+def z3(ds_test_config):
+    return ds_test_config("zero3_offload", optimizer={"eps": 1.0})
+
+
+def test_a_packed_actor_and_reference_score_and_update_as_padded_ones(world_of_one, make_cfg, z3, ds_test_config):
+    common = (*ACTOR_TRAINING, f"actor_rollout_ref.actor.deepspeed_config={z3}")
+    padded = ActorEngine(make_cfg(*common, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"))
+    # By token budget, which now counts each part's own tokens: other micro-batches than the padded actor's
+    packed = ActorEngine(make_cfg(*common, "actor_rollout_ref.actor.use_dynamic_bsz=true", PACKED))
+    batch = in_context(training_batch(padded))
+    mask = batch.response_mask.bool()
+    scored = {
+        name: actor.compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
+        for name, actor in (("padded", padded), ("packed", packed))
+    }
+    for key in ("old_log_probs", "entropy"):
+        torch.testing.assert_close(scored["packed"][key][mask], scored["padded"][key][mask], atol=1e-5, rtol=1e-5)
+    ref = ds_test_config("zero3_offload_inference")
+    references = {
+        name: ReferenceEngine(make_cfg(f"actor_rollout_ref.ref.deepspeed_config={ref}", *extra)).compute_log_probs(
+            batch, temperature=TEMPERATURE
+        )
+        for name, extra in (("padded", ()), ("packed", (PACKED,)))
+    }
+    torch.testing.assert_close(references["packed"][mask], references["padded"][mask], atol=1e-5, rtol=1e-5)
+    metrics = {
+        name: actor.update(batch, temperature=TEMPERATURE) for name, actor in (("padded", padded), ("packed", packed))
+    }
+    assert_same_params(full_params(packed.module), full_params(padded.module))
+    assert_same_metrics(metrics["packed"], metrics["padded"])
+
+
+def test_a_packed_critic_values_and_updates_as_a_padded_one(world_of_one, make_cfg, z3):
+    common = (*CRITIC_TRAINING, f"critic.deepspeed_config={z3}")
+    padded = CriticEngine(make_cfg(*common, "critic.ppo_micro_batch_size_per_gpu=1"))
+    packed = CriticEngine(make_cfg(*common, "critic.use_dynamic_bsz=true", "critic.model.use_remove_padding=true"))
+    batch = context_batch()
+    values = padded.compute_values(batch)
+    torch.testing.assert_close(packed.compute_values(batch), values, atol=1e-5, rtol=1e-5)
+    g = torch.Generator().manual_seed(2)
+    batch = batch.replace(values=values, returns=values + torch.randn(values.shape, generator=g) * batch.response_mask)
+    metrics = {name: critic.update(batch) for name, critic in (("padded", padded), ("packed", packed))}
+    assert_same_params(full_params(packed.module), full_params(padded.module))
+    assert_same_metrics(metrics["packed"], metrics["padded"])
