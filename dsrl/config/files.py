@@ -210,3 +210,29 @@ def model_path_problem(path: str) -> str | None:
     if Path(path).expanduser().is_dir() or (_HUB_ID.match(path) and not Path(path).exists()):
         return None
     return "no such model directory (a hub id is owner/name)"
+
+
+def model_config(path: Path) -> dict | None:
+    """The model directory's ``config.json``, None where it is missing or unreadable (``model_dir_problems`` says
+    so)."""
+    config, error = _json(path / "config.json")
+    return config if error is None and isinstance(config, dict) else None
+
+
+def packing_problem(config: dict) -> str | None:
+    """Why a model of this ``config.json`` cannot run packed rows (``use_remove_padding``), or None. Packing relies
+    on transformers' mask from restarting position ids, which full and sliding attention layers read; a layer
+    that keeps a state along the row (linear attention, state-space), multimodal rotary positions and a vision
+    tower are not built to restart there."""
+    nested = config.get("text_config")
+    text: dict = nested if isinstance(nested, dict) else config
+    layers = {str(kind) for kind in text.get("layer_types") or ()}
+    stateful = sorted(layers - {"full_attention", "sliding_attention", "chunked_attention"})
+    if stateful:
+        return f"its layers of type {', '.join(stateful)} carry a state along a packed row into the next sequence"
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    if isinstance(rope, dict) and ("mrope_section" in rope or rope.get("rope_type") == "mrope"):
+        return "its multimodal rotary positions (mrope) take 3-D position ids, not a packed row's restarting ones"
+    if "vision_config" in config:
+        return "it is a vision-language model, whose image tokens dsrl does not place in packed rows"
+    return None

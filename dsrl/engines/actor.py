@@ -37,6 +37,7 @@ from dsrl.engines.forward import (
 )
 from dsrl.engines.grad_variance import MicroBatchGradNorms
 from dsrl.engines.lora import add_adapters, iter_adapter_parameters, iter_merged_parameters
+from dsrl.engines.packing import refuse_unpackable
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 from dsrl.engines.weight_sync import iter_full_parameters
 from dsrl.runtime.distributed import accelerator_device
@@ -80,6 +81,8 @@ class ActorEngine:
                 model_cfg.path, dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code
             ),
         )
+        if model_cfg.use_remove_padding:
+            refuse_unpackable(module, "actor_rollout_ref.model.use_remove_padding")
         if model_cfg.enable_gradient_checkpointing:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lora = lora_enabled(model_cfg)

@@ -26,7 +26,7 @@ from dsrl.engines.deepspeed_setup import (
     lr_scheduler,
 )
 from dsrl.engines.forward import micro_batch_indices, model_inputs, pad_response
-from dsrl.engines.packing import PackedInputs, pack
+from dsrl.engines.packing import PackedInputs, pack, refuse_unpackable
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 from dsrl.runtime.distributed import accelerator_device
 
@@ -90,6 +90,8 @@ class CriticEngine:
                 critic.model.path, dtype=DTYPES[dtype], trust_remote_code=critic.model.trust_remote_code
             ),
         )
+        if critic.model.use_remove_padding:
+            refuse_unpackable(backbone, "critic.model.use_remove_padding")
         if critic.model.enable_gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # Built outside zero.Init: deepspeed.initialize partitions it with the rest of the model.

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsrl.config.files import packing_problem
 from dsrl.data.batch import Batch
 
 
@@ -99,3 +100,11 @@ def packed_response_logits(
         logits_to_keep=kept.to(device),
     )
     return packed.gather(out.logits, kept.to(device)), packed.width
+
+
+def refuse_unpackable(model: torch.nn.Module, key: str) -> None:
+    """ValueError naming ``key`` (a ``use_remove_padding`` set to true) when ``model`` (a transformers model)
+    cannot run packed rows: what validation checks for a local model directory, here for a hub id too."""
+    problem = packing_problem(model.config.to_dict())
+    if problem is not None:
+        raise ValueError(f"{key}=true: {model.config.name_or_path}: {problem}; fix: set {key}=false")

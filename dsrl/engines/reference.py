@@ -21,6 +21,7 @@ from dsrl.engines.deepspeed_setup import (
     load_pretrained,
 )
 from dsrl.engines.forward import compute_response_stats
+from dsrl.engines.packing import refuse_unpackable
 
 
 class ReferenceEngine:
@@ -44,6 +45,8 @@ class ReferenceEngine:
                 model_cfg.path, dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code
             ),
         )
+        if model_cfg.use_remove_padding:
+            refuse_unpackable(module, "actor_rollout_ref.model.use_remove_padding")
         module.requires_grad_(False)
         self.engine, *_ = deepspeed.initialize(model=module, config=self.ds_config)
         self.engine.eval()

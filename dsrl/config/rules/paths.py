@@ -11,9 +11,11 @@ from omegaconf import ListConfig
 
 from dsrl.config.files import (
     file_kind,
+    model_config,
     model_dir_problems,
     model_path_problem,
     not_regular,
+    packing_problem,
     parquet_paths,
     parquet_problem,
 )
@@ -123,6 +125,10 @@ def file_rules(cfg: Config, need: Need) -> None:
                 Path(path).expanduser(), tokenizer=key == "actor_rollout_ref.model.path"
             ):
                 need(False, key, rule, fix)
+            packing = key.removesuffix("path") + "use_remove_padding"
+            if value_at(cfg, packing) and (config := model_config(Path(path).expanduser())) is not None:
+                problem = packing_problem(config)
+                need(problem is None, packing, f"{path}: {problem}", f"set {packing}=false")
 
 
 def _named_by(file: str, entry: str) -> str:
