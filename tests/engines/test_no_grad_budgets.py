@@ -51,8 +51,8 @@ def test_each_no_grad_pass_reads_its_own_budget(monkeypatch):
     CriticEngine._split(critic, None)  # the update's
     CriticEngine._split(critic, None, "forward_")
     assert splits == [
-        {"micro_batch_size": 4, "max_token_len": 2000, "key": "critic.ppo_max_token_len_per_gpu"},
-        {"micro_batch_size": 7, "max_token_len": 5000, "key": "critic.forward_max_token_len_per_gpu"},
+        {"micro_batch_size": 4, "max_token_len": 2000, "key": "critic.ppo_max_token_len_per_gpu", "packed": False},
+        {"micro_batch_size": 7, "max_token_len": 5000, "key": "critic.forward_max_token_len_per_gpu", "packed": False},
     ]
     ActorEngine.compute_log_probs(
         engine_of(load_config(None, ["data.train_files=unused.parquet"])), None, temperature=1.0
