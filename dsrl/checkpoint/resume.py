@@ -165,9 +165,9 @@ def restore(
     stall_s: float,
 ) -> None:
     """Load every trained role's engine (weights, optimizer, LR scheduler, step counters) and this rank's RNG,
-        then the trainer's state: sampler position, KL coefficient, skip counters and LR schedules. A checkpoint of
-        another world size (``check_settings`` let it through) is loaded through its universal form under ``root``
-        (``dsrl.checkpoint.universal``; ``seed``: ``trainer.seed``, for ranks it did not have; ``stall_s``: how long
+    then the trainer's state: sampler position, KL coefficient, skip counters and LR schedules. A checkpoint of
+    another world size (``check_settings`` let it through) is loaded through its universal form under ``root``
+    (``dsrl.checkpoint.universal``; ``seed``: ``trainer.seed``, for ranks it did not have; ``stall_s``: how long
     ranks wait for its conversion to change). Collective."""
     start = time.perf_counter()
     for name, role in roles.items():

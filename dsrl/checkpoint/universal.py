@@ -78,9 +78,10 @@ def checkpoint_identity(checkpoint: Path) -> str:
     return hashlib.sha256((checkpoint / STATE_FILE).read_bytes()).hexdigest()
 
 
-def convert(checkpoint: Path, roles: list[str], out: Path) -> None:
+def convert(checkpoint: Path, roles: list[str], out: Path) -> dict:
     """Each role's ``checkpoint/<role>/ds`` in universal form under ``out/<role>/ds``, its files loaded as data
-    (``weights_only_loads``: CheckpointError for one that holds more), then ``out/conversion.json``."""
+    (``weights_only_loads``: CheckpointError for one that holds more), then ``out/conversion.json``; what that
+    file holds."""
     start = time.perf_counter()
     for role in roles:
         with weights_only_loads(checkpoint / role):
@@ -105,6 +106,7 @@ def convert(checkpoint: Path, roles: list[str], out: Path) -> None:
         "bytes": _bytes_under(out),
     }
     (out / DONE_FILE).write_text(json.dumps(done, indent=1))
+    return done
 
 
 def finished_conversion(checkpoint: Path, roles: list[str], out: Path) -> dict | None:
@@ -141,7 +143,7 @@ def load_at_new_world_size(
     elif rank == 0:
         _convert_for_all(checkpoint, state, roles, out, attempt)
     else:
-        _wait_for_conversion(checkpoint, state, roles, out, attempt, stall_s)
+        _wait_for_conversion(checkpoint, roles, out, attempt, stall_s)
     for role, engine in engines.items():
         # DeepSpeed reads the ds config's checkpoint.load_universal at each load_checkpoint call (not when the
         # engine is built), so it is turned on here, for this load alone.
@@ -167,13 +169,12 @@ def _convert_for_all(checkpoint: Path, state: dict, roles: list[str], out: Path,
     """Rank 0's conversion; its failure is written for the waiting ranks, then raised."""
     shutil.rmtree(out, ignore_errors=True)  # left by a crash during an earlier conversion or load
     try:
-        convert(checkpoint, roles, out)
+        done = convert(checkpoint, roles, out)
     except Exception as err:  # noqa: BLE001 -- reported on every rank, not one rank's traceback and a hang
         problem = _conversion_failed(checkpoint, state, f"{type(err).__name__}: {' '.join(str(err).split())}")
         out.mkdir(parents=True, exist_ok=True)
         (out / FAILED_FILE).write_text(json.dumps({"attempt": attempt, "problem": str(problem)}))
         raise problem from err
-    done = json.loads((out / DONE_FILE).read_text())
     logger.info(
         f"{checkpoint} ({state['world_size']} ranks) to universal form in {out}: converted in {done['seconds']:.2f} s "
         f"({done['bytes'] / 2**30:.2f} GiB written, {done['bytes'] / 2**30 / max(done['seconds'], 1e-9):.2f} GiB/s); "
@@ -181,9 +182,7 @@ def _convert_for_all(checkpoint: Path, state: dict, roles: list[str], out: Path,
     )
 
 
-def _wait_for_conversion(
-    checkpoint: Path, state: dict, roles: list[str], out: Path, attempt: str, stall_s: float
-) -> None:
+def _wait_for_conversion(checkpoint: Path, roles: list[str], out: Path, attempt: str, stall_s: float) -> None:
     """Wait, outside any collective, until rank 0's conversion in ``out`` is finished, failed, or has not changed
     for ``stall_s`` seconds."""
     seen, changed = -1, time.monotonic()

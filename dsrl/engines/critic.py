@@ -135,9 +135,9 @@ class CriticEngine:
                 response_width=packed.width,
                 packed=packed,
             )
-            return pad_response(values, micro.response_ids.shape[1])
-        inputs, width = model_inputs(micro, device)
-        values = self.engine(**inputs, response_width=width)
+        else:
+            inputs, width = model_inputs(micro, device)
+            values = self.engine(**inputs, response_width=width)
         return pad_response(values, micro.response_ids.shape[1])
 
     def compute_values(self, batch: Batch) -> torch.Tensor:

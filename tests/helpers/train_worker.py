@@ -65,7 +65,7 @@ if args.slow_convert:
         for second in range(args.slow_convert):
             (out / "slow" / str(second)).write_bytes(b"x" * 1024)
             time.sleep(1)
-        convert(checkpoint, roles, out)
+        return convert(checkpoint, roles, out)
 
     dsrl.checkpoint.universal.convert = slow_convert
 trainer = Trainer(cfg)
