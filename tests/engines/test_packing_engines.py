@@ -29,17 +29,39 @@ def z3(ds_test_config):
     return ds_test_config("zero3_offload", optimizer={"eps": 1.0})
 
 
-def test_a_packed_actor_and_reference_score_and_update_as_padded_ones(world_of_one, make_cfg, z3, ds_test_config):
+@pytest.fixture
+def packs(monkeypatch):
+    """The micro-batches packed so far (so a test sees that the key is read, not only that results agree)."""
+    import dsrl.engines.critic
+    import dsrl.engines.packing
+
+    packed = []
+
+    def counted(micro, *args, **kwargs):
+        packed.append(len(micro))
+        return dsrl.engines.packing.pack.__wrapped__(micro, *args, **kwargs)
+
+    counted.__wrapped__ = dsrl.engines.packing.pack
+    monkeypatch.setattr(dsrl.engines.packing, "pack", counted)
+    monkeypatch.setattr(dsrl.engines.critic, "pack", counted)
+    return packed
+
+
+def test_a_packed_actor_and_reference_score_and_update_as_padded_ones(
+    world_of_one, make_cfg, z3, ds_test_config, packs
+):
     common = (*ACTOR_TRAINING, f"actor_rollout_ref.actor.deepspeed_config={z3}")
     padded = ActorEngine(make_cfg(*common, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"))
     # By token budget, which now counts each part's own tokens: other micro-batches than the padded actor's
     packed = ActorEngine(make_cfg(*common, "actor_rollout_ref.actor.use_dynamic_bsz=true", PACKED))
     batch = in_context(training_batch(padded))
+    assert packs == []  # the padded actor's pass, and the packed actor's construction, pack nothing
     mask = batch.response_mask.bool()
     scored = {
         name: actor.compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
         for name, actor in (("padded", padded), ("packed", packed))
     }
+    assert sum(packs) == len(batch)  # every row of the packed actor's pass, once
     for key in ("old_log_probs", "entropy"):
         torch.testing.assert_close(scored["packed"][key][mask], scored["padded"][key][mask], atol=1e-5, rtol=1e-5)
     ref = ds_test_config("zero3_offload_inference")
@@ -57,13 +79,15 @@ def test_a_packed_actor_and_reference_score_and_update_as_padded_ones(world_of_o
     assert_same_metrics(metrics["packed"], metrics["padded"])
 
 
-def test_a_packed_critic_values_and_updates_as_a_padded_one(world_of_one, make_cfg, z3):
+def test_a_packed_critic_values_and_updates_as_a_padded_one(world_of_one, make_cfg, z3, packs):
     common = (*CRITIC_TRAINING, f"critic.deepspeed_config={z3}")
     padded = CriticEngine(make_cfg(*common, "critic.ppo_micro_batch_size_per_gpu=1"))
     packed = CriticEngine(make_cfg(*common, "critic.use_dynamic_bsz=true", "critic.model.use_remove_padding=true"))
     batch = context_batch()
     values = padded.compute_values(batch)
+    assert packs == []
     torch.testing.assert_close(packed.compute_values(batch), values, atol=1e-5, rtol=1e-5)
+    assert sum(packs) == len(batch)
     g = torch.Generator().manual_seed(2)
     batch = batch.replace(values=values, returns=values + torch.randn(values.shape, generator=g) * batch.response_mask)
     metrics = {name: critic.update(batch) for name, critic in (("padded", padded), ("packed", packed))}
