@@ -31,7 +31,7 @@ data:
   max_response_length: 8
   seed: 0
 actor_rollout_ref:
-  model: {path: $WORK/model_sft, dtype: float32, enable_gradient_checkpointing: false, shared_prompt_forward: true}  # as configs/cpu.yaml
+  model: {path: $WORK/model_sft, dtype: float32, enable_gradient_checkpointing: false, shared_prompt_forward: true}  # the CPU overlay's prompt sharing when docs/performance.md's figures were taken
   actor:
     deepspeed_config: $DS
     ppo_mini_batch_size: 32

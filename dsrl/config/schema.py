@@ -258,6 +258,8 @@ class ActorConfig:
     )
     ppo_epochs: int = _f(1, "passes over each batch of rollouts; >1 reuses data off-policy (clipping then matters)")
     shuffle: bool = _f(True, "shuffle the rollouts before cutting them into mini-batches")
+    use_prefix_grouper: bool = _f(False, "with model.use_remove_padding: packed rows hold each distinct prompt of "
+                                  "a micro-batch once, its responses after it (actor and ref; verl's key)")  # fmt: skip
     clip_ratio: float = _f(
         0.2, "PPO clip epsilon: the ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]; 0.2 is standard"
     )

@@ -69,6 +69,12 @@ def verl_only_key(key: str) -> tuple[str, str] | None:
         )
     if key.endswith((".ppo_micro_batch_size", ".log_prob_micro_batch_size")):
         return ("verl's deprecated global micro-batch size", f"set {key}_per_gpu (sequences per forward on one rank)")
+    if key.rpartition(".")[2] in ("pad_to_length", "pad_to_length_bucket"):
+        return (
+            "verl pads packed rows to fixed buckets so compiled (XLA) graphs are reused; dsrl runs eager PyTorch and "
+            "packs rows to their own length",
+            "remove it (actor_rollout_ref.model.use_remove_padding=true packs)",
+        )
     if key == "actor_rollout_ref.model.use_fused_kernels":
         return ("in dsrl this key lives under the actor", "set actor_rollout_ref.actor.use_fused_kernels")
     if key == "actor_rollout_ref.actor.compute_sum_pi_squared":

@@ -10,6 +10,7 @@ sequence counts (see ``training.py`` for how that survives DeepSpeed's gradient 
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +30,7 @@ from dsrl.engines.deepspeed_setup import (
     lr_scheduler,
 )
 from dsrl.engines.forward import (
+    PassTally,
     compute_response_stats,
     micro_batch_indices,
     pad_response,
@@ -37,7 +39,7 @@ from dsrl.engines.forward import (
 )
 from dsrl.engines.grad_variance import MicroBatchGradNorms
 from dsrl.engines.lora import add_adapters, iter_adapter_parameters, iter_merged_parameters
-from dsrl.engines.packing import refuse_unpackable
+from dsrl.engines.packing import packing_for
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 from dsrl.engines.weight_sync import iter_full_parameters
 from dsrl.runtime.distributed import accelerator_device
@@ -55,6 +57,7 @@ class ActorEngine:
     def __init__(self, cfg: Any, *, total_training_steps: int | None = None):
         init_distributed()
         self.cfg = cfg
+        self.tallies: defaultdict[str, PassTally] = defaultdict(PassTally)  # the trainer takes them each step
         model_cfg, actor = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor
         self.prefix = "actor_rollout_ref.actor"
         n = cfg.actor_rollout_ref.rollout.n
@@ -81,8 +84,11 @@ class ActorEngine:
                 model_cfg.path, dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code
             ),
         )
-        if model_cfg.use_remove_padding:
-            refuse_unpackable(module, "actor_rollout_ref.model.use_remove_padding")
+        self.packing = (
+            packing_for(module, "actor_rollout_ref.model.use_remove_padding", dedup=actor.use_prefix_grouper)
+            if model_cfg.use_remove_padding
+            else None
+        )
         if model_cfg.enable_gradient_checkpointing:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lora = lora_enabled(model_cfg)
@@ -133,7 +139,8 @@ class ActorEngine:
             with_entropy=with_entropy,
             with_sum_pi_squared=with_sum_pi_squared,
             share_prompts=self.cfg.actor_rollout_ref.model.shared_prompt_forward,
-            packed=self.cfg.actor_rollout_ref.model.use_remove_padding,
+            packing=self.packing,
+            tally=self.tallies["old_log_prob"],
         )
 
     def _split(self, mini: Batch) -> list[torch.Tensor]:
@@ -143,7 +150,7 @@ class ActorEngine:
             micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
             max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
             key=f"{self.prefix}.ppo_max_token_len_per_gpu",
-            packed=self.cfg.actor_rollout_ref.model.use_remove_padding,
+            packing=self.packing,
         )
 
     def on_policy(self, rows: int) -> bool:
@@ -217,7 +224,12 @@ class ActorEngine:
         T = micro.response_ids.shape[1]
         model = self.cfg.actor_rollout_ref.model
         logits, width = policy_logits(
-            self.engine, micro, dev, share_prompts=model.shared_prompt_forward, packed=model.use_remove_padding
+            self.engine,
+            micro,
+            dev,
+            share_prompts=model.shared_prompt_forward,
+            packing=self.packing,
+            tally=self.tallies["actor_update"],
         )
         # verl: the update's entropy only when it is in the loss or asked for; actor/entropy comes from
         # the old-log-prob pass, or from here when this pass stands in for it (``record``).

@@ -8,6 +8,7 @@ from ``trainer.seed``, so every rank builds the same one.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -25,8 +26,8 @@ from dsrl.engines.deepspeed_setup import (
     load_pretrained,
     lr_scheduler,
 )
-from dsrl.engines.forward import micro_batch_indices, model_inputs, pad_response
-from dsrl.engines.packing import PackedInputs, pack, refuse_unpackable
+from dsrl.engines.forward import PassTally, micro_batch_indices, model_inputs, pad_response
+from dsrl.engines.packing import PackedInputs, pack, packing_for
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 from dsrl.runtime.distributed import accelerator_device
 
@@ -62,6 +63,7 @@ class CriticEngine:
     def __init__(self, cfg: Any, *, total_training_steps: int | None = None):
         init_distributed()
         self.cfg = cfg
+        self.tallies: defaultdict[str, PassTally] = defaultdict(PassTally)  # the trainer takes them each step
         critic, dtype = cfg.critic, cfg.actor_rollout_ref.model.dtype
         if critic.model.path is None:
             raise ValueError(
@@ -90,8 +92,9 @@ class CriticEngine:
                 critic.model.path, dtype=DTYPES[dtype], trust_remote_code=critic.model.trust_remote_code
             ),
         )
-        if critic.model.use_remove_padding:
-            refuse_unpackable(backbone, "critic.model.use_remove_padding")
+        self.packing = (
+            packing_for(backbone, "critic.model.use_remove_padding") if critic.model.use_remove_padding else None
+        )
         if critic.model.enable_gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # Built outside zero.Init: deepspeed.initialize partitions it with the rest of the model.
@@ -119,15 +122,16 @@ class CriticEngine:
             micro_batch_size=critic[f"{prefix}micro_batch_size_per_gpu"],
             max_token_len=critic[f"{prefix}max_token_len_per_gpu"] if critic.use_dynamic_bsz else None,
             key=f"critic.{prefix}max_token_len_per_gpu",
-            packed=critic.model.use_remove_padding,
+            packing=self.packing,
         )
 
-    def _values(self, micro: Batch) -> torch.Tensor:
+    def _values(self, micro: Batch, tally: PassTally) -> torch.Tensor:
         """[b, T] float32 values of ``micro`` (on the device), zero-padded past its trimmed width; one packed
-        forward with ``critic.model.use_remove_padding``."""
+        forward with ``critic.model.use_remove_padding``. What the forward ran is added to ``tally``."""
         device = accelerator_device()
-        if self.cfg.critic.model.use_remove_padding:
-            packed = pack(micro)
+        if self.packing is not None:
+            packed = pack(micro, pair_cost=self.packing.pair_cost)
+            tally.add(packed.input_ids.numel(), packed.tokens)
             values = self.engine(
                 input_ids=packed.input_ids.to(device),
                 attention_mask=None,
@@ -137,6 +141,7 @@ class CriticEngine:
             )
         else:
             inputs, width = model_inputs(micro, device)
+            tally.add(inputs["input_ids"].numel(), int(inputs["attention_mask"].sum()))
             values = self.engine(**inputs, response_width=width)
         return pad_response(values, micro.response_ids.shape[1])
 
@@ -146,7 +151,7 @@ class CriticEngine:
         out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
         with torch.no_grad():
             for idx in self._split(batch, "forward_"):
-                out[idx] = self._values(batch.select(idx)).cpu()
+                out[idx] = self._values(batch.select(idx), self.tallies["critic_values"]).cpu()
         return (out * batch.response_mask.float().cpu()).to(batch.response_ids.device)
 
     def update(self, batch: Batch) -> dict[str, float]:
@@ -171,7 +176,7 @@ class CriticEngine:
         critic = self.cfg.critic
         micro = micro.to(accelerator_device())
         mask = micro.response_mask.float()
-        vpreds = self._values(micro)
+        vpreds = self._values(micro, self.tallies["critic_update"])
         loss, clipfrac = value_loss(
             vpreds,
             micro.values,

@@ -21,6 +21,7 @@ collectively in each forward), so the number of micro-batches is agreed across r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -33,11 +34,27 @@ from dsrl.algorithms import (
     sum_pi_squared_from_logits,
 )
 from dsrl.data.batch import Batch, last_response_token
-from dsrl.engines.packing import packed_response_logits
+from dsrl.engines.packing import Packing, pack, packed_response_logits
 from dsrl.runtime.distributed import accelerator_device, all_reduce
 
 # Float32 elements of one chunk of logits (2**26 * 4 bytes = 256 MiB): a few such temporaries live at once.
 CHUNK_ELEMENTS = 2**26
+
+
+@dataclass
+class PassTally:
+    """What one pass's forwards ran (``perf/padding_ratio``, ``perf/dedup_ratio``, ``perf/micro_batches/*``)."""
+
+    micro_batches: int = 0
+    positions: int = 0  # input positions, padding included
+    tokens: int = 0  # real tokens among them (with dedup, each distinct prompt once per micro-batch)
+    sequence_tokens: int = 0  # the rows' own tokens, each row's prompt counted: what runs without dedup
+
+    def add(self, positions: int, tokens: int, sequence_tokens: int | None = None) -> None:
+        self.micro_batches += 1
+        self.positions += positions
+        self.tokens += tokens
+        self.sequence_tokens += tokens if sequence_tokens is None else sequence_tokens
 
 
 def _padded_lengths(batch: Batch) -> tuple[list[int], list[int]]:
@@ -49,25 +66,41 @@ def _padded_lengths(batch: Batch) -> tuple[list[int], list[int]]:
     return prompt.tolist(), response.tolist()
 
 
-def _rectangles(rows: list[int], prompt: list[int], response: list[int], packed: bool = False) -> list[int]:
+def prompt_groups(batch: Batch) -> list[int]:
+    """Per row, an id shared by the rows with the same prompt (its valid tokens)."""
+    prompts = torch.cat([batch.prompt_ids * batch.prompt_mask, batch.prompt_mask], dim=1).cpu()
+    return torch.unique(prompts, dim=0, return_inverse=True)[1].tolist()
+
+
+def _rectangles(rows: list[int], prompt: list[int], response: list[int], groups: list[int] | None) -> list[int]:
     """``k * (max prompt + max response columns)`` of ``rows[:k]`` for k = 1 .. len(rows): the
-    ``[k, columns]`` input ``model_inputs`` builds (it keeps at least one response column); ``packed``: the
-    tokens of ``rows[:k]`` themselves, what a packed forward runs."""
-    if packed:
-        return list(accumulate(prompt[i] + max(1, response[i]) for i in rows))
-    prompts, responses = accumulate((prompt[i] for i in rows), max), accumulate((response[i] for i in rows), max)
-    return [k * (p + max(1, r)) for k, (p, r) in enumerate(zip(prompts, responses, strict=True), 1)]
+    ``[k, columns]`` input ``model_inputs`` builds (it keeps at least one response column). Packed (``groups``
+    given, per row): the tokens of ``rows[:k]`` themselves, what a packed forward runs, a prompt once per group."""
+    if groups is None:
+        prompts, responses = accumulate((prompt[i] for i in rows), max), accumulate((response[i] for i in rows), max)
+        return [k * (p + max(1, r)) for k, (p, r) in enumerate(zip(prompts, responses, strict=True), 1)]
+    seen: set[int] = set()
+    tokens = []
+    for i in rows:
+        tokens.append(max(1, response[i]) + (0 if groups[i] in seen else prompt[i]))
+        seen.add(groups[i])
+    return list(accumulate(tokens))
 
 
-def _best_cut(run: list[int], prompt: list[int], response: list[int], packed: bool) -> int:
+def _best_cut(run: list[int], prompt: list[int], response: list[int], groups: list[int] | None) -> int:
     """Where to cut ``run`` (2+ rows) in two: the smallest larger rectangle, then the most even halves."""
-    heads, tails = _rectangles(run, prompt, response, packed), _rectangles(run[::-1], prompt, response, packed)
+    heads, tails = _rectangles(run, prompt, response, groups), _rectangles(run[::-1], prompt, response, groups)
     m = len(run)  # run[:c] spans heads[c - 1], run[c:] spans tails[m - c - 1]
     return min(range(1, m), key=lambda c: (max(heads[c - 1], tails[m - c - 1]), abs(2 * c - m)))
 
 
 def micro_batch_indices(
-    batch: Batch, *, micro_batch_size: int, max_token_len: int | None, key: str = "max_token_len", packed: bool = False
+    batch: Batch,
+    *,
+    micro_batch_size: int,
+    max_token_len: int | None,
+    key: str = "max_token_len",
+    packing: Packing | None = None,
 ) -> list[torch.Tensor]:
     """Row indices of each micro-batch of ``batch`` (collective when ``max_token_len`` is set).
 
@@ -83,7 +116,9 @@ def micro_batch_indices(
     Only a rank with fewer rows than the agreed count gets empty trailing parts (does not arise:
     callers pass equal row counts on every rank, and a rank never needs more parts than rows).
     Row indices within a part are ascending. ``key`` names the config field of the budget in errors.
-    ``packed`` (``use_remove_padding``): the budget counts each part's own tokens, not its rectangle.
+    ``packing`` (``use_remove_padding``): the budget counts each part's own tokens, not its rectangle; with its
+    ``dedup`` (``use_prefix_grouper``) rows with the same prompt are kept together (sorted by prompt, then
+    response) and a part counts its prompt once.
     """
     n = len(batch)
     if max_token_len is None:
@@ -95,24 +130,30 @@ def micro_batch_indices(
             f"{key}={max_token_len}: a sequence spans {longest} tokens (prompt + response) and cannot fit; "
             "set it to at least max_prompt_length + max_response_length"
         )
+    dedup = packing is not None and packing.dedup
+    groups = None if packing is None else prompt_groups(batch) if dedup else list(range(n))
+    order = sorted(range(n), key=lambda i: (groups[i] if dedup and groups is not None else 0, response[i], prompt[i]))
     parts: list[list[int]] = []
+    seen: set[int] = set()  # the last part's prompt groups
     prompt_max = response_max = used = 0  # of the last part (used: its tokens, when packed)
-    for i in sorted(range(n), key=lambda i: (response[i], prompt[i])):
+    for i in order:
         p, r = max(prompt_max, prompt[i]), max(response_max, response[i])
-        tokens = prompt[i] + max(1, response[i])
-        cost = used + tokens if packed else (len(parts[-1]) + 1 if parts else 1) * (p + max(1, r))
-        if parts and cost <= max_token_len:
-            parts[-1].append(i)
-            used = cost
+        if groups is None:
+            cost = (len(parts[-1]) + 1 if parts else 1) * (p + max(1, r))
         else:
-            parts.append([i])
-            p, r, used = prompt[i], response[i], tokens
-        prompt_max, response_max = p, r
+            cost = used + max(1, response[i]) + (0 if groups[i] in seen else prompt[i])
+        if not parts or cost > max_token_len:
+            parts.append([])
+            seen, p, r, cost = set(), prompt[i], response[i], prompt[i] + max(1, response[i])
+        parts[-1].append(i)
+        if groups is not None:
+            seen.add(groups[i])
+        prompt_max, response_max, used = p, r, cost
     (num_parts,) = all_reduce(torch.tensor([len(parts)]), op="max").tolist()
     while len(parts) < num_parts and any(len(part) > 1 for part in parts):
         splittable = [j for j, part in enumerate(parts) if len(part) > 1]
-        j = max(splittable, key=lambda j: _rectangles(parts[j], prompt, response, packed)[-1])
-        cut = _best_cut(parts[j], prompt, response, packed)
+        j = max(splittable, key=lambda j: _rectangles(parts[j], prompt, response, groups)[-1])
+        cut = _best_cut(parts[j], prompt, response, groups)
         parts[j : j + 1] = [parts[j][:cut], parts[j][cut:]]
     parts += [[] for _ in range(num_parts - len(parts))]
     return [torch.tensor(sorted(part), dtype=torch.long) for part in parts]
@@ -159,7 +200,13 @@ def kv_cache(out) -> tuple[str, object]:
 
 
 def policy_logits(
-    module: torch.nn.Module, micro: Batch, device: torch.device, *, share_prompts: bool, packed: bool = False
+    module: torch.nn.Module,
+    micro: Batch,
+    device: torch.device,
+    *,
+    share_prompts: bool,
+    packing: Packing | None = None,
+    tally: PassTally | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Logits ``[b, width, V]`` predicting ``micro``'s response tokens, and ``width`` (``model_inputs``).
 
@@ -171,12 +218,17 @@ def policy_logits(
     only by float rounding (other batch shapes, gradients summed over a group in another order).
     Needs a cache under autograd, so not with gradient checkpointing (the config refuses the pair).
     Two forwards even when every prompt differs: under ZeRO-3 each forward gathers the layers
-    collectively, so every rank must run as many as the others. ``packed``: one forward over the micro-batch's
-    sequences without padding (``dsrl.engines.packing``; never with ``share_prompts``, which needs a cache).
+    collectively, so every rank must run as many as the others. ``packing``: one forward over the micro-batch's
+    sequences without padding, with its ``dedup`` each distinct prompt once in them (``dsrl.engines.packing``;
+    never with ``share_prompts``, which needs a cache). ``tally``: what the forward ran is added to it.
     """
-    if packed:
-        return packed_response_logits(module, micro, device)
+    tally = tally or PassTally()
+    if packing is not None:
+        rows = pack(micro, dedup=packing.dedup, pair_cost=packing.pair_cost)
+        tally.add(rows.input_ids.numel(), rows.tokens, rows.sequence_tokens)
+        return packed_response_logits(module, rows, device), rows.width
     inputs, width = model_inputs(micro, device)
+    attended = int(inputs["attention_mask"].sum())
     if share_prompts:
         P = inputs["input_ids"].shape[1] - width
         prompts = torch.cat([inputs["input_ids"][:, :P], inputs["attention_mask"][:, :P]], dim=1)
@@ -195,7 +247,10 @@ def policy_logits(
             logits_to_keep=width,
             **{name: cache},
         )
+        ran = int(inputs["attention_mask"][first, :P].sum() + inputs["attention_mask"][:, P:].sum())
+        tally.add(distinct * P + inputs["input_ids"][:, P:].numel(), ran, attended)
         return torch.cat([head.logits[inverse], tail.logits[:, :-1]], dim=1), width
+    tally.add(inputs["input_ids"].numel(), attended)
     return response_logits(module, inputs, width), width
 
 
@@ -322,23 +377,33 @@ def compute_response_stats(
     with_entropy: bool = False,
     with_sum_pi_squared: bool = False,
     share_prompts: bool = False,
-    packed: bool = False,
+    packing: Packing | None = None,
+    tally: PassTally | None = None,
 ) -> dict[str, torch.Tensor]:
     """No-grad forward of ``batch`` in micro-batches (``micro_batch_indices``), outputs put back in
     row order: ``[B, T]`` float32 ``old_log_probs`` (+ ``entropy``, ``sum_pi_squared``), 0 on
-    response padding, on the batch's device. ``share_prompts``, ``packed``: see ``policy_logits``. Collective
-    (ZeRO-3 forwards, micro-batch count)."""
+    response padding, on the batch's device. ``share_prompts``, ``packing``, ``tally``: see ``policy_logits``.
+    Collective (ZeRO-3 forwards, micro-batch count)."""
     B, T = batch.response_ids.shape
     names = {"log_probs": "old_log_probs", "entropy": "entropy", "sum_pi_squared": "sum_pi_squared"}
     mask = batch.response_mask.float().cpu()
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for idx in micro_batch_indices(
-            batch, micro_batch_size=micro_batch_size, max_token_len=max_token_len, key=budget_key, packed=packed
+            batch,
+            micro_batch_size=micro_batch_size,
+            max_token_len=max_token_len,
+            key=budget_key,
+            packing=packing,
         ):
             micro = batch.select(idx)
             logits, width = policy_logits(
-                module, micro, accelerator_device(), share_prompts=share_prompts, packed=packed
+                module,
+                micro,
+                accelerator_device(),
+                share_prompts=share_prompts,
+                packing=packing,
+                tally=tally,
             )
             stats = response_stats(
                 logits,

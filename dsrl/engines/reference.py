@@ -7,6 +7,7 @@ needs no copy: its reference is the actor with the adapters off (``AdapterOffRef
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import deepspeed
@@ -20,8 +21,8 @@ from dsrl.engines.deepspeed_setup import (
     init_distributed,
     load_pretrained,
 )
-from dsrl.engines.forward import compute_response_stats
-from dsrl.engines.packing import refuse_unpackable
+from dsrl.engines.forward import PassTally, compute_response_stats
+from dsrl.engines.packing import Packing, packing_for
 
 
 class ReferenceEngine:
@@ -30,6 +31,7 @@ class ReferenceEngine:
     def __init__(self, cfg: Any):
         init_distributed()
         self.cfg = cfg
+        self.tallies: defaultdict[str, PassTally] = defaultdict(PassTally)  # the trainer takes them each step
         model_cfg, ref = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.ref
         self.ds_config = build_ds_config(
             ref.deepspeed_config,
@@ -45,15 +47,21 @@ class ReferenceEngine:
                 model_cfg.path, dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code
             ),
         )
-        if model_cfg.use_remove_padding:
-            refuse_unpackable(module, "actor_rollout_ref.model.use_remove_padding")
+        dedup = cfg.actor_rollout_ref.actor.use_prefix_grouper
+        self.packing = (
+            packing_for(module, "actor_rollout_ref.model.use_remove_padding", dedup=dedup)
+            if model_cfg.use_remove_padding
+            else None
+        )
         module.requires_grad_(False)
         self.engine, *_ = deepspeed.initialize(model=module, config=self.ds_config)
         self.engine.eval()
 
     def compute_log_probs(self, batch: Batch, *, temperature: float) -> torch.Tensor:
         """``ref_log_probs`` ``[B, T]`` float32, 0 on padding (``reference_log_probs``). Collective."""
-        return reference_log_probs(self.engine, batch, self.cfg, temperature=temperature)
+        return reference_log_probs(
+            self.engine, batch, self.cfg, self.packing, temperature=temperature, tally=self.tallies["ref"]
+        )
 
 
 class AdapterOffReference:
@@ -62,18 +70,29 @@ class AdapterOffReference:
 
     def __init__(self, cfg: Any, actor: Any):
         self.cfg = cfg
+        self.tallies: defaultdict[str, PassTally] = defaultdict(PassTally)
         self.actor = actor
 
     def compute_log_probs(self, batch: Batch, *, temperature: float) -> torch.Tensor:
         self.actor.engine.eval()
         with self.actor.module.disable_adapter():
-            return reference_log_probs(self.actor.engine, batch, self.cfg, temperature=temperature)
+            return reference_log_probs(
+                self.actor.engine,
+                batch,
+                self.cfg,
+                self.actor.packing,
+                temperature=temperature,
+                tally=self.tallies["ref"],
+            )
 
 
-def reference_log_probs(engine: Any, batch: Batch, cfg: Any, *, temperature: float) -> torch.Tensor:
+def reference_log_probs(
+    engine: Any, batch: Batch, cfg: Any, packing: Packing | None, *, temperature: float, tally: PassTally | None = None
+) -> torch.Tensor:
     """``ref_log_probs`` ``[B, T]`` float32, 0 on padding, of ``engine``'s model. Micro-batches of
     ``ref.log_prob_micro_batch_size_per_gpu`` rows, or of ``ref.log_prob_max_token_len_per_gpu`` tokens with
-    ``ref.log_prob_use_dynamic_bsz`` (both default to the actor's, as in verl). Collective."""
+    ``ref.log_prob_use_dynamic_bsz`` (both default to the actor's, as in verl); ``packing``, ``tally``: see
+    ``policy_logits``. Collective."""
     ref = cfg.actor_rollout_ref.ref
     stats = compute_response_stats(
         engine,
@@ -83,6 +102,7 @@ def reference_log_probs(engine: Any, batch: Batch, cfg: Any, *, temperature: flo
         max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
         budget_key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
         share_prompts=cfg.actor_rollout_ref.model.shared_prompt_forward,
-        packed=cfg.actor_rollout_ref.model.use_remove_padding,
+        packing=packing,
+        tally=tally,
     )
     return stats["old_log_probs"]

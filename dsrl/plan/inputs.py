@@ -140,7 +140,7 @@ class PlanInputs:
     actor: ZeroSetup
     actor_trained: int  # trained parameters: all, or LoRA's adapters
     actor_checkpointing: bool
-    shared_prompts: bool  # model.shared_prompt_forward: actor and reference forwards run each prompt once
+    layout: str  # of the actor's and the reference's forwards: padded | shared_prompts | packed | dedup
     update: Pass
     old_log_prob: Pass | None  # None when folded into the update
     ref: ZeroSetup | None  # the reference engine; None without a KL term or with LoRA
@@ -159,6 +159,13 @@ class PlanInputs:
     sleep_level: int
     hf_micro_batch: int
     hf_kv_max_bytes: int | None
+
+
+def forward_layout(shared_prompt_forward: bool, use_remove_padding: bool, use_prefix_grouper: bool) -> str:
+    """How the actor's and the reference's forwards lay out a micro-batch (``PlanInputs.layout``)."""
+    if use_remove_padding:
+        return "dedup" if use_prefix_grouper else "packed"
+    return "shared_prompts" if shared_prompt_forward else "padded"
 
 
 def _pass(rows: int, micro: int, dynamic: bool, budget: int) -> Pass:
@@ -204,7 +211,7 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
         actor=ZeroSetup.from_json(read_ds_json(actor.deepspeed_config, "actor_rollout_ref.actor.deepspeed_config")),
         actor_trained=shape.lora_parameters(model.lora_rank, model.target_modules) if lora else shape.parameters(),
         actor_checkpointing=model.enable_gradient_checkpointing,
-        shared_prompts=model.shared_prompt_forward,
+        layout=forward_layout(model.shared_prompt_forward, model.use_remove_padding, actor.use_prefix_grouper),
         update=_pass(
             mini_rows, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu
         ),

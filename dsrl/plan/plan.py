@@ -118,20 +118,20 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
 
     def forward_phase(name: str, role: str, micro: Pass, head: bool) -> Phase:
         terms = resident + rollout_asleep + running(role)
-        terms += activations(inputs, micro, grad=False, checkpointing=False, shared=head and inputs.shared_prompts)
+        layout = inputs.layout if head else "padded"  # the critic's forwards: rows x (P + R) at most either way
+        terms += activations(inputs, micro, grad=False, checkpointing=False, layout=layout)
         if head:
-            terms.append(log_prob_head(s, micro, inputs, grad=False))
+            terms.append(log_prob_head(s, micro, inputs, grad=False, layout=layout))
         return Phase(name, terms, rollout_note)
 
     def update_phase(
         name: str, role: str, zero: ZeroSetup, micro: Pass, trained: int, checkpointing: bool, head: bool
     ) -> Phase:
         terms = resident + rollout_asleep + running(role) + update_gradients(role, zero, trained, b, inputs.world_size)
-        terms += activations(
-            inputs, micro, grad=True, checkpointing=checkpointing, shared=head and inputs.shared_prompts
-        )
+        layout = inputs.layout if head else "padded"
+        terms += activations(inputs, micro, grad=True, checkpointing=checkpointing, layout=layout)
         if head:
-            terms.append(log_prob_head(s, micro, inputs, grad=True))
+            terms.append(log_prob_head(s, micro, inputs, grad=True, layout=layout))
         return Phase(name, terms, rollout_note)
 
     if inputs.old_log_prob is not None:
@@ -260,11 +260,17 @@ def fixes(plan: Plan, phase: Phase) -> list[str]:
         if largest is not None and largest < max(getattr(i, field).rows, getattr(i, field).budget or 0):
             found.append(f"{budget_key if getattr(i, field).budget is not None else count_key}={largest}")
     if phase.name == "update_actor" and not i.actor_checkpointing:
-        # The config refuses gradient checkpointing beside shared prompt forwards.
-        changed = dataclasses.replace(i, actor_checkpointing=True, shared_prompts=False)
+        # The config refuses gradient checkpointing beside shared prompt forwards: packed rows keep their saving.
+        shared = i.layout == "shared_prompts"
+        changed = dataclasses.replace(i, actor_checkpointing=True, layout="dedup" if shared else i.layout)
         if _fits(changed, device, phase.name):
-            shared = " actor_rollout_ref.model.shared_prompt_forward=false" if i.shared_prompts else ""
-            found.append(f"actor_rollout_ref.model.enable_gradient_checkpointing=true{shared}")
+            dedup = (
+                " actor_rollout_ref.model.shared_prompt_forward=false actor_rollout_ref.model.use_remove_padding=true"
+                " actor_rollout_ref.actor.use_prefix_grouper=true"
+                if shared
+                else ""
+            )
+            found.append(f"actor_rollout_ref.model.enable_gradient_checkpointing=true{dedup}")
     critic_checkpointed = dataclasses.replace(i, critic_checkpointing=True)
     if phase.name == "update_critic" and not i.critic_checkpointing and _fits(critic_checkpointed, device, phase.name):
         found.append("critic.model.enable_gradient_checkpointing=true")

@@ -112,17 +112,33 @@ def gathered(role: str, zero: ZeroSetup, params: int, b: int) -> list[Term]:
     return [Term(f"{role} gathered parameters", b * live, 0, "ZeRO-3 live parameters + prefetch")]
 
 
-def activations(inputs: PlanInputs, micro: Pass, *, grad: bool, checkpointing: bool, shared: bool) -> list[Term]:
-    """A micro-batch's activations through the decoder layers (docs/architecture.md, section 13). ``shared``
-    (``model.shared_prompt_forward``, actor and reference): a group's prompt runs once, and its KV cache, indexed
-    out to every row, stays while the responses run."""
+def micro_batch_tokens(inputs: PlanInputs, micro: Pass, layout: str) -> tuple[int, int]:
+    """(rows, tokens) of a micro-batch of full-length sequences as ``layout`` runs it (``PlanInputs.layout``). Only
+    ``dedup`` and ``shared_prompts`` run fewer tokens than rows x (P + R): one prompt per group of ``n`` rows. With
+    a token budget, packed rows (``packed``, ``dedup``) hold as many sequences as the budget's tokens allow."""
+    P, R, n = inputs.prompt_length, inputs.response_length, inputs.n
+
+    def tokens(rows: int) -> int:
+        return -(-rows // n) * P + rows * R if layout in ("dedup", "shared_prompts") else rows * (P + R)
+
+    rows = micro.sequences(P + R)
+    if layout == "dedup" and micro.budget is not None:
+        while tokens(rows + 1) <= micro.budget:
+            rows += 1
+    return rows, tokens(rows)
+
+
+def activations(inputs: PlanInputs, micro: Pass, *, grad: bool, checkpointing: bool, layout: str) -> list[Term]:
+    """A micro-batch's activations through the decoder layers (docs/architecture.md, section 13), its tokens as
+    ``layout`` runs them (``micro_batch_tokens``). ``shared_prompts`` (``model.shared_prompt_forward``): the
+    prompts' KV cache, indexed out to every row, also stays while the responses run."""
     shape, b = inputs.shape, inputs.dtype_bytes
     P, R = inputs.prompt_length, inputs.response_length
-    rows = micro.sequences(P + R)
-    tokens = -(-rows // inputs.n) * P + rows * R if shared else rows * (P + R)
+    rows, tokens = micro_batch_tokens(inputs, micro, layout)
     per_layer = shape.layer_activation_bytes(b)
     # The prompts' cache indexed out to every row, then concatenated with the responses' keys and values.
     cache_bytes = rows * (P + (P + R)) * shape.kv_bytes_per_token(b)
+    shared = layout == "shared_prompts"
     cache = [Term("shared prompts' KV cache", cache_bytes, 0, f"{rows:,} rows x (P + P + R) tokens")] if shared else []
     if not grad:
         return [Term("activations (no grad)", tokens * shape.forward_working_bytes(b), 0, f"{tokens:,} tokens"), *cache]
@@ -133,11 +149,11 @@ def activations(inputs: PlanInputs, micro: Pass, *, grad: bool, checkpointing: b
     return [Term("activations", size, 0, f"{tokens:,} tokens x (L + 1) layers"), *cache]
 
 
-def log_prob_head(shape: ModelShape, micro: Pass, inputs: PlanInputs, *, grad: bool) -> Term:
+def log_prob_head(shape: ModelShape, micro: Pass, inputs: PlanInputs, *, grad: bool, layout: str) -> Term:
     """The response logits of a micro-batch in the model dtype (and, in an update, their two gradients), plus the
-    float32 chunks the log-softmax runs in."""
-    length = inputs.prompt_length + inputs.response_length
-    positions = micro.sequences(length) * (inputs.response_length + 1)
+    float32 chunks the log-softmax runs in. Padded forwards keep ``R + 1`` positions a row, packed ones ``R``."""
+    rows, _ = micro_batch_tokens(inputs, micro, layout)
+    positions = rows * (inputs.response_length + (layout not in ("packed", "dedup")))
     logits = positions * shape.vocab * inputs.dtype_bytes
     chunks = LOGIT_CHUNK_TEMPORARIES * 4 * min(positions * shape.vocab, LOGIT_CHUNK_ELEMENTS)
     copies = 3 if grad else 1

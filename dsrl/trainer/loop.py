@@ -42,6 +42,7 @@ from dsrl.checkpoint.save import (
 from dsrl.config import LOGGED_SAMPLES, Config
 from dsrl.data.batch import Batch
 from dsrl.engines import init_distributed
+from dsrl.engines.forward import PassTally
 from dsrl.engines.training import global_counts
 from dsrl.rewards import numeric_extras
 from dsrl.rollout import SamplingParams
@@ -58,6 +59,7 @@ from dsrl.trainer.dynamic_sampling import fill_batch, metric_values
 from dsrl.trainer.facts import final_facts, startup_facts
 from dsrl.trainer.metrics import (
     batch_metrics,
+    forward_metrics,
     memory_metrics,
     multi_turn_metrics,
     reward_metrics,
@@ -277,6 +279,15 @@ class Trainer(TrainerSetup):
         masked, rows = all_reduce(torch.tensor([cut.sum().item(), len(cut)], dtype=torch.float64)).tolist()
         ratio = {"training/truncated_masked_ratio": masked / rows}
         return batch.replace(response_mask=batch.response_mask * ~cut.unsqueeze(-1)), ratio
+
+    def take_tallies(self) -> dict[str, PassTally]:
+        """What each engine's forwards ran since the last call, by pass (``forward_metrics``)."""
+        tallies: dict[str, PassTally] = {}
+        for engine in (self.actor, self.ref, self.critic):
+            if engine is not None:
+                tallies.update(engine.tallies)
+                engine.tallies.clear()
+        return tallies
 
     def log_samples(self, batch: Batch) -> None:
         """The first ``LOGGED_SAMPLES`` rollouts of rank 0's rows as an MLflow table (rank 0 only)."""
@@ -534,6 +545,7 @@ class Trainer(TrainerSetup):
                 world_size=self.world_size,
             )
         )
+        metrics.update(forward_metrics(self.take_tallies()))
         metrics.update(memory_metrics())
         metrics["training/global_step"] = self.global_step + 1
         metrics["training/epoch"] = self.sampler.epoch

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from dsrl.algorithms import RolloutCorrection
 from dsrl.data.batch import Batch
+from dsrl.engines.forward import PassTally
 from dsrl.runtime.distributed import all_reduce, global_mean, global_stats
 
 NAN = float("nan")
@@ -208,6 +209,20 @@ def throughput_metrics(
         if seconds is not None:
             tokens = num_response_tokens if phase == "gen" else total
             metrics[f"timing_per_token_ms/{phase}"] = seconds * 1000 / tokens if tokens > 0 else 0.0
+    return metrics
+
+
+def forward_metrics(tallies: Mapping[str, PassTally]) -> dict[str, float]:
+    """What the step's model forwards ran (``tallies``: per pass, as the engines counted them), over all ranks:
+    ``perf/padding_ratio``, the padding share of their input positions; ``perf/dedup_ratio``, the share of the
+    rows' own tokens that running a prompt once per micro-batch saved (``use_prefix_grouper``,
+    ``shared_prompt_forward``); ``perf/micro_batches/<pass>``, forwards per rank (every rank runs as many).
+    Collective."""
+    totals = [sum(getattr(t, field) for t in tallies.values()) for field in ("positions", "tokens", "sequence_tokens")]
+    positions, tokens, own = all_reduce(torch.tensor(totals, dtype=torch.float64)).tolist()
+    metrics = {f"perf/micro_batches/{name}": float(t.micro_batches) for name, t in sorted(tallies.items())}
+    metrics["perf/padding_ratio"] = 1 - tokens / positions if positions else 0.0
+    metrics["perf/dedup_ratio"] = 1 - tokens / own if own else 0.0
     return metrics
 
 

@@ -198,6 +198,8 @@ def test_unknown_yaml_key_suggests_the_closest(tmp_path):
         ("actor_rollout_ref.actor.ppo_micro_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
         ("actor_rollout_ref.model.use_fused_kernels=false", "actor_rollout_ref.actor.use_fused_kernels"),
         ("actor_rollout_ref.actor.compute_sum_pi_squared=true", "actor_rollout_ref.actor.calculate_sum_pi_squared"),
+        ("actor_rollout_ref.actor.engine.pad_to_length=true", "use_remove_padding=true packs"),
+        ("actor_rollout_ref.actor.engine.pad_to_length_bucket=256", "remove it"),
     ],
 )
 def test_verl_only_keys_name_the_dsrl_equivalent(override, wanted):

@@ -15,6 +15,7 @@ import torch
 import dsrl.engines.forward as forward
 from dsrl.data.batch import Batch
 from dsrl.engines.forward import micro_batch_indices, model_inputs
+from dsrl.engines.packing import Packing
 
 KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 
@@ -145,3 +146,13 @@ def test_random_batches_respect_the_budget():
         batch = make_batch(prompts, responses, P=12, T=20)
         parts = micro_batch_indices(batch, micro_batch_size=1, max_token_len=budget)
         check_parts(batch, parts, budget)
+
+
+def test_one_copy_of_each_prompt_keeps_a_group_together_and_counts_its_prompt_once():
+    # Two prompts (10 and 20 tokens) with three responses each: a group packed with one prompt copy spans
+    # 10 + 1 + 3 + 5 = 19 and 20 + 2 + 4 + 6 = 32 tokens, so a 32-token budget takes one part per group.
+    batch = make_batch([10, 10, 10, 20, 20, 20], [5, 1, 3, 4, 2, 6])
+    parts = micro_batch_indices(batch, micro_batch_size=1, max_token_len=32, key=KEY, packing=Packing(dedup=True))
+    assert sorted(p.tolist() for p in parts) == [[0, 1, 2], [3, 4, 5]]
+    # Without the prompt counted once, the second group alone is 3 x 20 + 12 = 72 tokens: more parts.
+    assert len(micro_batch_indices(batch, micro_batch_size=1, max_token_len=32, key=KEY, packing=Packing())) > 2

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from types import SimpleNamespace
 
 from dsrl.config import load_config
@@ -11,6 +12,7 @@ from dsrl.engines import critic as critic_module
 from dsrl.engines import reference as reference_module
 from dsrl.engines.actor import ActorEngine
 from dsrl.engines.critic import CriticEngine
+from dsrl.engines.forward import PassTally
 from dsrl.engines.reference import ReferenceEngine
 
 BUDGETS = [
@@ -25,7 +27,13 @@ BUDGETS = [
 
 
 def engine_of(cfg):
-    return SimpleNamespace(cfg=cfg, engine=SimpleNamespace(eval=lambda: None), prefix="actor_rollout_ref.actor")
+    return SimpleNamespace(
+        cfg=cfg,
+        engine=SimpleNamespace(eval=lambda: None),
+        prefix="actor_rollout_ref.actor",
+        packing=None,
+        tallies=defaultdict(PassTally),
+    )
 
 
 def test_each_no_grad_pass_reads_its_own_budget(monkeypatch):
@@ -51,8 +59,8 @@ def test_each_no_grad_pass_reads_its_own_budget(monkeypatch):
     CriticEngine._split(critic, None)  # the update's
     CriticEngine._split(critic, None, "forward_")
     assert splits == [
-        {"micro_batch_size": 4, "max_token_len": 2000, "key": "critic.ppo_max_token_len_per_gpu", "packed": False},
-        {"micro_batch_size": 7, "max_token_len": 5000, "key": "critic.forward_max_token_len_per_gpu", "packed": False},
+        {"micro_batch_size": 4, "max_token_len": 2000, "key": "critic.ppo_max_token_len_per_gpu", "packing": None},
+        {"micro_batch_size": 7, "max_token_len": 5000, "key": "critic.forward_max_token_len_per_gpu", "packing": None},
     ]
     ActorEngine.compute_log_probs(
         engine_of(load_config(None, ["data.train_files=unused.parquet"])), None, temperature=1.0

@@ -8,30 +8,9 @@ import pytest
 import torch
 
 from dsrl import config as C
-from dsrl.data.batch import Batch
 from dsrl.engines.forward import policy_logits
 from tests.conftest import QUICKSTART
-
-
-def group_batch(seed: int = 0) -> Batch:
-    """3 prompts (one left-padded, one of a single token) x 4 responses of varied lengths, one with a
-    mask hole; rows of a prompt are not contiguous."""
-    g = torch.Generator().manual_seed(seed)
-    P, T = 6, 5
-    prompt_len = torch.tensor([6, 3, 1])
-    prompts = torch.randint(3, 100, (3, P), generator=g)
-    prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()
-    rows = torch.tensor([0, 1, 2, 0, 1, 2, 2, 0, 1, 0, 2, 1])
-    response_len = torch.randint(1, T + 1, (len(rows),), generator=g)
-    response_mask = (torch.arange(T) < response_len[:, None]).long()
-    response_mask[3, 1] = 0
-    return Batch(
-        prompt_ids=(prompts * prompt_mask)[rows],
-        prompt_mask=prompt_mask[rows],
-        response_ids=torch.randint(3, 100, (len(rows), T), generator=g) * response_mask,
-        response_mask=response_mask,
-        group_ids=rows,
-    )
+from tests.helpers.engines import group_batch
 
 
 @pytest.mark.parametrize("train", [True, False])

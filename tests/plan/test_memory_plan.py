@@ -86,8 +86,8 @@ def test_the_log_prob_head_holds_three_logit_tensors_in_an_update_and_one_withou
     assert (inputs.prompt_length, inputs.response_length) == (512, 1024)
     logits = 40 * 1025 * 151_936 * 2  # 40 rows x (1,024 + 1) positions x vocab, bf16: 12.5 GB
     chunks = 3 * 4 * 2**26
-    assert log_prob_head(shape, Pass(rows=40), inputs, grad=True).device == 3 * logits + chunks
-    assert log_prob_head(shape, Pass(rows=40), inputs, grad=False).device == logits + chunks
+    assert log_prob_head(shape, Pass(rows=40), inputs, grad=True, layout="padded").device == 3 * logits + chunks
+    assert log_prob_head(shape, Pass(rows=40), inputs, grad=False, layout="padded").device == logits + chunks
 
 
 def test_the_constants_restated_without_torch_match_the_engines():
@@ -129,6 +129,29 @@ def grpo_inputs(data_files):
         return inputs_from_config(cfg, 8, read_shape("", str(QWEN_05B)), H200)
 
     return make
+
+
+def test_packed_rows_count_one_prompt_per_group_with_dedup_and_fill_a_token_budget(grpo_inputs):
+    from dsrl.plan.terms import micro_batch_tokens
+
+    padded = ("actor_rollout_ref.model.use_remove_padding=false",)
+    packed = ("actor_rollout_ref.model.use_remove_padding=true",)  # configs/grpo.yaml's
+    dedup = (*packed, "actor_rollout_ref.actor.use_prefix_grouper=true")
+    inputs = {
+        layout: grpo_inputs(*extra) for layout, extra in (("padded", padded), ("packed", packed), ("dedup", dedup))
+    }
+    assert {layout: i.layout for layout, i in inputs.items()} == {k: k for k in inputs}
+    P, R, n = 512, 1024, inputs["dedup"].n  # configs/grpo.yaml: n = 5
+    assert micro_batch_tokens(inputs["padded"], Pass(rows=10), "padded") == (10, 10 * (P + R))
+    assert micro_batch_tokens(inputs["packed"], Pass(rows=10), "packed") == (10, 10 * (P + R))
+    assert micro_batch_tokens(inputs["dedup"], Pass(rows=10), "dedup") == (10, -(-10 // n) * P + 10 * R)
+    # A 16,384-token budget: 10 full-length rows padded or packed; with one prompt per group of 5, 14 rows
+    # (3 prompts + 14 responses = 15,872 tokens; a 15th response would pass the budget).
+    assert micro_batch_tokens(inputs["packed"], Pass(rows=1, budget=16_384), "packed") == (10, 10 * (P + R))
+    assert micro_batch_tokens(inputs["dedup"], Pass(rows=1, budget=16_384), "dedup") == (14, 3 * P + 14 * R)
+    shape = read_shape("", str(QWEN_05B))
+    head = {k: log_prob_head(shape, Pass(rows=10), i, grad=False, layout=k).device for k, i in inputs.items()}
+    assert head["packed"] < head["padded"]  # packed rows keep logits only where they predict a response token
 
 
 def test_grpo_on_8_h200s_fits_with_the_phases_and_kv_budget_of_its_header(grpo_inputs):

@@ -79,6 +79,30 @@ def test_ranks_log_the_same_metrics(setup, tmp_path):
 
 
 @pytest.mark.slow  # one rank's gate is tests/trainer/test_rollout_mismatch_stops_run.py; the stop is all-reduced
+@pytest.mark.slow
+def test_packed_ranks_log_and_train_as_padded_ones(setup, tmp_path):
+    """The quickstart on two ranks packs with one copy of each prompt (the CPU overlay's); padded, every metric
+    but the rank-local ones and the forwards' own ``perf/*`` is the same to float rounding."""
+    from tests.trainer.test_trainer_packing import PADDED
+
+    overrides, env, launcher = setup
+    logged = {}
+    for arm, layout in (("packed", ()), ("padded", PADDED)):
+        run([*launcher(), str(WORKER), "--out", str(tmp_path / arm), *QUICKSTART, *overrides, *layout], env)
+        logged[arm] = json.loads((tmp_path / arm / "rank0.json").read_text())["logged"]
+    dedup = {arm: entries[1]["metrics"]["perf/dedup_ratio"] for arm, entries in logged.items()}
+    assert dedup["packed"] > 0 and dedup["padded"] == 0
+    for packed, padded in zip(logged["packed"], logged["padded"], strict=True):
+        kept = {k for k in padded["metrics"] if not k.startswith(RANK_LOCAL)}
+        assert kept == {k for k in packed["metrics"] if not k.startswith(RANK_LOCAL)}
+        different = {
+            k: (padded["metrics"][k], packed["metrics"][k])
+            for k in kept
+            if packed["metrics"][k] != pytest.approx(padded["metrics"][k], rel=1e-4, abs=1e-5, nan_ok=True)
+        }
+        assert not different, (padded["step"], different)
+
+
 def test_a_broken_push_stops_both_ranks_at_the_same_step(setup, tmp_path):
     """``algorithm.rollout_mismatch`` reads all-reduced metrics, so every rank counts the same streak and stops
     at the same step: each rank's rollout keeps its start-up weights (``--skip-push``), step 1 is healthy, steps 2

@@ -1,5 +1,6 @@
 """``use_remove_padding`` in a whole run (a recipe under the CPU overlay, the tiny model, ZeRO-3 + CPU offload, two
-steps): every metric of the packed run equals the padded run's to float rounding, and the final weights too."""
+steps): every metric of the packed run (with ``use_prefix_grouper``: one copy of each prompt) equals the padded run's
+to float rounding, and the final weights too; ``perf/padding_ratio`` and ``perf/dedup_ratio`` say what was saved."""
 
 from __future__ import annotations
 
@@ -10,8 +11,18 @@ from tests.helpers.trainer import trainer_for
 
 pytestmark = pytest.mark.e2e
 
-NO_SHARED_PROMPTS = "actor_rollout_ref.model.shared_prompt_forward=false"  # the overlay's; it needs a KV cache
-PACKED = ("actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true")
+
+def layout(packed: bool, dedup: bool = False) -> tuple[str, ...]:
+    """Overrides that set the forwards' layout whatever the CPU overlay sets (never shared_prompt_forward)."""
+    return (
+        f"actor_rollout_ref.model.use_remove_padding={packed}",
+        f"critic.model.use_remove_padding={packed}",
+        f"actor_rollout_ref.actor.use_prefix_grouper={dedup}",
+        "actor_rollout_ref.model.shared_prompt_forward=false",
+    )
+
+
+PADDED, PACKED, DEDUP = layout(False), layout(True), layout(True, dedup=True)
 LORA = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8")
 
 
@@ -27,15 +38,15 @@ def logged_run(name, tiny_model_dir, data, ds_test_config, out, *overrides):
 
 
 @pytest.mark.parametrize(
-    "name, extra",
+    "name, extra, packing",
     [
-        pytest.param("grpo", (), id="grpo"),
-        pytest.param("ppo", (), marks=pytest.mark.slow, id="ppo"),
-        pytest.param("grpo", LORA, marks=pytest.mark.slow, id="grpo-lora"),
+        pytest.param("grpo", (), DEDUP, id="grpo-dedup"),
+        pytest.param("ppo", (), PACKED, marks=pytest.mark.slow, id="ppo"),
+        pytest.param("grpo", LORA, DEDUP, marks=pytest.mark.slow, id="grpo-lora-dedup"),
     ],
 )
 def test_a_packed_run_logs_and_trains_as_the_padded_run(
-    name, extra, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+    name, extra, packing, tiny_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
 ):
     critic = (f"critic.model.path={tiny_model_dir}",) if name == "ppo" else ()
     runs = {
@@ -45,14 +56,19 @@ def test_a_packed_run_logs_and_trains_as_the_padded_run(
             arithmetic_data,
             ds_test_config,
             tmp_path / arm,
-            NO_SHARED_PROMPTS,
             *critic,
             *extra,
-            *packed,
+            *arm_layout,
         )
-        for arm, packed in (("padded", ()), ("packed", PACKED))
+        for arm, arm_layout in (("padded", PADDED), ("packed", packing))
     }
     assert_same_runs(runs)
+    (padded, _), (packed, _) = runs["padded"], runs["packed"]
+    for before, after in zip(padded, packed, strict=True):
+        assert after["perf/padding_ratio"] < before["perf/padding_ratio"]
+        assert after["perf/micro_batches/actor_update"] >= 1
+        assert (after["perf/dedup_ratio"] > 0) == (packing == DEDUP)  # a prompt runs once for its n responses
+        assert before["perf/dedup_ratio"] == 0
 
 
 @pytest.mark.slow
@@ -66,8 +82,10 @@ def test_a_packed_multi_turn_run_logs_and_trains_as_the_padded_run(
     reward.write_text(TURNS_REWARD)
     overrides = multi_turn_overrides(tool_model_dir, calculator_data, reward)
     runs = {
-        arm: logged_run("grpo", tool_model_dir, calculator_data, ds_test_config, tmp_path / arm, *overrides, *packed)
-        for arm, packed in (("padded", (NO_SHARED_PROMPTS,)), ("packed", (NO_SHARED_PROMPTS, *PACKED)))
+        arm: logged_run(
+            "grpo", tool_model_dir, calculator_data, ds_test_config, tmp_path / arm, *overrides, *arm_layout
+        )
+        for arm, arm_layout in (("padded", PADDED), ("packed", DEDUP))
     }
     assert sum(metrics["multi_turn/calls_per_response/mean"] for metrics in runs["padded"][0]) > 0
     assert_same_runs(runs)

@@ -27,6 +27,13 @@ def batch_rules(cfg: Config, world_size: int, need: Need) -> None:
         "a packed forward takes no KV cache, and shared_prompt_forward runs the responses on the prompts' cache",
         "set actor_rollout_ref.model.shared_prompt_forward=false or use_remove_padding=false",
     )
+    need(
+        model.use_remove_padding or not cfg.actor_rollout_ref.actor.use_prefix_grouper,
+        "actor_rollout_ref.actor.use_prefix_grouper",
+        "dsrl runs a prompt once ahead of its responses inside packed rows (verl's grouper works on padded ones); "
+        "padded forwards share prompts through a KV cache with shared_prompt_forward",
+        "set actor_rollout_ref.model.use_remove_padding=true",
+    )
     need(data.train_batch_size > 0, "data.train_batch_size", "must be > 0 (prompts per step)", "set it to e.g. 8")
     if data.train_batch_size > 0:
         _sharded_rule("data.train_batch_size", data.train_batch_size, world_size, need)

@@ -121,12 +121,12 @@ def file_rules(cfg: Config, need: Need) -> None:
         )
         if problem is None and Path(path).expanduser().is_dir():  # a hub id is checked when it downloads
             # The run's tokenizer is the actor's (the critic shares it).
-            for rule, fix in model_dir_problems(
-                Path(path).expanduser(), tokenizer=key == "actor_rollout_ref.model.path"
-            ):
+            found = model_dir_problems(Path(path).expanduser(), tokenizer=key == "actor_rollout_ref.model.path")
+            for rule, fix in found:
                 need(False, key, rule, fix)
             packing = key.removesuffix("path") + "use_remove_padding"
-            if value_at(cfg, packing) and (config := model_config(Path(path).expanduser())) is not None:
+            # Read only a directory found sound: its config.json may be a FIFO, which a read would wait on.
+            if not found and value_at(cfg, packing) and (config := model_config(Path(path).expanduser())) is not None:
                 problem = packing_problem(config)
                 need(problem is None, packing, f"{path}: {problem}", f"set {packing}=false")
 
