@@ -351,3 +351,20 @@ def test_variance_proxy_by_hand():
     assert twos["variance_proxy/proxy2_total_power"] == pytest.approx(4 * 0.625, rel=1e-6)
     assert twos["variance_proxy/proxy3_pure_noise"] == 0.0  # no gradient norm, no noise estimate
     assert variance_proxy_metrics(batch.replace(sum_pi_squared=None), grad_norm=0.5) == {}
+
+
+def test_forward_metrics_give_the_padding_and_dedup_shares_over_all_passes():
+    from dsrl.engines.forward import PassTally
+    from dsrl.trainer.metrics import forward_metrics
+
+    tallies = {
+        "old_log_prob": PassTally(micro_batches=2, positions=100, tokens=80, sequence_tokens=120),
+        "actor_update": PassTally(micro_batches=3, positions=100, tokens=100, sequence_tokens=100),
+    }
+    assert forward_metrics(tallies) == {
+        "perf/micro_batches/actor_update": 3.0,
+        "perf/micro_batches/old_log_prob": 2.0,
+        "perf/padding_ratio": pytest.approx(20 / 200),  # 20 padding positions of 200
+        "perf/dedup_ratio": pytest.approx(40 / 220),  # 40 prompt tokens not run of the rows' own 220
+    }
+    assert forward_metrics({}) == {"perf/padding_ratio": 0.0, "perf/dedup_ratio": 0.0}

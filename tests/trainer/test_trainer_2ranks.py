@@ -88,6 +88,7 @@ def test_packed_ranks_log_and_train_as_padded_ones(setup, tmp_path):
     overrides, env, launcher = setup
     logged = {}
     for arm, layout in (("packed", ()), ("padded", PADDED)):
+        (tmp_path / arm).mkdir()
         run([*launcher(), str(WORKER), "--out", str(tmp_path / arm), *QUICKSTART, *overrides, *layout], env)
         logged[arm] = json.loads((tmp_path / arm / "rank0.json").read_text())["logged"]
     dedup = {arm: entries[1]["metrics"]["perf/dedup_ratio"] for arm, entries in logged.items()}

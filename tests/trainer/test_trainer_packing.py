@@ -65,7 +65,6 @@ def test_a_packed_run_logs_and_trains_as_the_padded_run(
     assert_same_runs(runs)
     (padded, _), (packed, _) = runs["padded"], runs["packed"]
     for before, after in zip(padded, packed, strict=True):
-        assert after["perf/padding_ratio"] < before["perf/padding_ratio"]
         assert after["perf/micro_batches/actor_update"] >= 1
         assert (after["perf/dedup_ratio"] > 0) == (packing == DEDUP)  # a prompt runs once for its n responses
         assert before["perf/dedup_ratio"] == 0
