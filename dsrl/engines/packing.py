@@ -1,9 +1,10 @@
 """Packed forwards (verl's ``use_remove_padding``): a micro-batch's sequences without their padding, end to end.
 
 Each row's valid tokens (its prompt's, flushed left, then its response's up to the last token in the context) make
-one sequence; sequences are placed into packed rows first-fit, longest first, each row holding at most
-``row_tokens`` tokens. Position ids restart at 0 with every sequence and no attention mask is passed, so
-transformers builds the block-diagonal causal mask from the position ids (``masking_utils.
+one sequence; sequences are placed into packed rows first-fit, longest first, each row holding at most a length
+chosen from the model's shape (``_row_length``: sdpa and eager attention compute every pair of a row, so longer
+rows trade padding for attention pairs). Position ids restart at 0 with every sequence and no attention mask is
+passed, so transformers builds the block-diagonal causal mask from the position ids (``masking_utils.
 find_packed_sequence_indices``; it does so only without a KV cache: a packed forward never uses one). The
 logits at the positions that predict response tokens are gathered back into the ``[b, width, V]`` layout of
 ``dsrl.engines.forward.response_logits`` (past a row's response, another position's, as padding gives there), so
@@ -128,7 +129,9 @@ def _first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[tuple
 def _row_length(lengths: list[int], pair_cost: float | None) -> int:
     """The packed rows' capacity: with ``pair_cost``, the one whose rows run at the least cost (each row
     ``length * (1 + pair_cost * length)``), among the shortest capacity that packs the units into each possible
-    number of rows; fewer, longer rows have less padding and more attention pairs. Without it the longest unit."""
+    number of rows; fewer, longer rows have less padding and more attention pairs. Never past twice the longest
+    unit: a row's mask, and on a CPU its attention scores, take memory in its length squared, so per token at most
+    twice what a row of the longest unit takes. Without ``pair_cost`` the longest unit."""
     longest, total = max(lengths), sum(lengths)
     if pair_cost is None:
         return longest
@@ -137,6 +140,8 @@ def _row_length(lengths: list[int], pair_cost: float | None) -> int:
         capacity = max(longest, -(-total // rows))
         while len(fill := _first_fit(lengths, capacity)[0]) > rows:
             capacity += max(1, capacity // 64)
+        if capacity > 2 * longest:
+            break
         cost = len(fill) * max(fill) * (1 + pair_cost * max(fill))
         if best is None or cost < best[0]:
             best = (cost, capacity)
@@ -186,6 +191,8 @@ def packed_response_logits(module: torch.nn.Module, packed: PackedInputs, device
     """Logits ``[b, width, V]`` predicting the response tokens of ``packed``'s rows from one forward; only the
     packed columns that predict a response token get logits."""
     kept = torch.unique(packed.columns[packed.columns >= 0])
+    if not len(kept):  # no response token in the context (every row's masked out): one column, as padded keeps
+        kept = torch.zeros(1, dtype=torch.long)
     mask = {} if packed.attention_mask is None else {"attention_mask": packed.attention_mask.to(device)}
     out = module(
         input_ids=packed.input_ids.to(device),

