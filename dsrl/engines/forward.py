@@ -34,7 +34,7 @@ from dsrl.algorithms import (
     sum_pi_squared_from_logits,
 )
 from dsrl.data.batch import Batch, last_response_token
-from dsrl.engines.packing import Packing, pack, packed_response_logits
+from dsrl.engines.packing import Packing, pack, packed_response_logits, prompt_groups
 from dsrl.runtime.distributed import accelerator_device, all_reduce
 
 # Float32 elements of one chunk of logits (2**26 * 4 bytes = 256 MiB): a few such temporaries live at once.
@@ -64,12 +64,6 @@ def _padded_lengths(batch: Batch) -> tuple[list[int], list[int]]:
     prompt = (torch.arange(P, 0, -1) * (batch.prompt_mask.cpu() != 0)).amax(-1)
     response = last_response_token(batch.response_mask.cpu()) + 1
     return prompt.tolist(), response.tolist()
-
-
-def prompt_groups(batch: Batch) -> list[int]:
-    """Per row, an id shared by the rows with the same prompt (its valid tokens)."""
-    prompts = torch.cat([batch.prompt_ids * batch.prompt_mask, batch.prompt_mask], dim=1).cpu()
-    return torch.unique(prompts, dim=0, return_inverse=True)[1].tolist()
 
 
 def _rectangles(rows: list[int], prompt: list[int], response: list[int], groups: list[int] | None) -> list[int]:

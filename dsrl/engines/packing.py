@@ -66,6 +66,12 @@ class _Unit:
         return torch.cat([torch.full((len(part),), k) for k, part in enumerate(self.parts)])
 
 
+def prompt_groups(batch: Batch) -> list[int]:
+    """Per row, an id shared by the rows with the same prompt (its valid tokens)."""
+    prompts = torch.cat([batch.prompt_ids * batch.prompt_mask, batch.prompt_mask], dim=1).cpu()
+    return torch.unique(prompts, dim=0, return_inverse=True)[1].tolist()
+
+
 def _units(micro: Batch, dedup: bool) -> tuple[list[_Unit], list[torch.Tensor], list[int], int]:
     """The units of ``micro``'s rows; for each row, per response column the index in its unit of the token
     predicting it (-1 for a column out of the context); each row's unit; and the response width to keep
@@ -74,12 +80,13 @@ def _units(micro: Batch, dedup: bool) -> tuple[list[_Unit], list[torch.Tensor], 
     columns = attended.any(0).nonzero()
     width = int(columns[-1]) + 1 if len(columns) else 1
     units: list[_Unit] = []
-    by_prompt: dict[object, int] = {}
+    keys = prompt_groups(micro) if dedup else range(len(micro))
+    by_key: dict[int, int] = {}
     unit_of, predictors = [], []
-    for i in range(len(micro)):
+    for i, key in enumerate(keys):
         prompt = micro.prompt_ids[i][micro.prompt_mask[i].bool()]
         kept = attended[i, :width]
-        u = by_prompt.setdefault(tuple(prompt.tolist()) if dedup else i, len(units))
+        u = by_key.setdefault(key, len(units))
         if u == len(units):
             units.append(_Unit([prompt]))
         start = len(units[u])  # where this row's response begins in its unit
