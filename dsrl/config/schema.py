@@ -308,7 +308,7 @@ class ActorConfig:
         "micro-batches per optimizer step over all ranks, else nothing is logged (not in verl)",
     )
     use_fused_kernels: bool = _f(
-        False, "verl's fused log-prob kernels; dsrl has none (its chunked forward bounds logit memory), so only false"
+        False, "log-probs, entropy, sum_pi_squared from hidden states chunk by chunk, never the logits (actor, ref)"
     )
     grad_clip: Optional[float] = _f(
         None, "older verl name of optim.clip_grad; used when set (setting both to different values is refused)"

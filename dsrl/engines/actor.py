@@ -32,10 +32,10 @@ from dsrl.engines.deepspeed_setup import (
 from dsrl.engines.forward import (
     PassTally,
     compute_response_stats,
+    fused_head_for,
     micro_batch_indices,
     pad_response,
-    policy_logits,
-    response_stats,
+    policy_stats,
 )
 from dsrl.engines.grad_variance import MicroBatchGradNorms
 from dsrl.engines.lora import add_adapters, iter_adapter_parameters, iter_merged_parameters
@@ -95,6 +95,7 @@ class ActorEngine:
         if self.lora:
             module = add_adapters(module, model_cfg)
         self.engine = initialize_trained(module, self.ds_config)
+        self.fused_head = fused_head_for(self.module, actor.use_fused_kernels)
         self.lr_scheduler = lr_scheduler(
             self.engine.basic_optimizer, actor.optim, total_training_steps=total_training_steps, prefix=self.prefix
         )
@@ -140,6 +141,7 @@ class ActorEngine:
             with_sum_pi_squared=with_sum_pi_squared,
             share_prompts=self.cfg.actor_rollout_ref.model.shared_prompt_forward,
             packing=self.packing,
+            fused_head=self.fused_head,
             tally=self.tallies["old_log_prob"],
         )
 
@@ -223,21 +225,18 @@ class ActorEngine:
         micro = micro.to(dev)
         T = micro.response_ids.shape[1]
         model = self.cfg.actor_rollout_ref.model
-        logits, width = policy_logits(
-            self.engine,
-            micro,
-            dev,
-            share_prompts=model.shared_prompt_forward,
-            packing=self.packing,
-            tally=self.tallies["actor_update"],
-        )
         # verl: the update's entropy only when it is in the loss or asked for; actor/entropy comes from
         # the old-log-prob pass, or from here when this pass stands in for it (``record``).
         entropy_loss_on = actor.entropy_coeff != 0 or actor.calculate_entropy
-        stats = response_stats(
-            logits,
-            micro.response_ids[:, :width],
+        stats, _ = policy_stats(
+            self.engine,
+            micro,
+            dev,
             temperature=temperature,
+            share_prompts=model.shared_prompt_forward,
+            packing=self.packing,
+            fused_head=self.fused_head,
+            tally=self.tallies["actor_update"],
             with_entropy=entropy_loss_on or record is not None,
             entropy_grad=entropy_loss_on,
         )

@@ -7,7 +7,9 @@ for a ``[b, P + T]`` input the response slice of the logits (or hidden states) i
 Memory: only the ``T + 1`` last positions of the logits are materialised (``logits_to_keep``), and
 the float32 softmax statistics are computed ``chunk_rows`` positions at a time, so ``[B, T, V]``
 probabilities never exist at once; under autograd each chunk is checkpointed (recomputed in
-backward) so the saved state is the model-dtype logits only.
+backward) so the saved state is the model-dtype logits only. The fused head (``use_fused_kernels``,
+``head_stats``) goes further: the model hands back its final hidden states, and each chunk's logits are
+computed from them by the output projection and dropped, so no logit-sized tensor exists at all.
 
 Micro-batches: by count (consecutive rows) or by token budget (``use_dynamic_bsz``). The budget
 bounds the padded rectangle each forward really runs, ``b * (max prompt length + max response
@@ -21,12 +23,15 @@ collectively in each forward), so the number of micro-batches is agreed across r
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
 
 from dsrl.algorithms import (
     entropy_from_logits,
@@ -355,6 +360,117 @@ def response_stats(
     return dict(zip(names, stats, strict=True))
 
 
+# Config attributes of models whose logits are more than the output projection of the final hidden states.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def fused_head_for(model: torch.nn.Module, enabled: bool) -> torch.nn.Module | None:
+    """The output projection the fused head computes log-probs with (``enabled``: ``use_fused_kernels``), else
+    None; ValueError when ``model``'s logits are not that projection of its hidden states alone."""
+    if not enabled:
+        return None
+    key, name = "actor_rollout_ref.actor.use_fused_kernels", model.config.name_or_path
+    transforms = [key for key in _LOGIT_TRANSFORMS if getattr(model.config, key, None) not in (None, 1, 1.0)]
+    head = model.get_output_embeddings()
+    if transforms or not isinstance(getattr(head, "out_features", None), int):
+        problem = f"it transforms its logits ({', '.join(transforms)})" if transforms else "no linear output layer"
+        raise ValueError(f"{key}=true: {name}: {problem}, which the fused head does not compute; fix: set {key}=false")
+    return head
+
+
+def _identity(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden
+
+
+@contextmanager
+def hidden_states_out(head: torch.nn.Module) -> Iterator[None]:
+    """Inside, the output projection ``head`` hands back its input, the final hidden states at the kept positions,
+    instead of logits: the forward paths above then give ``[b, width, H]`` where they gave ``[b, width, V]``. An
+    instance attribute shadows the class's ``forward``, so ZeRO-3's hooks on ``head`` still run on every rank."""
+    head.forward = _identity
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+# ZeRO-3 releases the output layer's gathered weight after each call of it, so the recomputed chunk's saved weight
+# is the partitioned parameter when checkpoint compares it; ZeRO-3 gathers it again before its backward reads it.
+RECOMPUTE = {"use_reentrant": False, "determinism_check": "none"}
+
+
+def _head_chunk(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    with_sum_pi_squared: bool,
+) -> tuple[torch.Tensor, ...]:
+    return tuple(_chunk_stats(head(hidden), labels, temperature, with_entropy, with_sum_pi_squared))
+
+
+def head_stats(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool = False,
+    with_sum_pi_squared: bool = False,
+    entropy_grad: bool = False,
+    chunk_rows: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """``response_stats``'s statistics from the final hidden states ``[b, T, H]`` and the output projection
+    ``head`` (the fused head, ``use_fused_kernels``): ``chunk_rows`` positions at a time (default ~``CHUNK_ELEMENTS``
+    logits), each chunk's logits computed by ``head`` and dropped once its statistics are. Under autograd each chunk
+    is checkpointed: backward recomputes its logits, and autograd sums the chunks' gradients of ``head``'s weight
+    before its one accumulation, as for any weight used twice (a tied embedding's too), so ZeRO-3 reduces it once.
+    Collective: each call of ``head`` gathers its ZeRO-3 parameters, so the chunk count is agreed over ranks."""
+    b, t, hidden_size = hidden.shape
+    rows = chunk_rows or max(1, CHUNK_ELEMENTS // head.out_features)
+    (count,) = all_reduce(torch.tensor([max(1, -(-b * t // rows))]), op="max").tolist()
+    sizes = [len(part) for part in torch.arange(b * t).tensor_split(count)]
+    differentiated = torch.is_grad_enabled() and hidden.requires_grad
+    pieces = []
+    for h, y in zip(hidden.reshape(b * t, hidden_size).split(sizes), labels.reshape(b * t).split(sizes), strict=True):
+        args = (head, h, y, temperature, with_entropy, with_sum_pi_squared)
+        pieces.append(checkpoint(_head_chunk, *args, **RECOMPUTE) if differentiated else _head_chunk(*args))
+    stats = [torch.cat(column).view(b, t) for column in zip(*pieces, strict=True)]
+    names = ["log_probs"] + ["entropy"] * with_entropy + ["sum_pi_squared"] * with_sum_pi_squared
+    out = dict(zip(names, stats, strict=True))
+    for name in names[1 + (with_entropy and entropy_grad) :]:  # as response_stats: no gradient
+        out[name] = out[name].detach()
+    return out
+
+
+def policy_stats(
+    module: torch.nn.Module,
+    micro: Batch,
+    device: torch.device,
+    *,
+    temperature: float,
+    share_prompts: bool = False,
+    packing: Packing | None = None,
+    fused_head: torch.nn.Module | None = None,
+    tally: PassTally | None = None,
+    with_entropy: bool = False,
+    with_sum_pi_squared: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[dict[str, torch.Tensor], int]:
+    """``response_stats`` of ``micro``'s response tokens ``[b, width]`` from one ``policy_logits`` forward, and
+    ``width``. ``fused_head`` (the model's output projection, ``use_fused_kernels``): from its hidden states through
+    ``head_stats`` instead, never holding the logits."""
+    labels = micro.response_ids.to(device)
+    flags = {"with_entropy": with_entropy, "with_sum_pi_squared": with_sum_pi_squared, "entropy_grad": entropy_grad}
+    if fused_head is None:
+        logits, width = policy_logits(module, micro, device, share_prompts=share_prompts, packing=packing, tally=tally)
+        return response_stats(logits, labels[:, :width], temperature=temperature, **flags), width
+    with hidden_states_out(fused_head):
+        hidden, width = policy_logits(module, micro, device, share_prompts=share_prompts, packing=packing, tally=tally)
+    return head_stats(fused_head, hidden, labels[:, :width], temperature=temperature, **flags), width
+
+
 def pad_response(values: torch.Tensor, width: int) -> torch.Tensor:
     """Right-pad ``[b, w]`` with zeros to ``[b, width]`` (back to the batch's response width)."""
     return F.pad(values, (0, width - values.shape[1]))
@@ -372,12 +488,13 @@ def compute_response_stats(
     with_sum_pi_squared: bool = False,
     share_prompts: bool = False,
     packing: Packing | None = None,
+    fused_head: torch.nn.Module | None = None,
     tally: PassTally | None = None,
 ) -> dict[str, torch.Tensor]:
     """No-grad forward of ``batch`` in micro-batches (``micro_batch_indices``), outputs put back in
     row order: ``[B, T]`` float32 ``old_log_probs`` (+ ``entropy``, ``sum_pi_squared``), 0 on
-    response padding, on the batch's device. ``share_prompts``, ``packing``, ``tally``: see ``policy_logits``.
-    Collective (ZeRO-3 forwards, micro-batch count)."""
+    response padding, on the batch's device. ``share_prompts``, ``packing``, ``fused_head``, ``tally``: see
+    ``policy_stats``. Collective (ZeRO-3 forwards, micro-batch count)."""
     B, T = batch.response_ids.shape
     names = {"log_probs": "old_log_probs", "entropy": "entropy", "sum_pi_squared": "sum_pi_squared"}
     mask = batch.response_mask.float().cpu()
@@ -390,19 +507,15 @@ def compute_response_stats(
             key=budget_key,
             packing=packing,
         ):
-            micro = batch.select(idx)
-            logits, width = policy_logits(
+            stats, _ = policy_stats(
                 module,
-                micro,
+                batch.select(idx),
                 accelerator_device(),
+                temperature=temperature,
                 share_prompts=share_prompts,
                 packing=packing,
+                fused_head=fused_head,
                 tally=tally,
-            )
-            stats = response_stats(
-                logits,
-                micro.response_ids[:, :width].to(logits.device),
-                temperature=temperature,
                 with_entropy=with_entropy,
                 with_sum_pi_squared=with_sum_pi_squared,
             )

@@ -21,7 +21,7 @@ from dsrl.engines.deepspeed_setup import (
     init_distributed,
     load_pretrained,
 )
-from dsrl.engines.forward import PassTally, compute_response_stats
+from dsrl.engines.forward import PassTally, compute_response_stats, fused_head_for
 from dsrl.engines.packing import Packing, packing_for
 
 
@@ -56,11 +56,18 @@ class ReferenceEngine:
         module.requires_grad_(False)
         self.engine, *_ = deepspeed.initialize(model=module, config=self.ds_config)
         self.engine.eval()
+        self.fused_head = fused_head_for(self.engine.module, cfg.actor_rollout_ref.actor.use_fused_kernels)
 
     def compute_log_probs(self, batch: Batch, *, temperature: float) -> torch.Tensor:
         """``ref_log_probs`` ``[B, T]`` float32, 0 on padding (``reference_log_probs``). Collective."""
         return reference_log_probs(
-            self.engine, batch, self.cfg, self.packing, temperature=temperature, tally=self.tallies["ref"]
+            self.engine,
+            batch,
+            self.cfg,
+            self.packing,
+            self.fused_head,
+            temperature=temperature,
+            tally=self.tallies["ref"],
         )
 
 
@@ -81,18 +88,26 @@ class AdapterOffReference:
                 batch,
                 self.cfg,
                 self.actor.packing,
+                self.actor.fused_head,
                 temperature=temperature,
                 tally=self.tallies["ref"],
             )
 
 
 def reference_log_probs(
-    engine: Any, batch: Batch, cfg: Any, packing: Packing | None, *, temperature: float, tally: PassTally | None = None
+    engine: Any,
+    batch: Batch,
+    cfg: Any,
+    packing: Packing | None,
+    fused_head: torch.nn.Module | None,
+    *,
+    temperature: float,
+    tally: PassTally | None = None,
 ) -> torch.Tensor:
     """``ref_log_probs`` ``[B, T]`` float32, 0 on padding, of ``engine``'s model. Micro-batches of
     ``ref.log_prob_micro_batch_size_per_gpu`` rows, or of ``ref.log_prob_max_token_len_per_gpu`` tokens with
-    ``ref.log_prob_use_dynamic_bsz`` (both default to the actor's, as in verl); ``packing``, ``tally``: see
-    ``policy_logits``. Collective."""
+    ``ref.log_prob_use_dynamic_bsz`` (both default to the actor's, as in verl); ``packing``, ``fused_head``,
+    ``tally``: see ``policy_stats``. Collective."""
     ref = cfg.actor_rollout_ref.ref
     stats = compute_response_stats(
         engine,
@@ -103,6 +118,7 @@ def reference_log_probs(
         budget_key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
         share_prompts=cfg.actor_rollout_ref.model.shared_prompt_forward,
         packing=packing,
+        fused_head=fused_head,
         tally=tally,
     )
     return stats["old_log_probs"]

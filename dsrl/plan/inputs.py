@@ -141,6 +141,7 @@ class PlanInputs:
     actor_trained: int  # trained parameters: all, or LoRA's adapters
     actor_checkpointing: bool
     layout: str  # of the actor's and the reference's forwards: padded | shared_prompts | packed | dedup
+    fused_head: bool  # their log-prob head: chunks of logits from the hidden states (use_fused_kernels)
     update: Pass
     old_log_prob: Pass | None  # None when folded into the update
     ref: ZeroSetup | None  # the reference engine; None without a KL term or with LoRA
@@ -212,6 +213,7 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
         actor_trained=shape.lora_parameters(model.lora_rank, model.target_modules) if lora else shape.parameters(),
         actor_checkpointing=model.enable_gradient_checkpointing,
         layout=forward_layout(model.shared_prompt_forward, model.use_remove_padding, actor.use_prefix_grouper),
+        fused_head=actor.use_fused_kernels,
         update=_pass(
             mini_rows, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu
         ),

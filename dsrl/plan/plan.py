@@ -271,6 +271,9 @@ def fixes(plan: Plan, phase: Phase) -> list[str]:
                 else ""
             )
             found.append(f"actor_rollout_ref.model.enable_gradient_checkpointing=true{dedup}")
+    fused = dataclasses.replace(i, fused_head=True)
+    if phase.name in ("old_log_prob", "ref", "update_actor") and not i.fused_head and _fits(fused, device, phase.name):
+        found.append("actor_rollout_ref.actor.use_fused_kernels=true")
     critic_checkpointed = dataclasses.replace(i, critic_checkpointing=True)
     if phase.name == "update_critic" and not i.critic_checkpointing and _fits(critic_checkpointed, device, phase.name):
         found.append("critic.model.enable_gradient_checkpointing=true")

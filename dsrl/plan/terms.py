@@ -151,11 +151,20 @@ def activations(inputs: PlanInputs, micro: Pass, *, grad: bool, checkpointing: b
 
 def log_prob_head(shape: ModelShape, micro: Pass, inputs: PlanInputs, *, grad: bool, layout: str) -> Term:
     """The response logits of a micro-batch in the model dtype (and, in an update, their two gradients), plus the
-    float32 chunks the log-softmax runs in. Padded forwards keep ``R + 1`` positions a row, packed ones ``R``."""
+    float32 chunks the log-softmax runs in. Padded forwards keep ``R + 1`` positions a row, packed ones ``R``. The
+    fused head (``inputs.fused_head``) holds one chunk of logits at a time, and in an update, in backward, that
+    chunk's gradient and a second output-layer gradient (autograd sums the chunks' into it)."""
     rows, _ = micro_batch_tokens(inputs, micro, layout)
     positions = rows * (inputs.response_length + (layout not in ("packed", "dedup")))
-    logits = positions * shape.vocab * inputs.dtype_bytes
+    if inputs.fused_head:  # chunks of whole positions, as head_stats cuts them
+        chunk = min(positions, max(1, LOGIT_CHUNK_ELEMENTS // shape.vocab))
+        copies = 2 if grad else 1
+        weight = shape.vocab * shape.hidden * inputs.dtype_bytes if grad else 0
+        size = chunk * shape.vocab * (copies * inputs.dtype_bytes + LOGIT_CHUNK_TEMPORARIES * 4) + weight
+        note = f"fused: {copies} x {chunk:,} positions x {shape.vocab:,} vocab + fp32 chunks"
+        return Term("log-prob head", size, 0, note + (" + an output-layer gradient" if grad else ""))
     chunks = LOGIT_CHUNK_TEMPORARIES * 4 * min(positions * shape.vocab, LOGIT_CHUNK_ELEMENTS)
+    logits = positions * shape.vocab * inputs.dtype_bytes
     copies = 3 if grad else 1
     return Term(
         "log-prob head", copies * logits + chunks, 0, f"{copies} x {positions:,} x {shape.vocab:,} vocab + fp32 chunks"

@@ -573,20 +573,10 @@ def test_otb_turns_on_sum_pi_squared_and_says_so(files, estimator):
     assert "calculate_sum_pi_squared: true" in C.to_yaml(cfg)
 
 
-@pytest.mark.parametrize("estimator", C.SUM_PI_SQUARED_ESTIMATORS)
-def test_otb_refuses_fused_kernels(files, estimator):
-    [v] = problems(
-        "otb", files + [f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.actor.use_fused_kernels=true"]
-    )
-    assert (
-        v.startswith("actor_rollout_ref.actor.use_fused_kernels=true: fused kernels never hold the logits")
-        and estimator in v
-    )
-
-
-def test_fused_kernels_are_refused(files):
-    [v] = problems("grpo", files + ["actor_rollout_ref.actor.use_fused_kernels=true"])
-    assert v.startswith("actor_rollout_ref.actor.use_fused_kernels=true: dsrl has no fused log-prob kernels")
+@pytest.mark.parametrize("estimator", ["grpo", *C.SUM_PI_SQUARED_ESTIMATORS])
+def test_the_fused_head_validates_for_every_estimator(files, estimator):
+    fused = [f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.actor.use_fused_kernels=true"]
+    assert problems("otb" if estimator != "grpo" else "grpo", files + fused) == []
 
 
 def test_opo_refuses_off_policy_training_unless_allowed(files):

@@ -29,14 +29,18 @@ def run(command: list[str], env: dict[str, str], out: Path) -> None:
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
 
 
-def launch(tmp_path_factory, tiny_model_dir, ds_test_config, free_port, *extra: str) -> tuple[Path, Path]:
-    """The worker on 2 ranks, then alone on the whole batch: the two output folders."""
+def launch(
+    tmp_path_factory, tiny_model_dir, ds_test_config, free_port, *extra: str, alone: bool = True
+) -> tuple[Path, Path | None]:
+    """The worker on 2 ranks, then (``alone``) alone on the whole batch: the two output folders."""
     ds_config = ds_test_config("zero3_offload", optimizer={"eps": 1.0})
     args = ["--model", str(tiny_model_dir), "--ds-config", ds_config, *extra]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "2"}
     two = tmp_path_factory.mktemp("two_ranks")
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
     run([*launcher, str(WORKER), "--out", str(two), *args], env, two)
+    if not alone:
+        return two, None
     one = tmp_path_factory.mktemp("one_rank")
     alone = {
         "RANK": "0",
@@ -95,5 +99,20 @@ def test_a_lora_update_on_two_ranks_equals_one_rank_on_the_whole_batch(
         assert report["actor_change_on_first_samples"] > 1e-3
     params_two, params_one = torch.load(two / "params_world2.pt"), torch.load(one / "params_world1.pt")
     assert params_two.keys() == params_one.keys() and any(".lora_B." in k for k in params_one)
+    worst = max((params_two[k] - params_one[k]).abs().max().item() for k in params_one)
+    assert worst < 1e-6, worst
+
+
+def test_a_fused_head_update_on_two_ranks_equals_one_unfused_rank(
+    runs, tmp_path_factory, tiny_model_dir, ds_test_config, free_port
+):
+    """The fused head 2 positions a chunk: the ranks' micro-batches need different numbers of chunks, each of
+    which gathers the ZeRO-3 output layer, so the count must be agreed; the update is the unfused one-rank one."""
+    two, _ = launch(tmp_path_factory, tiny_model_dir, ds_test_config, free_port, "--fused-head-chunk", "2", alone=False)
+    reports = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert reports[0]["metrics"] == reports[1]["metrics"]
+    for report in reports:
+        assert report["logprob_diff_before_update"] < 1e-5 and report["logprob_diff_after_update"] < 1e-5
+    params_two, params_one = torch.load(two / "params_world2.pt"), torch.load(runs[1] / "params_world1.pt")
     worst = max((params_two[k] - params_one[k]).abs().max().item() for k in params_one)
     assert worst < 1e-6, worst

@@ -32,6 +32,7 @@ def engine_of(cfg):
         engine=SimpleNamespace(eval=lambda: None),
         prefix="actor_rollout_ref.actor",
         packing=None,
+        fused_head=None,
         tallies=defaultdict(PassTally),
     )
 

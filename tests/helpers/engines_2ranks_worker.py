@@ -1,7 +1,7 @@
 """One rank of the engine checks in ``test_engines_2ranks.py`` (also runs alone as a world of one).
 
     deepspeed --num_gpus 2 --master_port PORT tests/helpers/engines_2ranks_worker.py --out DIR --model DIR \\
-        --ds-config JSON [--lora-rank R]
+        --ds-config JSON [--lora-rank R] [--fused-head-chunk POSITIONS]
 
 Each rank: builds a ZeRO-3 + offload actor and a transformers rollout copy; pushes the weights and
 samples its own prompts (rank-local generation) and checks the actor scores them as the rollout
@@ -10,7 +10,9 @@ would need 4 and rank 1 only 2: without agreeing on a count, ZeRO-3's collective
 hang); pushes again and re-checks the agreement. Writes
 ``rank<R>.json`` (metrics, agreements, timings) and, on rank 0, ``params_world<W>.pt`` (the gathered
 parameters after the update) to compare a 2-rank run with a 1-rank run on the whole batch. With
-``--lora-rank`` the actor trains LoRA adapters and pushes its merged weights to the rollout copy.
+``--lora-rank`` the actor trains LoRA adapters and pushes its merged weights to the rollout copy. With
+``--fused-head-chunk`` it computes log-probs with the fused head (``use_fused_kernels``) that many positions at a
+time, so that the ranks' micro-batches need different numbers of chunks (each gathers the ZeRO-3 output layer).
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig
 
 from dsrl.config import load_config
 from dsrl.data.batch import Batch
-from dsrl.engines import ActorEngine, init_distributed
+from dsrl.engines import ActorEngine, forward, init_distributed
 from dsrl.engines.weight_sync import iter_full_parameters
 from dsrl.rollout import HFRollout, SamplingParams
 
@@ -71,6 +74,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--ds-config", required=True)
     parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--fused-head-chunk", type=int, default=0)
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -96,8 +100,11 @@ def main() -> None:
             "actor_rollout_ref.actor.optim.weight_decay=0.0",
             f"actor_rollout_ref.model.lora_rank={args.lora_rank}",
             "actor_rollout_ref.model.lora.merge=true",
+            f"actor_rollout_ref.actor.use_fused_kernels={bool(args.fused_head_chunk)}",
         ],
     )
+    if args.fused_head_chunk:
+        forward.CHUNK_ELEMENTS = args.fused_head_chunk * AutoConfig.from_pretrained(args.model).vocab_size
     # Each rank draws its own initial adapters (the trainer seeds per rank): DeepSpeed must start all from rank 0's.
     torch.manual_seed(rank)
     actor = ActorEngine(cfg)

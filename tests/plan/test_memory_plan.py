@@ -88,6 +88,12 @@ def test_the_log_prob_head_holds_three_logit_tensors_in_an_update_and_one_withou
     chunks = 3 * 4 * 2**26
     assert log_prob_head(shape, Pass(rows=40), inputs, grad=True, layout="padded").device == 3 * logits + chunks
     assert log_prob_head(shape, Pass(rows=40), inputs, grad=False, layout="padded").device == logits + chunks
+    fused = dataclasses.replace(inputs, fused_head=True)  # one chunk of 441 positions at a time
+    chunk = 2**26 // 151_936 * 151_936
+    weight = 151_936 * 896 * 2  # the second output-layer gradient that autograd sums the chunks' into
+    head = log_prob_head(shape, Pass(rows=40), fused, grad=True, layout="padded")
+    assert head.device == 2 * chunk * 2 + 3 * 4 * chunk + weight  # 1.25 GiB against 35.6 GiB unfused
+    assert log_prob_head(shape, Pass(rows=40), fused, grad=False, layout="padded").device == chunk * 2 + 3 * 4 * chunk
 
 
 def test_the_constants_restated_without_torch_match_the_engines():

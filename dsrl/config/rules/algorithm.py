@@ -64,20 +64,6 @@ def estimator_rules(cfg: Config, need: Need) -> None:
             f"{estimator} has no critic to warm up",
             "set trainer.critic_warmup=0",
         )
-    needs_sum_pi_squared = actor.calculate_sum_pi_squared or "sum_pi_squared" in needs
-    need(
-        not actor.use_fused_kernels or needs_sum_pi_squared,
-        "actor_rollout_ref.actor.use_fused_kernels",
-        "dsrl has no fused log-prob kernels; its chunked forward already avoids holding [B, T, V] probabilities",
-        "set actor_rollout_ref.actor.use_fused_kernels=false",
-    )
-    need(
-        not (actor.use_fused_kernels and needs_sum_pi_squared),
-        "actor_rollout_ref.actor.use_fused_kernels",
-        "fused kernels never hold the logits that sum_pi_squared is computed from"
-        + (f" ({estimator} needs it)" if "sum_pi_squared" in needs else ""),
-        "set actor_rollout_ref.actor.use_fused_kernels=false",
-    )
     if estimator == "opo" and not algo.opo_allow_off_policy:
         need(
             actor.ppo_mini_batch_size == cfg.data.train_batch_size,
