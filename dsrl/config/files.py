@@ -236,3 +236,20 @@ def packing_problem(config: dict) -> str | None:
     if "vision_config" in config:
         return "it is a vision-language model, whose image tokens dsrl does not place in packed rows"
     return None
+
+
+def sequence_parallel_problem(config: dict, size: int) -> str | None:
+    """Why a model of this ``config.json`` cannot split its attention heads over ``size`` sequence-parallel ranks
+    (DeepSpeed's Ulysses gives each rank ``heads / size`` query heads, and a share or a copy of the KV heads), or
+    None."""
+    nested = config.get("text_config")
+    text: dict = nested if isinstance(nested, dict) else config
+    heads = text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads") or heads
+    if not isinstance(heads, int) or not isinstance(kv_heads, int):
+        return None
+    if heads % size:
+        return f"its {heads} attention heads do not split over {size} ranks"
+    if kv_heads % size and size % kv_heads:
+        return f"its {kv_heads} KV heads neither split over {size} ranks nor divide {size}"
+    return None

@@ -307,9 +307,10 @@ class ActorConfig:
         "(hooks measure every backward's gradient norm; dsrl/engines/grad_variance.py defines it). Needs two or more "
         "micro-batches per optimizer step over all ranks, else nothing is logged (not in verl)",
     )
-    use_fused_kernels: bool = _f(
-        False, "log-probs, entropy, sum_pi_squared from hidden states chunk by chunk, never the logits (actor, ref)"
-    )
+    use_fused_kernels: bool = _f(False, "log-probs, entropy, sum_pi_squared from the hidden states chunk by "
+                                 "chunk, never holding the logits (actor and ref)")  # fmt: skip
+    ulysses_sequence_parallel_size: int = _f(1, "ranks that split each packed row (DeepSpeed ALST's Ulysses; actor "
+                                             "and ref; needs model.use_remove_padding)")  # fmt: skip
     grad_clip: Optional[float] = _f(
         None, "older verl name of optim.clip_grad; used when set (setting both to different values is refused)"
     )

@@ -57,10 +57,15 @@ def verl_only_key(key: str) -> tuple[str, str] | None:
         return ("verl fills it in from the trainer", "set trainer.total_training_steps (the lr schedule spans it)")
     if key.endswith(".optim.zero_indexed_step"):
         return ("dsrl's schedules count from step 0, verl's default (zero_indexed_step=true)", "remove it")
+    if key == "actor_rollout_ref.ref.ulysses_sequence_parallel_size":
+        return (
+            "the reference runs with the actor's sequence-parallel groups (DeepSpeed keeps one size per process)",
+            "remove it; set actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+        )
     if key.endswith("ulysses_sequence_parallel_size"):
         return (
-            "dsrl has no sequence parallelism (verl's Ulysses runs with FSDP only)",
-            "remove it; bound memory with use_dynamic_bsz=true and ppo_max_token_len_per_gpu",
+            "dsrl's sequence parallelism runs the actor and the reference; the critic's forwards run data-parallel",
+            "remove it; bound the critic's memory with critic.use_dynamic_bsz=true and its ppo_max_token_len_per_gpu",
         )
     if key in ("trainer.n_gpus_per_node", "trainer.nnodes"):
         return (

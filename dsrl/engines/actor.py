@@ -40,6 +40,7 @@ from dsrl.engines.forward import (
 from dsrl.engines.grad_variance import MicroBatchGradNorms
 from dsrl.engines.lora import add_adapters, iter_adapter_parameters, iter_merged_parameters
 from dsrl.engines.packing import packing_for
+from dsrl.engines.sequence_parallel import sequence_parallel_for
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 from dsrl.engines.weight_sync import iter_full_parameters
 from dsrl.runtime.distributed import accelerator_device
@@ -89,6 +90,7 @@ class ActorEngine:
             if model_cfg.use_remove_padding
             else None
         )
+        self.sp = sequence_parallel_for(module, actor.ulysses_sequence_parallel_size)  # before PEFT wraps it
         if model_cfg.enable_gradient_checkpointing:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lora = lora_enabled(model_cfg)
@@ -142,15 +144,17 @@ class ActorEngine:
             share_prompts=self.cfg.actor_rollout_ref.model.shared_prompt_forward,
             packing=self.packing,
             fused_head=self.fused_head,
+            sp=self.sp,
             tally=self.tallies["old_log_prob"],
         )
 
     def _split(self, mini: Batch) -> list[torch.Tensor]:
         actor = self.cfg.actor_rollout_ref.actor
+        budget = actor.ppo_max_token_len_per_gpu * (self.sp.size if self.sp else 1)  # an SP group's (verl's)
         return micro_batch_indices(
             mini,
             micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
-            max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+            max_token_len=budget if actor.use_dynamic_bsz else None,
             key=f"{self.prefix}.ppo_max_token_len_per_gpu",
             packing=self.packing,
         )
@@ -202,6 +206,7 @@ class ActorEngine:
             lr_scheduler=self.lr_scheduler,
             grad_norms=self.grad_norms,
             loss_agg_mode=actor.loss_agg_mode,
+            sp=self.sp,
         )
         if actor.use_kl_loss:
             metrics["actor/kl_coef"] = actor.kl_loss_coef
@@ -218,7 +223,7 @@ class ActorEngine:
         num_seqs: float,
         temperature: float,
         on_policy: bool,
-        record: tuple[dict[str, torch.Tensor], torch.Tensor] | None,
+        record: tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         actor = self.cfg.actor_rollout_ref.actor
         dev = accelerator_device()
@@ -226,7 +231,9 @@ class ActorEngine:
         T = micro.response_ids.shape[1]
         model = self.cfg.actor_rollout_ref.model
         # verl: the update's entropy only when it is in the loss or asked for; actor/entropy comes from
-        # the old-log-prob pass, or from here when this pass stands in for it (``record``).
+        # the old-log-prob pass, or from here when this pass stands in for it (``record``). With sequence
+        # parallelism every rank of the group computes the same statistics (each is summed over the group), also
+        # for another member's rows (``record``'s rows None), which it does not record.
         entropy_loss_on = actor.entropy_coeff != 0 or actor.calculate_entropy
         stats, _ = policy_stats(
             self.engine,
@@ -236,12 +243,13 @@ class ActorEngine:
             share_prompts=model.shared_prompt_forward,
             packing=self.packing,
             fused_head=self.fused_head,
+            sp=self.sp,
             tally=self.tallies["actor_update"],
             with_entropy=entropy_loss_on or record is not None,
             entropy_grad=entropy_loss_on,
         )
         log_probs = pad_response(stats["log_probs"], T)
-        if record is not None:
+        if record is not None and record[1] is not None:  # rows None: another sequence-parallel member's
             recorded, rows, seen = record
             first = ~seen[rows]
             recorded["old_log_probs"][rows[first]] = log_probs.detach().float().cpu()[first]

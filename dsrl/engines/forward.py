@@ -24,7 +24,7 @@ collectively in each forward), so the number of micro-batches is agreed across r
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -40,6 +40,7 @@ from dsrl.algorithms import (
 )
 from dsrl.data.batch import Batch, last_response_token
 from dsrl.engines.packing import Packing, pack, packed_response_logits, prompt_groups
+from dsrl.engines.sequence_parallel import SequenceParallel
 from dsrl.runtime.distributed import accelerator_device, all_reduce
 
 # Float32 elements of one chunk of logits (2**26 * 4 bytes = 256 MiB): a few such temporaries live at once.
@@ -457,18 +458,75 @@ def policy_stats(
     with_entropy: bool = False,
     with_sum_pi_squared: bool = False,
     entropy_grad: bool = False,
+    sp: SequenceParallel | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """``response_stats`` of ``micro``'s response tokens ``[b, width]`` from one ``policy_logits`` forward, and
     ``width``. ``fused_head`` (the model's output projection, ``use_fused_kernels``): from its hidden states through
-    ``head_stats`` instead, never holding the logits."""
+    ``head_stats`` instead, never holding the logits. ``sp`` (with ``packing``): this rank's shard of the packed
+    rows, the group's statistics summed (``sequence_parallel_stats``)."""
     labels = micro.response_ids.to(device)
     flags = {"with_entropy": with_entropy, "with_sum_pi_squared": with_sum_pi_squared, "entropy_grad": entropy_grad}
+    if sp is not None:
+        assert packing is not None, "sequence parallelism runs packed rows (the config requires use_remove_padding)"
+        tally = tally or PassTally()
+        return sequence_parallel_stats(module, micro, device, sp, packing, fused_head, tally, temperature, flags)
     if fused_head is None:
         logits, width = policy_logits(module, micro, device, share_prompts=share_prompts, packing=packing, tally=tally)
         return response_stats(logits, labels[:, :width], temperature=temperature, **flags), width
     with hidden_states_out(fused_head):
         hidden, width = policy_logits(module, micro, device, share_prompts=share_prompts, packing=packing, tally=tally)
     return head_stats(fused_head, hidden, labels[:, :width], temperature=temperature, **flags), width
+
+
+def sequence_parallel_stats(
+    module: torch.nn.Module,
+    micro: Batch,
+    device: torch.device,
+    sp: SequenceParallel,
+    packing: Packing,
+    fused_head: torch.nn.Module | None,
+    tally: PassTally,
+    temperature: float,
+    flags: dict[str, bool],
+) -> tuple[dict[str, torch.Tensor], int]:
+    """``policy_stats`` of ``micro`` on this rank's column shard of its packed rows
+    (``dsrl.engines.sequence_parallel``): the statistics of the response tokens predicted inside the shard, summed
+    over the group into ``[b, width]``. The whole micro-batch is tallied once, on the group's first rank."""
+    rows = pack(micro, dedup=packing.dedup, pair_cost=packing.pair_cost, multiple=sp.size, explicit_mask=True)
+    shard = rows.input_ids.shape[1] // sp.size
+    start = sp.rank * shard
+    first = sp.rank == 0
+    tally.add(rows.input_ids.numel() * first, rows.tokens * first, rows.sequence_tokens * first)
+    owned = (rows.columns >= start) & (rows.columns < start + shard)  # [b, width]: predicted in this shard
+    columns = rows.columns[owned] - start
+    kept = torch.unique(columns) if len(columns) else torch.zeros(1, dtype=torch.long)
+    mask = {} if rows.attention_mask is None else {"attention_mask": rows.attention_mask.to(device)}
+    with nullcontext() if fused_head is None else hidden_states_out(fused_head):
+        out = module(
+            input_ids=rows.input_ids[:, start : start + shard].to(device),
+            position_ids=rows.position_ids[:, start : start + shard].to(device),
+            use_cache=False,
+            logits_to_keep=kept.to(device),
+            **mask,
+        )
+    picked = out.logits[rows.rows[owned].to(device), torch.searchsorted(kept, columns).to(device)][None]
+    labels = micro.response_ids[:, : rows.width][owned].to(device)[None]
+    n = len(columns)
+    if n == 0:  # no response token predicted in this shard: one position's statistics, weighted 0 below, so that
+        # every rank runs the same head (the fused one gathers the ZeRO-3 output layer per chunk, in backward too)
+        picked, labels = out.logits[:1, :1], torch.zeros(1, 1, dtype=torch.long, device=device)
+    if fused_head is not None:
+        stats = head_stats(fused_head, picked, labels, temperature=temperature, **flags)
+    else:
+        stats = response_stats(picked, labels, temperature=temperature, **flags)
+    # Zero, but on the shard's output and the head's: every rank's backward runs through all its layers, whose
+    # all-to-alls are collective, whether or not a response token of the micro-batch was predicted in its shard.
+    anchor = out.logits.sum() * 0
+    where = tuple(owned.nonzero().T.to(device))
+    return {
+        name: sp.gathered(value.new_zeros(owned.shape).index_put(where, value[0, :n]) + anchor + value.sum() * 0)
+        for name, value in stats.items()
+    }, rows.width
 
 
 def pad_response(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -490,38 +548,42 @@ def compute_response_stats(
     packing: Packing | None = None,
     fused_head: torch.nn.Module | None = None,
     tally: PassTally | None = None,
+    sp: SequenceParallel | None = None,
 ) -> dict[str, torch.Tensor]:
     """No-grad forward of ``batch`` in micro-batches (``micro_batch_indices``), outputs put back in
     row order: ``[B, T]`` float32 ``old_log_probs`` (+ ``entropy``, ``sum_pi_squared``), 0 on
-    response padding, on the batch's device. ``share_prompts``, ``packing``, ``fused_head``, ``tally``: see
-    ``policy_stats``. Collective (ZeRO-3 forwards, micro-batch count)."""
-    B, T = batch.response_ids.shape
+    response padding, on the batch's device. ``share_prompts``, ``packing``, ``fused_head``, ``tally``, ``sp``: see
+    ``policy_stats``; with ``sp`` the group runs each member's batch in turn, in micro-batches of ``sp`` times the
+    token budget (verl's), and this rank keeps its own. Collective (ZeRO-3 forwards, micro-batch count)."""
     names = {"log_probs": "old_log_probs", "entropy": "entropy", "sum_pi_squared": "sum_pi_squared"}
-    mask = batch.response_mask.float().cpu()
-    out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for idx in micro_batch_indices(
-            batch,
-            micro_batch_size=micro_batch_size,
-            max_token_len=max_token_len,
-            key=budget_key,
-            packing=packing,
-        ):
-            stats, _ = policy_stats(
-                module,
-                batch.select(idx),
-                accelerator_device(),
-                temperature=temperature,
-                share_prompts=share_prompts,
-                packing=packing,
-                fused_head=fused_head,
-                tally=tally,
-                with_entropy=with_entropy,
-                with_sum_pi_squared=with_sum_pi_squared,
-            )
-            for name, value in stats.items():
-                field = names[name]
-                if field not in out:
-                    out[field] = torch.zeros(B, T, dtype=torch.float32)
-                out[field][idx] = pad_response(value.float().cpu(), T)
-    return {name: (value * mask).to(batch.response_ids.device) for name, value in out.items()}
+    members = [batch] if sp is None else sp.members(batch)
+    budget = max_token_len if sp is None or max_token_len is None else max_token_len * sp.size
+    results = []
+    for rows in members:
+        B, T = rows.response_ids.shape
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for idx in micro_batch_indices(
+                rows, micro_batch_size=micro_batch_size, max_token_len=budget, key=budget_key, packing=packing
+            ):
+                stats, _ = policy_stats(
+                    module,
+                    rows.select(idx),
+                    accelerator_device(),
+                    temperature=temperature,
+                    share_prompts=share_prompts,
+                    packing=packing,
+                    fused_head=fused_head,
+                    tally=tally,
+                    with_entropy=with_entropy,
+                    with_sum_pi_squared=with_sum_pi_squared,
+                    sp=sp,
+                )
+                for name, value in stats.items():
+                    field = names[name]
+                    if field not in out:
+                        out[field] = torch.zeros(B, T, dtype=torch.float32)
+                    out[field][idx] = pad_response(value.float().cpu(), T)
+        results.append({name: value * rows.response_mask.float().cpu() for name, value in out.items()})
+    own = results[0 if sp is None else sp.rank]
+    return {name: value.to(batch.response_ids.device) for name, value in own.items()}

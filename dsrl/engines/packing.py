@@ -157,14 +157,23 @@ def _row_length(lengths: list[int], pair_cost: float | None) -> int:
 
 
 def pack(
-    micro: Batch, row_tokens: int | None = None, *, dedup: bool = False, pair_cost: float | None = None
+    micro: Batch,
+    row_tokens: int | None = None,
+    *,
+    dedup: bool = False,
+    pair_cost: float | None = None,
+    multiple: int = 1,
+    explicit_mask: bool = False,
 ) -> PackedInputs:
     """``micro``'s units in packed rows of at most ``row_tokens`` tokens (None: ``_row_length``'s choice, by
-    ``pair_cost``; never shorter than the longest unit); ``dedup``: one unit per distinct prompt."""
+    ``pair_cost``; never shorter than the longest unit); ``dedup``: one unit per distinct prompt. Rows are padded to
+    a ``multiple`` of columns (sequence-parallel shards); ``explicit_mask``: the 4D mask without dedup too, where a
+    row holds several sequences (a row of one needs none: sdpa then runs causal, without the mask's L x L booleans
+    and, on CPU, without the attention weights its masked kernel keeps)."""
     units, predictors, unit_of, width = _units(micro, dedup)
     lengths = [len(u) for u in units]
     fill, placed = _first_fit(lengths, max(row_tokens or _row_length(lengths, pair_cost), max(lengths)))
-    length = max(fill)
+    length = -(-max(fill) // multiple) * multiple
     input_ids = torch.zeros(len(fill), length, dtype=micro.prompt_ids.dtype)
     position_ids = torch.zeros(len(fill), length, dtype=torch.long)
     # Each position's unit and part (the prompt 0, the k-th response k); padding gets ids of its own.
@@ -186,7 +195,7 @@ def pack(
     for row, used in enumerate(fill):  # the padding continues the row's last position: nothing before it sees it
         position_ids[row, used:] = torch.arange(length - used) + int(position_ids[row, used - 1]) + 1
     mask = None
-    if dedup:
+    if dedup or explicit_mask and len(units) > len(fill):
         same_unit = unit_ids[:, :, None] == unit_ids[:, None, :]
         seen_part = (part_ids[:, None, :] == 0) | (part_ids[:, :, None] == part_ids[:, None, :])
         mask = (same_unit & seen_part & torch.ones(length, length, dtype=torch.bool).tril())[:, None]

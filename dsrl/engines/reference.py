@@ -23,6 +23,7 @@ from dsrl.engines.deepspeed_setup import (
 )
 from dsrl.engines.forward import PassTally, compute_response_stats, fused_head_for
 from dsrl.engines.packing import Packing, packing_for
+from dsrl.engines.sequence_parallel import SequenceParallel, sequence_parallel_for
 
 
 class ReferenceEngine:
@@ -54,6 +55,7 @@ class ReferenceEngine:
             else None
         )
         module.requires_grad_(False)
+        self.sp = sequence_parallel_for(module, cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size)
         self.engine, *_ = deepspeed.initialize(model=module, config=self.ds_config)
         self.engine.eval()
         self.fused_head = fused_head_for(self.engine.module, cfg.actor_rollout_ref.actor.use_fused_kernels)
@@ -68,6 +70,7 @@ class ReferenceEngine:
             self.fused_head,
             temperature=temperature,
             tally=self.tallies["ref"],
+            sp=self.sp,
         )
 
 
@@ -91,6 +94,7 @@ class AdapterOffReference:
                 self.actor.fused_head,
                 temperature=temperature,
                 tally=self.tallies["ref"],
+                sp=self.actor.sp,
             )
 
 
@@ -103,11 +107,12 @@ def reference_log_probs(
     *,
     temperature: float,
     tally: PassTally | None = None,
+    sp: SequenceParallel | None = None,
 ) -> torch.Tensor:
     """``ref_log_probs`` ``[B, T]`` float32, 0 on padding, of ``engine``'s model. Micro-batches of
     ``ref.log_prob_micro_batch_size_per_gpu`` rows, or of ``ref.log_prob_max_token_len_per_gpu`` tokens with
     ``ref.log_prob_use_dynamic_bsz`` (both default to the actor's, as in verl); ``packing``, ``fused_head``,
-    ``tally``: see ``policy_stats``. Collective."""
+    ``tally``, ``sp``: see ``policy_stats``. Collective."""
     ref = cfg.actor_rollout_ref.ref
     stats = compute_response_stats(
         engine,
@@ -120,5 +125,6 @@ def reference_log_probs(
         packing=packing,
         fused_head=fused_head,
         tally=tally,
+        sp=sp,
     )
     return stats["old_log_probs"]

@@ -36,12 +36,13 @@ from dsrl.engines.grad_variance import (
     grad_variance,
     micro_batch_share,
 )
+from dsrl.engines.sequence_parallel import SequenceParallel
 from dsrl.runtime.distributed import all_reduce
 
 # loss_fn(micro, rows, num_tokens, num_seqs) -> (loss, metric contributions); ``rows`` are the micro-batch's
-# row numbers in the batch given to ``run_ppo_updates``; the contributions of all micro-batches and ranks add
-# up to the mini-batch's metric values.
-LossFn = Callable[[Batch, torch.Tensor, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# row numbers in the batch given to ``run_ppo_updates`` (None: another sequence-parallel member's rows); the
+# contributions of all micro-batches and ranks add up to the mini-batch's metric values.
+LossFn = Callable[[Batch, torch.Tensor | None, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 SplitFn = Callable[[Batch], list[torch.Tensor]]
 
 
@@ -136,6 +137,7 @@ def run_ppo_updates(
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
     grad_norms: MicroBatchGradNorms | None = None,
     loss_agg_mode: str = "token-mean",
+    sp: SequenceParallel | None = None,
 ) -> dict[str, float]:
     """Train ``engine`` on ``batch`` (one training step), then step ``lr_scheduler`` once, as verl does.
 
@@ -146,6 +148,10 @@ def run_ppo_updates(
     metrics; ``prefix`` is ``skips.prefix``. With ``grad_norms`` (hooked on ``engine``'s module), also
     ``{prefix}/grad_var`` and ``{prefix}/grad_var_relative`` (``dsrl.engines.grad_variance``; micro-batch
     shares by ``loss_agg_mode``), for optimizer steps of two or more micro-batches over all ranks.
+
+    With ``sp`` (``dsrl.engines.sequence_parallel``) the group trains each member's micro-batches in turn, every
+    rank on its shard of the same loss: each token's gradient comes from one rank, so the scaling above holds, and
+    only the member whose rows they are adds a micro-batch's metrics.
     """
     prefix = skips.prefix
     loss_name = f"{prefix}/loss"  # the objective itself: verl's metric, and the non-finite check
@@ -159,13 +165,16 @@ def run_ppo_updates(
             num_tokens, num_seqs = global_counts(mini.response_mask)
             # a mini-batch whose every row is masked (actor.mask_truncated_completions) trains on a zero loss, not 0/0
             num_tokens, num_seqs = max(num_tokens, 1.0), max(num_seqs, 1.0)
-            micro_rows = split(mini)
+            members = [mini] if sp is None else sp.members(mini)
+            own = 0 if sp is None else sp.rank
+            micro_batches = [(m, member.select(idx), idx) for m, member in enumerate(members) for idx in split(member)]
             sums: dict[str, torch.Tensor] = {}
-            for j, idx in enumerate(micro_rows):
-                engine.set_gradient_accumulation_boundary(j == len(micro_rows) - 1)
-                micro = mini.select(idx)
-                loss, contributions = loss_fn(micro, rows[idx], num_tokens, num_seqs)
+            for j, (m, micro, idx) in enumerate(micro_batches):
+                engine.set_gradient_accumulation_boundary(j == len(micro_batches) - 1)
+                loss, contributions = loss_fn(micro, rows[idx] if m == own else None, num_tokens, num_seqs)
                 engine.backward(loss * world, scale_wrt_gas=False)
+                if m != own:
+                    continue
                 for name, value in {**contributions, loss_name: loss}.items():
                     sums[name] = sums.get(name, 0.0) + value.detach().double()  # stays on device: no sync
                 if grad_norms is not None:

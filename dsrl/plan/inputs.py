@@ -142,6 +142,7 @@ class PlanInputs:
     actor_checkpointing: bool
     layout: str  # of the actor's and the reference's forwards: padded | shared_prompts | packed | dedup
     fused_head: bool  # their log-prob head: chunks of logits from the hidden states (use_fused_kernels)
+    sequence_parallel: int  # ranks sharing each of their micro-batches (ulysses_sequence_parallel_size)
     update: Pass
     old_log_prob: Pass | None  # None when folded into the update
     ref: ZeroSetup | None  # the reference engine; None without a KL term or with LoRA
@@ -176,6 +177,7 @@ def _pass(rows: int, micro: int, dynamic: bool, budget: int) -> Pass:
 def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Device) -> PlanInputs:
     """The plan's inputs from a validated, resolved config at ``world_size`` ranks on ``device``."""
     arr, data, algo = cfg.actor_rollout_ref, cfg.data, cfg.algorithm
+    sp = arr.actor.ulysses_sequence_parallel_size  # a group's token budget is sp ranks' (verl's)
     model, actor, rollout = arr.model, arr.actor, arr.rollout
     n, N = rollout.n, world_size
     batch_rows = data.train_batch_size * n // N  # rows per rank in a step
@@ -214,8 +216,9 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
         actor_checkpointing=model.enable_gradient_checkpointing,
         layout=forward_layout(model.shared_prompt_forward, model.use_remove_padding, actor.use_prefix_grouper),
         fused_head=actor.use_fused_kernels,
+        sequence_parallel=sp,
         update=_pass(
-            mini_rows, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu
+            mini_rows, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu * sp
         ),
         old_log_prob=None
         if folds
@@ -223,7 +226,7 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
             batch_rows,
             rollout.log_prob_micro_batch_size_per_gpu,
             rollout.log_prob_use_dynamic_bsz,
-            rollout.log_prob_max_token_len_per_gpu,
+            rollout.log_prob_max_token_len_per_gpu * sp,
         ),
         ref=ZeroSetup.from_json(read_ds_json(arr.ref.deepspeed_config, "actor_rollout_ref.ref.deepspeed_config"))
         if needs_ref
@@ -232,7 +235,7 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
             batch_rows,
             arr.ref.log_prob_micro_batch_size_per_gpu,
             arr.ref.log_prob_use_dynamic_bsz,
-            arr.ref.log_prob_max_token_len_per_gpu,
+            arr.ref.log_prob_max_token_len_per_gpu * sp,
         )
         if needs_kl
         else None,

@@ -9,7 +9,8 @@ rank, its device, and the versions of the packages whose mismatch across ranks c
   have; ``trainer.default_local_dir`` not the same directory as rank 0's (rank 0 writes a nonce there, every
   rank reads it back: checkpoints need one directory every node sees);
 - over the cluster (``cluster_problems``): nodes with different numbers of ranks; two ranks on one device; a
-  vLLM tensor-parallel group over two nodes (its ranks share GPU memory through one node's engine); different
+  vLLM tensor-parallel group over two nodes (its ranks share GPU memory through one node's engine), or a
+  sequence-parallel group (its all-to-all in every attention layer needs the node's links); different
   versions of dsrl, torch, DeepSpeed, transformers or vLLM, or a different rollout engine, on some ranks.
 
 ``dsrl-train ... --preflight`` runs only this under the launcher and prints the cluster (``Cluster.table``).
@@ -131,7 +132,7 @@ class Cluster:
         return "\n".join(lines)
 
 
-def cluster_problems(cluster: Cluster, tensor_parallel: int) -> list[str]:
+def cluster_problems(cluster: Cluster, tensor_parallel: int, sequence_parallel: int = 1) -> list[str]:
     """What is wrong with the cluster as a whole (module doc); the same lines on every rank."""
     problems = []
     nodes = cluster.nodes()
@@ -159,16 +160,19 @@ def cluster_problems(cluster: Cluster, tensor_parallel: int) -> list[str]:
                     f"{n} ranks on {cluster.node_name(node)} share one device ({device}); fix: one rank "
                     "per GPU, e.g. one CUDA_VISIBLE_DEVICES for every rank of a node"
                 )
-    if tensor_parallel > 1:
-        node_of = {rank: facts["node"] for rank, facts in enumerate(cluster.facts)}
-        for start in range(0, len(cluster.facts), tensor_parallel):
-            group = range(start, min(start + tensor_parallel, len(cluster.facts)))
+    groups = [
+        ("actor_rollout_ref.rollout.tensor_model_parallel_size", tensor_parallel, "vLLM", "tensor-parallel"),
+        ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", sequence_parallel, "sequence", "sequence-parallel"),
+    ]
+    node_of = {rank: facts["node"] for rank, facts in enumerate(cluster.facts)}
+    for key, size, name, kind in groups:  # groups of consecutive ranks, whose collectives need the node's links
+        for start in range(0, len(cluster.facts), size) if size > 1 else ():
+            group = range(start, min(start + size, len(cluster.facts)))
             if len({node_of[rank] for rank in group}) > 1:
                 problems.append(
-                    f"actor_rollout_ref.rollout.tensor_model_parallel_size={tensor_parallel}: the vLLM group of "
-                    f"ranks {group[0]}-{group[-1]} spans nodes "
+                    f"{key}={size}: the {name} group of ranks {group[0]}-{group[-1]} spans nodes "
                     f"({', '.join(dict.fromkeys(cluster.node_name(node_of[r]) for r in group))}); fix: a "
-                    "tensor-parallel size that divides the ranks per node"
+                    f"{kind} size that divides the ranks per node"
                 )
                 break
     for what, value_of in [
@@ -248,4 +252,5 @@ def preflight(cfg: Config | None, problems: list[str], launch: Launch) -> tuple[
         own += [line for line in [_shared_directory_problem(cfg)] if line]
     cluster = Cluster(gathered, launch.launcher)
     tensor_parallel = rollout.tensor_model_parallel_size if rollout is not None and rollout.name == "vllm" else 1
-    return cluster, gather_problems(own) + cluster_problems(cluster, tensor_parallel)
+    sequence_parallel = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size if cfg is not None else 1
+    return cluster, gather_problems(own) + cluster_problems(cluster, tensor_parallel, sequence_parallel)

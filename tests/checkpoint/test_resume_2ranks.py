@@ -53,3 +53,33 @@ def test_killed_and_resumed_run_is_bit_identical(name, overrides_for, free_port,
         free_port=free_port,
     )
     assert assert_same_run(baseline, chain, first_step=RESUME_AT + 1, ranks=(0, 1)) == STEPS - RESUME_AT + 1
+
+
+@pytest.mark.slow
+def test_a_sequence_parallel_run_with_the_fused_head_resumes_bit_identically(
+    overrides_for, free_port, tmp_path, deepspeed_cpu_ops
+):
+    """The quickstart with both ranks in one Ulysses group and the fused log-prob head: killed with SIGKILL and
+    resumed, then resumed again, bit-identical to the uninterrupted run."""
+    long_responses = [
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.actor.use_fused_kernels=true",
+    ]
+
+    def overrides(name, ckpt):
+        return [*overrides_for(name, ckpt), *long_responses]
+
+    baseline = Baselines(tmp_path / "baseline", overrides, free_port, world=2).result("quickstart")
+    chain = tmp_path / "chain"
+    start = baseline / "ckpt" / f"global_step_{RESUME_AT}"
+    kills = [("write_state@4", 3)]
+    resume_chain(
+        "quickstart",
+        start,
+        kills,
+        out=chain,
+        overrides=overrides("quickstart", chain / "ckpt"),
+        world=2,
+        free_port=free_port,
+    )
+    assert assert_same_run(baseline, chain, first_step=RESUME_AT + 1, ranks=(0, 1)) == STEPS - RESUME_AT + 1

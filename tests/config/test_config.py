@@ -192,7 +192,11 @@ def test_unknown_yaml_key_suggests_the_closest(tmp_path):
         ("actor_rollout_ref.actor.optim.total_training_steps=10", "trainer.total_training_steps"),
         ("critic.optim.zero_indexed_step=false", "remove it"),
         ("data.return_raw_chat=true", "remove it (the prompt the model sees is the same)"),
-        ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "use_dynamic_bsz=true"),
+        (
+            "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+        ),
+        ("critic.ulysses_sequence_parallel_size=2", "critic.use_dynamic_bsz=true"),
         ("trainer.n_gpus_per_node=8", "deepspeed --num_gpus N"),
         ("trainer.nnodes=2", "--hostfile FILE"),
         ("actor_rollout_ref.actor.ppo_micro_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
@@ -1273,9 +1277,12 @@ def test_the_no_grad_passes_have_token_budgets_of_their_own(files):
     assert problems("ppo", files + critic_path(files) + small) == []
 
 
+MODEL = "actor_rollout_ref.model.path"
+
+
 def test_every_command_in_the_recipe_headers_validates_on_eight_ranks(files):
-    """The GPU commands each recipe's header gives (the recipe as shipped and the Qwen3-8B scaling): every
-    override is a known key and the geometry holds on 8 ranks."""
+    """The GPU commands each recipe's header gives (the recipe as shipped, the Qwen3-8B scaling, and DAPO's
+    Qwen2.5-7B at 20,480-token responses): every override is a known key and the geometry holds on 8 ranks."""
     commands = 0
     for name in CONFIGS:
         header = (REPO / "configs" / f"{name}.yaml").read_text()
@@ -1283,11 +1290,11 @@ def test_every_command_in_the_recipe_headers_validates_on_eight_ranks(files):
             config, *overrides = command.split()
             assert config == f"configs/{name}.yaml"
             model = [o for o in overrides if o.startswith("actor_rollout_ref.model.path=")]
-            assert model in ([], ["actor_rollout_ref.model.path=Qwen/Qwen3-8B"])
+            assert model in ([], ["actor_rollout_ref.model.path=Qwen/Qwen3-8B"], [f"{MODEL}=Qwen/Qwen2.5-7B-Instruct"])
             kept = [o for o in overrides if o not in model]  # the stub model of `files` stands in for the hub id
             C.load_and_validate([str(REPO / config)], files + kept, 8)
             commands += 1
-    assert commands == 2 * len(CONFIGS)
+    assert commands == 2 * len(CONFIGS) + 1
 
 
 def test_the_loss_variants_in_the_grpo_header_validate_with_both_commands(files):

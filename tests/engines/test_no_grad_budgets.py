@@ -33,6 +33,7 @@ def engine_of(cfg):
         prefix="actor_rollout_ref.actor",
         packing=None,
         fused_head=None,
+        sp=None,
         tallies=defaultdict(PassTally),
     )
 

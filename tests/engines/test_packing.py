@@ -176,3 +176,26 @@ def test_a_micro_batch_with_no_response_token_in_the_context_keeps_one_column(mo
     with torch.no_grad():  # every row's response masked out, as truncated-completion masking can leave a micro-batch
         logits = packed_response_logits(model, pack(cut), torch.device("cpu"))
     assert logits.shape == (len(batch), 1, model.config.vocab_size)
+
+
+def test_rows_for_sequence_shards_keep_the_packed_log_probs(model):
+    """Sequence parallelism's rows: padded to a multiple of the shard count, the explicit mask (each sequence
+    causal, a pad column seeing itself) given to the model in place of the position ids' packing."""
+    batch = context_batch()
+    plain = pack(batch)
+    sharded = pack(batch, multiple=4, explicit_mask=True)
+    assert sharded.input_ids.shape[1] % 4 == 0 and sharded.input_ids.shape[1] >= plain.input_ids.shape[1]
+    mask = sharded.attention_mask[:, 0]
+    assert mask.diagonal(dim1=-2, dim2=-1).all() and not mask.triu(1).any()
+    with torch.no_grad():
+        logits = {
+            name: packed_response_logits(model, rows, torch.device("cpu"))
+            for name, rows in (("plain", plain), ("sharded", sharded))
+        }
+    keep = batch.response_mask[:, : plain.width].bool()
+    torch.testing.assert_close(
+        log_probs(logits["sharded"], batch, plain.width)[keep],
+        log_probs(logits["plain"], batch, plain.width)[keep],
+        atol=1e-5,
+        rtol=1e-5,
+    )

@@ -43,16 +43,21 @@ TEMPERATURE = 0.9
 def fixed_global_batch() -> Batch:
     """8 sequences, the first 4 long and the last 4 short, so rank 0's shard needs more
     token-budget micro-batches than rank 1's."""
+    return global_batch([10, 9, 10, 8, 2, 3, 1, 4], T)
+
+
+def global_batch(response_len: list[int], width: int) -> Batch:
+    """GLOBAL_PROMPTS prompts of 6, 5, 3 and 2 tokens (left-padded to P) x N responses of ``response_len`` tokens,
+    right-padded to ``width``; random ids from a fixed seed."""
     g = torch.Generator().manual_seed(0)
     rows = torch.arange(GLOBAL_PROMPTS).repeat_interleave(N)
     prompt_len = torch.tensor([6, 5, 3, 2])[rows]
-    response_len = torch.tensor([10, 9, 10, 8, 2, 3, 1, 4])
     prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()
-    response_mask = (torch.arange(T) < response_len[:, None]).long()
+    response_mask = (torch.arange(width) < torch.tensor(response_len)[:, None]).long()
     return Batch(
         prompt_ids=torch.randint(3, 100, (GLOBAL_PROMPTS, P), generator=g)[rows] * prompt_mask,
         prompt_mask=prompt_mask,
-        response_ids=torch.randint(3, 100, (len(rows), T), generator=g) * response_mask,
+        response_ids=torch.randint(3, 100, (len(rows), width), generator=g) * response_mask,
         response_mask=response_mask,
         group_ids=rows,
     )

@@ -278,3 +278,27 @@ def test_without_a_gpu_or_a_device_size_validate_only_notes_it_and_plan_asks_for
     assert "# memory plan: not checked: no GPU here (nvidia-smi) and DS_ACCELERATOR is not cpu; fix: " in noted.stdout
     planned = run_train_without_torch([*args, "--plan"], **env)
     assert planned.returncode == 2 and "pass --device-memory SIZE" in planned.stderr
+
+
+def test_a_sequence_parallel_rank_plans_its_share_of_the_groups_micro_batch(grpo_inputs):
+    """SP 2: a group's micro-batch holds twice the per-rank budget (verl's), each rank half its activations and
+    head positions; a mask of the micro-batch's tokens squared only where a row holds several sequences."""
+    from dsrl.plan.terms import activations
+
+    dynamic = ("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1536")
+    one, two = (grpo_inputs(*dynamic, f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}") for sp in (1, 2))
+    assert (one.update.budget, two.update.budget, two.sequence_parallel) == (1536, 3072, 2)
+
+    def device(inputs):
+        terms = activations(inputs, inputs.update, grad=True, checkpointing=True, layout="packed")
+        return {t.name: t.device for t in terms}
+
+    single, double = device(one), device(two)  # 1 sequence of 1,536 tokens; 2 of them, each rank 1,536 tokens
+    assert double["activations (checkpointed)"] == single["activations (checkpointed)"]
+    assert double["sequence-parallel mask"] == 3072**2 and "sequence-parallel mask" not in single
+    assert (
+        log_prob_head(two.shape, two.update, two, grad=True, layout="packed").device
+        == log_prob_head(one.shape, one.update, one, grad=True, layout="packed").device
+    )  # 2 x 1,024 response positions over 2 ranks: 1,024 each, as one rank alone
+    halved = dataclasses.replace(two, update=one.update)  # the group's budget holds one sequence: no mask
+    assert "sequence-parallel mask" not in device(halved)

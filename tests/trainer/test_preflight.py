@@ -51,6 +51,9 @@ def test_uneven_nodes_and_tensor_parallel_groups_across_nodes_are_refused():
         "nodes (gpu-a, gpu-b); fix: a tensor-parallel size that divides the ranks per node"
     )
     assert cluster_problems(two_by_four(), tensor_parallel=2) == []
+    [line] = cluster_problems(two_by_four(), tensor_parallel=1, sequence_parallel=16)
+    assert line.startswith("actor_rollout_ref.actor.ulysses_sequence_parallel_size=16: the sequence group of ranks 0-7")
+    assert cluster_problems(two_by_four(), tensor_parallel=1, sequence_parallel=4) == []
 
 
 def test_two_ranks_on_one_device_or_local_rank_are_refused():

@@ -97,6 +97,28 @@ def test_packed_ranks_log_and_train_as_padded_ones(setup, tmp_path):
     assert_same_logs(*([e["metrics"] for e in logged[arm]] for arm in ("padded", "packed")))
 
 
+@pytest.mark.slow
+def test_sequence_parallel_ranks_log_and_train_as_data_parallel_ones(setup, tmp_path):
+    """The quickstart on two ranks with actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 (the actor, its
+    old log-probs and the reference on shards of the packed rows, both ranks' rows in turn) logs what it logs
+    with 1, every metric but the rank-local ones and the forwards' own perf/* to float rounding; both with the
+    fused log-prob head (a shard may predict no response token: its rank still runs the head's chunks)."""
+    from tests.trainer.test_trainer_packing import assert_same_logs
+
+    overrides, env, launcher = setup
+    logged = {}
+    for sp in (1, 2):
+        (tmp_path / f"sp{sp}").mkdir()
+        sequence_parallel = f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}"
+        run(
+            [*launcher(), str(WORKER), "--out", str(tmp_path / f"sp{sp}"), *QUICKSTART, *overrides, sequence_parallel],
+            env,
+        )
+        logged[sp] = json.loads((tmp_path / f"sp{sp}" / "rank0.json").read_text())["logged"]
+    assert [e["step"] for e in logged[1]] == [e["step"] for e in logged[2]] == [0, 1, 2]
+    assert_same_logs(*([e["metrics"] for e in logged[sp]] for sp in (1, 2)))
+
+
 def test_a_broken_push_stops_both_ranks_at_the_same_step(setup, tmp_path):
     """``algorithm.rollout_mismatch`` reads all-reduced metrics, so every rank counts the same streak and stops
     at the same step: each rank's rollout keeps its start-up weights (``--skip-push``), step 1 is healthy, steps 2

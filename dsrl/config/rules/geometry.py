@@ -11,6 +11,33 @@ from dsrl.config.keys import value_at
 from dsrl.config.rules.need import Need, critic_used, ref_used
 from dsrl.config.schema import Config
 
+# A token budget per rank: alone, it holds a whole sequence; in a sequence-parallel group, the group's does.
+_WHOLE_SEQUENCE = (
+    "must hold one whole sequence (max_prompt_length + max_response_length)",
+    "times ulysses_sequence_parallel_size must hold one whole sequence (max_prompt_length + max_response_length)",
+)
+
+
+def _sequence_parallel_rules(cfg: Config, world_size: int, need: Need) -> None:
+    actor, key = cfg.actor_rollout_ref.actor, "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+    sp = actor.ulysses_sequence_parallel_size
+    need(sp >= 1, key, "must be >= 1 (1: no sequence parallelism)", "set it to 1, or to 2, 4, 8 ranks per row")
+    if sp <= 1:
+        return
+    need(
+        cfg.actor_rollout_ref.model.use_remove_padding,
+        key,
+        "splits packed rows into sequence shards (a padded row's left padding would be attended across the shards)",
+        "set actor_rollout_ref.model.use_remove_padding=true",
+    )
+    need(world_size % sp == 0, key, f"does not divide the {world_size} ranks", "launch a multiple of it")
+    need(
+        not actor.measure_grad_variance,
+        "actor_rollout_ref.actor.measure_grad_variance",
+        "a micro-batch's gradient is spread over the sequence-parallel ranks, so no rank sees its norm",
+        f"set it to false, or {key}=1",
+    )
+
 
 def batch_rules(cfg: Config, world_size: int, need: Need) -> None:
     data, rollout = cfg.data, cfg.actor_rollout_ref.rollout
@@ -34,6 +61,7 @@ def batch_rules(cfg: Config, world_size: int, need: Need) -> None:
         "padded forwards share prompts through a KV cache with shared_prompt_forward",
         "set actor_rollout_ref.model.use_remove_padding=true",
     )
+    _sequence_parallel_rules(cfg, world_size, need)
     need(data.train_batch_size > 0, "data.train_batch_size", "must be > 0 (prompts per step)", "set it to e.g. 8")
     if data.train_batch_size > 0:
         _sharded_rule("data.train_batch_size", data.train_batch_size, world_size, need)
@@ -72,11 +100,12 @@ def batch_rules(cfg: Config, world_size: int, need: Need) -> None:
         dynamic = section.use_dynamic_bsz if role == "critic" else section.log_prob_use_dynamic_bsz
         # The training budget it defaults to is checked with the training rules: one problem, one line.
         checked = trained.use_dynamic_bsz and section[budget] == trained.ppo_max_token_len_per_gpu
+        group = max(1, actor.ulysses_sequence_parallel_size) if role != "critic" else 1  # the group's budget holds it
         need(
-            not dynamic or checked or section[budget] >= longest,
+            not dynamic or checked or section[budget] * group >= longest,
             f"{role}.{budget}",
-            "must hold one whole sequence (max_prompt_length + max_response_length)",
-            f"set it to at least {longest}",
+            _WHOLE_SEQUENCE[group > 1],
+            f"set it to at least {-(-longest // group)}",
         )
     _mini_batch_rules(cfg, "actor_rollout_ref.actor", world_size, need)
     if critic_used(cfg):
@@ -117,11 +146,13 @@ def _mini_batch_rules(cfg: Config, role: str, world_size: int, need: Need) -> No
         f"use a divisor of {batch}",
     )
     if section.use_dynamic_bsz:
+        longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+        group = max(1, section.ulysses_sequence_parallel_size) if role != "critic" else 1
         need(
-            section.ppo_max_token_len_per_gpu >= cfg.data.max_prompt_length + cfg.data.max_response_length,
+            section.ppo_max_token_len_per_gpu * group >= longest,
             f"{role}.ppo_max_token_len_per_gpu",
-            "must hold one whole sequence (max_prompt_length + max_response_length)",
-            f"set it to at least {cfg.data.max_prompt_length + cfg.data.max_response_length}",
+            _WHOLE_SEQUENCE[group > 1],
+            f"set it to at least {-(-longest // group)}",
         )
     elif mini % world_size == 0 and n > 0:
         per_rank = mini * n // world_size

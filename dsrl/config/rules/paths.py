@@ -18,6 +18,7 @@ from dsrl.config.files import (
     packing_problem,
     parquet_paths,
     parquet_problem,
+    sequence_parallel_problem,
 )
 from dsrl.config.keys import value_at
 from dsrl.config.layout import FINAL_MODEL_DIR
@@ -126,9 +127,15 @@ def file_rules(cfg: Config, need: Need) -> None:
                 need(False, key, rule, fix)
             packing = key.removesuffix("path") + "use_remove_padding"
             # Read only a directory found sound: its config.json may be a FIFO, which a read would wait on.
-            if not found and value_at(cfg, packing) and (config := model_config(Path(path).expanduser())) is not None:
+            config = None if found else model_config(Path(path).expanduser())
+            if config is not None and value_at(cfg, packing):
                 problem = packing_problem(config)
                 need(problem is None, packing, f"{path}: {problem}", f"set {packing}=false")
+            sp = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+            if config is not None and key == "actor_rollout_ref.model.path" and sp > 1:
+                problem = sequence_parallel_problem(config, sp)
+                sp_key, fix = "actor_rollout_ref.actor.ulysses_sequence_parallel_size", "set a divisor of the heads"
+                need(problem is None, sp_key, f"{path}: {problem}", fix)
 
 
 def _named_by(file: str, entry: str) -> str:
