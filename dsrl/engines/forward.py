@@ -266,6 +266,11 @@ def _chunks(b: int, t: int, rows: int) -> list[tuple]:
     return [(i, slice(s, s + size)) for i in range(b) for s in range(0, t, size)]
 
 
+def _stat_names(with_entropy: bool, with_sum_pi_squared: bool) -> list[str]:
+    """The statistics ``_chunk_stats`` returns, in its order."""
+    return ["log_probs"] + ["entropy"] * with_entropy + ["sum_pi_squared"] * with_sum_pi_squared
+
+
 def _chunk_stats(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool, with_sum_pi_squared: bool
 ) -> list[torch.Tensor]:
@@ -357,7 +362,7 @@ def response_stats(
     """
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // logits.shape[-1])
     stats = _ResponseStats.apply(logits, labels, temperature, with_entropy, with_sum_pi_squared, entropy_grad, rows)
-    names = ["log_probs"] + ["entropy"] * with_entropy + ["sum_pi_squared"] * with_sum_pi_squared
+    names = _stat_names(with_entropy, with_sum_pi_squared)
     return dict(zip(names, stats, strict=True))
 
 
@@ -438,7 +443,7 @@ def head_stats(
         args = (head, h, y, temperature, with_entropy, with_sum_pi_squared)
         pieces.append(checkpoint(_head_chunk, *args, **RECOMPUTE) if differentiated else _head_chunk(*args))
     stats = [torch.cat(column).view(b, t) for column in zip(*pieces, strict=True)]
-    names = ["log_probs"] + ["entropy"] * with_entropy + ["sum_pi_squared"] * with_sum_pi_squared
+    names = _stat_names(with_entropy, with_sum_pi_squared)
     out = dict(zip(names, stats, strict=True))
     for name in names[1 + (with_entropy and entropy_grad) :]:  # as response_stats: no gradient
         out[name] = out[name].detach()
@@ -464,12 +469,12 @@ def policy_stats(
     ``width``. ``fused_head`` (the model's output projection, ``use_fused_kernels``): from its hidden states through
     ``head_stats`` instead, never holding the logits. ``sp`` (with ``packing``): this rank's shard of the packed
     rows, the group's statistics summed (``sequence_parallel_stats``)."""
-    labels = micro.response_ids.to(device)
     flags = {"with_entropy": with_entropy, "with_sum_pi_squared": with_sum_pi_squared, "entropy_grad": entropy_grad}
     if sp is not None:
         assert packing is not None, "sequence parallelism runs packed rows (the config requires use_remove_padding)"
         tally = tally or PassTally()
         return sequence_parallel_stats(module, micro, device, sp, packing, fused_head, tally, temperature, flags)
+    labels = micro.response_ids.to(device)
     if fused_head is None:
         logits, width = policy_logits(module, micro, device, share_prompts=share_prompts, packing=packing, tally=tally)
         return response_stats(logits, labels[:, :width], temperature=temperature, **flags), width
@@ -556,10 +561,9 @@ def compute_response_stats(
     ``policy_stats``; with ``sp`` the group runs each member's batch in turn, in micro-batches of ``sp`` times the
     token budget (verl's), and this rank keeps its own. Collective (ZeRO-3 forwards, micro-batch count)."""
     names = {"log_probs": "old_log_probs", "entropy": "entropy", "sum_pi_squared": "sum_pi_squared"}
-    members = [batch] if sp is None else sp.members(batch)
+    own = 0 if sp is None else sp.rank
     budget = max_token_len if sp is None or max_token_len is None else max_token_len * sp.size
-    results = []
-    for rows in members:
+    for member, rows in enumerate([batch] if sp is None else sp.members(batch)):
         B, T = rows.response_ids.shape
         out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
@@ -584,6 +588,7 @@ def compute_response_stats(
                     if field not in out:
                         out[field] = torch.zeros(B, T, dtype=torch.float32)
                     out[field][idx] = pad_response(value.float().cpu(), T)
-        results.append({name: value * rows.response_mask.float().cpu() for name, value in out.items()})
-    own = results[0 if sp is None else sp.rank]
-    return {name: value.to(batch.response_ids.device) for name, value in own.items()}
+        if member == own:  # another member's rows ran for their forwards' collectives only
+            kept = out
+    mask = batch.response_mask.float().cpu()
+    return {name: (value * mask).to(batch.response_ids.device) for name, value in kept.items()}

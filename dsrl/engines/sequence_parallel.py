@@ -7,10 +7,11 @@ shards; each rank runs its shard through the model, and DeepSpeed's ``UlyssesSPA
 for head shards around attention (all-to-all), so each rank attends over whole rows for ``heads / sp`` heads.
 
 The mask: ALST's own transformers wrapper drops the attention mask (flash attention's varlen reads packing from
-the position ids), under which sdpa would let packed sequences attend to each other. Here the explicit 4D mask of
-the whole packed rows (causal within each sequence; with ``use_prefix_grouper`` the responses see their shared
-prompt) goes in as the model's attention mask: transformers hands a 4D mask to the attention function as given,
-and the core sdpa reads it at full length after the all-to-all.
+the position ids), under which sdpa would let packed sequences attend to each other. Here, where a row holds
+several sequences (or with ``use_prefix_grouper``, whose responses see their shared prompt), the explicit 4D mask of
+the whole packed rows goes in as the model's attention mask: transformers hands a 4D mask to the attention function
+as given, and the core sdpa reads it at full length after the all-to-all. Rows of one sequence each run causal,
+without a mask (``pack``'s ``explicit_mask``).
 
 Each rank computes the statistics (log-probs, ...) of the response tokens whose predicting position lies in its
 shard; ``gathered`` sums the ranks' parts, so every rank of the group holds the micro-batch's whole statistics and

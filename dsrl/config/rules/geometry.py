@@ -11,11 +11,15 @@ from dsrl.config.keys import value_at
 from dsrl.config.rules.need import Need, critic_used, ref_used
 from dsrl.config.schema import Config
 
-# A token budget per rank: alone, it holds a whole sequence; in a sequence-parallel group, the group's does.
-_WHOLE_SEQUENCE = (
-    "must hold one whole sequence (max_prompt_length + max_response_length)",
-    "times ulysses_sequence_parallel_size must hold one whole sequence (max_prompt_length + max_response_length)",
-)
+
+def _holds_a_sequence(need: Need, key: str, budget: int, cfg: Config, *, sequence_parallel: bool) -> None:
+    """A token budget per rank holds one whole sequence; in a sequence-parallel group (the actor's and the
+    reference's passes), the group's budget does."""
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    group = max(1, cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size) if sequence_parallel else 1
+    rule = ("times ulysses_sequence_parallel_size " if group > 1 else "") + "must hold one whole sequence"
+    need(budget * group >= longest, key, rule + " (max_prompt_length + max_response_length)",
+         f"set it to at least {-(-longest // group)}")  # fmt: skip
 
 
 def _sequence_parallel_rules(cfg: Config, world_size: int, need: Need) -> None:
@@ -85,7 +89,6 @@ def batch_rules(cfg: Config, world_size: int, need: Need) -> None:
         "set it to the longest prompt in tokens, e.g. 512",
     )
     need(data.max_response_length > 0, "data.max_response_length", "must be > 0", "set it to e.g. 512")
-    longest = data.max_prompt_length + data.max_response_length
     actor = cfg.actor_rollout_ref.actor
     no_grad_passes: list[tuple[str, str, Any]] = [
         ("actor_rollout_ref.rollout", "log_prob_", actor),
@@ -100,13 +103,8 @@ def batch_rules(cfg: Config, world_size: int, need: Need) -> None:
         dynamic = section.use_dynamic_bsz if role == "critic" else section.log_prob_use_dynamic_bsz
         # The training budget it defaults to is checked with the training rules: one problem, one line.
         checked = trained.use_dynamic_bsz and section[budget] == trained.ppo_max_token_len_per_gpu
-        group = max(1, actor.ulysses_sequence_parallel_size) if role != "critic" else 1  # the group's budget holds it
-        need(
-            not dynamic or checked or section[budget] * group >= longest,
-            f"{role}.{budget}",
-            _WHOLE_SEQUENCE[group > 1],
-            f"set it to at least {-(-longest // group)}",
-        )
+        if dynamic and not checked:
+            _holds_a_sequence(need, f"{role}.{budget}", section[budget], cfg, sequence_parallel=role != "critic")
     _mini_batch_rules(cfg, "actor_rollout_ref.actor", world_size, need)
     if critic_used(cfg):
         _mini_batch_rules(cfg, "critic", world_size, need)
@@ -146,14 +144,8 @@ def _mini_batch_rules(cfg: Config, role: str, world_size: int, need: Need) -> No
         f"use a divisor of {batch}",
     )
     if section.use_dynamic_bsz:
-        longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-        group = max(1, section.ulysses_sequence_parallel_size) if role != "critic" else 1
-        need(
-            section.ppo_max_token_len_per_gpu * group >= longest,
-            f"{role}.ppo_max_token_len_per_gpu",
-            _WHOLE_SEQUENCE[group > 1],
-            f"set it to at least {-(-longest // group)}",
-        )
+        key, budget = f"{role}.ppo_max_token_len_per_gpu", section.ppo_max_token_len_per_gpu
+        _holds_a_sequence(need, key, budget, cfg, sequence_parallel=role != "critic")
     elif mini % world_size == 0 and n > 0:
         per_rank = mini * n // world_size
         need(
