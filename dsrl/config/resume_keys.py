@@ -17,5 +17,7 @@ RESUME_HARMLESS_KEYS = (
     r"actor_rollout_ref\.rollout\.val_kwargs\..*",
     r"actor_rollout_ref\.actor\.checkpoint\..*",
     r"actor_rollout_ref\.nccl_timeout",
+    # how ranks split each row, not what the run computes (the same numbers up to float rounding)
+    r"(actor_rollout_ref\.actor|critic)\.ulysses_sequence_parallel_size",
     r"algorithm\.rollout_mismatch\..*",
 )

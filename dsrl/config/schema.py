@@ -77,15 +77,13 @@ class LoraPushConfig:
 class ModelConfig:
     path: str = _f(MISSING, "policy model: a local directory (start it with / or ./) or a hub id owner/name")
     trust_remote_code: bool = _f(False, "run model code shipped with the checkpoint; only for checkpoints you trust")
-    dtype: str = _f(
-        "bfloat16", "training precision: bfloat16 (DeepSpeed bf16, recommended on GPUs) | float32 (CPU, exact tests)"
-    )
+    dtype: str = _f("bfloat16", "training precision: bfloat16 (DeepSpeed bf16, recommended on GPUs) | float32 "
+                    "(CPU, exact tests)")  # fmt: skip
     enable_gradient_checkpointing: bool = _f(
         True, "recompute activations in backward: much less memory for long sequences, ~30% slower (verl's default)"
     )
-    use_remove_padding: bool = _f(
-        False, "pack each micro-batch's sequences without padding (actor and reference forwards; verl's key)"
-    )
+    use_remove_padding: bool = _f(False, "pack each micro-batch's sequences without padding (actor and reference "
+                                  "forwards; verl's key)")  # fmt: skip
     shared_prompt_forward: bool = _f(
         False,
         "actor and reference forwards run each distinct prompt of a micro-batch once and its responses on its KV cache "
@@ -508,6 +506,8 @@ class CriticConfig:
         "split critic micro-batches by token budget instead of by count; default: the actor's",
     )
     ppo_max_token_len_per_gpu: int = _f(32768, "token budget of one critic micro-batch when use_dynamic_bsz")
+    ulysses_sequence_parallel_size: int = _f(1, "ranks that split each packed row of the critic (1 or the actor's "
+                                             "size; needs critic.model.use_remove_padding)")  # fmt: skip
     forward_micro_batch_size_per_gpu: int = _f(
         "${critic.ppo_micro_batch_size_per_gpu}",
         "sequences per no-grad critic forward (the values) on one rank; memory only; default: "

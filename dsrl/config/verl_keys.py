@@ -64,8 +64,8 @@ def verl_only_key(key: str) -> tuple[str, str] | None:
         )
     if key.endswith("ulysses_sequence_parallel_size"):
         return (
-            "dsrl's sequence parallelism runs the actor and the reference; the critic's forwards run data-parallel",
-            "remove it; bound the critic's memory with critic.use_dynamic_bsz=true and its ppo_max_token_len_per_gpu",
+            "dsrl's sequence parallelism runs the actor, the reference and the critic",
+            "remove it; set actor_rollout_ref.actor.ulysses_sequence_parallel_size (or critic.'s)",
         )
     if key in ("trainer.n_gpus_per_node", "trainer.nnodes"):
         return (

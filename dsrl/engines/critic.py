@@ -26,8 +26,15 @@ from dsrl.engines.deepspeed_setup import (
     load_pretrained,
     lr_scheduler,
 )
-from dsrl.engines.forward import PassTally, micro_batch_indices, model_inputs, pad_response
+from dsrl.engines.forward import (
+    PassTally,
+    micro_batch_indices,
+    model_inputs,
+    pad_response,
+    sequence_parallel_shard,
+)
 from dsrl.engines.packing import PackedInputs, pack, packing_for
+from dsrl.engines.sequence_parallel import sequence_parallel_for
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 from dsrl.runtime.distributed import accelerator_device
 
@@ -41,13 +48,23 @@ class ValueModel(nn.Module):
         self.value_head = value_head
 
     def forward(
-        self, *, input_ids, attention_mask, position_ids, response_width: int, packed: PackedInputs | None = None
-    ) -> torch.Tensor:
+        self,
+        *,
+        input_ids,
+        attention_mask,
+        position_ids,
+        response_width: int = 0,
+        packed: PackedInputs | None = None,
+        at: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """[b, P + T'] inputs -> float32 values [b, T'] at positions ``-T'-1 .. -2``; ``packed``: the inputs are its
-        packed rows (no attention mask), and the values are gathered back to ``[b, T']``."""
+        packed rows (no attention mask), and the values are gathered back to ``[b, T']``. ``at`` (a sequence-parallel
+        shard's (row, column) positions): the values there ``[n]``, and a zero on all the hidden states."""
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
+        if at is not None:
+            return self.value_head(hidden[at]).squeeze(-1).float(), hidden.sum() * 0
         response = hidden[:, -response_width - 1 : -1] if packed is None else packed.gather(hidden)
         return self.value_head(response).squeeze(-1).float()
 
@@ -95,6 +112,7 @@ class CriticEngine:
         self.packing = (
             packing_for(backbone, "critic.model.use_remove_padding") if critic.model.use_remove_padding else None
         )
+        self.sp = sequence_parallel_for(backbone, critic.ulysses_sequence_parallel_size)
         if critic.model.enable_gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # Built outside zero.Init: deepspeed.initialize partitions it with the rest of the model.
@@ -117,19 +135,27 @@ class CriticEngine:
     def _split(self, batch: Batch, prefix: str = "ppo_") -> list[torch.Tensor]:
         """Micro-batches of the update (``ppo_*`` keys) or of the no-grad pass (``forward_*``)."""
         critic = self.cfg.critic
+        budget = critic[f"{prefix}max_token_len_per_gpu"] * (self.sp.size if self.sp else 1)  # an SP group's
         return micro_batch_indices(
             batch,
             micro_batch_size=critic[f"{prefix}micro_batch_size_per_gpu"],
-            max_token_len=critic[f"{prefix}max_token_len_per_gpu"] if critic.use_dynamic_bsz else None,
+            max_token_len=budget if critic.use_dynamic_bsz else None,
             key=f"critic.{prefix}max_token_len_per_gpu",
             packing=self.packing,
         )
 
     def _values(self, micro: Batch, tally: PassTally) -> torch.Tensor:
         """[b, T] float32 values of ``micro`` (on the device), zero-padded past its trimmed width; one packed
-        forward with ``critic.model.use_remove_padding``. What the forward ran is added to ``tally``."""
+        forward with ``critic.model.use_remove_padding``, on this rank's shard of it with sequence parallelism
+        (``dsrl.engines.forward.SequenceShard``). What the forward ran is added to ``tally``."""
         device = accelerator_device()
-        if self.packing is not None:
+        if self.sp is not None:
+            assert self.packing is not None, "sequence parallelism runs packed rows (validation requires them)"
+            shard = sequence_parallel_shard(micro, self.sp, self.packing, tally)
+            at = tuple(index.to(device) for index in shard.positions())
+            values, anchor = self.engine(**{"attention_mask": None, **shard.inputs(device)}, at=at)
+            values = shard.spread(self.sp, values, anchor)
+        elif self.packing is not None:
             packed = pack(micro, pair_cost=self.packing.pair_cost)
             tally.add(packed.input_ids.numel(), packed.tokens)
             values = self.engine(
@@ -149,9 +175,15 @@ class CriticEngine:
         """``values`` ``[B, T]`` float32, 0 on padding; micro-batches of ``critic.forward_*``. Collective."""
         self.engine.eval()
         out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
-        with torch.no_grad():
-            for idx in self._split(batch, "forward_"):
-                out[idx] = self._values(batch.select(idx), self.tallies["critic_values"]).cpu()
+
+        def run(rows: Batch) -> torch.Tensor:
+            out = torch.zeros(rows.response_ids.shape, dtype=torch.float32)
+            with torch.no_grad():
+                for idx in self._split(rows, "forward_"):
+                    out[idx] = self._values(rows.select(idx), self.tallies["critic_values"]).cpu()
+            return out
+
+        out = run(batch) if self.sp is None else self.sp.each_member(batch, run)
         return (out * batch.response_mask.float().cpu()).to(batch.response_ids.device)
 
     def update(self, batch: Batch) -> dict[str, float]:
@@ -170,6 +202,7 @@ class CriticEngine:
             loss_fn=lambda micro, rows, num_tokens, num_seqs: self._loss(micro, num_tokens, num_seqs),
             skips=self.skips,
             lr_scheduler=self.lr_scheduler,
+            sp=self.sp,
         )
 
     def _loss(self, micro: Batch, num_tokens: float, num_seqs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

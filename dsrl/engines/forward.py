@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate
 
 import torch
@@ -39,7 +40,7 @@ from dsrl.algorithms import (
     sum_pi_squared_from_logits,
 )
 from dsrl.data.batch import Batch, last_response_token
-from dsrl.engines.packing import Packing, pack, packed_response_logits, prompt_groups
+from dsrl.engines.packing import PackedInputs, Packing, pack, packed_response_logits, prompt_groups
 from dsrl.engines.sequence_parallel import SequenceParallel
 from dsrl.runtime.distributed import accelerator_device, all_reduce
 
@@ -483,6 +484,57 @@ def policy_stats(
     return head_stats(fused_head, hidden, labels[:, :width], temperature=temperature, **flags), width
 
 
+@dataclass
+class SequenceShard:
+    """This rank's column shard ``[start, end)`` of a micro-batch's packed rows (``dsrl.engines.sequence_parallel``)
+    and the response tokens predicted inside it."""
+
+    rows: PackedInputs
+    start: int
+    end: int
+    owned: torch.Tensor  # [b, width] bool: the response tokens whose predicting position lies in the shard
+
+    def inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The model's inputs: the shard's ids and positions, with the whole rows' mask where they need one."""
+        window = slice(self.start, self.end)
+        inputs = {"input_ids": self.rows.input_ids[:, window], "position_ids": self.rows.position_ids[:, window]}
+        if self.rows.attention_mask is not None:
+            inputs["attention_mask"] = self.rows.attention_mask
+        return {name: value.to(device) for name, value in inputs.items()}
+
+    @property
+    def count(self) -> int:
+        return int(self.owned.sum())
+
+    def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed row, shard column) of each owned token, in ``owned`` order; one (0, 0) stands in where there is
+        none, its statistics weighted 0 by ``spread``, so that every rank runs the same head (ZeRO-3 gathers a
+        head's weights collectively, in backward too)."""
+        if not self.count:
+            return torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        return self.rows.rows[self.owned], self.rows.columns[self.owned] - self.start
+
+    def spread(self, sp: SequenceParallel, value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """``[b, width]``: the group's sum of its ranks' ``value`` (per ``positions``) put in place. ``anchor`` (a
+        zero on the shard's output) keeps every layer in this rank's backward, whose all-to-alls are collective
+        whether or not a response token was predicted in its shard."""
+        where = tuple(self.owned.nonzero().T.to(value.device))
+        placed = value.new_zeros(self.owned.shape).index_put(where, value[: self.count])
+        return sp.gathered(placed + anchor + value.sum() * 0)
+
+
+def sequence_parallel_shard(micro: Batch, sp: SequenceParallel, packing: Packing, tally: PassTally) -> SequenceShard:
+    """This rank's shard of ``micro``'s packed rows, cut into ``sp.size`` equal column shards. The whole micro-batch
+    is tallied once, on the group's first rank."""
+    rows = pack(micro, dedup=packing.dedup, pair_cost=packing.pair_cost, multiple=sp.size, explicit_mask=True)
+    width = rows.input_ids.shape[1] // sp.size
+    start = sp.rank * width
+    first = sp.rank == 0
+    tally.add(rows.input_ids.numel() * first, rows.tokens * first, rows.sequence_tokens * first)
+    owned = (rows.columns >= start) & (rows.columns < start + width)
+    return SequenceShard(rows, start, start + width, owned)
+
+
 def sequence_parallel_stats(
     module: torch.nn.Module,
     micro: Batch,
@@ -494,44 +546,20 @@ def sequence_parallel_stats(
     temperature: float,
     flags: dict[str, bool],
 ) -> tuple[dict[str, torch.Tensor], int]:
-    """``policy_stats`` of ``micro`` on this rank's column shard of its packed rows
-    (``dsrl.engines.sequence_parallel``): the statistics of the response tokens predicted inside the shard, summed
-    over the group into ``[b, width]``. The whole micro-batch is tallied once, on the group's first rank."""
-    rows = pack(micro, dedup=packing.dedup, pair_cost=packing.pair_cost, multiple=sp.size, explicit_mask=True)
-    shard = rows.input_ids.shape[1] // sp.size
-    start = sp.rank * shard
-    first = sp.rank == 0
-    tally.add(rows.input_ids.numel() * first, rows.tokens * first, rows.sequence_tokens * first)
-    owned = (rows.columns >= start) & (rows.columns < start + shard)  # [b, width]: predicted in this shard
-    columns = rows.columns[owned] - start
-    kept = torch.unique(columns) if len(columns) else torch.zeros(1, dtype=torch.long)
-    mask = {} if rows.attention_mask is None else {"attention_mask": rows.attention_mask.to(device)}
+    """``policy_stats`` of ``micro`` on this rank's shard (``sequence_parallel_shard``): the statistics of the
+    response tokens predicted inside it, summed over the group into ``[b, width]``."""
+    shard = sequence_parallel_shard(micro, sp, packing, tally)
+    rows_at, columns_at = shard.positions()
+    kept = torch.unique(columns_at)
     with nullcontext() if fused_head is None else hidden_states_out(fused_head):
-        out = module(
-            input_ids=rows.input_ids[:, start : start + shard].to(device),
-            position_ids=rows.position_ids[:, start : start + shard].to(device),
-            use_cache=False,
-            logits_to_keep=kept.to(device),
-            **mask,
-        )
-    picked = out.logits[rows.rows[owned].to(device), torch.searchsorted(kept, columns).to(device)][None]
-    labels = micro.response_ids[:, : rows.width][owned].to(device)[None]
-    n = len(columns)
-    if n == 0:  # no response token predicted in this shard: one position's statistics, weighted 0 below, so that
-        # every rank runs the same head (the fused one gathers the ZeRO-3 output layer per chunk, in backward too)
-        picked, labels = out.logits[:1, :1], torch.zeros(1, 1, dtype=torch.long, device=device)
-    if fused_head is not None:
-        stats = head_stats(fused_head, picked, labels, temperature=temperature, **flags)
-    else:
-        stats = response_stats(picked, labels, temperature=temperature, **flags)
-    # Zero, but on the shard's output and the head's: every rank's backward runs through all its layers, whose
-    # all-to-alls are collective, whether or not a response token of the micro-batch was predicted in its shard.
+        out = module(**shard.inputs(device), use_cache=False, logits_to_keep=kept.to(device))
+    picked = out.logits[rows_at.to(device), torch.searchsorted(kept, columns_at).to(device)][None]
+    width = shard.rows.width
+    labels = micro.response_ids[:, :width][shard.owned] if shard.count else torch.zeros(1, dtype=torch.long)
+    head = response_stats if fused_head is None else partial(head_stats, fused_head)
+    stats = head(picked, labels.to(device)[None], temperature=temperature, **flags)
     anchor = out.logits.sum() * 0
-    where = tuple(owned.nonzero().T.to(device))
-    return {
-        name: sp.gathered(value.new_zeros(owned.shape).index_put(where, value[0, :n]) + anchor + value.sum() * 0)
-        for name, value in stats.items()
-    }, rows.width
+    return {name: shard.spread(sp, value[0], anchor) for name, value in stats.items()}, width
 
 
 def pad_response(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -561,9 +589,9 @@ def compute_response_stats(
     ``policy_stats``; with ``sp`` the group runs each member's batch in turn, in micro-batches of ``sp`` times the
     token budget (verl's), and this rank keeps its own. Collective (ZeRO-3 forwards, micro-batch count)."""
     names = {"log_probs": "old_log_probs", "entropy": "entropy", "sum_pi_squared": "sum_pi_squared"}
-    own = 0 if sp is None else sp.rank
     budget = max_token_len if sp is None or max_token_len is None else max_token_len * sp.size
-    for member, rows in enumerate([batch] if sp is None else sp.members(batch)):
+
+    def run(rows: Batch) -> dict[str, torch.Tensor]:
         B, T = rows.response_ids.shape
         out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
@@ -588,7 +616,8 @@ def compute_response_stats(
                     if field not in out:
                         out[field] = torch.zeros(B, T, dtype=torch.float32)
                     out[field][idx] = pad_response(value.float().cpu(), T)
-        if member == own:  # another member's rows ran for their forwards' collectives only
-            kept = out
+        return out
+
+    kept = run(batch) if sp is None else sp.each_member(batch, run)
     mask = batch.response_mask.float().cpu()
     return {name: (value * mask).to(batch.response_ids.device) for name, value in kept.items()}

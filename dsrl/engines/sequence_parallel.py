@@ -21,11 +21,13 @@ flows back from its own rank alone, and the group's gradients add up to the micr
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+Result = TypeVar("Result")
 ATTENTION = "dsrl_ulysses"  # the attention implementation name the sequence-parallel models run
 
 
@@ -87,6 +89,12 @@ class SequenceParallel:
         batches: list[Any] = [None] * self.size
         dist.all_gather_object(batches, batch.to("cpu"), group=self.group)
         return batches
+
+    def each_member(self, batch: Any, run: Callable[[Any], Result]) -> Result:
+        """``run`` over every member's batch in turn (their forwards are the group's collectives); this rank's own
+        result."""
+        results = [run(rows) for rows in self.members(batch)]  # small: per-token statistics of a rank's rows
+        return results[self.rank]
 
     def gathered(self, part: torch.Tensor) -> torch.Tensor:
         """The sum of the group's ``part``s (each rank's statistics, zero elsewhere); the gradient passes through."""

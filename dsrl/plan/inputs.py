@@ -118,13 +118,14 @@ class ZeroSetup:
 @dataclass(frozen=True)
 class Pass:
     """One pass's micro-batch: ``rows`` sequences of ``prompt + response`` tokens (``rows`` already bounded by the
-    rows a rank has in that pass), or ``budget`` tokens (``use_dynamic_bsz``) filled with full-length rows."""
+    rows a rank has in that pass), or ``budget`` tokens (``use_dynamic_bsz``) filled with full-length rows, as many
+    as the ``rows`` a rank has."""
 
     rows: int
     budget: int | None = None
 
     def sequences(self, length: int) -> int:
-        return max(1, self.budget // length) if self.budget is not None else self.rows
+        return min(self.rows, max(1, self.budget // length)) if self.budget is not None else self.rows
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,8 @@ class PlanInputs:
     critic_checkpointing: bool
     critic_update: Pass | None
     critic_values: Pass | None
+    critic_layout: str  # packed (critic.model.use_remove_padding) | padded
+    critic_sequence_parallel: int  # critic.ulysses_sequence_parallel_size
     rollout: str  # vllm | hf
     rollout_dtype_bytes: int
     n: int
@@ -171,7 +174,10 @@ def forward_layout(shared_prompt_forward: bool, use_remove_padding: bool, use_pr
 
 
 def _pass(rows: int, micro: int, dynamic: bool, budget: int) -> Pass:
-    return Pass(rows=min(micro, max(1, rows)), budget=budget if dynamic else None)
+    """A pass over ``rows`` rows a rank: micro-batches of ``micro`` rows, or of ``budget`` tokens (``dynamic``)."""
+    if dynamic:
+        return Pass(rows=max(1, rows), budget=budget)
+    return Pass(rows=min(micro, max(1, rows)))
 
 
 def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Device) -> PlanInputs:
@@ -205,6 +211,7 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
     if sleep is None:
         sleep = device.kind == "cuda"
     critic = cfg.critic
+    critic_sp = critic.ulysses_sequence_parallel_size
     return PlanInputs(
         shape=shape,
         world_size=N,
@@ -247,7 +254,7 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
             critic.ppo_mini_batch_size * n // N,
             critic.ppo_micro_batch_size_per_gpu,
             critic.use_dynamic_bsz,
-            critic.ppo_max_token_len_per_gpu,
+            critic.ppo_max_token_len_per_gpu * critic_sp,
         )
         if trains_critic
         else None,
@@ -255,10 +262,12 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
             batch_rows,
             critic.forward_micro_batch_size_per_gpu,
             critic.use_dynamic_bsz,
-            critic.forward_max_token_len_per_gpu,
+            critic.forward_max_token_len_per_gpu * critic_sp,
         )
         if trains_critic
         else None,
+        critic_layout="packed" if critic.model.use_remove_padding else "padded",
+        critic_sequence_parallel=critic_sp,
         rollout=name,
         rollout_dtype_bytes=DTYPE_BYTES[rollout.dtype or model.dtype],
         n=n,

@@ -116,10 +116,18 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
         live[role] = engines[role]
         return [t for terms in live.values() for t in terms]
 
+    def layout_of(head: bool) -> tuple[str, int]:
+        """The forwards' layout and sequence-parallel group: the actor's and the reference's, or the critic's."""
+        return (
+            (inputs.layout, inputs.sequence_parallel)
+            if head
+            else (inputs.critic_layout, inputs.critic_sequence_parallel)
+        )
+
     def forward_phase(name: str, role: str, micro: Pass, head: bool) -> Phase:
         terms = resident + rollout_asleep + running(role)
-        layout = inputs.layout if head else "padded"  # the critic's forwards: rows x (P + R) at most either way
-        terms += activations(inputs, micro, grad=False, checkpointing=False, layout=layout)
+        layout, group = layout_of(head)
+        terms += activations(inputs, micro, grad=False, checkpointing=False, layout=layout, group=group)
         if head:
             terms.append(log_prob_head(s, micro, inputs, grad=False, layout=layout))
         return Phase(name, terms, rollout_note)
@@ -128,8 +136,8 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
         name: str, role: str, zero: ZeroSetup, micro: Pass, trained: int, checkpointing: bool, head: bool
     ) -> Phase:
         terms = resident + rollout_asleep + running(role) + update_gradients(role, zero, trained, b, inputs.world_size)
-        layout = inputs.layout if head else "padded"
-        terms += activations(inputs, micro, grad=True, checkpointing=checkpointing, layout=layout)
+        layout, group = layout_of(head)
+        terms += activations(inputs, micro, grad=True, checkpointing=checkpointing, layout=layout, group=group)
         if head:
             terms.append(log_prob_head(s, micro, inputs, grad=True, layout=layout))
         return Phase(name, terms, rollout_note)

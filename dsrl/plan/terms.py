@@ -123,27 +123,23 @@ def micro_batch_tokens(inputs: PlanInputs, micro: Pass, layout: str) -> tuple[in
 
     rows = micro.sequences(P + R)
     if layout == "dedup" and micro.budget is not None:
-        while tokens(rows + 1) <= micro.budget:
+        while rows < micro.rows and tokens(rows + 1) <= micro.budget:
             rows += 1
     return rows, tokens(rows)
 
 
-def shards(inputs: PlanInputs, layout: str) -> int:
-    """Ranks that share a micro-batch of ``layout``: the sequence-parallel group for the actor's and the reference's
-    packed rows (``sequence_parallel`` needs them), else 1 (the critic's forwards, counted ``padded``)."""
-    return inputs.sequence_parallel if layout in ("packed", "dedup") else 1
-
-
-def activations(inputs: PlanInputs, micro: Pass, *, grad: bool, checkpointing: bool, layout: str) -> list[Term]:
+def activations(
+    inputs: PlanInputs, micro: Pass, *, grad: bool, checkpointing: bool, layout: str, group: int
+) -> list[Term]:
     """A micro-batch's activations through the decoder layers (docs/architecture.md, section 13), its tokens as
-    ``layout`` runs them (``micro_batch_tokens``), a sequence-parallel rank's share of them (``shards``) beside the
+    ``layout`` runs them (``micro_batch_tokens``), a sequence-parallel rank's share of them (``group`` ranks share
+    the micro-batch: the role's ``ulysses_sequence_parallel_size``, which runs packed rows) beside the
     packed rows' boolean mask where several sequences share them, which every rank of the group holds whole (its
     attention reads it after the all-to-all). ``shared_prompts`` (``model.shared_prompt_forward``): the prompts' KV
     cache, indexed out to every row, also stays while the responses run."""
     shape, b = inputs.shape, inputs.dtype_bytes
     P, R = inputs.prompt_length, inputs.response_length
     rows, tokens = micro_batch_tokens(inputs, micro, layout)
-    group = shards(inputs, layout)
     masked = group > 1 and (rows > 1 or layout == "dedup")  # a row of one sequence runs causal, without a mask
     mask = [Term("sequence-parallel mask", tokens**2, 0, f"({tokens:,} tokens)^2 booleans")] if masked else []
     tokens = -(-tokens // group)
@@ -168,7 +164,8 @@ def log_prob_head(shape: ModelShape, micro: Pass, inputs: PlanInputs, *, grad: b
     fused head (``inputs.fused_head``) holds one chunk of logits at a time, and in an update, in backward, that
     chunk's gradient and a second output-layer gradient (autograd sums the chunks' into it)."""
     rows, _ = micro_batch_tokens(inputs, micro, layout)
-    positions = -(-rows * (inputs.response_length + (layout not in ("packed", "dedup"))) // shards(inputs, layout))
+    positions = rows * (inputs.response_length + (layout not in ("packed", "dedup")))
+    positions = -(-positions // inputs.sequence_parallel)  # a sequence-parallel rank's share (packed rows)
     if inputs.fused_head:  # chunks of whole positions, as head_stats cuts them
         chunk = min(positions, max(1, LOGIT_CHUNK_ELEMENTS // shape.vocab))
         copies = 2 if grad else 1

@@ -356,6 +356,8 @@ def _role(role: dict | None) -> str:
         _na(role.get("dtype")),
         f"{format_count(role.get('params'))} params",
     ]
+    if role.get("sequence_parallel"):
+        parts.append(f"Ulysses sequence parallelism over {role['sequence_parallel']} ranks")
     if "gradient_checkpointing" in role:
         parts.append("gradient checkpointing" if role["gradient_checkpointing"] else "no gradient checkpointing")
     if role.get("lora"):
@@ -400,7 +402,8 @@ def startup_summary(facts: dict[str, Any]) -> str:
     - ``hosts`` (str or None): the ranks' nodes from the preflight (``dsrl.trainer.preflight.Cluster.describe``)
     - ``roles``: {``"actor"``, ``"reference"``, ``"critic"``: a dict or None (absent)}, each dict with
       ``zero_stage`` (int), ``offload_params``, ``offload_optimizer`` (bool), ``dtype`` (str),
-      ``params`` (int), ``gradient_checkpointing`` (bool; omit for a role without backward), ``lora`` ({``rank``,
+      ``params`` (int), ``sequence_parallel`` (int; omit without), ``gradient_checkpointing`` (bool; omit for a
+      role without backward), ``lora`` ({``rank``,
       ``alpha``, ``target_modules``, ``trainable``}; a LoRA actor only); or {``adapters_off``: True} for a LoRA
       run's reference
     - ``rollout`` (str: the engine, e.g. ``"vllm (tp 2)"``)

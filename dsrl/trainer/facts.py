@@ -32,8 +32,9 @@ def rollout_engine_name(cfg: Config, tool_names: list[str] | None = None) -> str
 
 
 def engine_facts(role, dtype: str) -> dict:
-    """ZeRO stage, offload, dtype, parameter count and activation checkpointing of a DeepSpeed role; LoRA's
-    rank, alpha and trainable parameters for a LoRA actor; ``adapters_off`` for the reference that is one."""
+    """ZeRO stage, offload, dtype, parameter count, sequence-parallel group size and activation checkpointing of a
+    DeepSpeed role; LoRA's rank, alpha and trainable parameters for a LoRA actor; ``adapters_off`` for the reference
+    that is one."""
     if not hasattr(role, "ds_config"):  # AdapterOffReference: no engine of its own
         return {"adapters_off": True}
     zero = role.ds_config.get("zero_optimization", {})
@@ -46,6 +47,8 @@ def engine_facts(role, dtype: str) -> dict:
         "dtype": dtype,
         "params": sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters()),  # full size under ZeRO-3
     }
+    if role.sp is not None:
+        facts["sequence_parallel"] = role.sp.size
     if hasattr(role, "lr_scheduler"):  # a trained role
         backbone = getattr(module, "backbone", module)
         facts["gradient_checkpointing"] = bool(getattr(backbone, "is_gradient_checkpointing", False))

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from dsrl.config import Config
+from dsrl.config.rules.need import critic_used
 from dsrl.runtime.distributed import gather_problems, rank_span
 from dsrl.runtime.launch import Launch
 
@@ -132,8 +133,14 @@ class Cluster:
         return "\n".join(lines)
 
 
-def cluster_problems(cluster: Cluster, tensor_parallel: int, sequence_parallel: int = 1) -> list[str]:
-    """What is wrong with the cluster as a whole (module doc); the same lines on every rank."""
+def cluster_problems(
+    cluster: Cluster,
+    tensor_parallel: int,
+    sequence_parallel: int = 1,
+    sequence_parallel_role: str = "actor_rollout_ref.actor",
+) -> list[str]:
+    """What is wrong with the cluster as a whole (module doc); the same lines on every rank. ``sequence_parallel``:
+    the group size of ``sequence_parallel_role`` (the actor's or, with the actor's 1, the critic's)."""
     problems = []
     nodes = cluster.nodes()
     counts = {cluster.node_name(node): len(ranks) for node, ranks in nodes.items()}
@@ -162,7 +169,12 @@ def cluster_problems(cluster: Cluster, tensor_parallel: int, sequence_parallel: 
                 )
     groups = [
         ("actor_rollout_ref.rollout.tensor_model_parallel_size", tensor_parallel, "vLLM", "tensor-parallel"),
-        ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", sequence_parallel, "sequence", "sequence-parallel"),
+        (
+            f"{sequence_parallel_role}.ulysses_sequence_parallel_size",
+            sequence_parallel,
+            "sequence",
+            "sequence-parallel",
+        ),
     ]
     node_of = {rank: facts["node"] for rank, facts in enumerate(cluster.facts)}
     for key, size, name, kind in groups:  # groups of consecutive ranks, whose collectives need the node's links
@@ -252,5 +264,9 @@ def preflight(cfg: Config | None, problems: list[str], launch: Launch) -> tuple[
         own += [line for line in [_shared_directory_problem(cfg)] if line]
     cluster = Cluster(gathered, launch.launcher)
     tensor_parallel = rollout.tensor_model_parallel_size if rollout is not None and rollout.name == "vllm" else 1
-    sequence_parallel = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size if cfg is not None else 1
-    return cluster, gather_problems(own) + cluster_problems(cluster, tensor_parallel, sequence_parallel)
+    sp_role, sequence_parallel = "actor_rollout_ref.actor", 1
+    if cfg is not None:
+        sequence_parallel = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+        if sequence_parallel == 1 and critic_used(cfg):  # one size per process (validation): else the critic's
+            sp_role, sequence_parallel = "critic", cfg.critic.ulysses_sequence_parallel_size
+    return cluster, gather_problems(own) + cluster_problems(cluster, tensor_parallel, sequence_parallel, sp_role)

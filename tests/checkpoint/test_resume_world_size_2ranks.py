@@ -8,7 +8,9 @@ conversion made before the launch (``dsrl-convert --universal``); the second con
 ``actor_rollout_ref.nccl_timeout`` (20 s) allows a collective, while rank 1 waits (review gpu_path_3 G4).
 
 The default run is the quickstart on ZeRO-3 with CPU offload of parameters and optimizer (the default actor
-config), about 2 minutes on two cores; PPO (a critic too) on ZeRO-2 is ``slow``.
+config), about 2 minutes on two cores; PPO (a critic too) on ZeRO-2 is ``slow``. With sequence parallelism the
+two-rank runs split each row over both ranks (``ulysses_sequence_parallel_size=2``, the critic's too in PPO) and the
+one-rank run does not: the checkpoints cross sequence-parallel sizes as well as world sizes.
 """
 
 from __future__ import annotations
@@ -73,16 +75,30 @@ def loaded_differences(loaded: dict, checkpoint: Path, roles: list[str], scratch
     return problems
 
 
+def sequence_parallel(name: str, size: int) -> list[str]:
+    """The overrides that split each row of the trained roles over ``size`` ranks."""
+    roles = [("actor_rollout_ref.actor", "actor_rollout_ref.model")] + ([("critic", "critic.model")] * (name == "ppo"))
+    return [
+        f"{key}={value}"
+        for role, model in roles
+        for key, value in ((f"{role}.ulysses_sequence_parallel_size", size), (f"{model}.use_remove_padding", "true"))
+    ]
+
+
 @pytest.mark.parametrize(
-    "name, zero, extra",
+    "name, zero, extra, sp",
     [
-        pytest.param("quickstart", "zero3_offload", [], id="quickstart-zero3_offload"),
-        pytest.param("ppo", "zero2", [], marks=pytest.mark.slow, id="ppo-zero2"),
-        pytest.param("quickstart", "zero3_offload", LORA, marks=pytest.mark.slow, id="quickstart-lora-zero3_offload"),
+        pytest.param("quickstart", "zero3_offload", [], 1, id="quickstart-zero3_offload"),
+        pytest.param("ppo", "zero2", [], 1, marks=pytest.mark.slow, id="ppo-zero2"),
+        pytest.param(
+            "quickstart", "zero3_offload", LORA, 1, marks=pytest.mark.slow, id="quickstart-lora-zero3_offload"
+        ),
+        pytest.param("quickstart", "zero3_offload", [], 2, id="quickstart-sp2-zero3_offload"),
+        pytest.param("ppo", "zero3_offload", [], 2, marks=pytest.mark.slow, id="ppo-sp2-zero3_offload"),
     ],
 )
 def test_a_run_resumes_on_one_rank_then_on_two_with_its_state_exact(
-    name, zero, extra, tiny_model_dir, arithmetic_data, ds_test_config, free_port, tmp_path, deepspeed_cpu_ops
+    name, zero, extra, sp, tiny_model_dir, arithmetic_data, ds_test_config, free_port, tmp_path, deepspeed_cpu_ops
 ):
     ckpt = tmp_path / "ckpt"
     overrides = (
@@ -107,7 +123,7 @@ def test_a_run_resumes_on_one_rank_then_on_two_with_its_state_exact(
             )
         code, output = run_worker(
             name,
-            overrides,
+            overrides + (sequence_parallel(name, sp if world == 2 else 1) if sp > 1 else []),
             out,
             world=world,
             port=free_port(),
@@ -116,6 +132,8 @@ def test_a_run_resumes_on_one_rank_then_on_two_with_its_state_exact(
             slow_convert=NCCL_TIMEOUT + 10 if run == 2 else 0,
         )
         assert code == 0 if kill_after is None else f"SIGKILL at publish@{kill_after}" in output, output[-4000:]
+        split = "Ulysses sequence parallelism over 2 ranks" in output
+        assert split == (sp > 1 and world == 2), output[-4000:]
         last = kill_after or LAST_STEP
         if resumed_from is not None:
             assert f"resumed from {step_dir(ckpt, resumed_from)} (step {resumed_from};" in output, output[-4000:]

@@ -196,7 +196,7 @@ def test_unknown_yaml_key_suggests_the_closest(tmp_path):
             "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2",
             "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
         ),
-        ("critic.ulysses_sequence_parallel_size=2", "critic.use_dynamic_bsz=true"),
+        ("reward_model.ulysses_sequence_parallel_size=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
         ("trainer.n_gpus_per_node=8", "deepspeed --num_gpus N"),
         ("trainer.nnodes=2", "--hostfile FILE"),
         ("actor_rollout_ref.actor.ppo_micro_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),

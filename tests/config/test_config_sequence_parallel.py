@@ -1,5 +1,6 @@
-"""``actor_rollout_ref.actor.ulysses_sequence_parallel_size``: what validation refuses beside it, with the key, the
-rule and the fix; a model whose heads do not split is named at ``--validate-only`` (before anything loads)."""
+"""``actor_rollout_ref.actor.ulysses_sequence_parallel_size`` and ``critic.ulysses_sequence_parallel_size``: what
+validation refuses beside them, with the key, the rule and the fix; a model whose heads do not split is named at
+``--validate-only`` (before anything loads)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from tests.helpers.config import recipe
 
 SP = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
 PACKED = "actor_rollout_ref.model.use_remove_padding=true"
+CRITIC_SP = "critic.ulysses_sequence_parallel_size"
+CRITIC_PACKED = "critic.model.use_remove_padding=true"
 
 
-def violations(overrides: list[str], world_size: int = 2) -> list[str]:
+def violations(overrides: list[str], world_size: int = 2, name: str = "grpo") -> list[str]:
     try:
-        C.load_and_validate(recipe("grpo"), overrides, world_size)
+        C.load_and_validate(recipe(name), overrides, world_size)
     except C.ConfigError as err:
         return err.violations
     return []
@@ -26,6 +29,29 @@ def violations(overrides: list[str], world_size: int = 2) -> list[str]:
 
 def test_sequence_parallelism_over_packed_rows_validates():
     assert [v for v in violations([f"{SP}=2", PACKED]) if v.startswith(SP)] == []
+    for actor_sp in (1, 2):  # the critic's alone, or the actor's size
+        found = violations([f"{SP}={actor_sp}", PACKED, f"{CRITIC_SP}=2", CRITIC_PACKED], name="ppo")
+        assert [v for v in found if "ulysses" in v] == []
+
+
+@pytest.mark.parametrize(
+    "overrides, key, rule, fix",
+    [
+        ([f"{CRITIC_SP}=2", "critic.model.use_remove_padding=false"], CRITIC_SP, "packed rows", CRITIC_PACKED),
+        ([f"{CRITIC_SP}=4", CRITIC_PACKED], CRITIC_SP, "does not divide the 2 ranks", "multiple"),
+        ([f"{CRITIC_SP}=2", CRITIC_PACKED, f"{SP}=4", PACKED], CRITIC_SP, f"differs from {SP}", "the same size"),
+        (
+            [f"{CRITIC_SP}=2", CRITIC_PACKED, "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=64"],
+            "critic.ppo_max_token_len_per_gpu",
+            "times ulysses_sequence_parallel_size must hold one whole sequence",
+            "set it to at least",
+        ),
+    ],
+)
+def test_what_the_critics_sequence_parallelism_cannot_run_beside_is_refused(overrides, key, rule, fix):
+    found = [v for v in violations(overrides, 2, "ppo") if v.startswith(key + "=") and rule in v]
+    assert len(found) == 1, violations(overrides, 2, "ppo")
+    assert fix in found[0].split("; fix: ")[1]
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism on two CPU ranks under the real ``deepspeed`` launcher: the same actors (every
 ``loss_agg_mode``, prompt deduplication with the fused head, LoRA, an on-policy update that records its old
-log-probs) and reference with ``actor_rollout_ref.actor.ulysses_sequence_parallel_size=2`` as with 1
-(``tests/helpers/sequence_parallel_worker.py``): per-token log-probs and entropy within 1e-6, the updated
+log-probs), reference and critic with ``ulysses_sequence_parallel_size=2`` as with 1
+(``tests/helpers/sequence_parallel_worker.py``): per-token log-probs, entropy and values within 1e-6, the updated
 parameters within 1e-6, the metrics within 1e-5."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_two_sequence_parallel_ranks_score_and_train_as_data_parallel_ones(runs)
     assert [r["ulysses_attentions"] for r in runs[1]] == [0, 0]
     for one, two in zip(runs[1], runs[2], strict=True):
         torch.testing.assert_close(two["ref"], one["ref"], atol=1e-6, rtol=0)
-        cases = [case for case in one if isinstance(one[case], dict)]
+        cases = [case for case in one if isinstance(one[case], dict) and case != "critic"]
         assert len(cases) == 7
         for case in cases:
             for key in ("old_log_probs", "entropy"):
@@ -61,3 +61,19 @@ def test_two_sequence_parallel_ranks_score_and_train_as_data_parallel_ones(runs)
             if "params" in one[case]:
                 worst = max((two[case]["params"][k] - p).abs().max().item() for k, p in one[case]["params"].items())
                 assert worst < 1e-6, (case, worst)
+
+
+def test_a_sequence_parallel_critic_values_and_trains_as_a_data_parallel_one(runs):
+    for one, two in zip(runs[1], runs[2], strict=True):
+        one, two = one["critic"], two["critic"]
+        assert (one["before"] != 0).any()
+        torch.testing.assert_close(two["before"], one["before"], atol=1e-6, rtol=0)
+        torch.testing.assert_close(two["after"], one["after"], atol=2e-6, rtol=0)
+        assert (one["after"] - one["before"]).abs().max() > 1e-3  # it trained
+        assert one["metrics"].keys() == two["metrics"].keys()
+        assert 0 < one["metrics"]["critic/vf_clipfrac"] < 1  # both sides of the clipped value loss ran
+        for key, value in one["metrics"].items():
+            assert math.isclose(two["metrics"][key], value, rel_tol=1e-5, abs_tol=1e-6), key
+        if "params" in one:
+            worst = max((two["params"][k] - p).abs().max().item() for k, p in one["params"].items())
+            assert worst < 1e-6, worst

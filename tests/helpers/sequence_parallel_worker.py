@@ -7,8 +7,9 @@ run with ``--sp 1`` and ``--sp 2`` on 2 ranks, which must agree.
 Each rank takes its half of a fixed global batch (with SP=2 the group runs both halves, each rank on its shard
 of the packed rows) and, for each case (every ``loss_agg_mode``, with prompt deduplication, the fused head, LoRA),
 builds a ZeRO-3 + offload actor from the same seed, scores its rows (log-probs, entropy), updates on them and
-scores them again. A reference scores them too. Writes ``rank<R>.pt``: per case the scores and the metrics, and,
-on rank 0, the gathered parameters after the update.
+scores them again. A reference scores them too, and a critic with the same size gives its values, updates and gives
+them again. Writes ``rank<R>.pt``: per case the scores and the metrics, and, on rank 0, the gathered parameters
+after the update.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from engines_2ranks_worker import GLOBAL_PROMPTS, N, global_batch  # this folder
 
 from dsrl.config import load_config
 from dsrl.data.batch import Batch
-from dsrl.engines import ActorEngine, ReferenceEngine, init_distributed, sequence_parallel
+from dsrl.engines import ActorEngine, CriticEngine, ReferenceEngine, init_distributed, sequence_parallel
 from dsrl.engines.weight_sync import iter_full_parameters
 
 T = 12
@@ -58,6 +59,37 @@ def fixed_global_batch() -> Batch:
         advantages=torch.randn(mask.shape, generator=g) * mask,
         ref_log_probs=-3 + 0.5 * torch.randn(mask.shape, generator=g) * mask,
     )
+
+
+def critic_case(args: argparse.Namespace, common: list[str], batch: Batch, rank: int) -> dict:
+    """A critic with the same sequence-parallel size: its values, its update's metrics, its values after, and (rank 0)
+    its parameters."""
+    critic = CriticEngine(
+        load_config(
+            None,
+            [
+                *common,
+                "algorithm.adv_estimator=gae",
+                f"critic.model.path={args.model}",
+                "critic.model.use_remove_padding=true",
+                f"critic.ulysses_sequence_parallel_size={args.sp}",
+                f"critic.deepspeed_config={args.ds_config}",
+                "critic.ppo_max_token_len_per_gpu=20",
+                "critic.grad_clip=100.0",
+                "critic.cliprange_value=0.001",  # the second mini-batch's values clipped for some tokens, not all
+                "critic.optim.lr=0.01",
+                "critic.optim.weight_decay=0.0",
+            ],
+        )
+    )
+    values = critic.compute_values(batch)
+    returns = values + batch.advantages.tanh() * batch.response_mask
+    metrics = critic.update(batch.replace(values=values, returns=returns))
+    report = {"before": values, "after": critic.compute_values(batch), "metrics": metrics}
+    params = dict(iter_full_parameters(critic.module))
+    if rank == 0:
+        report["params"] = params
+    return report
 
 
 def main() -> None:
@@ -108,6 +140,7 @@ def main() -> None:
         if rank == 0:
             report[case]["params"] = params
     report["ref"] = ReferenceEngine(load_config(None, common)).compute_log_probs(batch, temperature=TEMPERATURE)
+    report["critic"] = critic_case(args, common, batch, rank)
     report["ulysses_attentions"] = 0 if sequence_parallel._ACTIVE is None else len(sequence_parallel._ACTIVE._attention)
     torch.save(report, Path(args.out) / f"rank{rank}.pt")
 

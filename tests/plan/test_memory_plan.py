@@ -153,8 +153,11 @@ def test_packed_rows_count_one_prompt_per_group_with_dedup_and_fill_a_token_budg
     assert micro_batch_tokens(inputs["dedup"], Pass(rows=10), "dedup") == (10, -(-10 // n) * P + 10 * R)
     # A 16,384-token budget: 10 full-length rows padded or packed; with one prompt per group of 5, 14 rows
     # (3 prompts + 14 responses = 15,872 tokens; a 15th response would pass the budget).
-    assert micro_batch_tokens(inputs["packed"], Pass(rows=1, budget=16_384), "packed") == (10, 10 * (P + R))
-    assert micro_batch_tokens(inputs["dedup"], Pass(rows=1, budget=16_384), "dedup") == (14, 3 * P + 14 * R)
+    assert micro_batch_tokens(inputs["packed"], Pass(rows=64, budget=16_384), "packed") == (10, 10 * (P + R))
+    assert micro_batch_tokens(inputs["dedup"], Pass(rows=64, budget=16_384), "dedup") == (14, 3 * P + 14 * R)
+    # no more sequences than the rank has rows in the pass
+    assert micro_batch_tokens(inputs["packed"], Pass(rows=3, budget=16_384), "packed") == (3, 3 * (P + R))
+    assert micro_batch_tokens(inputs["dedup"], Pass(rows=3, budget=16_384), "dedup") == (3, P + 3 * R)
     shape = read_shape("", str(QWEN_05B))
     head = {k: log_prob_head(shape, Pass(rows=10), i, grad=False, layout=k).device for k, i in inputs.items()}
     assert head["packed"] < head["padded"]  # packed rows keep logits only where they predict a response token
@@ -290,7 +293,9 @@ def test_a_sequence_parallel_rank_plans_its_share_of_the_groups_micro_batch(grpo
     assert (one.update.budget, two.update.budget, two.sequence_parallel) == (1536, 3072, 2)
 
     def device(inputs):
-        terms = activations(inputs, inputs.update, grad=True, checkpointing=True, layout="packed")
+        terms = activations(
+            inputs, inputs.update, grad=True, checkpointing=True, layout="packed", group=inputs.sequence_parallel
+        )
         return {t.name: t.device for t in terms}
 
     single, double = device(one), device(two)  # 1 sequence of 1,536 tokens; 2 of them, each rank 1,536 tokens
@@ -302,3 +307,30 @@ def test_a_sequence_parallel_rank_plans_its_share_of_the_groups_micro_batch(grpo
     )  # 2 x 1,024 response positions over 2 ranks: 1,024 each, as one rank alone
     halved = dataclasses.replace(two, update=one.update)  # the group's budget holds one sequence: no mask
     assert "sequence-parallel mask" not in device(halved)
+
+
+def test_a_sequence_parallel_critic_plans_its_share_of_the_groups_micro_batch(data_files):
+    """critic.ulysses_sequence_parallel_size=2: the critic's group budget doubles (verl's), and its rank's
+    activations in the values and update_critic phases are those of SP 1 at the per-rank budget."""
+    from dsrl.plan.plan import plan_memory
+
+    def critic_phases(sp: int) -> dict[str, dict[str, int]]:
+        overrides = [
+            *data_files,
+            "critic.model.use_remove_padding=true",
+            "critic.use_dynamic_bsz=true",
+            "critic.ppo_max_token_len_per_gpu=1536",
+            f"critic.ulysses_sequence_parallel_size={sp}",
+        ]
+        cfg, _ = C.load_and_validate(["ppo"], overrides, 8)
+        inputs = inputs_from_config(cfg, 8, read_shape("", str(QWEN_05B)), H200)
+        assert (inputs.critic_update.budget, inputs.critic_sequence_parallel) == (1536 * sp, sp)
+        plan = plan_memory(inputs, H200)
+        return {
+            p.name: {t.name: t.device for t in p.terms} for p in plan.phases if p.name in ("values", "update_critic")
+        }
+
+    one, two = critic_phases(1), critic_phases(2)
+    for phase in ("values", "update_critic"):
+        activations = [name for name in one[phase] if name.startswith("activations")]
+        assert activations and all(two[phase][name] == one[phase][name] for name in activations), phase

@@ -364,7 +364,13 @@ def test_startup_summary_variants():
         **STARTUP,
         "roles": {
             **STARTUP["roles"],
-            "critic": {"zero_stage": 2, "dtype": "float32", "params": 35_000, "gradient_checkpointing": False},
+            "critic": {
+                "zero_stage": 2,
+                "dtype": "float32",
+                "params": 35_000,
+                "sequence_parallel": 2,
+                "gradient_checkpointing": False,
+            },
         },
         "kl_loss": None,
         "kl_in_reward": {"penalty": "kl", "coef": 0.05, "ctrl": "adaptive"},
@@ -377,7 +383,9 @@ def test_startup_summary_variants():
         "mlflow": None,
     }
     shown = values(startup_summary(facts))
-    assert shown["critic"] == "ZeRO-2, no offload, float32, 35K params, no gradient checkpointing"
+    assert shown["critic"] == (
+        "ZeRO-2, no offload, float32, 35K params, Ulysses sequence parallelism over 2 ranks, no gradient checkpointing"
+    )
     assert shown["kl"] == "loss off; in reward kl coef 0.05 (adaptive)"
     assert shown["optimizer steps"] == "actor 4, critic 4 per step"
     assert shown["micro-batches"] == "token budget 8192 per rank (dynamic batch size)"

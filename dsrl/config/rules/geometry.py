@@ -12,34 +12,52 @@ from dsrl.config.rules.need import Need, critic_used, ref_used
 from dsrl.config.schema import Config
 
 
-def _holds_a_sequence(need: Need, key: str, budget: int, cfg: Config, *, sequence_parallel: bool) -> None:
-    """A token budget per rank holds one whole sequence; in a sequence-parallel group (the actor's and the
-    reference's passes), the group's budget does."""
+def _sequence_parallel_size(cfg: Config, role: str) -> int:
+    """The sequence-parallel group size of ``role``'s passes (the reference runs with the actor's groups)."""
+    section = cfg.critic if role == "critic" else cfg.actor_rollout_ref.actor
+    return max(1, section.ulysses_sequence_parallel_size)
+
+
+def _holds_a_sequence(need: Need, key: str, budget: int, cfg: Config, role: str) -> None:
+    """A token budget per rank holds one whole sequence; in a sequence-parallel group, the group's budget does."""
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    group = max(1, cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size) if sequence_parallel else 1
+    group = _sequence_parallel_size(cfg, role)
     rule = ("times ulysses_sequence_parallel_size " if group > 1 else "") + "must hold one whole sequence"
     need(budget * group >= longest, key, rule + " (max_prompt_length + max_response_length)",
          f"set it to at least {-(-longest // group)}")  # fmt: skip
 
 
 def _sequence_parallel_rules(cfg: Config, world_size: int, need: Need) -> None:
-    actor, key = cfg.actor_rollout_ref.actor, "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
-    sp = actor.ulysses_sequence_parallel_size
-    need(sp >= 1, key, "must be >= 1 (1: no sequence parallelism)", "set it to 1, or to 2, 4, 8 ranks per row")
-    if sp <= 1:
-        return
-    need(
-        cfg.actor_rollout_ref.model.use_remove_padding,
-        key,
-        "splits packed rows into sequence shards (a padded row's left padding would be attended across the shards)",
-        "set actor_rollout_ref.model.use_remove_padding=true",
+    actor_key, critic_key = (
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+        "critic.ulysses_sequence_parallel_size",
     )
-    need(world_size % sp == 0, key, f"does not divide the {world_size} ranks", "launch a multiple of it")
+    roles = [(actor_key, cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size, "actor_rollout_ref.model")]
+    if critic_used(cfg):
+        roles.append((critic_key, cfg.critic.ulysses_sequence_parallel_size, "critic.model"))
+    for key, sp, model in roles:
+        need(sp >= 1, key, "must be >= 1 (1: no sequence parallelism)", "set it to 1, or to 2, 4, 8 ranks per row")
+        if sp <= 1:
+            continue
+        need(
+            value_at(cfg, model).use_remove_padding,
+            key,
+            "splits packed rows into sequence shards (a padded row's left padding would be attended across the shards)",
+            f"set {model}.use_remove_padding=true",
+        )
+        need(world_size % sp == 0, key, f"does not divide the {world_size} ranks", "launch a multiple of it")
+    sizes = {sp for _, sp, _ in roles if sp > 1}
     need(
-        not actor.measure_grad_variance,
+        len(sizes) <= 1,
+        critic_key,
+        f"differs from {actor_key} (DeepSpeed keeps one sequence-parallel group size per process)",
+        "set both to the same size, or one of them to 1",
+    )
+    need(
+        not (cfg.actor_rollout_ref.actor.measure_grad_variance and roles[0][1] > 1),
         "actor_rollout_ref.actor.measure_grad_variance",
         "a micro-batch's gradient is spread over the sequence-parallel ranks, so no rank sees its norm",
-        f"set it to false, or {key}=1",
+        f"set it to false, or {actor_key}=1",
     )
 
 
@@ -104,7 +122,7 @@ def batch_rules(cfg: Config, world_size: int, need: Need) -> None:
         # The training budget it defaults to is checked with the training rules: one problem, one line.
         checked = trained.use_dynamic_bsz and section[budget] == trained.ppo_max_token_len_per_gpu
         if dynamic and not checked:
-            _holds_a_sequence(need, f"{role}.{budget}", section[budget], cfg, sequence_parallel=role != "critic")
+            _holds_a_sequence(need, f"{role}.{budget}", section[budget], cfg, role)
     _mini_batch_rules(cfg, "actor_rollout_ref.actor", world_size, need)
     if critic_used(cfg):
         _mini_batch_rules(cfg, "critic", world_size, need)
@@ -145,7 +163,7 @@ def _mini_batch_rules(cfg: Config, role: str, world_size: int, need: Need) -> No
     )
     if section.use_dynamic_bsz:
         key, budget = f"{role}.ppo_max_token_len_per_gpu", section.ppo_max_token_len_per_gpu
-        _holds_a_sequence(need, key, budget, cfg, sequence_parallel=role != "critic")
+        _holds_a_sequence(need, key, budget, cfg, role)
     elif mini % world_size == 0 and n > 0:
         per_rank = mini * n // world_size
         need(

@@ -131,11 +131,12 @@ def file_rules(cfg: Config, need: Need) -> None:
             if config is not None and value_at(cfg, packing):
                 problem = packing_problem(config)
                 need(problem is None, packing, f"{path}: {problem}", f"set {packing}=false")
-            sp = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
-            if config is not None and key == "actor_rollout_ref.model.path" and sp > 1:
+            role = "critic" if key.startswith("critic") else "actor_rollout_ref.actor"
+            sp_key = f"{role}.ulysses_sequence_parallel_size"
+            sp = value_at(cfg, sp_key)
+            if config is not None and sp > 1:
                 problem = sequence_parallel_problem(config, sp)
-                sp_key, fix = "actor_rollout_ref.actor.ulysses_sequence_parallel_size", "set a divisor of the heads"
-                need(problem is None, sp_key, f"{path}: {problem}", fix)
+                need(problem is None, sp_key, f"{path}: {problem}", "set a divisor of the heads")
 
 
 def _named_by(file: str, entry: str) -> str:
