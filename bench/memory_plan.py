@@ -1,7 +1,7 @@
 """The memory plan (``dsrl.plan``, ``dsrl-train --plan``) against measured memory, against DeepSpeed's own
 estimators, and every shipped recipe's plan on 8 x 141 GiB.
 
-    python bench/memory_plan.py measure [--cases quickstart,wide-z3-offload,wide-z3,wide-z2] [--json PATH]
+    python bench/memory_plan.py measure [--cases quickstart,wide-z3-offload,wide-z3,wide-z2,moe-z3] [--json PATH]
     python bench/memory_plan.py estimators      # model states vs DeepSpeed's estimators (meta-device models)
     python bench/memory_plan.py recipes         # every recipe at 8 x 141 GiB (the README's table)
 
@@ -20,7 +20,8 @@ Cases: the quickstart (``scripts/quickstart.sh``'s config: tiny model, ZeRO-3 wi
 ``make_tiny_model.py --wide`` model (``outputs/wide_model``, vocabulary 100) on the quickstart's config with a
 smaller batch (8 prompts x 4 responses, micro-batches of 16) under ZeRO-3 with offload, ZeRO-3 and ZeRO-2; and
 SmolLM2-135M-Instruct (``scripts/import_gguf.py``, vocabulary 49,152: the log-prob head counts) the same way under
-ZeRO-3 with offload and ZeRO-2.
+ZeRO-3 with offload and ZeRO-2; and the 93 M mixture of experts ``make_tiny_model.py --moe --wide``
+(``outputs/wide_moe_model``: 8 experts a layer, top 2) the wide model's way under ZeRO-3 with and without offload.
 """
 
 from __future__ import annotations
@@ -54,12 +55,13 @@ WIDE = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollo
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"]  # fmt: skip
 SETUPS = {"z3-offload": "zero3_offload", "z3": "zero3", "z2": "zero2"}
-CASE_NAMES = ("quickstart", *(f"wide-{setup}" for setup in SETUPS), "smollm2-z3-offload", "smollm2-z2")
+CASE_NAMES = ("quickstart", *(f"wide-{setup}" for setup in SETUPS), "smollm2-z3-offload", "smollm2-z2",
+              "moe-z3-offload", "moe-z3")  # fmt: skip
 
 
 def case_args(case: str, models: dict[str, str], data: str) -> list[str]:
     """The config of ``case`` (``<model>-<setup>``, or the quickstart): files, then overrides, with the models
-    (``tiny``, ``wide``, ``smollm2``) and the arithmetic data at the given paths."""
+    (``tiny``, ``wide``, ``smollm2``, ``moe``) and the arithmetic data at the given paths."""
     files = [f"data.train_files={data}/train.parquet", f"data.val_files={data}/test.parquet"]
     if case == "quickstart":
         return [*QUICKSTART, *files, f"actor_rollout_ref.model.path={models['tiny']}"]
@@ -262,6 +264,7 @@ def main() -> int:
     parser.add_argument("--model", default="./outputs/tiny_model", help="the quickstart's model directory")
     parser.add_argument("--wide-model", default="./outputs/wide_model", help="make_tiny_model.py --wide's directory")
     parser.add_argument("--smollm2", default="./outputs/smollm2", help="scripts/import_gguf.py's directory")
+    parser.add_argument("--moe-model", default="./outputs/wide_moe_model", help="make_tiny_model.py --moe --wide's")
     parser.add_argument("--data", default="./outputs/data/arithmetic", help="prepare_data.py --task arithmetic's")
     parser.add_argument("--json", type=Path, help="write the rows there")
     parser.add_argument("--replan", type=Path, help="measure: plan the measurements of this earlier --json again")
@@ -271,7 +274,7 @@ def main() -> int:
     if args.what == "measure":
         os.environ["DS_ACCELERATOR"] = "cpu"  # the plan's device: this machine's memory, as the runs'
         print(f"{'case':16} {'phase':14} {'plan MiB':>10} {'measured MiB':>12} {'error':>8}")
-        models = {"tiny": args.model, "wide": args.wide_model, "smollm2": args.smollm2}
+        models = {"tiny": args.model, "wide": args.wide_model, "smollm2": args.smollm2, "moe": args.moe_model}
         earlier = json.loads(args.replan.read_text()) if args.replan else None
         rows = measure_table(args.cases.split(","), models, args.data, earlier)
     elif args.what == "estimators":

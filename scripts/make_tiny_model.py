@@ -3,6 +3,7 @@
     python scripts/make_tiny_model.py                     # writes outputs/tiny_model, where configs/cpu.yaml looks
     python scripts/make_tiny_model.py --task calculator   # outputs/tiny_tool_model (configs/calculator_cpu.yaml)
     python scripts/make_tiny_model.py --wide --sft-steps 0 --out outputs/wide_model   # 97M, untrained (measurements)
+    python scripts/make_tiny_model.py --moe --out outputs/tiny_moe_model   # Qwen3-MoE, 8 experts, top 2
 
 Offline and deterministic (same ``--seed`` and ``--sft-steps`` give byte-identical files). Writes a
 ``transformers`` model directory that every dsrl tier loads like a hub checkpoint:
@@ -13,7 +14,10 @@ Offline and deterministic (same ``--seed`` and ``--sft-steps`` give byte-identic
   ``<tool_response>\\n...\\n</tool_response>``, but there is no tools list); left padding.
 - Model: Qwen3 architecture, hidden 128, 4 layers, 2 query heads and 1 key/value head of
   ``head_dim`` 64 (the smallest head size vLLM's CPU attention accepts), MLP 384, tied
-  embeddings, 256 positions: about 0.8M parameters.
+  embeddings, 256 positions: about 0.8M parameters. ``--moe``: Qwen3-MoE instead, every layer's MLP 8 experts
+  of width 96 with top-2 routing (transformers 5 keeps a layer's experts as two fused 3-D tensors, checkpoints
+  one tensor per expert and projection); with ``--wide``, hidden 512 and experts of width 896 (93M parameters,
+  27M active).
 - Warm start: supervised training on problems of the arithmetic train pool
   (``dsrl.data.arithmetic``), 128 a step, chat template applied, loss on the answer and the ``<|im_end|>``
   only, stopped as soon as greedy exact match on 200 held-out train-pool problems reaches 25%
@@ -50,7 +54,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
 
 from dsrl.data import arithmetic, calculator
 
@@ -148,11 +152,23 @@ SHAPES = {
 }
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, shape: str = "tiny") -> torch.nn.Module:
-    """A randomly initialised Qwen3 (float32) of one of ``SHAPES`` whose special-token ids match ``tokenizer``."""
-    config = Qwen3Config(
+# --moe: the experts of every layer, and the shapes they replace the dense MLP in.
+EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1}
+MOE_SHAPES = {
+    "tiny": {**SHAPES["tiny"], "moe_intermediate_size": 96},
+    "wide": {**SHAPES["wide"], "hidden_size": 512, "head_dim": 64, "moe_intermediate_size": 896},
+}
+
+
+def build_model(
+    tokenizer: PreTrainedTokenizerFast, seed: int, shape: str = "tiny", moe: bool = False
+) -> torch.nn.Module:
+    """A randomly initialised Qwen3 (float32) of one of ``SHAPES`` whose special-token ids match ``tokenizer``;
+    ``moe``: a Qwen3-MoE of ``MOE_SHAPES`` with ``EXPERTS``."""
+    config_class, sizes = (Qwen3MoeConfig, {**MOE_SHAPES[shape], **EXPERTS}) if moe else (Qwen3Config, SHAPES[shape])
+    config = config_class(
         vocab_size=len(tokenizer),
-        **SHAPES[shape],
+        **sizes,
         max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
@@ -475,6 +491,7 @@ def main(argv: list[str] | None = None) -> float:
         action="store_true",
         help="hidden 1024, 8 layers (97M parameters), untrained: for memory and speed measurements, with --sft-steps 0",
     )
+    parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE: 8 experts per layer, top-2 routing")
     args = parser.parse_args(argv)
     if args.sft_steps < 0:
         parser.error(f"--sft-steps {args.sft_steps}: must be >= 0")
@@ -490,7 +507,7 @@ def main(argv: list[str] | None = None) -> float:
     start = time.perf_counter()
 
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, args.seed, "wide" if args.wide else "tiny")
+    model = build_model(tokenizer, args.seed, "wide" if args.wide else "tiny", moe=args.moe)
     if args.task == "calculator":
         target = TOOL_TARGET_SUCCESS if args.tool_target is None else args.tool_target
         steps, loss = tool_warm_start(model, tokenizer, args.sft_steps, args.seed, target)
@@ -502,7 +519,8 @@ def main(argv: list[str] | None = None) -> float:
     built_s = time.perf_counter() - start
     n_params = sum(p.numel() for p in model.parameters())
     built = (
-        f"{out}: Qwen3 {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}; "
+        f"{out}: {type(model.config).__name__.removesuffix('Config')} {n_params / 1e6:.2f}M parameters, "
+        f"vocab {len(tokenizer)}; "
         f"{steps} SFT steps (last loss {loss:.3f}) in {built_s:.1f} s"
     )
 

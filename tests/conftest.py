@@ -134,6 +134,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def moe_model_dir(tmp_path_factory) -> Path:
+    """An untrained tiny Qwen3-MoE (8 experts of width 96, top 2; ``make_tiny_model.py --moe``) and its tokenizer."""
+    out = tmp_path_factory.mktemp("tiny_moe_model")
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--moe", "--out", str(out), "--sft-steps", "0"],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
 def deepspeed_cpu_ops() -> None:
     """Build DeepSpeed's CPU ops (shared-memory collectives, CPU Adam) once, in one process.
 

@@ -72,7 +72,7 @@ from dsrl.engines.lora import (
     iter_merged_parameters,
     saved_adapter_tensors,
 )
-from dsrl.engines.weight_sync import iter_full_parameters
+from dsrl.engines.weight_sync import checkpoint_format, iter_full_parameters
 from dsrl.tracking import flatten
 
 if TYPE_CHECKING:
@@ -442,7 +442,9 @@ def export_hf_model(
     """The actor as a Hugging Face model directory: safetensors shards with an index, ``config.json``,
     ``generation_config.json`` and the tokenizer; a LoRA actor (a ``PeftModel``) as its merged model
     (``iter_merged_parameters``: the base model's names) and, in ``out/lora_adapter``, its adapter as a
-    PEFT directory (``save_adapter``). Collective.
+    PEFT directory (``save_adapter``). Tensors under the model's checkpoint names and shapes
+    (``checkpoint_format``: a mixture-of-experts model's experts one tensor per expert, as ``save_pretrained``
+    writes them). Collective.
 
     Parameters are gathered from ZeRO-3 a bucket at a time; rank 0 keeps at most one shard and one
     bucket of full tensors, the other ranks one bucket. Written to a temporary directory renamed to
@@ -451,7 +453,8 @@ def export_hf_model(
     """
     rank = _rank()
     lora = is_peft_model(module)
-    named = iter_merged_parameters(module) if lora else iter_full_parameters(module)
+    base = module.get_base_model() if lora else module
+    named = checkpoint_format(base, iter_merged_parameters(module) if lora else iter_full_parameters(module))
     tmp = out.with_name(f".tmp_{out.name}")
     if rank != 0:
         for _ in named:  # the gathers are collectives; only rank 0 writes
@@ -476,7 +479,6 @@ def export_hf_model(
         os.replace(tmp / old, tmp / new)
     index = {"metadata": {"total_size": total}, "weight_map": {k: renamed[v] for k, v in sorted(weight_map.items())}}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    base = module.get_base_model() if lora else module
     base.config.save_pretrained(tmp)
     if getattr(base, "generation_config", None) is not None:
         base.generation_config.save_pretrained(tmp)

@@ -42,7 +42,7 @@ from dsrl.engines.lora import add_adapters, iter_adapter_parameters, iter_merged
 from dsrl.engines.packing import packing_for
 from dsrl.engines.sequence_parallel import sequence_parallel_for
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
-from dsrl.engines.weight_sync import iter_full_parameters
+from dsrl.engines.weight_sync import checkpoint_format, iter_full_parameters
 from dsrl.runtime.distributed import accelerator_device
 
 
@@ -113,12 +113,13 @@ class ActorEngine:
         return self.engine.module
 
     def rollout_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """What the rollout engine receives: the full parameters; with LoRA the merged ones
-        (``actor_rollout_ref.model.lora.merge``) or the adapters alone. Collective under ZeRO-3."""
+        """What the rollout engine receives: the full parameters in the model's checkpoint format
+        (``checkpoint_format``); with LoRA the merged ones (``actor_rollout_ref.model.lora.merge``) so, or the
+        adapters alone. Collective under ZeRO-3."""
         if not self.lora:
-            return iter_full_parameters(self.module)
+            return checkpoint_format(self.module, iter_full_parameters(self.module))
         if self.cfg.actor_rollout_ref.model.lora.merge:
-            return iter_merged_parameters(self.module)
+            return checkpoint_format(self.module.get_base_model(), iter_merged_parameters(self.module))
         return iter_adapter_parameters(self.module)
 
     def compute_log_probs(

@@ -1,6 +1,7 @@
 """A model's shape, read from its ``config.json`` alone (no weights, no torch): parameters, activation bytes and
 KV cache bytes per token, for the memory plan (``dsrl.plan.plan``) and the transformers rollout's KV budget
-(``dsrl.rollout.hf``). Dense decoders only; anything else raises ``PlanError``."""
+(``dsrl.rollout.hf``). Dense decoders, and mixture-of-experts ones laid out as Qwen3-MoE, Qwen2-MoE and Mixtral
+(routed experts of one width, optionally a shared expert); anything else raises ``PlanError``."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: i
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A dense decoder's shape, as its ``config.json`` gives it (Qwen2/Qwen3/Llama/Mistral/SmolLM layouts)."""
+    """A decoder's shape, as its ``config.json`` gives it (Qwen2/Qwen3/Llama/Mistral/SmolLM layouts); with
+    ``experts``, ``moe_layers`` of its layers route each token to ``experts_per_token`` of ``experts`` MLPs of width
+    ``expert_intermediate`` (plus a shared one of ``shared_intermediate``), the others a dense MLP."""
 
     hidden: int
     layers: int
@@ -37,6 +40,11 @@ class ModelShape:
     tied_embeddings: bool
     attention_bias: bool  # biases on q, k, v (Qwen2's always; others say so in attention_bias)
     qk_norm: bool  # Qwen3's RMSNorm of each head's q and k
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert (with its one-output gate)
+    moe_layers: int = 0
 
     @classmethod
     def from_config(cls, config: dict[str, Any], source: str) -> ModelShape:
@@ -45,11 +53,7 @@ class ModelShape:
         and for sizes that are not positive whole numbers or do not fit together."""
         if not isinstance(config, dict):
             raise PlanError(f"{source}: config.json holds a JSON {type(config).__name__}; fix: {_FIX}")
-        experts = _experts_key(config)
-        if experts:
-            raise PlanError(
-                f"{source}: a mixture-of-experts model ({experts}); the memory plan knows dense decoders only"
-            )
+        moe = _experts(config, source)
         missing = [k for k in _SIZES if k not in config]
         if missing:
             nested = [key for key, value in config.items() if isinstance(value, dict) and "hidden_size" in value]
@@ -82,8 +86,9 @@ class ModelShape:
             intermediate=config["intermediate_size"],
             vocab=config["vocab_size"],
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            attention_bias=bool(config.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **moe,
         )
 
     @property
@@ -94,21 +99,34 @@ class ModelShape:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
-    def layer_parameters(self) -> int:
-        """One decoder layer: attention (q, k, v, o and their biases, Qwen3's q/k norms), the gated MLP, two norms."""
+    def layer_parameters(self, moe: bool = False) -> int:
+        """One decoder layer: attention (q, k, v, o and their biases, Qwen3's q/k norms), the gated MLP (``moe``: the
+        router, every expert and the shared one), two norms."""
         h = self.hidden
         attention = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
         if self.attention_bias:
             attention += self.q_dim + 2 * self.kv_dim
         if self.qk_norm:
             attention += 2 * self.head_dim
-        return attention + 3 * h * self.intermediate + 2 * h
+        if not moe:
+            return attention + 3 * h * self.intermediate + 2 * h
+        shared = 3 * h * self.shared_intermediate + h if self.shared_intermediate else 0
+        return attention + self.experts * (h + 3 * h * self.expert_intermediate) + shared + 2 * h
 
     def parameters(self, *, lm_head: bool = True) -> int:
         """The model's parameters; ``lm_head=False``: the backbone (a critic's, before its value head)."""
         embeddings = self.vocab * self.hidden
         head = embeddings if lm_head and not self.tied_embeddings else 0
-        return embeddings + self.layers * self.layer_parameters() + self.hidden + head
+        layers = (self.layers - self.moe_layers) * self.layer_parameters() + self.moe_layers * self.layer_parameters(
+            True
+        )
+        return embeddings + layers + self.hidden + head
+
+    def active_parameters(self) -> int:
+        """The parameters one token runs through: its ``experts_per_token`` experts of each mixture-of-experts layer
+        (``parameters()`` for a dense model)."""
+        idle = self.moe_layers * (self.experts - self.experts_per_token) * 3 * self.hidden * self.expert_intermediate
+        return self.parameters() - idle
 
     def lora_parameters(self, rank: int, targets: Any) -> int:
         """Trained parameters of LoRA adapters of ``rank`` on ``targets`` ("all-linear" or module names)."""
@@ -116,23 +134,38 @@ class ModelShape:
         shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                   "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
         names = LORA_TARGETS if targets == "all-linear" else [name for name in targets if name in shapes]
-        return self.layers * sum(rank * sum(shapes[name]) for name in names)
+        attention = sum(
+            rank * sum(shapes[name]) for name in names if not name.endswith(("gate_proj", "up_proj", "down_proj"))
+        )
+        mlp = sum(rank * sum(shapes[name]) for name in names) - attention
+        return (
+            self.layers * attention + (self.layers - self.moe_layers) * mlp
+        )  # experts are fused 3-D tensors, no Linear
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, dtype_bytes)
 
     def layer_activation_bytes(self, dtype_bytes: int) -> int:
-        """Bytes one token keeps for the backward of one decoder layer: the two norms' inputs (and their float32
-        upcasts), q, k, v before and after rotary embedding, the attention output, and the MLP's gate, up, its
-        activation and their product (SDPA keeps no attention matrix)."""
+        """Bytes one token keeps for the backward of a decoder layer (the mean over the layers): the two norms'
+        inputs (and their float32 upcasts), q, k, v before and after rotary embedding, the attention output, and the
+        MLP's gate, up, its activation and their product (SDPA keeps no attention matrix); in a mixture-of-experts
+        layer those of each chosen expert, with the token's copy going in and the expert's output before its
+        routing weight, and the router's float32 logits and probabilities."""
         h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        model_dtype = 2 * h + 2 * h + 2 * (q + 2 * kv) + q + 4 * i
-        return model_dtype * dtype_bytes + 2 * h * 4
+        attention = 2 * h + 2 * h + 2 * (q + 2 * kv) + q
+        dense = (attention + 4 * i) * dtype_bytes + 2 * h * 4
+        if not self.moe_layers:
+            return dense
+        routed = self.experts_per_token * (2 * h + 4 * self.expert_intermediate) + 4 * self.shared_intermediate
+        moe = (attention + routed) * dtype_bytes + 2 * h * 4 + 2 * self.experts * 4
+        return -(-(self.moe_layers * moe + (self.layers - self.moe_layers) * dense) // self.layers)
 
     def forward_working_bytes(self, dtype_bytes: int) -> int:
         """Bytes one token holds at once in a no-grad forward: the residual stream and a norm's output, then the
-        larger of q, k, v and the MLP's gate, up and activation."""
-        return (2 * self.hidden + max(self.q_dim + 2 * self.kv_dim, 3 * self.intermediate)) * dtype_bytes
+        larger of q, k, v and the MLP's gate, up and activation (a mixture-of-experts layer's chosen experts')."""
+        mlp = 3 * max(self.intermediate if self.moe_layers < self.layers else 0,
+                      self.experts_per_token * self.expert_intermediate + self.shared_intermediate)  # fmt: skip
+        return (2 * self.hidden + max(self.q_dim + 2 * self.kv_dim, mlp)) * dtype_bytes
 
 
 _SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -142,6 +175,34 @@ _FIX = "point at a transformers model's config.json (or correct it)"
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _experts(config: dict, source: str) -> dict[str, int]:
+    """``ModelShape``'s mixture-of-experts fields of ``config`` ({} for a dense decoder); PlanError for experts the
+    plan cannot lay out (nested in a sub-config, another layout's keys)."""
+    key = _experts_key(config)
+    if key is None:
+        return {}
+    width = config.get("moe_intermediate_size") or (
+        config.get("intermediate_size") if "num_local_experts" in config else None
+    )
+    experts, per_token = config.get(key), config.get("num_experts_per_tok")
+    if "." in key or not all(_positive_int(v) for v in (experts, per_token, width)):
+        raise PlanError(
+            f"{source}: a mixture-of-experts model ({key}) the memory plan cannot lay out: it reads num_experts (or "
+            "num_local_experts), num_experts_per_tok and moe_intermediate_size at the top of config.json, as "
+            f"Qwen3-MoE, Qwen2-MoE and Mixtral write them; fix: {_FIX}"
+        )
+    layers = config.get("num_hidden_layers", 0)
+    step = config.get("decoder_sparse_step") or 1
+    dense = set(config.get("mlp_only_layers") or [])
+    return {
+        "experts": experts,
+        "experts_per_token": per_token,
+        "expert_intermediate": width,
+        "shared_intermediate": config.get("shared_expert_intermediate_size") or 0,
+        "moe_layers": sum(1 for i in range(layers) if (i + 1) % step == 0 and i not in dense),
+    }
 
 
 def _experts_key(config: dict, prefix: str = "") -> str | None:

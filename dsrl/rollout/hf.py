@@ -46,6 +46,7 @@ from dsrl.algorithms import logprobs_from_logits
 from dsrl.config import pushes_lora_adapters
 from dsrl.engines.forward import kv_cache
 from dsrl.engines.lora import add_adapters
+from dsrl.engines.weight_sync import CheckpointTargets
 from dsrl.plan.shape import kv_bytes_per_token
 from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded, stop_and_pad_ids
 
@@ -126,7 +127,8 @@ class HFRollout:
         )
         if adapters is not None:  # a PEFT copy: pushes bring its adapters only
             self.model = adapters(self.model).eval().requires_grad_(False)
-        self.pushed = {name: p for name, p in self.model.named_parameters() if adapters is None or ".lora_" in name}
+        adapter_names = None if adapters is None else {n for n, _ in self.model.named_parameters() if ".lora_" in n}
+        self.pushed = CheckpointTargets(self.model, adapter_names)
 
     @classmethod
     def from_config(cls, cfg: Any) -> HFRollout:
@@ -143,20 +145,19 @@ class HFRollout:
         )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy full tensors into the model's parameters in place (names as in ``named_parameters``;
-        a tied LM head is updated through its embedding); a PEFT copy takes its adapters only. Consumes
-        the whole iterator even when a name is wrong, since producing it is a collective on every rank,
-        then raises."""
-        params = self.pushed
+        """Copy full tensors into the model's parameters in place (names and shapes as in the model's checkpoint,
+        ``dsrl.engines.weight_sync.checkpoint_format``; a tied LM head is updated through its embedding); a PEFT
+        copy takes its adapters only, named as in ``named_parameters``. Consumes the whole iterator even when a name
+        is wrong, since producing it is a collective on every rank, then raises."""
+        targets = self.pushed.names()
         unknown, seen = [], set()
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if name in params:
-                    params[name].copy_(tensor)
-                    seen.add(name)
-                else:
-                    unknown.append(name)
-        missing = sorted(set(params) - seen)
+        for name, tensor in named_tensors:
+            if name in targets:
+                self.pushed.write(name, tensor)
+                seen.add(name)
+            else:
+                unknown.append(name)
+        missing = sorted(targets - seen)
         if unknown or missing:
             raise ValueError(f"update_weights: unknown names {unknown[:5]}, parameters not received {missing[:5]}")
 

@@ -116,3 +116,24 @@ def test_a_fused_head_update_on_two_ranks_equals_one_unfused_rank(
     params_two, params_one = torch.load(two / "params_world2.pt"), torch.load(runs[1] / "params_world1.pt")
     worst = max((params_two[k] - params_one[k]).abs().max().item() for k in params_one)
     assert worst < 1e-6, worst
+
+
+def test_a_mixture_of_experts_trains_on_two_ranks_as_on_one_and_reaches_the_rollout_under_its_checkpoint_names(
+    tmp_path_factory, deepspeed_cpu_ops, moe_model_dir, ds_test_config, free_port
+):
+    """A tiny Qwen3-MoE (8 experts, top 2) on ZeRO-3 with offload, every tensor partitioned: the ranks route their
+    own rows to different experts, the push (checkpoint names, one tensor per expert) leaves the rollout copies
+    scoring like the actor, and 2 ranks train as 1 rank on the whole batch."""
+    two, one = launch(tmp_path_factory, moe_model_dir, ds_test_config, free_port)
+    reports = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert reports[0]["metrics"] == reports[1]["metrics"] and reports[0]["param_sum"] == reports[1]["param_sum"]
+    counts = [report["expert_counts"] for report in reports]
+    assert len(counts[0]) == 4 and counts[0].keys() == counts[1].keys()  # a router per layer
+    assert counts[0] != counts[1]
+    for report in reports:
+        assert report["logprob_diff_before_update"] < 1e-5 and report["logprob_diff_after_update"] < 1e-5
+        assert report["actor_change_on_first_samples"] > 1e-3
+    params_two, params_one = torch.load(two / "params_world2.pt"), torch.load(one / "params_world1.pt")
+    assert params_two.keys() == params_one.keys() and any(k.endswith("mlp.experts.gate_up_proj") for k in params_one)
+    worst = max((params_two[k] - params_one[k]).abs().max().item() for k in params_one)
+    assert worst < 1e-6, worst

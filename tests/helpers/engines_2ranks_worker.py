@@ -73,6 +73,30 @@ def max_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return (a - b)[mask.bool()].abs().max().item()
 
 
+class RouteCounts:
+    """Tokens each expert of each mixture-of-experts layer was chosen for (transformers 5 routers: modules with
+    ``top_k`` and ``num_experts`` returning the chosen experts last), from forward hooks; empty for a dense model."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.counts: dict[str, list[int]] = {}
+        self.hooks = [
+            module.register_forward_hook(self._count(name, module.num_experts))
+            for name, module in model.named_modules()
+            if hasattr(module, "top_k") and hasattr(module, "num_experts")
+        ]
+
+    def _count(self, name: str, experts: int):
+        def hook(module, inputs, output):
+            counts = torch.bincount(output[-1].reshape(-1), minlength=experts).tolist()
+            self.counts[name] = [a + b for a, b in zip(self.counts.get(name, [0] * experts), counts, strict=True)]
+
+        return hook
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -138,9 +162,11 @@ def main() -> None:
         )
 
     sampled = generate()
+    routes = RouteCounts(actor.module)  # a mixture-of-experts model's choices in the scoring forward
     scored, timings["compute_log_probs_s"] = timed(
         lambda: actor.compute_log_probs(sampled, temperature=TEMPERATURE, with_entropy=True)
     )
+    routes.remove()
     diff_before = max_diff(scored["old_log_probs"], sampled.rollout_log_probs, sampled.response_mask)
 
     # Train on this rank's shard of the fixed global batch.
@@ -175,6 +201,7 @@ def main() -> None:
             sampled.response_mask,
         ),
         "param_sum": sum(p.double().abs().sum().item() for p in params.values()),
+        "expert_counts": routes.counts,
         "timings": timings,
     }
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
