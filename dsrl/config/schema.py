@@ -309,9 +309,10 @@ class ActorConfig:
                                  "chunk, never holding the logits (actor and ref)")  # fmt: skip
     ulysses_sequence_parallel_size: int = _f(1, "ranks that split each packed row (DeepSpeed ALST's Ulysses; actor "
                                              "and ref; needs model.use_remove_padding)")  # fmt: skip
-    grad_clip: Optional[float] = _f(
-        None, "older verl name of optim.clip_grad; used when set (setting both to different values is refused)"
-    )
+    router_aux_loss_coef: float = _f(0.0, "a mixture of experts' load-balancing loss in the update, times this "
+                                     "(TRL's key; 0: off, as in verl and OpenRLHF)")  # fmt: skip
+    grad_clip: Optional[float] = _f(None, "older verl name of optim.clip_grad; used when set (setting both to "
+                                    "different values is refused)")  # fmt: skip
     policy_loss: PolicyLossConfig = _f(PolicyLossConfig, "policy loss variant")
     optim: OptimConfig = _f(OptimConfig, "actor optimizer")
     checkpoint: CheckpointConfig = _f(CheckpointConfig, "what the actor's checkpoints hold")
@@ -531,9 +532,8 @@ class CriticConfig:
         "${actor_rollout_ref.actor.loss_agg_mode}",
         "aggregation of the value loss, as actor.loss_agg_mode; default: the actor's",
     )
-    grad_clip: Optional[float] = _f(
-        None, "older verl name of critic.optim.clip_grad; used when set (setting both to different values is refused)"
-    )
+    grad_clip: Optional[float] = _f(None, "older verl name of critic.optim.clip_grad; used when set (setting both "
+                                    "to different values is refused)")  # fmt: skip
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from dsrl.engines.forward import (
 from dsrl.engines.grad_variance import MicroBatchGradNorms
 from dsrl.engines.lora import add_adapters, iter_adapter_parameters, iter_merged_parameters
 from dsrl.engines.packing import packing_for
+from dsrl.engines.routers import RouterRecord
 from dsrl.engines.sequence_parallel import sequence_parallel_for
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 from dsrl.engines.weight_sync import checkpoint_format, iter_full_parameters
@@ -106,6 +108,13 @@ class ActorEngine:
         self.grad_norms = MicroBatchGradNorms(self.module) if actor.measure_grad_variance else None
         # the chosen loss's own parameters (sapo's tau_pos, ...) from their config keys
         self.loss_params = policy_loss_param_values(cfg, policy_loss_params(actor.policy_loss.loss_mode))
+        self.routers = RouterRecord(self.module)  # a mixture of experts': its aux loss and actor/moe/* metrics
+        if actor.router_aux_loss_coef > 0 and (not self.routers.routers or self.routers.loss_func is None):
+            raise ValueError(
+                f"{self.prefix}.router_aux_loss_coef={actor.router_aux_loss_coef}: "
+                f"{cfg.actor_rollout_ref.model.path} has no routers whose load-balancing loss transformers defines "
+                "(a dense model, or a mixture of experts of another layout); fix: set it to 0"
+            )
 
     @property
     def module(self) -> torch.nn.Module:
@@ -236,19 +245,21 @@ class ActorEngine:
         # parallelism every rank of the group computes the same statistics (each is summed over the group), also
         # for another member's rows (``record``'s rows None), which it does not record.
         entropy_loss_on = actor.entropy_coeff != 0 or actor.calculate_entropy
-        stats, _ = policy_stats(
-            self.engine,
-            micro,
-            dev,
-            temperature=temperature,
-            share_prompts=model.shared_prompt_forward,
-            packing=self.packing,
-            fused_head=self.fused_head,
-            sp=self.sp,
-            tally=self.tallies["actor_update"],
-            with_entropy=entropy_loss_on or record is not None,
-            entropy_grad=entropy_loss_on,
-        )
+        moe = bool(self.routers.routers)
+        with self.routers.recording() if moe else nullcontext():
+            stats, _ = policy_stats(
+                self.engine,
+                micro,
+                dev,
+                temperature=temperature,
+                share_prompts=model.shared_prompt_forward,
+                packing=self.packing,
+                fused_head=self.fused_head,
+                sp=self.sp,
+                tally=self.tallies["actor_update"],
+                with_entropy=entropy_loss_on or record is not None,
+                entropy_grad=entropy_loss_on,
+            )
         log_probs = pad_response(stats["log_probs"], T)
         if record is not None and record[1] is not None:  # rows None: another sequence-parallel member's
             recorded, rows, seen = record
@@ -290,4 +301,10 @@ class ActorEngine:
             kl_loss = agg_loss(kl, mask, actor.loss_agg_mode, **normalisers)
             loss = loss + actor.kl_loss_coef * kl_loss
             contributions["actor/kl_loss"] = kl_loss
+        if moe:  # token-weighted means over the step's micro-batches, as the metrics above
+            with torch.set_grad_enabled(actor.router_aux_loss_coef > 0):
+                aux_loss = self.routers.aux_loss()
+            loss = loss + actor.router_aux_loss_coef * aux_loss * share
+            contributions["actor/moe/aux_loss"] = aux_loss * share
+            contributions["actor/moe/load_imbalance"] = self.routers.imbalance() * share
         return loss, {name: torch.as_tensor(value).detach() for name, value in contributions.items()}

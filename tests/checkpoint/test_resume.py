@@ -13,9 +13,11 @@ each, two cores).
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,6 +87,18 @@ def test_killed_and_resumed_run_is_bit_identical(name, baselines, overrides_for,
     assert assert_same_run(baselines.result(name), tmp_path, first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
 
 
+def kill_and_resume_grpo(overrides_for, free_port, tmp_path) -> Path:
+    """GRPO's uninterrupted run with ``overrides_for(name, ckpt)`` and the chain resumed from its step-2 checkpoint
+    (killed while saving), which must be the same run; the checkpoint the chain started from."""
+    runs = Baselines(tmp_path / "baseline", overrides_for, free_port, world=1)
+    start = runs.checkpoint("grpo", RESUME_AT)
+    chain = tmp_path / "chain"
+    overrides = runs.overrides_for("grpo", chain / "ckpt")
+    resume_chain("grpo", start, KILLS["grpo"], out=chain, overrides=overrides, world=1, free_port=free_port)
+    assert assert_same_run(runs.result("grpo"), chain, first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
+    return start
+
+
 # GRPO's recipe has a KL loss: the reference log-probs are the LoRA actor's with its adapters off.
 @pytest.mark.parametrize("zero", ["zero3_offload", pytest.param("zero2", marks=pytest.mark.slow)])
 def test_killed_and_resumed_lora_run_is_bit_identical(
@@ -94,32 +108,38 @@ def test_killed_and_resumed_lora_run_is_bit_identical(
     model.path again on resume); a run killed while saving and resumed is the uninterrupted one, its merged
     model and adapter export included."""
     ds_config = ds_test_config(zero)
-    lora = Baselines(
-        tmp_path / "baseline",
+    start = kill_and_resume_grpo(
         lambda name, ckpt: (
             resume_overrides(name, model=tiny_model_dir, data=arithmetic_data, ds_config=ds_config, ckpt=ckpt) + LORA
         ),
         free_port,
-        world=1,
+        tmp_path,
     )
-    start = lora.checkpoint("grpo", RESUME_AT)
-    resume_chain(
-        "grpo",
-        start,
-        KILLS["grpo"],
-        out=tmp_path / "chain",
-        overrides=lora.overrides_for("grpo", tmp_path / "chain" / "ckpt"),
-        world=1,
-        free_port=free_port,
-    )
-    baseline = lora.result("grpo")
-    assert assert_same_run(baseline, tmp_path / "chain", first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
     engine_files = list((start / "actor" / "ds").rglob("*.pt"))
     states = next(f for f in engine_files if f.name.endswith("model_states.pt"))
     module = torch.load(states, weights_only=False)["module"]
     assert module and all(".lora_A." in name or ".lora_B." in name for name in module)  # the tied output layer too
     base_bytes = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
     assert sum(f.stat().st_size for f in engine_files) < base_bytes / 2
+
+
+def test_killed_and_resumed_mixture_of_experts_run_is_bit_identical(
+    moe_model_dir, arithmetic_data, ds_test_config, free_port, deepspeed_cpu_ops, tmp_path
+):
+    """A tiny Qwen3-MoE (8 experts, top 2) under ZeRO-3 with offload, its routers' aux loss on: killed while saving
+    and resumed, the run is the uninterrupted one, its export (one tensor per expert, the checkpoint's format)
+    included."""
+    ds_config = ds_test_config("zero3_offload")
+    kill_and_resume_grpo(
+        lambda name, ckpt: [
+            *resume_overrides(name, model=moe_model_dir, data=arithmetic_data, ds_config=ds_config, ckpt=ckpt),
+            "actor_rollout_ref.actor.router_aux_loss_coef=0.001",
+        ],
+        free_port,
+        tmp_path,
+    )
+    index = json.loads((tmp_path / "chain" / "ckpt" / "huggingface" / "model.safetensors.index.json").read_text())
+    assert "model.layers.3.mlp.experts.7.down_proj.weight" in index["weight_map"]
 
 
 def test_sigterm_saves_exits_143_and_resumes_exactly(baselines, overrides_for, free_port, tmp_path):

@@ -1,6 +1,7 @@
 """``actor_rollout_ref.actor.ulysses_sequence_parallel_size`` and ``critic.ulysses_sequence_parallel_size``: what
 validation refuses beside them, with the key, the rule and the fix; a model whose heads do not split is named at
-``--validate-only`` (before anything loads)."""
+``--validate-only`` (before anything loads). Also what ``actor_rollout_ref.actor.router_aux_loss_coef`` refuses
+beside it: sequence parallelism, and shared-prompt forwards."""
 
 from __future__ import annotations
 
@@ -104,3 +105,23 @@ def test_a_local_model_whose_heads_do_not_split_is_refused_at_validation(tiny_mo
     assert found == [
         f"{SP}=2: {model}: its 3 attention heads do not split over 2 ranks; fix: set a divisor of the heads"
     ]
+
+
+@pytest.mark.parametrize(
+    "overrides, rule, fix",
+    [
+        (["actor_rollout_ref.actor.router_aux_loss_coef=-1"], "must be >= 0", "set it to 0"),
+        (["actor_rollout_ref.actor.router_aux_loss_coef=0.01", f"{SP}=2", PACKED], "see its shard", f"{SP}=1"),
+        (
+            ["actor_rollout_ref.actor.router_aux_loss_coef=0.01", "actor_rollout_ref.model.shared_prompt_forward=true",
+             "actor_rollout_ref.model.use_remove_padding=false"],
+            "two forwards",
+            "shared_prompt_forward=false",
+        ),
+    ],
+)  # fmt: skip
+def test_what_the_router_aux_loss_cannot_run_beside_is_refused(overrides, rule, fix):
+    key = "actor_rollout_ref.actor.router_aux_loss_coef"
+    found = [v for v in violations(overrides) if v.startswith(key + "=") and rule in v]
+    assert len(found) == 1, violations(overrides)
+    assert fix in found[0].split("; fix: ")[1]

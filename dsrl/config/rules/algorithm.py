@@ -190,6 +190,7 @@ def loss_rules(cfg: Config, need: Need) -> None:
     _kl_kind_rule(f"{prefix}.kl_loss_type", actor.kl_loss_type, need)
     _kl_kind_rule("algorithm.kl_penalty", algo.kl_penalty, need)
     need(actor.kl_loss_coef >= 0, f"{prefix}.kl_loss_coef", "must be >= 0", "set it to 0.001")
+    _router_aux_loss_rules(cfg, need)
     need(algo.kl_ctrl.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", "must be >= 0", "set it to 0.001")
     need(
         algo.kl_ctrl.type in KL_CTRL_TYPES,
@@ -229,6 +230,26 @@ def _kl_kind_rule(key: str, value: str, need: Need) -> None:
         )
     else:
         need(value in KL_KINDS, key, "unknown KL estimator", f"use one of {', '.join(KL_KINDS)}")
+
+
+def _router_aux_loss_rules(cfg: Config, need: Need) -> None:
+    key, arr = "actor_rollout_ref.actor.router_aux_loss_coef", cfg.actor_rollout_ref
+    coef = arr.actor.router_aux_loss_coef
+    need(coef >= 0, key, "must be >= 0", "set it to 0 (off) or e.g. 0.001")
+    if coef <= 0:
+        return
+    need(
+        arr.actor.ulysses_sequence_parallel_size <= 1,
+        key,
+        "the routers of a sequence-parallel rank see its shard of the rows only, and the loss balances a whole forward",
+        "set actor_rollout_ref.actor.ulysses_sequence_parallel_size=1, or the coefficient to 0",
+    )
+    need(
+        not arr.model.shared_prompt_forward,
+        key,
+        "shared_prompt_forward runs a micro-batch in two forwards (the prompts, then the responses on their cache)",
+        "set actor_rollout_ref.model.shared_prompt_forward=false (use_remove_padding=true packs instead)",
+    )
 
 
 def _optim_rules(cfg: Config, role: str, need: Need) -> None:
