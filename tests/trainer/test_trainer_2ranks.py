@@ -78,7 +78,6 @@ def test_ranks_log_the_same_metrics(setup, tmp_path):
     )
 
 
-@pytest.mark.slow  # one rank's gate is tests/trainer/test_rollout_mismatch_stops_run.py; the stop is all-reduced
 @pytest.mark.slow
 def test_packed_ranks_log_and_train_as_padded_ones(setup, tmp_path):
     """The quickstart on two ranks packs with one copy of each prompt (the CPU overlay's); padded, every metric
@@ -119,6 +118,30 @@ def test_sequence_parallel_ranks_log_and_train_as_data_parallel_ones(setup, tmp_
     assert_same_logs(*([e["metrics"] for e in logged[sp]] for sp in (1, 2)))
 
 
+@pytest.mark.slow
+def test_a_mixture_of_experts_logs_the_same_curve_under_every_zero_setup(
+    setup, moe_model_dir, ds_test_config, tmp_path
+):
+    """The quickstart on two ranks with the tiny Qwen3-MoE, each rank routing its own rows, under ZeRO-2, ZeRO-3
+    and ZeRO-3 with offload (every tensor partitioned): the same metrics to float rounding, as a dense model's."""
+    from tests.trainer.test_trainer_packing import assert_same_logs
+
+    overrides, env, launcher = setup
+    logged = {}
+    for zero in ("zero2", "zero3", "zero3_offload"):
+        (tmp_path / zero).mkdir()
+        moe = [
+            f"actor_rollout_ref.model.path={moe_model_dir}",
+            f"actor_rollout_ref.actor.deepspeed_config={ds_test_config(zero)}",
+        ]
+        run([*launcher(), str(WORKER), "--out", str(tmp_path / zero), *QUICKSTART, *overrides, *moe], env)
+        logged[zero] = [e["metrics"] for e in json.loads((tmp_path / zero / "rank0.json").read_text())["logged"]]
+    assert logged["zero2"][1]["actor/moe/load_imbalance"] >= 1
+    for zero in ("zero3", "zero3_offload"):
+        assert_same_logs(logged["zero2"], logged[zero])
+
+
+@pytest.mark.slow  # one rank's gate is tests/trainer/test_rollout_mismatch_stops_run.py; the stop is all-reduced
 def test_a_broken_push_stops_both_ranks_at_the_same_step(setup, tmp_path):
     """``algorithm.rollout_mismatch`` reads all-reduced metrics, so every rank counts the same streak and stops
     at the same step: each rank's rollout keeps its start-up weights (``--skip-push``), step 1 is healthy, steps 2
