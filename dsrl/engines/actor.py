@@ -42,7 +42,7 @@ from dsrl.engines.grad_variance import MicroBatchGradNorms
 from dsrl.engines.lora import add_adapters, iter_adapter_parameters, iter_merged_parameters
 from dsrl.engines.packing import packing_for
 from dsrl.engines.routers import RouterRecord
-from dsrl.engines.sequence_parallel import sequence_parallel_for
+from dsrl.engines.sequence_parallel import group_budget, sequence_parallel_for
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 from dsrl.engines.weight_sync import checkpoint_format, iter_full_parameters
 from dsrl.runtime.distributed import accelerator_device
@@ -160,7 +160,7 @@ class ActorEngine:
 
     def _split(self, mini: Batch) -> list[torch.Tensor]:
         actor = self.cfg.actor_rollout_ref.actor
-        budget = actor.ppo_max_token_len_per_gpu * (self.sp.size if self.sp else 1)  # an SP group's (verl's)
+        budget = group_budget(actor.ppo_max_token_len_per_gpu, self.sp)
         return micro_batch_indices(
             mini,
             micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
@@ -245,7 +245,8 @@ class ActorEngine:
         # parallelism every rank of the group computes the same statistics (each is summed over the group), also
         # for another member's rows (``record``'s rows None), which it does not record.
         entropy_loss_on = actor.entropy_coeff != 0 or actor.calculate_entropy
-        moe = bool(self.routers.routers)
+        # a sequence-parallel rank's routers see its shard of the rows only: no aux loss (validation) nor load there
+        moe = bool(self.routers.routers) and self.sp is None
         with self.routers.recording() if moe else nullcontext():
             stats, _ = policy_stats(
                 self.engine,

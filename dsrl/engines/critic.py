@@ -34,7 +34,7 @@ from dsrl.engines.forward import (
     sequence_parallel_shard,
 )
 from dsrl.engines.packing import PackedInputs, pack, packing_for
-from dsrl.engines.sequence_parallel import sequence_parallel_for
+from dsrl.engines.sequence_parallel import group_budget, sequence_parallel_for
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 from dsrl.runtime.distributed import accelerator_device
 
@@ -135,7 +135,7 @@ class CriticEngine:
     def _split(self, batch: Batch, prefix: str = "ppo_") -> list[torch.Tensor]:
         """Micro-batches of the update (``ppo_*`` keys) or of the no-grad pass (``forward_*``)."""
         critic = self.cfg.critic
-        budget = critic[f"{prefix}max_token_len_per_gpu"] * (self.sp.size if self.sp else 1)  # an SP group's
+        budget = group_budget(critic[f"{prefix}max_token_len_per_gpu"], self.sp)
         return micro_batch_indices(
             batch,
             micro_batch_size=critic[f"{prefix}micro_batch_size_per_gpu"],
@@ -174,7 +174,6 @@ class CriticEngine:
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """``values`` ``[B, T]`` float32, 0 on padding; micro-batches of ``critic.forward_*``. Collective."""
         self.engine.eval()
-        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
 
         def run(rows: Batch) -> torch.Tensor:
             out = torch.zeros(rows.response_ids.shape, dtype=torch.float32)

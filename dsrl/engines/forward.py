@@ -41,7 +41,7 @@ from dsrl.algorithms import (
 )
 from dsrl.data.batch import Batch, last_response_token
 from dsrl.engines.packing import PackedInputs, Packing, pack, packed_response_logits, prompt_groups
-from dsrl.engines.sequence_parallel import SequenceParallel
+from dsrl.engines.sequence_parallel import SequenceParallel, group_budget
 from dsrl.runtime.distributed import accelerator_device, all_reduce
 
 # Float32 elements of one chunk of logits (2**26 * 4 bytes = 256 MiB): a few such temporaries live at once.
@@ -589,7 +589,7 @@ def compute_response_stats(
     ``policy_stats``; with ``sp`` the group runs each member's batch in turn, in micro-batches of ``sp`` times the
     token budget (verl's), and this rank keeps its own. Collective (ZeRO-3 forwards, micro-batch count)."""
     names = {"log_probs": "old_log_probs", "entropy": "entropy", "sum_pi_squared": "sum_pi_squared"}
-    budget = max_token_len if sp is None or max_token_len is None else max_token_len * sp.size
+    budget = None if max_token_len is None else group_budget(max_token_len, sp)
 
     def run(rows: Batch) -> dict[str, torch.Tensor]:
         B, T = rows.response_ids.shape

@@ -101,6 +101,11 @@ class SequenceParallel:
         return _SumParts.apply(part, self.group)
 
 
+def group_budget(tokens: int, sp: SequenceParallel | None) -> int:
+    """A micro-batch's token budget from a per-rank one: with ``sp``, the group's ranks' together (verl's)."""
+    return tokens * (sp.size if sp is not None else 1)
+
+
 _ACTIVE: SequenceParallel | None = None
 
 

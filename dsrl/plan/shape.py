@@ -134,13 +134,11 @@ class ModelShape:
         shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                   "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
         names = LORA_TARGETS if targets == "all-linear" else [name for name in targets if name in shapes]
-        attention = sum(
-            rank * sum(shapes[name]) for name in names if not name.endswith(("gate_proj", "up_proj", "down_proj"))
-        )
-        mlp = sum(rank * sum(shapes[name]) for name in names) - attention
-        return (
-            self.layers * attention + (self.layers - self.moe_layers) * mlp
-        )  # experts are fused 3-D tensors, no Linear
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        attention_adapters = sum(rank * sum(shapes[name]) for name in names if name not in mlp)
+        mlp_adapters = sum(rank * sum(shapes[name]) for name in names if name in mlp)
+        # a mixture-of-experts layer's experts are fused 3-D tensors, no Linear modules: no adapters on them
+        return self.layers * attention_adapters + (self.layers - self.moe_layers) * mlp_adapters
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, dtype_bytes)

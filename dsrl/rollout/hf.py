@@ -148,18 +148,24 @@ class HFRollout:
         """Copy full tensors into the model's parameters in place (names and shapes as in the model's checkpoint,
         ``dsrl.engines.weight_sync.checkpoint_format``; a tied LM head is updated through its embedding); a PEFT
         copy takes its adapters only, named as in ``named_parameters``. Consumes the whole iterator even when a name
-        is wrong, since producing it is a collective on every rank, then raises."""
+        or a shape is wrong, since producing it is a collective on every rank, then raises."""
         targets = self.pushed.names()
-        unknown, seen = [], set()
+        unknown, misshaped, seen = [], [], set()
         for name, tensor in named_tensors:
-            if name in targets:
-                self.pushed.write(name, tensor)
-                seen.add(name)
-            else:
+            if name not in targets:
                 unknown.append(name)
+                continue
+            try:
+                self.pushed.write(name, tensor)
+            except ValueError as err:  # the shape: CheckpointTargets.write's one refusal
+                misshaped.append(str(err))
+            seen.add(name)
         missing = sorted(targets - seen)
-        if unknown or missing:
-            raise ValueError(f"update_weights: unknown names {unknown[:5]}, parameters not received {missing[:5]}")
+        if unknown or missing or misshaped:
+            raise ValueError(
+                f"update_weights: unknown names {unknown[:5]}, parameters not received {missing[:5]}"
+                + "".join(f"; {line}" for line in misshaped[:5])
+            )
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token takes in every layer (``dsrl.plan.shape.kv_bytes_per_token``)."""

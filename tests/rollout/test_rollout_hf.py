@@ -286,6 +286,22 @@ def test_update_weights_reads_everything_then_refuses_unknown_names(rollout):
     assert len(consumed) == len(pairs) + 1
 
 
+def test_update_weights_reads_everything_then_refuses_a_tensor_of_another_shape(rollout):
+    pairs = [(name, p.detach().clone()) for name, p in rollout.model.named_parameters()]
+    first = pairs[0][0]
+    pairs[0] = (first, torch.zeros(1, 2))
+    consumed = []
+
+    def stream():
+        for pair in pairs:
+            consumed.append(pair[0])
+            yield pair
+
+    with pytest.raises(ValueError, match=f"{first} has shape \\(1, 2\\)"):
+        rollout.update_weights(stream())
+    assert len(consumed) == len(pairs)
+
+
 def test_built_from_the_run_config_it_takes_the_actors_model_and_the_rollout_keys(make_cfg):
     rollout = HFRollout.from_config(
         make_cfg("actor_rollout_ref.rollout.micro_batch_size=3", "actor_rollout_ref.rollout.kv_cache_max_gb=2.5")

@@ -54,6 +54,8 @@ def test_uneven_nodes_and_tensor_parallel_groups_across_nodes_are_refused():
     [line] = cluster_problems(two_by_four(), tensor_parallel=1, sequence_parallel=16)
     assert line.startswith("actor_rollout_ref.actor.ulysses_sequence_parallel_size=16: the sequence group of ranks 0-7")
     assert cluster_problems(two_by_four(), tensor_parallel=1, sequence_parallel=4) == []
+    [line] = cluster_problems(two_by_four(), tensor_parallel=1, sequence_parallel=16, sequence_parallel_role="critic")
+    assert line.startswith("critic.ulysses_sequence_parallel_size=16: the sequence group of ranks 0-7")
 
 
 def test_two_ranks_on_one_device_or_local_rank_are_refused():
