@@ -66,6 +66,7 @@ def test_two_sequence_parallel_ranks_score_and_train_as_data_parallel_ones(runs)
 def test_a_sequence_parallel_critic_values_and_trains_as_a_data_parallel_one(runs):
     for one, two in zip(runs[1], runs[2], strict=True):
         one, two = one["critic"], two["critic"]
+        assert one["ulysses_attentions"] == 0 and two["ulysses_attentions"] > 0  # the critic's own forwards split
         assert (one["before"] != 0).any()
         torch.testing.assert_close(two["before"], one["before"], atol=1e-6, rtol=0)
         torch.testing.assert_close(two["after"], one["after"], atol=2e-6, rtol=0)

@@ -86,6 +86,9 @@ def critic_case(args: argparse.Namespace, common: list[str], batch: Batch, rank:
     returns = values + batch.advantages.tanh() * batch.response_mask
     metrics = critic.update(batch.replace(values=values, returns=returns))
     report = {"before": values, "after": critic.compute_values(batch), "metrics": metrics}
+    # ALST's attentions built for the critic's backbone: its forwards ran sequence-parallel
+    built = [] if sequence_parallel._ACTIVE is None else sequence_parallel._ACTIVE._attention
+    report["ulysses_attentions"] = sum(key[1] == id(critic.module.backbone.config) for key in built)
     params = dict(iter_full_parameters(critic.module))
     if rank == 0:
         report["params"] = params
