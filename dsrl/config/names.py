@@ -85,6 +85,7 @@ KL_CTRL_TYPES = ("fixed", "adaptive")
 TRUNCATION_MODES = ("error", "left", "right")
 ROLLOUT_NAMES = ("hf", "vllm")
 SLEEP_LEVELS = (1, 2)
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")  # verl's actor.router_replay.mode
 LOGGERS = ("console", "mlflow")
 RESUME_MODES = ("auto", "disable", "resume_path")
 MEMORY_PLAN_CHECKS = ("error", "warn", "ignore")  # trainer.memory_plan_check

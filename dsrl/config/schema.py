@@ -36,18 +36,15 @@ class DataConfig:
         "prompts a round of dynamic sampling (algorithm.filter_groups) draws over all ranks; null = train_batch_size; "
         ">= train_batch_size, divisible by the world size; verl's DAPO script: 3 x train_batch_size",
     )
-    val_batch_size: Optional[int] = _f(
-        None, "prompts per validation batch on each rank; null = the whole validation set in one pass"
-    )
+    val_batch_size: Optional[int] = _f(None, "prompts per validation batch on each rank; null = the whole "
+                                       "validation set in one pass")  # fmt: skip
     max_prompt_length: int = _f(
         512, "longest prompt in tokens after the chat template; longer ones are filtered or truncated"
     )
     max_response_length: int = _f(
         512, "most tokens generated per response; responses hitting it count in response_length/clip_ratio"
     )
-    filter_overlong_prompts: bool = _f(
-        True, "drop prompts longer than max_prompt_length when loading (recommended: true)"
-    )
+    filter_overlong_prompts: bool = _f(True, "drop prompts longer than max_prompt_length when loading")
     truncation: str = _f(
         "error", "what to do with a prompt still too long: error | left (keep the end) | right (keep the start)"
     )
@@ -235,6 +232,12 @@ class CheckpointConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    mode: str = _f("disabled", "disabled | R2: the update replays the experts the old-log-prob pass chose | R3: every "
+                   "trainer forward replays the rollout's (needs rollout.enable_rollout_routing_replay)")  # fmt: skip
+
+
+@dataclass
 class ActorConfig:
     strategy: str = _f("deepspeed", "training backend (verl's key): dsrl always trains with DeepSpeed ZeRO")
     deepspeed_config: str = _f(
@@ -245,15 +248,12 @@ class ActorConfig:
         8,
         "prompts per optimizer step over all ranks (times rollout.n responses); = train_batch_size is fully on-policy",
     )
-    ppo_micro_batch_size_per_gpu: int = _f(
-        4, "sequences per forward/backward on one rank; memory only, the gradient is the same for any value"
-    )
-    use_dynamic_bsz: bool = _f(
-        False, "split micro-batches by token budget (ppo_max_token_len_per_gpu) instead of by count"
-    )
-    ppo_max_token_len_per_gpu: int = _f(
-        16384, "token budget of one micro-batch when use_dynamic_bsz; at least max_prompt_length + max_response_length"
-    )
+    ppo_micro_batch_size_per_gpu: int = _f(4, "sequences per forward/backward on one rank; memory only, the "
+                                           "gradient is the same for any value")  # fmt: skip
+    use_dynamic_bsz: bool = _f(False, "split micro-batches by token budget (ppo_max_token_len_per_gpu) instead "
+                               "of by count")  # fmt: skip
+    ppo_max_token_len_per_gpu: int = _f(16384, "token budget of one micro-batch when use_dynamic_bsz; at least "
+                                        "max_prompt_length + max_response_length")  # fmt: skip
     ppo_epochs: int = _f(1, "passes over each batch of rollouts; >1 reuses data off-policy (clipping then matters)")
     shuffle: bool = _f(True, "shuffle the rollouts before cutting them into mini-batches")
     use_prefix_grouper: bool = _f(False, "with model.use_remove_padding: packed rows hold each distinct prompt of "
@@ -285,9 +285,8 @@ class ActorConfig:
     tau_neg: float = _f(
         1.05, "sapo: temperature of the gate for other advantages (> 0; above tau_pos damps negative updates more)"
     )
-    use_kl_loss: bool = _f(
-        False, "add kl_loss_coef * KL(actor || reference) to the loss (GRPO style); loads the reference model"
-    )
+    use_kl_loss: bool = _f(False, "add kl_loss_coef * KL(actor || reference) to the loss (GRPO style); loads the "
+                           "reference model")  # fmt: skip
     kl_loss_coef: float = _f(0.001, "weight of the KL loss")
     kl_loss_type: str = _f(
         "low_var_kl", "KL estimator of the loss: kl/k1 | abs | mse/k2 | low_var_kl/k3, a '+' suffix takes k2's gradient"
@@ -296,9 +295,8 @@ class ActorConfig:
         False,
         "compute the entropy in the update (actor/entropy_loss) even when entropy_coeff is 0; costs a softmax pass",
     )
-    calculate_sum_pi_squared: bool = _f(
-        False, "also compute sum_v pi(v)^2 per token in the actor forward; optimal_token_baseline turns it on itself"
-    )
+    calculate_sum_pi_squared: bool = _f(False, "also compute sum_v pi(v)^2 per token in the actor forward; "
+                                        "optimal_token_baseline turns it on itself")  # fmt: skip
     measure_grad_variance: bool = _f(
         False,
         "log actor/grad_var and actor/grad_var_relative: the variance across micro-batches of the gradient each gives "
@@ -311,6 +309,7 @@ class ActorConfig:
                                              "and ref; needs model.use_remove_padding)")  # fmt: skip
     router_aux_loss_coef: float = _f(0.0, "a mixture of experts' load-balancing loss in the update, times this "
                                      "(TRL's key; 0: off, as in verl and OpenRLHF)")  # fmt: skip
+    router_replay: RouterReplayConfig = _f(RouterReplayConfig, "routing replay of a mixture of experts (verl's)")
     grad_clip: Optional[float] = _f(None, "older verl name of optim.clip_grad; used when set (setting both to "
                                     "different values is refused)")  # fmt: skip
     policy_loss: PolicyLossConfig = _f(PolicyLossConfig, "policy loss variant")
@@ -427,19 +426,16 @@ class RolloutConfig:
         "with vLLM's V1 model runner (it then samples row by row; V2 samples per row either way); false = one seed "
         "per generate call, from trainer.seed and the step",
     )
-    tensor_model_parallel_size: int = _f(
-        1, "vllm: ranks sharing one engine by tensor parallelism; must divide the world size"
-    )
-    dtype: Optional[str] = _f(
-        None, "vllm: precision of the rollout weights, bfloat16 | float32; null = actor_rollout_ref.model.dtype"
-    )
+    tensor_model_parallel_size: int = _f(1, "vllm: ranks sharing one engine by tensor parallelism; must divide "
+                                         "the world size")  # fmt: skip
+    dtype: Optional[str] = _f(None, "vllm: precision of the rollout weights, bfloat16 | float32; null = "
+                              "actor_rollout_ref.model.dtype")  # fmt: skip
     max_model_len: Optional[int] = _f(
         None,
         "vllm: longest prompt + response the engine accepts; null = data.max_prompt_length + data.max_response_length",
     )
-    enforce_eager: bool = _f(
-        False, "vllm: no CUDA graphs / compilation: faster start and less memory, slower decoding; true on CPU"
-    )
+    enforce_eager: bool = _f(False, "vllm: no CUDA graphs / compilation: faster start and less memory, slower "
+                             "decoding; true on CPU")  # fmt: skip
     enable_sleep_mode: Optional[bool] = _f(
         None,
         "vllm: hand the engine's device memory back to training between generations; null = on where vLLM supports it "
@@ -458,6 +454,8 @@ class RolloutConfig:
         "tests, at ~0.5 s per step for a ZeRO-3 actor (DeepSpeed's gc.collect, the gradient bucket re-allocated); "
         "needs a trained engine without offload_param (zero3, zero2)",
     )
+    enable_rollout_routing_replay: bool = _f(False, "hf: record each token's experts (a mixture of experts) for "
+                                             "actor.router_replay.mode=R3 (verl's key)")  # fmt: skip
     val_kwargs: ValKwargsConfig = _f(ValKwargsConfig, "sampling for validation")
     multi_turn: MultiTurnConfig = _f(MultiTurnConfig, "multi-turn rollouts with tool calls")
 

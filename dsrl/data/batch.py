@@ -58,6 +58,10 @@ class Batch:
     # [B, T] int64, multi-turn: 1 on every response token the model sees -- its turns and the tool outputs between
     # them (response_mask 0 there) -- 0 on padding; None = response_mask (one turn). Always ends on a response_mask 1.
     response_attention_mask: torch.Tensor | None = None
+    # [B, P, layers, k] and [B, T, layers, k] int16, a mixture of experts' routing replay (actor.router_replay): the
+    # experts each token's forward chose (R3: the rollout's, R2: the old-log-prob pass's); -1 where none was recorded
+    prompt_routes: torch.Tensor | None = None
+    response_routes: torch.Tensor | None = None
 
     @classmethod
     def of_responses(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, out: Any, n: int) -> Batch:
@@ -132,13 +136,18 @@ class Batch:
                 fields[f.name] = None
             elif any(v is None for v in values):
                 raise ValueError(f"Batch.concat: field {f.name!r} is set on some batches and not on others")
-            elif f.name in ("prompt_ids", "prompt_mask"):
-                fields[f.name] = torch.cat([F.pad(v, (P - v.shape[1], 0)) for v in values])
+            elif f.name.startswith("prompt_"):
+                fields[f.name] = torch.cat([pad_columns(v, P - v.shape[1], 0) for v in values])
             elif values[0].dim() == 1 or f.name == "reward_components":  # not per token
                 fields[f.name] = torch.cat(values)
             else:
-                fields[f.name] = torch.cat([F.pad(v, (0, T - v.shape[1])) for v in values])
+                fields[f.name] = torch.cat([pad_columns(v, 0, T - v.shape[1]) for v in values])
         return Batch(**fields)
+
+
+def pad_columns(value: torch.Tensor, before: int, after: int) -> torch.Tensor:
+    """``value`` (``[B, columns, ...]``) with ``before`` and ``after`` columns of zeros around its own."""
+    return F.pad(value, (0, 0) * (value.dim() - 2) + (before, after))
 
 
 def last_response_token(response_mask: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ from dsrl.engines.forward import (
 from dsrl.engines.grad_variance import MicroBatchGradNorms
 from dsrl.engines.lora import add_adapters, iter_adapter_parameters, iter_merged_parameters
 from dsrl.engines.packing import packing_for
-from dsrl.engines.routers import RouterRecord
+from dsrl.engines.routers import RouteReplay, RouterRecord
 from dsrl.engines.sequence_parallel import group_budget, sequence_parallel_for
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 from dsrl.engines.weight_sync import checkpoint_format, iter_full_parameters
@@ -108,6 +108,8 @@ class ActorEngine:
         self.grad_norms = MicroBatchGradNorms(self.module) if actor.measure_grad_variance else None
         # the chosen loss's own parameters (sapo's tau_pos, ...) from their config keys
         self.loss_params = policy_loss_param_values(cfg, policy_loss_params(actor.policy_loss.loss_mode))
+        mode = actor.router_replay.mode  # before RouterRecord: its hooks then see the experts a forward ran
+        self.replay = None if mode == "disabled" else RouteReplay(self.module, f"{self.prefix}.router_replay.mode")
         self.routers = RouterRecord(self.module)  # a mixture of experts': its aux loss and actor/moe/* metrics
         if actor.router_aux_loss_coef > 0 and (not self.routers.routers or self.routers.loss_func is None):
             raise ValueError(
@@ -134,7 +136,9 @@ class ActorEngine:
     def compute_log_probs(
         self, batch: Batch, *, temperature: float, with_entropy: bool = False, with_sum_pi_squared: bool = False
     ) -> dict[str, torch.Tensor]:
-        """``old_log_probs`` (+ ``entropy``, ``sum_pi_squared``) ``[B, T]`` float32 of the current policy.
+        """``old_log_probs`` (+ ``entropy``, ``sum_pi_squared``) ``[B, T]`` float32 of the current policy; with
+        routing replay also ``prompt_routes`` and ``response_routes``, the experts these forwards ran (R2 records them
+        here; R3 replays the rollout's, and a token it did not record gets the actor's own).
 
         Micro-batches of ``rollout.log_prob_micro_batch_size_per_gpu`` rows, or of
         ``rollout.log_prob_max_token_len_per_gpu`` tokens with ``rollout.log_prob_use_dynamic_bsz``.
@@ -156,6 +160,7 @@ class ActorEngine:
             fused_head=self.fused_head,
             sp=self.sp,
             tally=self.tallies["old_log_prob"],
+            replay=self.replay,
         )
 
     def _split(self, mini: Batch) -> list[torch.Tensor]:
@@ -196,28 +201,32 @@ class ActorEngine:
         if recorded is not None:
             recorded.update({name: torch.zeros(batch.response_ids.shape) for name in ("old_log_probs", "entropy")})
         self.engine.train()
-        metrics = run_ppo_updates(
-            self.engine,
-            batch,
-            rows_per_mini_batch=self.rows_per_mini_batch,
-            epochs=actor.ppo_epochs,
-            shuffle=actor.shuffle,
-            seed=self.cfg.trainer.seed,
-            split=self._split,
-            loss_fn=lambda micro, rows, num_tokens, num_seqs: self._loss(
-                micro,
-                num_tokens=num_tokens,
-                num_seqs=num_seqs,
-                temperature=temperature,
-                on_policy=on_policy,
-                record=None if recorded is None else (recorded, rows, seen),
-            ),
-            skips=self.skips,
-            lr_scheduler=self.lr_scheduler,
-            grad_norms=self.grad_norms,
-            loss_agg_mode=actor.loss_agg_mode,
-            sp=self.sp,
-        )
+        try:
+            metrics = run_ppo_updates(
+                self.engine,
+                batch,
+                rows_per_mini_batch=self.rows_per_mini_batch,
+                epochs=actor.ppo_epochs,
+                shuffle=actor.shuffle,
+                seed=self.cfg.trainer.seed,
+                split=self._split,
+                loss_fn=lambda micro, rows, num_tokens, num_seqs: self._loss(
+                    micro,
+                    num_tokens=num_tokens,
+                    num_seqs=num_seqs,
+                    temperature=temperature,
+                    on_policy=on_policy,
+                    record=None if recorded is None else (recorded, rows, seen),
+                ),
+                skips=self.skips,
+                lr_scheduler=self.lr_scheduler,
+                grad_norms=self.grad_norms,
+                loss_agg_mode=actor.loss_agg_mode,
+                sp=self.sp,
+            )
+        finally:
+            if self.replay is not None:
+                self.replay.release()  # the routes stay in force until the last backward's recomputes are done
         if actor.use_kl_loss:
             metrics["actor/kl_coef"] = actor.kl_loss_coef
         if recorded is not None:
@@ -258,6 +267,7 @@ class ActorEngine:
                 fused_head=self.fused_head,
                 sp=self.sp,
                 tally=self.tallies["actor_update"],
+                replay=self.replay,
                 with_entropy=entropy_loss_on or record is not None,
                 entropy_grad=entropy_loss_on,
             )

@@ -41,6 +41,7 @@ from dsrl.algorithms import (
 )
 from dsrl.data.batch import Batch, last_response_token
 from dsrl.engines.packing import PackedInputs, Packing, pack, packed_response_logits, prompt_groups
+from dsrl.engines.routers import RouteReplay
 from dsrl.engines.sequence_parallel import SequenceParallel, group_budget
 from dsrl.runtime.distributed import accelerator_device, all_reduce
 
@@ -56,6 +57,8 @@ class PassTally:
     positions: int = 0  # input positions, padding included
     tokens: int = 0  # real tokens among them (with dedup, each distinct prompt once per micro-batch)
     sequence_tokens: int = 0  # the rows' own tokens, each row's prompt counted: what runs without dedup
+    routes_agreed: int = 0  # routing replay: the routers' own choices among the recorded experts
+    routes_compared: int = 0  # ... out of this many recorded choices (moe/route_agreement/<pass>)
 
     def add(self, positions: int, tokens: int, sequence_tokens: int | None = None) -> None:
         self.micro_batches += 1
@@ -187,6 +190,18 @@ def model_inputs(micro: Batch, device: torch.device) -> tuple[dict[str, torch.Te
     return inputs, width
 
 
+def padded_positions(micro: Batch, inputs: dict[str, torch.Tensor], width: int) -> torch.Tensor:
+    """``[b, P + width]``: where each prompt and response column of ``micro`` sits in ``model_inputs``' flattened
+    ``inputs`` (``r * columns + l``), -1 for a dropped or padding column (``RouteReplay.install``)."""
+    b, columns = inputs["input_ids"].shape
+    P = micro.prompt_ids.shape[1]
+    first = P - (columns - width)
+    column = torch.arange(P + width) - first
+    where = torch.arange(b)[:, None] * columns + column
+    attended = torch.cat([micro.prompt_mask, micro.response_attention[:, :width]], dim=1).cpu() != 0
+    return torch.where(attended & (column >= 0), where, -1)
+
+
 def response_logits(module: torch.nn.Module, inputs: dict[str, torch.Tensor], width: int) -> torch.Tensor:
     """Logits ``[b, width, V]`` predicting the ``width`` response tokens (positions ``-width-1 .. -2``)."""
     out = module(**inputs, use_cache=False, logits_to_keep=width + 1)
@@ -208,6 +223,7 @@ def policy_logits(
     share_prompts: bool,
     packing: Packing | None = None,
     tally: PassTally | None = None,
+    replay: RouteReplay | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Logits ``[b, width, V]`` predicting ``micro``'s response tokens, and ``width`` (``model_inputs``).
 
@@ -222,14 +238,20 @@ def policy_logits(
     collectively, so every rank must run as many as the others. ``packing``: one forward over the micro-batch's
     sequences without padding, with its ``dedup`` each distinct prompt once in them (``dsrl.engines.packing``;
     never with ``share_prompts``, which needs a cache). ``tally``: what the forward ran is added to it.
+    ``replay``: the forward runs ``micro``'s recorded experts (``RouteReplay``; not with ``share_prompts``).
     """
     tally = tally or PassTally()
     if packing is not None:
         rows = pack(micro, dedup=packing.dedup, pair_cost=packing.pair_cost)
         tally.add(rows.input_ids.numel(), rows.tokens, rows.sequence_tokens)
+        if replay is not None:
+            replay.install(micro, rows.where, rows.input_ids.numel(), device, tally)
         return packed_response_logits(module, rows, device), rows.width
     inputs, width = model_inputs(micro, device)
     attended = int(inputs["attention_mask"].sum())
+    if replay is not None:
+        assert not share_prompts, "the config refuses routing replay with shared_prompt_forward"
+        replay.install(micro, padded_positions(micro, inputs, width), inputs["input_ids"].numel(), device, tally)
     if share_prompts:
         P = inputs["input_ids"].shape[1] - width
         prompts = torch.cat([inputs["input_ids"][:, :P], inputs["attention_mask"][:, :P]], dim=1)
@@ -465,22 +487,25 @@ def policy_stats(
     with_sum_pi_squared: bool = False,
     entropy_grad: bool = False,
     sp: SequenceParallel | None = None,
+    replay: RouteReplay | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """``response_stats`` of ``micro``'s response tokens ``[b, width]`` from one ``policy_logits`` forward, and
     ``width``. ``fused_head`` (the model's output projection, ``use_fused_kernels``): from its hidden states through
     ``head_stats`` instead, never holding the logits. ``sp`` (with ``packing``): this rank's shard of the packed
-    rows, the group's statistics summed (``sequence_parallel_stats``)."""
+    rows, the group's statistics summed (``sequence_parallel_stats``). ``replay``: see ``policy_logits``."""
     flags = {"with_entropy": with_entropy, "with_sum_pi_squared": with_sum_pi_squared, "entropy_grad": entropy_grad}
+    forward = partial(policy_logits, share_prompts=share_prompts, packing=packing, tally=tally, replay=replay)
     if sp is not None:
+        assert replay is None, "the config refuses routing replay with sequence parallelism"
         assert packing is not None, "sequence parallelism runs packed rows (the config requires use_remove_padding)"
         tally = tally or PassTally()
         return sequence_parallel_stats(module, micro, device, sp, packing, fused_head, tally, temperature, flags)
     labels = micro.response_ids.to(device)
     if fused_head is None:
-        logits, width = policy_logits(module, micro, device, share_prompts=share_prompts, packing=packing, tally=tally)
+        logits, width = forward(module, micro, device)
         return response_stats(logits, labels[:, :width], temperature=temperature, **flags), width
     with hidden_states_out(fused_head):
-        hidden, width = policy_logits(module, micro, device, share_prompts=share_prompts, packing=packing, tally=tally)
+        hidden, width = forward(module, micro, device)
     return head_stats(fused_head, hidden, labels[:, :width], temperature=temperature, **flags), width
 
 
@@ -582,12 +607,15 @@ def compute_response_stats(
     fused_head: torch.nn.Module | None = None,
     tally: PassTally | None = None,
     sp: SequenceParallel | None = None,
+    replay: RouteReplay | None = None,
 ) -> dict[str, torch.Tensor]:
     """No-grad forward of ``batch`` in micro-batches (``micro_batch_indices``), outputs put back in
     row order: ``[B, T]`` float32 ``old_log_probs`` (+ ``entropy``, ``sum_pi_squared``), 0 on
     response padding, on the batch's device. ``share_prompts``, ``packing``, ``fused_head``, ``tally``, ``sp``: see
     ``policy_stats``; with ``sp`` the group runs each member's batch in turn, in micro-batches of ``sp`` times the
-    token budget (verl's), and this rank keeps its own. Collective (ZeRO-3 forwards, micro-batch count)."""
+    token budget (verl's), and this rank keeps its own. ``replay``: the forwards run the batch's recorded experts
+    (none recorded: their own), and ``prompt_routes`` and ``response_routes`` come back too, what each token ran.
+    Collective (ZeRO-3 forwards, micro-batch count)."""
     names = {"log_probs": "old_log_probs", "entropy": "entropy", "sum_pi_squared": "sum_pi_squared"}
     budget = None if max_token_len is None else group_budget(max_token_len, sp)
 
@@ -610,14 +638,27 @@ def compute_response_stats(
                     with_entropy=with_entropy,
                     with_sum_pi_squared=with_sum_pi_squared,
                     sp=sp,
+                    replay=replay,
                 )
                 for name, value in stats.items():
                     field = names[name]
                     if field not in out:
                         out[field] = torch.zeros(B, T, dtype=torch.float32)
                     out[field][idx] = pad_response(value.float().cpu(), T)
+                if replay is not None:
+                    prompt_routes, response_routes = replay.recorded()
+                    if "prompt_routes" not in out:
+                        out["prompt_routes"] = torch.full((B, *prompt_routes.shape[1:]), -1, dtype=torch.int16)
+                        out["response_routes"] = torch.full((B, T, *replay.shape), -1, dtype=torch.int16)
+                    out["prompt_routes"][idx] = prompt_routes
+                    out["response_routes"][idx, : response_routes.shape[1]] = response_routes
+        if replay is not None:
+            replay.release()
         return out
 
     kept = run(batch) if sp is None else sp.each_member(batch, run)
     mask = batch.response_mask.float().cpu()
-    return {name: (value * mask).to(batch.response_ids.device) for name, value in kept.items()}
+    return {
+        name: (value if name.endswith("_routes") else value * mask).to(batch.response_ids.device)
+        for name, value in kept.items()
+    }

@@ -11,8 +11,9 @@
   every adapted layer, under the base model's names, a bucket at a time as for full fine-tuning) or the
   adapters alone (``iter_adapter_parameters``, under the actor's own parameter names).
 
-Only linear layers take adapters here (``target_modules: all-linear`` never adapts the output layer); an
-embedding or convolution named in ``target_modules`` is refused at start-up.
+Only linear layers take adapters here (``target_modules: all-linear`` never adapts the output layer, nor a mixture of
+experts' fused expert tensors and routers, which PEFT's all-linear would); an embedding or convolution named in
+``target_modules`` is refused at start-up.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dsrl.config.files import adapter_settings
+from dsrl.engines.routers import moe_routers
 from dsrl.engines.weight_sync import DEFAULT_BUCKET_BYTES, iter_gathered
 
 # peft is imported by the functions that use it: a run without LoRA never imports it. (Most of its ~3 s import was
@@ -121,6 +123,13 @@ def _wrapped(module: torch.nn.Module, config: LoraConfig, adapter_path: str | No
     else:
         where = f"actor_rollout_ref.model.lora_adapter_path={adapter_path}: the adapter's {targets}"
         fix = "start from an adapter trained on actor_rollout_ref.model.path's model"
+    if config.target_modules == "all-linear" and moe_routers(module):
+        # PEFT's all-linear also adapts a mixture of experts' fused expert tensors and its routers, which are not
+        # linear layers: dsrl's all-linear names the linear layers themselves (attention, shared experts), as for a
+        # dense model, so the experts stay out
+        head = module.get_output_embeddings()
+        names = {name.rpartition(".")[2] for name, m in module.named_modules() if m is not head}
+        config = dataclasses.replace(config, target_modules=sorted(names & set(linear)))
     try:
         return get_peft_model(module, config)
     except ValueError as err:

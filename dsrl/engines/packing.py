@@ -38,6 +38,7 @@ class PackedInputs:
     width: int  # response columns kept (the micro-batch's longest response, as model_inputs keeps)
     tokens: int  # real tokens run, R * L minus the padding of the packed rows
     sequence_tokens: int  # the rows' own tokens, each row's prompt counted once per row
+    where: torch.Tensor  # [b, P + width]: each prompt and response column's flat position ``r * L + l``, -1: none
 
     def gather(self, per_position: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
         """``[b, width, ...]`` of ``per_position`` (``[R, L, ...]``, or ``[R, len(kept), ...]`` for the ascending
@@ -72,17 +73,18 @@ def prompt_groups(batch: Batch) -> list[int]:
     return torch.unique(prompts, dim=0, return_inverse=True)[1].tolist()
 
 
-def _units(micro: Batch, dedup: bool) -> tuple[list[_Unit], list[torch.Tensor], list[int], int]:
+def _units(micro: Batch, dedup: bool) -> tuple[list[_Unit], list[torch.Tensor], list[torch.Tensor], list[int], int]:
     """The units of ``micro``'s rows; for each row, per response column the index in its unit of the token
-    predicting it (-1 for a column out of the context); each row's unit; and the response width to keep
-    (``model_inputs``'s: up to the last column any row attends)."""
+    predicting it (-1 for a column out of the context); per prompt and response column the index in its unit of
+    the token there (-1: padding); each row's unit; and the response width to keep (``model_inputs``'s: up to the
+    last column any row attends)."""
     attended = micro.response_attention.bool()
     columns = attended.any(0).nonzero()
     width = int(columns[-1]) + 1 if len(columns) else 1
     units: list[_Unit] = []
     keys = prompt_groups(micro) if dedup else range(len(micro))
     by_key: dict[int, int] = {}
-    unit_of, predictors = [], []
+    unit_of, predictors, places = [], [], []
     for i, key in enumerate(keys):
         prompt = micro.prompt_ids[i][micro.prompt_mask[i].bool()]
         kept = attended[i, :width]
@@ -94,8 +96,14 @@ def _units(micro: Batch, dedup: bool) -> tuple[list[_Unit], list[torch.Tensor], 
         before = torch.cumsum(kept.long(), 0) - kept.long()  # response tokens in the context before each column
         predictor = torch.where(before == 0, len(prompt) - 1, start + before - 1)
         predictors.append(torch.where(kept, predictor, -1))
+        in_prompt = micro.prompt_mask[i].bool()
+        places.append(
+            torch.cat(
+                [torch.where(in_prompt, in_prompt.long().cumsum(0) - 1, -1), torch.where(kept, start + before, -1)]
+            )
+        )
         unit_of.append(u)
-    return units, predictors, unit_of, width
+    return units, predictors, places, unit_of, width
 
 
 @dataclass(frozen=True)
@@ -170,7 +178,7 @@ def pack(
     a ``multiple`` of columns (sequence-parallel shards); ``explicit_mask``: the 4D mask without dedup too, where a
     row holds several sequences (a row of one needs none: sdpa then runs causal, without the mask's L x L booleans
     and, on CPU, without the attention weights its masked kernel keeps)."""
-    units, predictors, unit_of, width = _units(micro, dedup)
+    units, predictors, places, unit_of, width = _units(micro, dedup)
     lengths = [len(u) for u in units]
     fill, placed = _first_fit(lengths, max(row_tokens or _row_length(lengths, pair_cost), max(lengths)))
     length = -(-max(fill) // multiple) * multiple
@@ -188,10 +196,12 @@ def pack(
         part_ids[row, span] = unit.part_ids()
     rows = torch.zeros(len(micro), width, dtype=torch.long)
     columns = torch.full((len(micro), width), -1, dtype=torch.long)
+    where = torch.full((len(micro), len(places[0])), -1, dtype=torch.long)
     for i, predictor in enumerate(predictors):
         row, start = placed[unit_of[i]]
         rows[i] = row
         columns[i] = torch.where(predictor >= 0, start + predictor, -1)
+        where[i] = torch.where(places[i] >= 0, row * length + start + places[i], -1)
     for row, used in enumerate(fill):  # the padding continues the row's last position: nothing before it sees it
         position_ids[row, used:] = torch.arange(length - used) + int(position_ids[row, used - 1]) + 1
     mask = None
@@ -200,7 +210,7 @@ def pack(
         seen_part = (part_ids[:, None, :] == 0) | (part_ids[:, :, None] == part_ids[:, None, :])
         mask = (same_unit & seen_part & torch.ones(length, length, dtype=torch.bool).tril())[:, None]
     own = sum(len(u.parts[0]) * (len(u.parts) - 1) + len(u) - len(u.parts[0]) for u in units)
-    return PackedInputs(input_ids, position_ids, mask, rows, columns, width, sum(fill), own)
+    return PackedInputs(input_ids, position_ids, mask, rows, columns, width, sum(fill), own, where)
 
 
 def packed_response_logits(module: torch.nn.Module, packed: PackedInputs, device: torch.device) -> torch.Tensor:

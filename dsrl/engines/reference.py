@@ -23,6 +23,7 @@ from dsrl.engines.deepspeed_setup import (
 )
 from dsrl.engines.forward import PassTally, compute_response_stats, fused_head_for
 from dsrl.engines.packing import Packing, packing_for
+from dsrl.engines.routers import RouteReplay
 from dsrl.engines.sequence_parallel import SequenceParallel, sequence_parallel_for
 
 
@@ -59,6 +60,8 @@ class ReferenceEngine:
         self.engine, *_ = deepspeed.initialize(model=module, config=self.ds_config)
         self.engine.eval()
         self.fused_head = fused_head_for(self.engine.module, cfg.actor_rollout_ref.actor.use_fused_kernels)
+        replay = cfg.actor_rollout_ref.actor.router_replay.mode != "disabled"
+        self.replay = RouteReplay(module, "actor_rollout_ref.actor.router_replay.mode") if replay else None
 
     def compute_log_probs(self, batch: Batch, *, temperature: float) -> torch.Tensor:
         """``ref_log_probs`` ``[B, T]`` float32, 0 on padding (``reference_log_probs``). Collective."""
@@ -71,6 +74,7 @@ class ReferenceEngine:
             temperature=temperature,
             tally=self.tallies["ref"],
             sp=self.sp,
+            replay=self.replay,
         )
 
 
@@ -95,6 +99,7 @@ class AdapterOffReference:
                 temperature=temperature,
                 tally=self.tallies["ref"],
                 sp=self.actor.sp,
+                replay=self.actor.replay,
             )
 
 
@@ -108,11 +113,13 @@ def reference_log_probs(
     temperature: float,
     tally: PassTally | None = None,
     sp: SequenceParallel | None = None,
+    replay: RouteReplay | None = None,
 ) -> torch.Tensor:
     """``ref_log_probs`` ``[B, T]`` float32, 0 on padding, of ``engine``'s model. Micro-batches of
     ``ref.log_prob_micro_batch_size_per_gpu`` rows, or of ``ref.log_prob_max_token_len_per_gpu`` tokens with
     ``ref.log_prob_use_dynamic_bsz`` (both default to the actor's, as in verl); ``packing``, ``fused_head``,
-    ``tally``, ``sp``: see ``policy_stats``. Collective."""
+    ``tally``, ``sp``: see ``policy_stats``; ``replay``: the forwards run the batch's recorded experts (R3: the
+    rollout's, R2: the old-log-prob pass's), as the actor's do. Collective."""
     ref = cfg.actor_rollout_ref.ref
     stats = compute_response_stats(
         engine,
@@ -126,5 +133,6 @@ def reference_log_probs(
         fused_head=fused_head,
         tally=tally,
         sp=sp,
+        replay=replay,
     )
     return stats["old_log_probs"]

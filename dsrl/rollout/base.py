@@ -93,6 +93,10 @@ class RolloutOutput:
     conversations: list[dict] | None = None
     # Prompt tokens of this call's requests that the engine's prefix cache served (vLLM); 0 for engines without one.
     prefix_cached_tokens: int = 0
+    # rollout.enable_rollout_routing_replay (a mixture of experts): [B*n, P, layers, k] and [B*n, T, layers, k]
+    # int16, the experts each prompt and response token ran through; -1 where none did (a response's last token)
+    prompt_routes: torch.Tensor | None = None
+    response_routes: torch.Tensor | None = None
 
 
 def stop_and_pad_ids(tokenizer, generation_eos, model_path: str) -> tuple[list[int], int]:

@@ -26,6 +26,7 @@ prompts give the same samples, and the caller's global RNG streams are left unto
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -46,6 +47,7 @@ from dsrl.algorithms import logprobs_from_logits
 from dsrl.config import pushes_lora_adapters
 from dsrl.engines.forward import kv_cache
 from dsrl.engines.lora import add_adapters
+from dsrl.engines.routers import RouteRecorder
 from dsrl.engines.weight_sync import CheckpointTargets
 from dsrl.plan.shape import kv_bytes_per_token
 from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded, stop_and_pad_ids
@@ -107,6 +109,7 @@ class HFRollout:
         micro_batch_size: int = 64,
         kv_cache_max_gb: float | None = None,
         adapters: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        record_routes: bool = False,
     ):
         if micro_batch_size < 1:
             raise ValueError(f"actor_rollout_ref.rollout.micro_batch_size={micro_batch_size}: must be >= 1")
@@ -129,6 +132,7 @@ class HFRollout:
             self.model = adapters(self.model).eval().requires_grad_(False)
         adapter_names = None if adapters is None else {n for n, _ in self.model.named_parameters() if ".lora_" in n}
         self.pushed = CheckpointTargets(self.model, adapter_names)
+        self.routes = RouteRecorder(self.model) if record_routes else None
 
     @classmethod
     def from_config(cls, cfg: Any) -> HFRollout:
@@ -142,6 +146,7 @@ class HFRollout:
             micro_batch_size=rollout.micro_batch_size,
             kv_cache_max_gb=rollout.kv_cache_max_gb,
             adapters=partial(add_adapters, model_cfg=model) if pushes_lora_adapters(model) else None,
+            record_routes=rollout.enable_rollout_routing_replay,
         )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -198,6 +203,8 @@ class HFRollout:
             torch.cat([o.response_mask for o in outputs]),
             torch.cat([o.log_probs for o in outputs]),
             [reason for o in outputs for reason in o.finish_reasons],
+            prompt_routes=None if self.routes is None else torch.cat([o.prompt_routes for o in outputs]),
+            response_routes=None if self.routes is None else torch.cat([o.response_routes for o in outputs]),
         )
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams) -> RolloutOutput:
@@ -216,8 +223,49 @@ class HFRollout:
         warper_off = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} if sampling.do_sample else {}
         prompt_len = prompt_ids.shape[1]
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
+        with nullcontext([]) if self.routes is None else self.routes.recording() as routed:
+            sequences = self._sample(prompt_ids, prompt_mask, sampling, processors, recorder, warper_off)
+        tokens = sequences[:, prompt_len:]  # [B*n, L]
+        recorder.record(tokens[:, -1])
+        log_probs = torch.stack(recorder.log_probs, dim=1).float()  # [B*n, L]
+
+        is_eos = torch.isin(tokens, torch.tensor(self.eos_token_ids, device=tokens.device))
+        # Valid: every token up to and including the first EOS.
+        mask = (is_eos.long().cumsum(1) - is_eos.long()) == 0
+        finish_reasons = ["stop" if stopped else "length" for stopped in is_eos.any(1).tolist()]
+
+        T = sampling.max_tokens
+        response_ids = torch.full((tokens.shape[0], T), self.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((tokens.shape[0], T), dtype=torch.long)
+        out_log_probs = torch.zeros((tokens.shape[0], T), dtype=torch.float32)
+        L = tokens.shape[1]
+        response_ids[:, :L] = torch.where(mask, tokens, self.pad_token_id).cpu()
+        response_mask[:, :L] = mask.long().cpu()
+        out_log_probs[:, :L] = torch.where(mask, log_probs, 0.0).cpu()
+        if self.routes is None:
+            return RolloutOutput(response_ids, response_mask, out_log_probs, finish_reasons)
+        prompt_routes, response_routes = self._routes(routed, prompt_len, T)
+        return RolloutOutput(
+            response_ids,
+            response_mask,
+            out_log_probs,
+            finish_reasons,
+            prompt_routes=prompt_routes,
+            response_routes=response_routes,
+        )
+
+    def _sample(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        sampling: SamplingParams,
+        processors: list[LogitsProcessor],
+        recorder: _ChosenTokenLogProbs,
+        warper_off: dict,
+    ) -> torch.Tensor:
+        """``generate``'s sequences ``[B*n, P + L]``: the prompts (each repeated n times), then the samples."""
         shared = {}
-        if sampling.n > 1 and prompt_len > 1:
+        if sampling.n > 1 and prompt_ids.shape[1] > 1:
             # Each prompt's KV cache is computed once for its n samples (vLLM's prefix cache does the same):
             # all but the last prompt token, repeated n times; generate runs on from the last token.
             prefill = self.model(
@@ -244,7 +292,7 @@ class HFRollout:
             **warper_off,
         )
         with seeded(sampling.seed, self.device):
-            sequences = self.model.generate(
+            return self.model.generate(
                 input_ids=prompt_ids,
                 attention_mask=prompt_mask,
                 generation_config=config,
@@ -252,24 +300,18 @@ class HFRollout:
                 synced_gpus=False,
                 **shared,
             )
-        tokens = sequences[:, prompt_len:]  # [B*n, L]
-        recorder.record(tokens[:, -1])
-        log_probs = torch.stack(recorder.log_probs, dim=1).float()  # [B*n, L]
 
-        is_eos = torch.isin(tokens, torch.tensor(self.eos_token_ids, device=tokens.device))
-        # Valid: every token up to and including the first EOS.
-        mask = (is_eos.long().cumsum(1) - is_eos.long()) == 0
-        finish_reasons = ["stop" if stopped else "length" for stopped in is_eos.any(1).tolist()]
-
-        T = sampling.max_tokens
-        response_ids = torch.full((tokens.shape[0], T), self.pad_token_id, dtype=torch.long)
-        response_mask = torch.zeros((tokens.shape[0], T), dtype=torch.long)
-        out_log_probs = torch.zeros((tokens.shape[0], T), dtype=torch.float32)
-        L = tokens.shape[1]
-        response_ids[:, :L] = torch.where(mask, tokens, self.pad_token_id).cpu()
-        response_mask[:, :L] = mask.long().cpu()
-        out_log_probs[:, :L] = torch.where(mask, log_probs, 0.0).cpu()
-        return RolloutOutput(response_ids, response_mask, out_log_probs, finish_reasons)
+    def _routes(self, calls: list[torch.Tensor], prompt_len: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recorded forwards' experts (``RouteRecorder.calls``) in the batch's layout, int16: ``[B*n, P, layers,
+        k]`` and ``[B*n, T, layers, k]``. The forwards ran the prompt (a shared prefill once per prompt, then its last
+        token on every row) and each sampled token but the last, which no forward ran: -1 there, as past the
+        generation's end."""
+        rows = calls[-1].shape[0]
+        calls = [call.repeat_interleave(rows // call.shape[0], 0) for call in calls]  # a shared prefill: n rows each
+        ran = torch.cat(calls, dim=1).to(torch.int16)
+        routes = ran.new_full((rows, prompt_len + T, *ran.shape[2:]), -1)
+        routes[:, : ran.shape[1]] = ran
+        return routes[:, :prompt_len], routes[:, prompt_len:]
 
     def sleep(self) -> None:
         """Move the copy to CPU memory (on a device; a no-op on a CPU)."""

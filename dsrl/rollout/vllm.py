@@ -101,6 +101,22 @@ def _refresh_shared_weight_layers(worker: Any) -> None:
                 module.quant_method.process_weights_after_loading(module)
 
 
+def _repack_cpu_experts(worker: Any) -> None:
+    """Pack a mixture of experts' pushed weights again for the CPU build's expert kernel. vLLM 0.32's in-place reload
+    re-runs an expert layer's post-load processing but skips, on a weight update, its kernel's own step, in which the
+    CPU kernel packs the weights into its GEMM layout: it would read the reload's unpacked tensors (a push of the
+    model's own weights moved log-probs by up to 0.15 nats). A no-op without CPU experts (GPUs, dense models). Runs
+    on each vLLM worker (``collective_rpc``)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a release without the CPU expert kernels
+        return
+    for module in worker.model_runner.get_model().modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
+            kernel.fused_experts.process_weights_after_loading(module)
+
+
 def _reload_takes_iterator(worker: Any) -> bool:
     """Whether this vLLM's in-place reload accepts tensors (``reload_weights(weights_iterator=...)``);
     older releases only reload from disk. The model runner's signature decides: the worker's own
@@ -323,6 +339,8 @@ class VLLMRollout:
         else:
             self.llm.collective_rpc(_load_weights, args=(iter(named_tensors),))
         self.llm.collective_rpc(_refresh_shared_weight_layers)
+        if self.reload_in_place:
+            self.llm.collective_rpc(_repack_cpu_experts)
         self.llm.reset_prefix_cache()
         self.weights_valid = True
 

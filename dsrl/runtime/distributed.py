@@ -70,7 +70,7 @@ def global_mean(values: torch.Tensor) -> float:
 
 
 def all_gather_rows(tensor: torch.Tensor | None) -> tuple[torch.Tensor | None, slice]:
-    """Concatenate every rank's ``[B, T_r]`` rows, right-padded with 0 to the widest ``T_r``.
+    """Concatenate every rank's ``[B, T_r, ...]`` rows, right-padded with 0 to the widest ``T_r``.
 
     Returns the whole ``[world * B, T]`` tensor and the slice of this rank's rows in it; callers cut
     the width back to their own ``T_r``. Every rank must hold the same number of rows ``B``.
@@ -81,11 +81,13 @@ def all_gather_rows(tensor: torch.Tensor | None) -> tuple[torch.Tensor | None, s
     if world == 1:
         return tensor, slice(0, n)
     width = int(all_reduce(torch.tensor(tensor.shape[1]), "max"))
-    padded = F.pad(tensor, (0, width - tensor.shape[1])).to(accelerator_device()).contiguous()
+    padded = F.pad(tensor, (0, 0) * (tensor.dim() - 2) + (0, width - tensor.shape[1]))  # the columns, any rank
+    wire = torch.int32 if tensor.dtype == torch.int16 else tensor.dtype  # gloo gathers no int16 (routing replay's)
+    padded = padded.to(accelerator_device(), wire).contiguous()
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded)
     rank = dist.get_rank()
-    return torch.cat(parts).to(tensor.device), slice(rank * n, (rank + 1) * n)
+    return torch.cat(parts).to(tensor.device, tensor.dtype), slice(rank * n, (rank + 1) * n)
 
 
 def gather_problems(problems: list[str]) -> list[str]:

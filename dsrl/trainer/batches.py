@@ -26,4 +26,6 @@ def with_responses(prompts: Batch, out: RolloutOutput, n: int) -> Batch:
         response_mask=out.response_mask,
         rollout_log_probs=out.log_probs,
         response_attention_mask=out.attention_mask,
+        prompt_routes=out.prompt_routes,
+        response_routes=out.response_routes,
     )

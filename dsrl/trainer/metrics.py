@@ -216,13 +216,20 @@ def forward_metrics(tallies: Mapping[str, PassTally]) -> dict[str, float]:
     """What the step's model forwards ran (``tallies``: per pass, as the engines counted them), over all ranks:
     ``perf/padding_ratio``, the padding share of their input positions; ``perf/dedup_ratio``, the share of the
     rows' own tokens that running a prompt once per micro-batch saved (``use_prefix_grouper``,
-    ``shared_prompt_forward``); ``perf/micro_batches/<pass>``, forwards per rank (every rank runs as many).
-    Collective."""
+    ``shared_prompt_forward``); ``perf/micro_batches/<pass>``, forwards per rank (every rank runs as many); with
+    routing replay, ``moe/route_agreement/<pass>``, the share of the recorded experts (R3: the rollout's, R2: the
+    old-log-prob pass's) that the pass's routers chose by themselves. Collective."""
     totals = [sum(getattr(t, field) for t in tallies.values()) for field in ("positions", "tokens", "sequence_tokens")]
-    positions, tokens, own = all_reduce(torch.tensor(totals, dtype=torch.float64)).tolist()
-    metrics = {f"perf/micro_batches/{name}": float(t.micro_batches) for name, t in sorted(tallies.items())}
+    names = sorted(tallies)
+    routes = [float(getattr(tallies[name], field)) for name in names for field in ("routes_agreed", "routes_compared")]
+    reduced = all_reduce(torch.tensor(totals + routes, dtype=torch.float64)).tolist()
+    positions, tokens, own = reduced[:3]
+    metrics = {f"perf/micro_batches/{name}": float(tallies[name].micro_batches) for name in names}
     metrics["perf/padding_ratio"] = 1 - tokens / positions if positions else 0.0
     metrics["perf/dedup_ratio"] = 1 - tokens / own if own else 0.0
+    for name, agreed, compared in zip(names, reduced[3::2], reduced[4::2], strict=True):
+        if compared:
+            metrics[f"moe/route_agreement/{name}"] = agreed / compared
     return metrics
 
 

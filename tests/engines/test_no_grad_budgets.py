@@ -34,6 +34,7 @@ def engine_of(cfg):
         packing=None,
         fused_head=None,
         sp=None,
+        replay=None,
         tallies=defaultdict(PassTally),
     )
 

@@ -16,6 +16,18 @@ def prompts(lengths=PROMPT_LENGTHS, width=P, seed=0) -> tuple[torch.Tensor, torc
     return torch.randint(3, 100, (len(lengths), width), generator=g) * mask, mask
 
 
+def sampled_batch(rollout, sampling):
+    """A ``Batch`` of ``rollout``'s responses to two prompts (one left-padded), ``sampling.n`` each."""
+    from dsrl.data.batch import Batch
+    from dsrl.trainer.batches import with_responses
+
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    mask = (ids != 0).long()
+    empty = torch.zeros(2, 0, dtype=torch.long)
+    prompts = Batch(ids, mask, empty, empty, torch.arange(2))
+    return with_responses(prompts, rollout.generate(ids, mask, sampling), sampling.n)
+
+
 def assert_eos_and_length_handling(out, eos_token_ids, pad_token_id: int, max_tokens: int) -> None:
     """The rollout contract for how a response ends: the mask is one run from the start; a 'stop'
     response ends at its first EOS (included in the mask) and is padded after it; a 'length'

@@ -136,3 +136,23 @@ def test_with_the_gate_off_the_same_run_trains_to_the_end(
     gaps = history(store, "training/rollout_probs_diff_mean")
     assert [step for step, _ in gaps] == [1, 2, 3, 4] and all(gap > BOUND for _, gap in gaps[1:])
     assert history(store, "training/rollout_mismatch_streak") == []
+
+
+def test_a_push_that_leaves_the_experts_stale_stops_the_run(
+    store, moe_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path, monkeypatch
+):
+    """A mixture of experts whose push writes every tensor but the experts' (``mlp.experts.<e>.*``, the checkpoint
+    names a push converts the fused tensors to): the attention, norms and routers follow the actor, the experts keep
+    their start-up weights, and the gate stops the run as it does for a wholly stale rollout."""
+    from dsrl.rollout import HFRollout
+
+    def all_but_the_experts(self, named_tensors):
+        for name, tensor in named_tensors:
+            if ".experts." not in name:
+                self.pushed.write(name, tensor)
+
+    monkeypatch.setattr(HFRollout, "update_weights", all_but_the_experts)
+    code = train(moe_model_dir, arithmetic_data, ds_test_config, tmp_path / "run")
+    assert code == 1
+    gaps = history(store, "training/rollout_probs_diff_mean")
+    assert [step for step, _ in gaps] == [1, 2] and gaps[0][1] < BOUND < gaps[1][1]

@@ -141,6 +141,38 @@ def test_a_mixture_of_experts_logs_the_same_curve_under_every_zero_setup(
         assert_same_logs(logged["zero2"], logged[zero])
 
 
+@pytest.mark.parametrize("mode", ["R3", pytest.param("R2", marks=pytest.mark.slow)])
+def test_routing_replay_runs_on_two_ranks(setup, moe_model_dir, ds_test_config, tmp_path, mode):
+    """The quickstart with the tiny Qwen3-MoE on two ranks under ZeRO-3 with activation checkpointing, replaying
+    the routes (R3: the rollout's, moved between the ranks with their rows by the batch balance; R2: the old-log-prob
+    pass's). Float32 and the same weights: the old-log-prob pass's routers (R3) and the first step's reference agree
+    with nearly every recorded choice, the update's (two optimizer steps) with most; every rank logs the same."""
+    overrides, env, launcher = setup
+    replay = [
+        f"actor_rollout_ref.model.path={moe_model_dir}",
+        f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3')}",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+        f"actor_rollout_ref.actor.router_replay.mode={mode}",
+        f"actor_rollout_ref.rollout.enable_rollout_routing_replay={mode == 'R3'}",
+        "actor_rollout_ref.actor.use_kl_loss=true",  # a reference, which replays them too
+    ]
+    run([*launcher(), str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides, *replay], env)
+    logged = [json.loads((tmp_path / f"rank{r}.json").read_text())["logged"] for r in (0, 1)]
+    steps = [e["metrics"] for e in logged[0] if "training/global_step" in e["metrics"]]
+    assert len(steps) == 2
+    for metrics in steps:
+        assert metrics["moe/route_agreement/actor_update"] > 0.5
+        assert metrics["moe/route_agreement/ref"] > 0.5
+        if mode == "R3":
+            assert metrics["moe/route_agreement/old_log_prob"] > 0.99
+        else:  # recorded there
+            assert "moe/route_agreement/old_log_prob" not in metrics
+    assert steps[0]["moe/route_agreement/ref"] > 0.99  # the first step's reference is the policy that sampled
+    for entry0, entry1 in zip(*logged, strict=True):
+        shared0 = {k: v for k, v in entry0["metrics"].items() if not k.startswith(RANK_LOCAL)}
+        assert shared0 == {k: v for k, v in entry1["metrics"].items() if not k.startswith(RANK_LOCAL)}
+
+
 @pytest.mark.slow  # one rank's gate is tests/trainer/test_rollout_mismatch_stops_run.py; the stop is all-reduced
 def test_a_broken_push_stops_both_ranks_at_the_same_step(setup, tmp_path):
     """``algorithm.rollout_mismatch`` reads all-reduced metrics, so every rank counts the same streak and stops

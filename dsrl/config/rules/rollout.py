@@ -22,6 +22,7 @@ from dsrl.config.names import (
     ROLLOUT_IS_LEVELS,
     ROLLOUT_NAMES,
     ROLLOUT_RS_OPTIONS,
+    ROUTER_REPLAY_MODES,
     SLEEP_LEVELS,
     TOOL_FORMATS,
     TRUNCATE_SIDES,
@@ -182,6 +183,62 @@ def offload_on_cpu_rules(cfg: Config, need: Need) -> None:
         "every trained engine offloads its parameters (zero_optimization.offload_param), and DeepSpeed's "
         "offload_states refuses those: nothing would be offloaded",
         f"set {roles[0]}.deepspeed_config=zero3 (or zero2), or remove the key",
+    )
+
+
+def router_replay_rules(cfg: Config, need: Need) -> None:
+    """Routing replay (``actor.router_replay.mode``, verl's): R3 replays what the rollout recorded, so the rollout
+    records exactly when R3 is on; R2 records in the old-log-prob pass, which bypass mode does not run. Replay maps
+    each token of a forward to its recorded experts, which dsrl does for one whole forward per micro-batch."""
+    arr = cfg.actor_rollout_ref
+    key, mode, record = (
+        "actor_rollout_ref.actor.router_replay.mode",
+        arr.actor.router_replay.mode,
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay",
+    )
+    need(
+        mode in ROUTER_REPLAY_MODES, key, "unknown routing replay mode", f"use one of {', '.join(ROUTER_REPLAY_MODES)}"
+    )
+    need(
+        (mode == "R3") == arr.rollout.enable_rollout_routing_replay,
+        record,
+        "the rollout records routes for R3 alone (R2 records them in the old-log-prob pass)",
+        f"set it to {str(mode == 'R3').lower()} with {key}={mode}",
+        arr.rollout.enable_rollout_routing_replay,
+    )
+    if mode not in ("R2", "R3"):
+        return
+    need(
+        mode != "R2" or not cfg.algorithm.rollout_correction.bypass_mode,
+        key,
+        "R2 records the routes in the old-log-prob pass, which bypass mode does not run",
+        "use R3, or set algorithm.rollout_correction.bypass_mode=false",
+    )
+    need(
+        mode != "R3" or rollout_name(cfg) == "hf",
+        key,
+        f"R3 reads the routes the rollout recorded; dsrl records them in the transformers rollout only, not in "
+        f"{rollout_name(cfg)} (vLLM 0.32 returns them with enable_return_routed_experts on its V2 model runner, which "
+        "needs Triton, so not on the CPU build dsrl tests with: dsrl does not read them yet)",
+        "set actor_rollout_ref.rollout.name=hf, or use R2",
+    )
+    need(
+        mode != "R3" or not arr.rollout.multi_turn.enable,
+        key,
+        "a multi-turn rollout generates each turn on the conversation so far; dsrl records one generate's routes",
+        "use R2, or set actor_rollout_ref.rollout.multi_turn.enable=false",
+    )
+    need(
+        arr.actor.ulysses_sequence_parallel_size <= 1,
+        key,
+        "a sequence-parallel rank's routers see a shard of the rows, which replay does not map",
+        "set actor_rollout_ref.actor.ulysses_sequence_parallel_size=1, or the mode to disabled",
+    )
+    need(
+        not arr.model.shared_prompt_forward,
+        key,
+        "shared_prompt_forward runs a micro-batch in two forwards (the prompts, then the responses on their cache)",
+        "set actor_rollout_ref.model.shared_prompt_forward=false (use_remove_padding=true packs instead)",
     )
 
 
