@@ -24,8 +24,13 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from dsrl.data.batch import Batch
+    from dsrl.engines.forward import PassTally
 
 # Models whose routers weigh the chosen experts by the softmax over all experts, renormalised over the chosen where
 # ``norm_topk_prob`` says (Mixtral always): what ``RouteReplay`` recomputes for the recorded experts.
@@ -145,13 +150,13 @@ class RouteReplay:
         self.routes: torch.Tensor | None = None  # [positions, layers, k] int64 on the device; -1: not recorded
         self.where: torch.Tensor | None = None  # [b, P + width]: each batch position's flat input position, or -1
         self.prompt_columns = 0
-        self.tally: object | None = None
+        self.tally: PassTally | None = None
         self._compared: set[int] = set()  # layers whose agreement this forward counted (not again in a recompute)
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(partial(self._replay, layer))
 
     def install(
-        self, micro: object, where: torch.Tensor, positions: int, device: torch.device, tally: object | None
+        self, micro: Batch, where: torch.Tensor, positions: int, device: torch.device, tally: PassTally | None
     ) -> None:
         """The routes of the next forward, ``positions`` long (its inputs flattened), from ``micro``'s recorded
         routes (a ``Batch``; none: every token routes itself) placed by ``where`` (``[b, P + width]``, each batch
@@ -159,7 +164,7 @@ class RouteReplay:
         choices with the recorded experts."""
         routes = torch.full((positions, *self.shape), -1, dtype=torch.long, device=device)
         at = where >= 0
-        if micro.prompt_routes is not None:
+        if micro.prompt_routes is not None and micro.response_routes is not None:
             width = where.shape[1] - micro.prompt_routes.shape[1]
             recorded = torch.cat([micro.prompt_routes, micro.response_routes[:, :width]], dim=1)
             routes[where[at].to(device)] = recorded[at.to(recorded.device)].to(device, torch.long)

@@ -143,7 +143,8 @@ class HFRollout:
             self.model = adapters(self.model).eval().requires_grad_(False)
         adapter_names = None if adapters is None else {n for n, _ in self.model.named_parameters() if ".lora_" in n}
         self.pushed = CheckpointTargets(self.model, adapter_names)
-        self.routes = RouteRecorder(self.model) if record_routes else None
+        generator = self.model.get_base_model() if adapters is not None else self.model  # what generate calls
+        self.routes = RouteRecorder(generator) if record_routes else None
 
     @classmethod
     def from_config(cls, cfg: Any) -> HFRollout:

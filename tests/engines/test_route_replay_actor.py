@@ -43,12 +43,16 @@ def sampled(rollout: HFRollout) -> Batch:
     return batch.replace(advantages=advantages * batch.response_mask)
 
 
-def test_r3_with_lora_replays_the_rollouts_routes_in_every_pass(cfg_for):
+@pytest.mark.parametrize("merge", [True, False], ids=["merged push", "adapters push"])
+def test_r3_with_lora_replays_the_rollouts_routes_in_every_pass(cfg_for, merge):
+    """The rollout a plain copy fed merged weights, or a PEFT copy fed the adapters (its generate runs the wrapped
+    model, whose forwards the recorder hooks)."""
     cfg = cfg_for(
         f"{MODE}=R3",
         "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
         "actor_rollout_ref.model.lora_rank=4",
         "actor_rollout_ref.model.lora_alpha=8",
+        f"actor_rollout_ref.model.lora.merge={merge}",
     )
     actor = ActorEngine(cfg)
     adapted = {name for name, p in actor.module.named_parameters() if p.requires_grad}
