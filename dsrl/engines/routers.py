@@ -24,13 +24,20 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from dsrl.data.batch import Batch
-    from dsrl.engines.forward import PassTally
+
+
+class AgreementTally(Protocol):
+    """Where replay counts the routers' agreement with the recorded experts (``dsrl.engines.forward.PassTally``)."""
+
+    routes_agreed: int
+    routes_compared: int
+
 
 # Models whose routers weigh the chosen experts by the softmax over all experts, renormalised over the chosen where
 # ``norm_topk_prob`` says (Mixtral always): what ``RouteReplay`` recomputes for the recorded experts.
@@ -150,13 +157,13 @@ class RouteReplay:
         self.routes: torch.Tensor | None = None  # [positions, layers, k] int64 on the device; -1: not recorded
         self.where: torch.Tensor | None = None  # [b, P + width]: each batch position's flat input position, or -1
         self.prompt_columns = 0
-        self.tally: PassTally | None = None
+        self.tally: AgreementTally | None = None
         self._compared: set[int] = set()  # layers whose agreement this forward counted (not again in a recompute)
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(partial(self._replay, layer))
 
     def install(
-        self, micro: Batch, where: torch.Tensor, positions: int, device: torch.device, tally: PassTally | None
+        self, micro: Batch, where: torch.Tensor, positions: int, device: torch.device, tally: AgreementTally | None
     ) -> None:
         """The routes of the next forward, ``positions`` long (its inputs flattened), from ``micro``'s recorded
         routes (a ``Batch``; none: every token routes itself) placed by ``where`` (``[b, P + width]``, each batch
