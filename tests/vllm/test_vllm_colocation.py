@@ -119,6 +119,7 @@ def test_one_generation_phase_runs_in_the_design_order(vllm_rollout, actor, reco
         "llm.wake_up(['weights'])",
         "llm.collective_rpc(reload_weights)",
         "llm.collective_rpc(_refresh_shared_weight_layers)",
+        "llm.collective_rpc(_repack_cpu_experts)",  # a no-op for this dense model
         "llm.reset_prefix_cache",
         "empty_cache",  # the push's buffers, before the KV cache is mapped
         "llm.wake_up(['kv_cache'])",
