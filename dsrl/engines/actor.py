@@ -41,7 +41,7 @@ from dsrl.engines.forward import (
 from dsrl.engines.grad_variance import MicroBatchGradNorms
 from dsrl.engines.lora import add_adapters, iter_adapter_parameters, iter_merged_parameters
 from dsrl.engines.packing import packing_for
-from dsrl.engines.routers import RouteReplay, RouterRecord
+from dsrl.engines.routers import RouterRecord, route_replay_for
 from dsrl.engines.sequence_parallel import group_budget, sequence_parallel_for
 from dsrl.engines.training import SkipCounter, mini_batch_geometry, run_ppo_updates
 from dsrl.engines.weight_sync import checkpoint_format, iter_full_parameters
@@ -108,8 +108,8 @@ class ActorEngine:
         self.grad_norms = MicroBatchGradNorms(self.module) if actor.measure_grad_variance else None
         # the chosen loss's own parameters (sapo's tau_pos, ...) from their config keys
         self.loss_params = policy_loss_param_values(cfg, policy_loss_params(actor.policy_loss.loss_mode))
-        mode = actor.router_replay.mode  # before RouterRecord: its hooks then see the experts a forward ran
-        self.replay = None if mode == "disabled" else RouteReplay(self.module, f"{self.prefix}.router_replay.mode")
+        # before RouterRecord: its hooks then see the experts a forward ran
+        self.replay = route_replay_for(self.module, actor.router_replay.mode)
         self.routers = RouterRecord(self.module)  # a mixture of experts': its aux loss and actor/moe/* metrics
         if actor.router_aux_loss_coef > 0 and (not self.routers.routers or self.routers.loss_func is None):
             raise ValueError(

@@ -648,8 +648,8 @@ def compute_response_stats(
                 if replay is not None:
                     prompt_routes, response_routes = replay.recorded()
                     if "prompt_routes" not in out:
-                        out["prompt_routes"] = torch.full((B, *prompt_routes.shape[1:]), -1, dtype=torch.int16)
-                        out["response_routes"] = torch.full((B, T, *replay.shape), -1, dtype=torch.int16)
+                        for name, columns in (("prompt_routes", rows.prompt_ids.shape[1]), ("response_routes", T)):
+                            out[name] = torch.full((B, columns, *replay.shape), -1, dtype=torch.int16)
                     out["prompt_routes"][idx] = prompt_routes
                     out["response_routes"][idx, : response_routes.shape[1]] = response_routes
         if replay is not None:

@@ -86,7 +86,8 @@ def _units(micro: Batch, dedup: bool) -> tuple[list[_Unit], list[torch.Tensor], 
     by_key: dict[int, int] = {}
     unit_of, predictors, places = [], [], []
     for i, key in enumerate(keys):
-        prompt = micro.prompt_ids[i][micro.prompt_mask[i].bool()]
+        in_prompt = micro.prompt_mask[i].bool()
+        prompt = micro.prompt_ids[i][in_prompt]
         kept = attended[i, :width]
         u = by_key.setdefault(key, len(units))
         if u == len(units):
@@ -96,7 +97,6 @@ def _units(micro: Batch, dedup: bool) -> tuple[list[_Unit], list[torch.Tensor], 
         before = torch.cumsum(kept.long(), 0) - kept.long()  # response tokens in the context before each column
         predictor = torch.where(before == 0, len(prompt) - 1, start + before - 1)
         predictors.append(torch.where(kept, predictor, -1))
-        in_prompt = micro.prompt_mask[i].bool()
         places.append(
             torch.cat(
                 [torch.where(in_prompt, in_prompt.long().cumsum(0) - 1, -1), torch.where(kept, start + before, -1)]

@@ -23,7 +23,7 @@ from dsrl.engines.deepspeed_setup import (
 )
 from dsrl.engines.forward import PassTally, compute_response_stats, fused_head_for
 from dsrl.engines.packing import Packing, packing_for
-from dsrl.engines.routers import RouteReplay
+from dsrl.engines.routers import RouteReplay, route_replay_for
 from dsrl.engines.sequence_parallel import SequenceParallel, sequence_parallel_for
 
 
@@ -60,8 +60,7 @@ class ReferenceEngine:
         self.engine, *_ = deepspeed.initialize(model=module, config=self.ds_config)
         self.engine.eval()
         self.fused_head = fused_head_for(self.engine.module, cfg.actor_rollout_ref.actor.use_fused_kernels)
-        replay = cfg.actor_rollout_ref.actor.router_replay.mode != "disabled"
-        self.replay = RouteReplay(module, "actor_rollout_ref.actor.router_replay.mode") if replay else None
+        self.replay = route_replay_for(module, cfg.actor_rollout_ref.actor.router_replay.mode)
 
     def compute_log_probs(self, batch: Batch, *, temperature: float) -> torch.Tensor:
         """``ref_log_probs`` ``[B, T]`` float32, 0 on padding (``reference_log_probs``). Collective."""

@@ -139,6 +139,11 @@ class RouteRecorder:
             self._on = False
 
 
+def route_replay_for(model: torch.nn.Module, mode: str) -> RouteReplay | None:
+    """The routing replay of ``actor_rollout_ref.actor.router_replay.mode`` on ``model`` (None: disabled)."""
+    return None if mode == "disabled" else RouteReplay(model, "actor_rollout_ref.actor.router_replay.mode")
+
+
 class RouteReplay:
     """Routing replay on ``model``'s routers (see the module's docstring). ``install`` sets the routes of the next
     forward, by the position map of its inputs; they stay in force for its backward's recomputes, until the next

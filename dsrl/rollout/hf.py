@@ -254,9 +254,7 @@ class HFRollout:
         response_ids[:, :L] = torch.where(mask, tokens, self.pad_token_id).cpu()
         response_mask[:, :L] = mask.long().cpu()
         out_log_probs[:, :L] = torch.where(mask, log_probs, 0.0).cpu()
-        if self.routes is None:
-            return RolloutOutput(response_ids, response_mask, out_log_probs, finish_reasons)
-        prompt_routes, response_routes = self._routes(routed, prompt_len, T)
+        prompt_routes, response_routes = (None, None) if self.routes is None else self._routes(routed, prompt_len, T)
         return RolloutOutput(
             response_ids,
             response_mask,

@@ -20,7 +20,7 @@ from dsrl.config.names import (
     POLICY_LOSS_PARAMS,
 )
 from dsrl.config.problems import show
-from dsrl.config.rules.need import Need, critic_used
+from dsrl.config.rules.need import Need, critic_used, whole_forward_rules
 from dsrl.config.schema import Config
 from dsrl.config.user_code import estimator_needs, registered_names, registered_policy_loss_params
 
@@ -233,23 +233,10 @@ def _kl_kind_rule(key: str, value: str, need: Need) -> None:
 
 
 def _router_aux_loss_rules(cfg: Config, need: Need) -> None:
-    key, arr = "actor_rollout_ref.actor.router_aux_loss_coef", cfg.actor_rollout_ref
-    coef = arr.actor.router_aux_loss_coef
+    key, coef = "actor_rollout_ref.actor.router_aux_loss_coef", cfg.actor_rollout_ref.actor.router_aux_loss_coef
     need(coef >= 0, key, "must be >= 0", "set it to 0 (off) or e.g. 0.001")
-    if coef <= 0:
-        return
-    need(
-        arr.actor.ulysses_sequence_parallel_size <= 1,
-        key,
-        "the routers of a sequence-parallel rank see its shard of the rows only, and the loss balances a whole forward",
-        "set actor_rollout_ref.actor.ulysses_sequence_parallel_size=1, or the coefficient to 0",
-    )
-    need(
-        not arr.model.shared_prompt_forward,
-        key,
-        "shared_prompt_forward runs a micro-batch in two forwards (the prompts, then the responses on their cache)",
-        "set actor_rollout_ref.model.shared_prompt_forward=false (use_remove_padding=true packs instead)",
-    )
+    if coef > 0:
+        whole_forward_rules(cfg, key, "the coefficient to 0", need)
 
 
 def _optim_rules(cfg: Config, role: str, need: Need) -> None:

@@ -28,7 +28,7 @@ from dsrl.config.names import (
     TRUNCATE_SIDES,
 )
 from dsrl.config.problems import show
-from dsrl.config.rules.need import Need, critic_used
+from dsrl.config.rules.need import Need, critic_used, whole_forward_rules
 from dsrl.config.schema import (
     BypassCorrectionConfig,
     Config,
@@ -228,18 +228,7 @@ def router_replay_rules(cfg: Config, need: Need) -> None:
         "a multi-turn rollout generates each turn on the conversation so far; dsrl records one generate's routes",
         "use R2, or set actor_rollout_ref.rollout.multi_turn.enable=false",
     )
-    need(
-        arr.actor.ulysses_sequence_parallel_size <= 1,
-        key,
-        "a sequence-parallel rank's routers see a shard of the rows, which replay does not map",
-        "set actor_rollout_ref.actor.ulysses_sequence_parallel_size=1, or the mode to disabled",
-    )
-    need(
-        not arr.model.shared_prompt_forward,
-        key,
-        "shared_prompt_forward runs a micro-batch in two forwards (the prompts, then the responses on their cache)",
-        "set actor_rollout_ref.model.shared_prompt_forward=false (use_remove_padding=true packs instead)",
-    )
+    whole_forward_rules(cfg, key, "the mode to disabled", need)
 
 
 def rollout_correction_rules(cfg: Config, need: Need) -> None:
