@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -99,6 +99,32 @@ class RolloutOutput:
     response_routes: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class PartialRow:
+    """One response to resume (partial rollout, ``generate_until``): its prompt's tokens without padding, the
+    tokens generated so far (possibly none) and the cap of the whole response."""
+
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass
+class RowProgress:
+    """What ``generate_until`` added to a ``PartialRow``: the new tokens, their log-probs under the sampling
+    distribution (as ``RolloutOutput.log_probs``), and whether the response ended (EOS, or its cap reached)."""
+
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finished: bool = False
+
+
+# generate_until's ``stop``: called after each chunk with every row's ``finished``; True ends the call (the
+# unfinished rows are aborted, their progress kept). Called the same number of times on every rank when it
+# holds a collective, so an engine calls it after every chunk even when it had nothing left to generate.
+StopCheck = Callable[[list[bool]], bool]
+
+
 def stop_and_pad_ids(tokenizer, generation_eos, model_path: str) -> tuple[list[int], int]:
     """The ids that end a response (the tokenizer's EOS and the generation config's ``eos_token_id``, an
     int or a list) and the id that pads one (the tokenizer's pad token, else the first EOS id)."""
@@ -146,6 +172,12 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams) -> RolloutOutput:
         """Sample responses to left-padded prompts ``[B, P]``."""
+
+    def generate_until(
+        self, rows: Sequence[PartialRow], sampling: SamplingParams, *, chunk_tokens: int, stop: StopCheck
+    ) -> list[RowProgress]:
+        """Continue each row (``sampling.n`` must be 1: a row is one response) in chunks of at most
+        ``chunk_tokens`` tokens, asking ``stop`` after each; ``sampling.seed`` makes it repeatable."""
 
     def sleep(self) -> None:
         """Release device memory until ``wake_up``."""
