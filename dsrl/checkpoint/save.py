@@ -11,6 +11,7 @@ Layout (verl's names)::
                                  and the adapter as a PEFT directory in huggingface/lora_adapter/)
         critic/ds/...            (gae)
         rng/rank_R.pt            RNG states of rank R (python, numpy, torch, accelerator)
+        in_flight/rank_R.pt      colocate_async: rank R's partial rollouts (tokens, log-probs, versions)
         trainer_state.json       written last: step, sampler position, KL coefficient, skip counters,
                                  MLflow run id, state-relevant config and its hash, the training data's
                                  identity, the frozen parameters' checksum, the manifest, and a checksum
@@ -82,6 +83,7 @@ STATE_FILE = "trainer_state.json"
 STATE_CHECKSUM = "state_sha256"  # the state's own checksum, over every other field
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 DS_TAG = "ds"  # DeepSpeed's tag: engine files live in <role>/ds/
+IN_FLIGHT_DIR = "in_flight"  # trainer.v1.trainer_mode=colocate_async: each rank's partial rollouts
 HF_DIR = FINAL_MODEL_DIR  # the Hugging Face model: the run folder's final one, and a checkpoint's actor/ one
 # 3: the state holds each role's frozen parameters' checksum; 2: the manifest holds each file's size and SHA-256
 # (1: sizes only), the state its own checksum
@@ -287,6 +289,18 @@ def _frozen_left_out(module: torch.nn.Module) -> Iterator[None]:
         handle.remove()
 
 
+def save_in_flight(directory: Path, rank: int, state: dict[str, Any]) -> None:
+    """This rank's partial rollouts (``dsrl.trainer.partial_rollout.InFlight.state_dict``: tensors and ints)."""
+    (directory / IN_FLIGHT_DIR).mkdir(parents=True, exist_ok=True)
+    torch.save(state, directory / IN_FLIGHT_DIR / f"rank_{rank}.pt")
+
+
+def load_in_flight(directory: Path, rank: int) -> dict[str, Any] | None:
+    """What ``save_in_flight`` wrote for ``rank``, loaded as data; None for a checkpoint without (a sync run's)."""
+    path = directory / IN_FLIGHT_DIR / f"rank_{rank}.pt"
+    return torch.load(path, weights_only=True) if path.is_file() else None
+
+
 def save_rng(directory: Path, rank: int) -> None:
     (directory / "rng").mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), directory / "rng" / f"rank_{rank}.pt")
@@ -336,9 +350,11 @@ def save_checkpoint(
     actor_module: torch.nn.Module,
     tokenizer: Any,
     keep: dict[str, int | None],
+    in_flight: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``root/global_step_<step>`` (see the module docstring) with the trainer's ``state`` plus
-    step, world size, dsrl version and format; returns its path. Collective."""
+    step, world size, dsrl version and format, and this rank's ``in_flight`` partial rollouts when given; returns
+    its path. Collective."""
     rank = dist.get_rank()
     state = {
         **state,
@@ -356,6 +372,8 @@ def save_checkpoint(
         dist.barrier()
         save_engines(tmp, engines)
         save_rng(tmp, rank)
+        if in_flight is not None:
+            save_in_flight(tmp, rank, in_flight)
         if export_hf:
             export_hf_model(actor_module, tokenizer, tmp / "actor" / HF_DIR)
         dist.barrier()

@@ -792,48 +792,55 @@ class RewardConfig:
 
 
 @dataclass
+class ColocateAsyncConfig:
+    num_warmup_batches: float = _f(1, "colocate_async: groups in flight beyond data.train_batch_size, in train "
+                                   "batches (fractions: whole groups per rank, rounded down; verl's)")  # fmt: skip
+    chunk_tokens: int = _f(32, "tokens each unfinished response generates between two checks of how many groups are "
+                           "complete (one collective each; dsrl's key)")  # fmt: skip
+
+
+@dataclass
+class V1SamplerConfig:
+    max_off_policy_threshold: Optional[int] = _f(8, "colocate_async: the most policy versions a trained group may "
+                                                 "span (verl's count); null = no bound")  # fmt: skip
+    max_off_policy_strategy: str = _f("drop", "a group that would exceed the threshold: drop (evicted and replaced "
+                                      "before it is) | wait (the step waits for it to complete)")  # fmt: skip
+
+
+@dataclass
+class V1Config:
+    trainer_mode: str = _f("sync", "sync (each step generates its batch whole) | colocate_async (partial "
+                           "rollout: stop at train_batch_size complete groups, carry the rest; verl's)")  # fmt: skip
+    colocate_async: ColocateAsyncConfig = _f(ColocateAsyncConfig, "partial rollout inside colocation")
+    sampler: V1SamplerConfig = _f(V1SamplerConfig, "staleness bound of the groups carried across steps")
+
+
+@dataclass
 class TrainerConfig:
     project_name: str = _f("dsrl", "MLflow experiment name")
     experiment_name: str = _f("default", "MLflow run name")
-    logger: list[str] = _f(
-        lambda: ["console", "mlflow"],
-        "where metrics go: console and/or mlflow (MLFLOW_TRACKING_URI, default sqlite:///mlflow.db here; MLFLOW_RUN_ID "
-        "attaches)",
-    )
-    total_epochs: int = _f(
-        30,
-        "passes over the training prompts; the run stops here or at total_training_steps, whichever comes first (verl)",
-    )
-    total_training_steps: Optional[int] = _f(
-        None,
-        "stop after this many steps (or at the end of total_epochs if sooner); also the length of the lr schedule; "
-        "null = total_epochs worth",
-    )
-    balance_batch: bool = _f(
-        True,
-        "move each step's rows across ranks so every rank holds about the same tokens (verl's default); no effect on "
-        "one rank",
-    )
+    logger: list[str] = _f(lambda: ["console", "mlflow"], "where metrics go: console and/or mlflow "
+                           "(MLFLOW_TRACKING_URI, default sqlite:///mlflow.db here; MLFLOW_RUN_ID "
+                           "attaches)")  # fmt: skip
+    total_epochs: int = _f(30, "passes over the training prompts; the run stops here or at total_training_steps, "
+                           "whichever comes first (verl)")  # fmt: skip
+    total_training_steps: Optional[int] = _f(None, "stop after this many steps (or at the end of total_epochs "
+                                             "if sooner); also the length of the lr schedule; null = "
+                                             "total_epochs worth")  # fmt: skip
+    balance_batch: bool = _f(True, "move each step's rows across ranks so every rank holds about the same tokens "
+                             "(verl's default); no effect on one rank")  # fmt: skip
     save_freq: int = _f(
         -1, "save a checkpoint (default_local_dir/global_step_N) every this many steps and at the last step; -1 = never"
     )
     test_freq: int = _f(-1, "validate every this many steps; -1 = never")
     val_before_train: bool = _f(True, "validate once before the first step (when val_files is set)")
-    critic_warmup: int = _f(
-        0,
-        "gae: the actor starts training at step critic_warmup, the steps before it train only the critic (verl's "
-        "count)",
-    )
-    default_local_dir: str = _f(
-        "checkpoints/${trainer.project_name}/${trainer.experiment_name}",
-        "checkpoints and the final Hugging Face model go here; every rank must see it (a shared filesystem across "
-        "nodes)",
-    )
-    resume_mode: str = _f(
-        "auto",
-        "auto (the newest complete checkpoint in default_local_dir, if any) | disable | resume_path "
-        "(trainer.resume_from_path)",
-    )
+    critic_warmup: int = _f(0, "gae: the actor starts training at step critic_warmup, the steps before it train only "
+                            "the critic (verl's count)")  # fmt: skip
+    default_local_dir: str = _f("checkpoints/${trainer.project_name}/${trainer.experiment_name}", "checkpoints and the "
+                                "final Hugging Face model go here; every rank must see it (a shared filesystem across "
+                                "nodes)")  # fmt: skip
+    resume_mode: str = _f("auto", "auto (the newest complete checkpoint in default_local_dir, if any) | disable | "
+                          "resume_path (trainer.resume_from_path)")  # fmt: skip
     resume_from_path: Optional[str] = _f(
         None, "resume_mode=resume_path: the checkpoint to resume from, a default_local_dir/global_step_N directory"
     )
@@ -853,27 +860,20 @@ class TrainerConfig:
         "run over other ranks); rank r takes the checkpoint's rank r RNG, or a seed from trainer.seed, the step and r",
     )
     max_actor_ckpt_to_keep: Optional[int] = _f(None, "keep the actor state of this many newest checkpoints; null = all")
-    max_critic_ckpt_to_keep: Optional[int] = _f(
-        None, "keep the critic state of this many newest checkpoints; null = all"
-    )
+    max_critic_ckpt_to_keep: Optional[int] = _f(None, "keep the critic state of this many newest checkpoints; "
+                                                "null = all")  # fmt: skip
     max_consecutive_skips: int = _f(
         5, "stop the run after this many optimizer steps in a row skipped for a non-finite loss or gradient norm"
     )
     seed: int = _f(1, "seed of sampling and initialisation on every rank")
     val_only: bool = _f(False, "validate once (the start or the resumed checkpoint) and exit without training")
-    log_val_generations: int = _f(
-        0,
-        "at each validation, log this many generations (prompt, response, score, data source, reward extras) as an "
-        "MLflow table",
-    )
-    log_samples_freq: int = _f(
-        -1,
-        f"every this many steps, log {LOGGED_SAMPLES} of the step's rollouts (rank 0's first) as an MLflow table; -1 = "
-        "never",
-    )
-    log_model: bool = _f(
-        False, "also upload the final model directory to the MLflow run (its location is always recorded)"
-    )
+    log_val_generations: int = _f(0, "at each validation, log this many generations (prompt, response, score, data "
+                                  "source, reward extras) as an MLflow table")  # fmt: skip
+    log_samples_freq: int = _f(-1, f"every this many steps, log {LOGGED_SAMPLES} of the step's rollouts (rank 0's "
+                               "first) as an MLflow table; -1 = never")  # fmt: skip
+    log_model: bool = _f(False, "also upload the final model directory to the MLflow run (its location is always "
+                         "recorded)")  # fmt: skip
+    v1: V1Config = _f(V1Config, "verl V1's trainer modes: partial rollout inside colocation")
     memory_plan_check: str = _f(
         "error",
         "what dsrl-train --validate-only and --plan do when a phase of the memory plan (dsrl.plan.plan: per rank "

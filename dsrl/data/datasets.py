@@ -559,16 +559,21 @@ class PromptSampler:
 
     def next_batch(self) -> list[PromptRecord]:
         """The next ``batch_size`` records; advances the position."""
+        return self.take(self.next_indices())
+
+    def next_indices(self) -> list[int]:
+        """The rows of the next ``batch_size`` records (``take`` builds them); advances the position."""
         if self.index == self.batches_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
         start = self.index * self.batch_size
-        indices = self._epoch_order()[start : start + self.batch_size]
-        if isinstance(self.records, PromptStore):
-            batch = self.records.take(indices)
-        else:
-            batch = [self.records[i] for i in indices]
         self.index += 1
-        return batch
+        return self._epoch_order()[start : start + self.batch_size].tolist()
+
+    def take(self, indices: Sequence[int]) -> list[PromptRecord]:
+        """The records of rows ``indices``."""
+        if isinstance(self.records, PromptStore):
+            return self.records.take(indices)
+        return [self.records[i] for i in indices]
 
     def state_dict(self) -> dict[str, int]:
         """The position after the batches taken so far."""

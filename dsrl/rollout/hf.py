@@ -25,6 +25,7 @@ prompts give the same samples, and the caller's global RNG streams are left unto
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from functools import partial
@@ -45,12 +46,21 @@ from transformers import (
 
 from dsrl.algorithms import logprobs_from_logits
 from dsrl.config import pushes_lora_adapters
+from dsrl.data.datasets import left_pad
 from dsrl.engines.forward import kv_cache
 from dsrl.engines.lora import add_adapters
 from dsrl.engines.routers import RouteRecorder
 from dsrl.engines.weight_sync import CheckpointTargets
 from dsrl.plan.shape import kv_bytes_per_token
-from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded, stop_and_pad_ids
+from dsrl.rollout.base import (
+    PartialRow,
+    RolloutOutput,
+    RowProgress,
+    SamplingParams,
+    StopCheck,
+    seeded,
+    stop_and_pad_ids,
+)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -218,6 +228,52 @@ class HFRollout:
             prompt_routes=None if self.routes is None else torch.cat([o.prompt_routes for o in outputs]),
             response_routes=None if self.routes is None else torch.cat([o.response_routes for o in outputs]),
         )
+
+    @torch.no_grad()
+    def generate_until(
+        self, rows: Sequence[PartialRow], sampling: SamplingParams, *, chunk_tokens: int, stop: StopCheck
+    ) -> list[RowProgress]:
+        """Continue each row in chunks of ``chunk_tokens`` tokens until ``stop`` says enough (``RolloutEngine``).
+
+        A chunk is one ``generate`` over the unfinished rows, each row's prompt and tokens so far as its prompt
+        (left-padded; no cache is kept between chunks, so each chunk prefills again), seeded with ``sampling.seed``
+        and the chunk's number. A row that ended in the chunk leaves the next one: the rows still running do not
+        pay for those that stopped, which a single ``generate`` over the batch does."""
+        if sampling.n != 1:
+            raise ValueError(f"generate_until continues single responses: sampling.n={sampling.n}, must be 1")
+        progress = [RowProgress(finished=len(row.tokens) >= row.max_tokens) for row in rows]
+        for chunk in itertools.count():
+            live = [i for i, p in enumerate(progress) if not p.finished]
+            if live:
+                seed = None if sampling.seed is None else sampling.seed + chunk * CHUNK_SEED_STRIDE
+                self._continue(rows, progress, live, sampling.replace(seed=seed), chunk_tokens)
+            if stop([p.finished for p in progress]):
+                return progress
+        raise AssertionError("unreachable")  # itertools.count never ends
+
+    def _continue(
+        self,
+        rows: Sequence[PartialRow],
+        progress: list[RowProgress],
+        live: list[int],
+        sampling: SamplingParams,
+        chunk_tokens: int,
+    ) -> None:
+        """One chunk of ``generate_until``: at most ``chunk_tokens`` more tokens for each row of ``live``."""
+        room = {i: rows[i].max_tokens - len(rows[i].tokens) - len(progress[i].tokens) for i in live}
+        sampling = sampling.replace(max_tokens=min(chunk_tokens, max(room.values())))
+        sequences = [(*rows[i].prompt, *rows[i].tokens, *progress[i].tokens) for i in live]
+        size = self.prompts_per_call(max(map(len, sequences)), sampling)
+        for call, start in enumerate(range(0, len(live), size)):
+            ids, mask = left_pad(sequences[start : start + size], self.pad_token_id)
+            seed = None if sampling.seed is None else sampling.seed + call
+            out = self._generate(ids, mask, sampling.replace(seed=seed))
+            for j, i in enumerate(live[start : start + size]):
+                length = min(int(out.response_mask[j].sum()), room[i])
+                progress[i].tokens += out.response_ids[j, :length].tolist()
+                progress[i].log_probs += out.log_probs[j, :length].tolist()
+                progress[i].finished = out.finish_reasons[j] == "stop" and length == int(out.response_mask[j].sum())
+                progress[i].finished |= length == room[i]
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams) -> RolloutOutput:
         processors: list[LogitsProcessor] = []

@@ -68,6 +68,7 @@ from dsrl.trainer.metrics import (
     throughput_metrics,
     variance_proxy_metrics,
 )
+from dsrl.trainer.partial_rollout import OFF_POLICY
 from dsrl.trainer.preflight import Cluster
 from dsrl.trainer.scoring import Scores
 from dsrl.trainer.setup import TrainerSetup
@@ -144,6 +145,7 @@ class Trainer(TrainerSetup):
             actor_module=self.actor.module,
             tokenizer=self.tokenizer,
             keep={name: keep[name] for name in roles},
+            in_flight=None if self.in_flight is None else self.in_flight.state_dict(),
         )
 
     def export_final_model(self) -> Path:
@@ -220,6 +222,29 @@ class Trainer(TrainerSetup):
         if problems:
             raise TrainingStopped(f"step {self.global_step + 1}: " + "; ".join(problems))
         return scores, components
+
+    def partial_rollout(self) -> tuple[Batch, dict[str, float]]:
+        """``trainer.v1.trainer_mode=colocate_async`` (``dsrl.trainer.partial_rollout``): the pool topped up, its
+        responses continued until ``data.train_batch_size`` groups are complete over all ranks, this rank's share of
+        the oldest of them, and the off-policy metrics. Collective; inside the colocated generation."""
+        cfg, version = self.cfg, self.global_step
+        metrics = self.in_flight.refill(version, self.sampler.next_indices)
+        metrics[f"{OFF_POLICY}/chunks"] = self.in_flight.generate(
+            self.rollout,
+            lambda rows: [record.prompt_ids for record in self.sampler.take(rows)],
+            self._sampling(validation=False),
+            version=version,
+            max_tokens=cfg.data.max_response_length,
+            chunk_tokens=cfg.trainer.v1.colocate_async.chunk_tokens,
+        )
+        batch, version_metrics = self.in_flight.take_batch(
+            self.sampler.take,
+            prompt_pad=self.tokenizer.pad_token_id,
+            response_pad=self.rollout.pad_token_id,
+            max_tokens=cfg.data.max_response_length,
+            version=version,
+        )
+        return batch, {**metrics, **version_metrics}
 
     def dynamic_sampling(self, prompts: Batch, timer: PhaseTimer) -> tuple[Batch, dict[str, float]]:
         """DAPO's dynamic sampling (``algorithm.filter_groups``, ``dsrl.trainer.dynamic_sampling``): rounds of
@@ -437,7 +462,8 @@ class Trainer(TrainerSetup):
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def step(self, prompts: Batch) -> dict[str, float]:
+    def step(self, prompts: Batch | None) -> dict[str, float]:
+        """One training step on ``prompts`` (this rank's; None with partial rollout, which draws its own)."""
         cfg, algo = self.cfg, self.cfg.algorithm
         actor_cfg, rollout_cfg = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
         timer = PhaseTimer()
@@ -446,7 +472,10 @@ class Trainer(TrainerSetup):
         with timer("step"):
             # timing_s/update_weights, /wake, /gen, /sleep (and sleep-mode memory on GPUs)
             with in_phase("gen"), self.colocated(metrics):
-                if algo.filter_groups.enable:  # scored here, round by round; timing_s/gen includes the scoring
+                if self.in_flight is not None:
+                    batch, off_policy_metrics = self.partial_rollout()
+                    metrics.update(off_policy_metrics)
+                elif algo.filter_groups.enable:  # scored here, round by round; timing_s/gen includes the scoring
                     batch, sampling_metrics = self.dynamic_sampling(prompts, timer)
                     metrics.update(sampling_metrics)
                 else:
@@ -594,7 +623,8 @@ class Trainer(TrainerSetup):
         val = {}
         with signals.deferred(self.rank):
             while self.global_step < self.total_steps:
-                metrics = self.step(self._prompt_batch(self._next_records(), first_group_id=self._first_group_id()))
+                prompts = None if self.in_flight else self._prompt_batch(self._next_records(), self._first_group_id())
+                metrics = self.step(prompts)
                 self.global_step += 1
                 step, last = self.global_step, self.global_step == self.total_steps
                 for check in self.stops:  # dsrl.trainer.stops

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from dsrl.algorithms import AdaptiveKLController, FixedKLController
 from dsrl.checkpoint import run_folder
 from dsrl.checkpoint.resume import check_settings, check_train_data, checkpoint_to_resume, data_identity, restore
-from dsrl.checkpoint.save import CheckpointError
+from dsrl.checkpoint.save import CheckpointError, load_in_flight
 from dsrl.config import ConfigError, import_user_modules, prompts_per_round, to_dict, to_yaml
 from dsrl.config.rules.need import critic_used
 from dsrl.data.datasets import PromptSampler, load_prompts, load_tokenizer
@@ -26,6 +26,7 @@ from dsrl.runtime.distributed import gather_problems
 from dsrl.runtime.seeding import seed_all
 from dsrl.tracking import Tracker, flatten
 from dsrl.trainer.facts import lora_facts, run_tags
+from dsrl.trainer.partial_rollout import InFlight
 from dsrl.trainer.scoring import StepScorer
 from dsrl.trainer.stops import FailureStreak, RolloutMismatch, SkipLimit
 
@@ -143,6 +144,17 @@ class TrainerSetup:
         epoch_steps = cfg.trainer.total_epochs * self.sampler.batches_per_epoch
         self.schedule_steps = cfg.trainer.total_training_steps or epoch_steps
         self.total_steps = min(self.schedule_steps, epoch_steps)
+        v1 = cfg.trainer.v1
+        self.in_flight = None  # trainer.v1.trainer_mode=sync
+        if v1.trainer_mode == "colocate_async":  # the warm-up batches in whole groups per rank
+            extra = int(v1.colocate_async.num_warmup_batches * data.train_batch_size) // self.world_size
+            self.in_flight = InFlight(
+                batch_size=data.train_batch_size,
+                pool_size=data.train_batch_size + extra * self.world_size,
+                n=cfg.actor_rollout_ref.rollout.n,
+                threshold=v1.sampler.max_off_policy_threshold,
+                strategy=v1.sampler.max_off_policy_strategy,
+            )
 
     def _setup_rewards(self) -> None:
         """The reward rules checked against the prompts' data sources, and the scorer of the responses."""
@@ -233,6 +245,9 @@ class TrainerSetup:
                 stall_s=self.cfg.actor_rollout_ref.nccl_timeout,
             )
             self.global_step = resume_state["global_step"]
+            in_flight = load_in_flight(self.resume_from, self.rank)
+            if self.in_flight is not None and in_flight is not None:  # else it starts empty (a sync checkpoint)
+                self.in_flight.load_state_dict(in_flight)
         self.initial_step = self.global_step  # where this run started (a resumed run's checkpoint)
         self.last_checkpoint = self.resume_from
 

@@ -12,6 +12,7 @@ from dsrl.data.batch import Batch
 from dsrl.engines import ActorEngine
 from dsrl.engines.weight_sync import iter_full_parameters
 from dsrl.rollout import HFRollout, SamplingParams
+from dsrl.rollout.base import PartialRow
 from tests.helpers.rollout import P, assert_eos_and_length_handling, prompts
 
 pytestmark = pytest.mark.e2e
@@ -132,6 +133,43 @@ def test_generation_in_chunks_is_greedy_identical_and_seeded_per_chunk(tiny_mode
     assert first.response_ids.shape == (2 * len(prompt_ids), 10) and torch.equal(first.response_ids, again.response_ids)
     with pytest.raises(ValueError, match="micro_batch_size=0: must be >= 1"):
         HFRollout(str(tiny_model_dir), micro_batch_size=0)
+
+
+def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> list[tuple[int, ...]]:
+    return [tuple(row[m.bool()].tolist()) for row, m in zip(ids, mask, strict=True)]
+
+
+def test_generation_stopped_and_resumed_in_chunks_gives_the_uninterrupted_greedy_tokens(rollout):
+    """Partial rollout (generate_until): a greedy generation stopped after two chunks of 3 tokens, then resumed from
+    the tokens it had, gives the tokens and log-probs of one uninterrupted generate; ``stop`` runs after every
+    chunk, also once every row has ended; a seeded sampled continuation repeats."""
+    prompt_ids, prompt_mask = prompts()
+    greedy = SamplingParams(n=1, do_sample=False, max_tokens=12)
+    whole = rollout.generate(prompt_ids, prompt_mask, greedy)
+    rows = [PartialRow(prompt, (), 12) for prompt in _unpadded(prompt_ids, prompt_mask)]
+    calls: list[list[bool]] = []
+
+    def stop_at(count: int):
+        calls.clear()
+        return lambda done: calls.append(done) or len(calls) == count
+
+    first = rollout.generate_until(rows, greedy, chunk_tokens=3, stop=stop_at(2))
+    assert len(calls) == 2 and not all(calls[-1]) and all(len(p.tokens) <= 6 for p in first)
+    resumed_rows = [PartialRow(r.prompt, tuple(p.tokens), 12) for r, p in zip(rows, first, strict=True)]
+    rest = rollout.generate_until(resumed_rows, greedy, chunk_tokens=3, stop=stop_at(6))
+    assert calls[-1] == [True] * len(rows) and calls[-2] == calls[-1]  # still asked with nothing left to generate
+    for i, (a, b) in enumerate(zip(first, rest, strict=True)):
+        length = int(whole.response_mask[i].sum())
+        assert a.tokens + b.tokens == whole.response_ids[i, :length].tolist()
+        torch.testing.assert_close(torch.tensor(a.log_probs + b.log_probs), whole.log_probs[i, :length])
+        assert b.finished
+    sampled = SamplingParams(n=1, max_tokens=12, seed=3)
+    once, again = (
+        rollout.generate_until(rows, sampled, chunk_tokens=5, stop=all) for _ in range(2)
+    )
+    assert [p.tokens for p in once] == [p.tokens for p in again] and all(p.finished for p in once)
+    with pytest.raises(ValueError, match="sampling.n=2, must be 1"):
+        rollout.generate_until(rows, sampled.replace(n=2), chunk_tokens=5, stop=all)
 
 
 def test_a_kv_cache_budget_sizes_the_calls_from_the_model_and_the_lengths(tiny_model_dir, rollout, monkeypatch):

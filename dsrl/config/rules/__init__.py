@@ -77,6 +77,7 @@ def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset())
     run.reward_rules(cfg, need)
     run.reward_manager_rules(cfg, need)
     run.trainer_rules(cfg, need)
+    run.partial_rollout_rules(cfg, need)
     return violations
 
 

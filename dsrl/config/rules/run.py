@@ -12,14 +12,17 @@ from dsrl.config.names import (
     LOGGERS,
     MEMORY_PLAN_CHECKS,
     MODEL_DTYPES,
+    OFF_POLICY_STRATEGIES,
     REQUIRED_CHECKPOINT_CONTENTS,
     RESUME_MODES,
     REWARD_MANAGERS,
+    TRAINER_MODES,
     TRUNCATION_MODES,
 )
 from dsrl.config.problems import show
 from dsrl.config.rules.need import Need
 from dsrl.config.schema import Config
+from dsrl.config.user_code import estimator_needs
 from dsrl.workers.sandbox_fusion import DEFAULT_RUN_TIMEOUT_S, url_problem
 
 
@@ -294,3 +297,39 @@ def trainer_rules(cfg: Config, need: Need) -> None:
         "partitions, and resuming needs all three)",
         "set it to [model,optimizer,extra], adding hf_model for a loadable model in every checkpoint",
     )
+
+
+def partial_rollout_rules(cfg: Config, need: Need) -> None:
+    """verl V1's trainer modes (``trainer.v1``): sync, or partial rollout inside colocation. What carries a group
+    across steps is a response's tokens and log-probs; what holds more than that (a conversation with its tools, a
+    recorded route, a greedy baseline, a round of filtering) is refused until it is carried too."""
+    v1 = cfg.trainer.v1
+    key = "trainer.v1.trainer_mode"
+    need(
+        v1.trainer_mode in TRAINER_MODES,
+        key,
+        "unknown trainer mode (separate_async, verl's split placement, needs rollout-only ranks: dsrl has none)",
+        f"use one of {', '.join(TRAINER_MODES)}",
+    )
+    sampler, colocate = v1.sampler, v1.colocate_async
+    need(colocate.num_warmup_batches >= 0, "trainer.v1.colocate_async.num_warmup_batches", "must be >= 0",
+         "set it to 1 (verl's default)")  # fmt: skip
+    need(colocate.chunk_tokens >= 1, "trainer.v1.colocate_async.chunk_tokens", "must be >= 1", "set it to 32")
+    need(sampler.max_off_policy_threshold is None or sampler.max_off_policy_threshold >= 1,
+         "trainer.v1.sampler.max_off_policy_threshold", "must be >= 1 (a group spans at least one version) or null",
+         "set it to 8 (verl's default)")  # fmt: skip
+    need(sampler.max_off_policy_strategy in OFF_POLICY_STRATEGIES, "trainer.v1.sampler.max_off_policy_strategy",
+         "unknown strategy", f"use one of {', '.join(OFF_POLICY_STRATEGIES)}")  # fmt: skip
+    if v1.trainer_mode != "colocate_async":
+        return
+    arr, algo = cfg.actor_rollout_ref, cfg.algorithm
+    fix = "or trainer.v1.trainer_mode=sync"
+    for refused, what, how in (
+        (arr.rollout.multi_turn.enable, "multi-turn conversations", "rollout.multi_turn.enable=false"),
+        (algo.filter_groups.enable, "dynamic sampling's rounds", "algorithm.filter_groups.enable=false"),
+        ("greedy_baseline" in estimator_needs(algo.adv_estimator), "ReMax's greedy baselines", "another estimator"),
+        (arr.rollout.enable_rollout_routing_replay, "recorded routes (R3)", "actor.router_replay.mode=R2"),
+        (cfg.trainer.resume_allow_world_size_change, "a resume at another world size (the groups in flight are each "
+         "rank's)", "trainer.resume_allow_world_size_change=false"),
+    ):  # fmt: skip
+        need(not refused, key, f"partial rollout does not carry {what} across steps yet", f"use {how}, {fix}")

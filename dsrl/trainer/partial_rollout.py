@@ -1,0 +1,256 @@
+"""Partial rollout inside colocation: ``trainer.v1.trainer_mode: colocate_async`` (verl V1's names and rules).
+
+In a synchronous step every rank waits for the longest response of the batch. Here each step keeps more prompt
+groups in flight than it trains on, stops generating once ``data.train_batch_size`` groups are complete, and
+carries the unfinished responses, tokens and behaviour log-probs so far, into the next step, where they go on
+under the new weights. Each token keeps the policy version that sampled it (``global_step`` before the step's
+update), so a response may span versions; the behaviour log-probs are per token, which is what rollout correction
+(``algorithm.rollout_correction``, token level) and bypass mode weigh against.
+
+The pool. Each rank holds its own groups (``InFlight.groups``), ``per_rank`` of them after the top-up at the start
+of a step: ``(1 + num_warmup_batches) * train_batch_size / world_size`` (verl adds the warm-up batches once; the
+pool then stays that full because every step admits what it trained on or dropped). The prompts come from the
+sampler in whole batches, every rank drawing the same ones; those not admitted yet wait in ``reserve`` (the same
+on every rank), so the sampler's position stays one number. Admission order gives each group its id, unique over
+the run and the same on every rank.
+
+The decision. After each chunk of ``trainer.v1.colocate_async.chunk_tokens`` tokens (``generate_until``), one
+``all_gather_object`` of every rank's complete groups (admission version, id) tells every rank the same global
+list: generation stops when it holds ``train_batch_size`` groups and (strategy ``wait``) no group at the staleness
+threshold is still running. The step trains on the oldest complete groups by (admission version, id): kept group
+``i`` goes to rank ``i // (train_batch_size / world_size)`` (``dynamic_sampling.transfer_plan``). One collective per
+chunk, none per request; on the vLLM rollout every rank of a tensor-parallel group sees the same outputs.
+
+Staleness. A group admitted at version ``a`` spans ``v - a + 1`` versions when trained at version ``v`` (verl's
+count); with ``max_off_policy_threshold`` set, strategy ``drop`` evicts a group before the step in which it would
+exceed it (verl evicts it once it is complete: the same groups never train, here without generating their rest)
+and ``wait`` holds the step until every group at the threshold is complete. Evicted groups are replaced from the
+sampler. Metrics: verl's ``training/off_policy/trajectory_spans|trajectory_staleness|trajectory_staleness_worst``
+(mean, max, min over the trained responses) and ``evicted_samples``, plus the pool's sizes.
+
+Resume. ``state_dict`` holds this rank's groups (tokens, float32 log-probs and versions of every response), the
+reserve and the next id, as tensors a checkpoint loads as data; the sampling seed of a step comes from
+``trainer.seed``, the step and the rank, so a resumed run generates exactly what the uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dsrl.data.batch import Batch
+from dsrl.rollout.base import PartialRow, RolloutEngine, RolloutOutput, SamplingParams
+from dsrl.trainer.balance import take_global_rows
+from dsrl.trainer.batches import prompt_batch, with_responses
+from dsrl.trainer.dynamic_sampling import transfer_plan
+
+OFF_POLICY = "training/off_policy"
+
+
+@dataclass
+class Response:
+    """One response in flight: its tokens so far, their log-probs under the sampling policy and its versions."""
+
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class Group:
+    """The ``n`` responses to one prompt: ``record`` is the prompt's row in the training data, ``admitted`` the
+    policy version at which it joined the pool."""
+
+    group_id: int
+    record: int
+    admitted: int
+    responses: list[Response]
+
+    @property
+    def complete(self) -> bool:
+        return all(r.finished for r in self.responses)
+
+
+@dataclass
+class InFlight:
+    """This rank's groups in flight and the shared admission state (module docstring)."""
+
+    batch_size: int  # data.train_batch_size: groups a step trains on, over all ranks
+    pool_size: int  # groups in flight over all ranks after the top-up
+    n: int  # responses per group
+    threshold: int | None  # max_off_policy_threshold: versions a trained group may span; None = no bound
+    strategy: str  # max_off_policy_strategy: drop | wait
+    groups: list[Group] = field(default_factory=list)
+    reserve: list[int] = field(default_factory=list)  # drawn prompts not admitted yet (the same on every rank)
+    next_group_id: int = 0
+
+    def __post_init__(self):
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+
+    # ---- admission ------------------------------------------------------------------------------
+
+    def refill(self, version: int, draw: Callable[[], list[int]]) -> dict[str, float]:
+        """Before a step at ``version``: strategy ``drop`` evicts the groups that would span more than ``threshold``
+        versions, then every rank's pool is filled to ``pool_size / world_size`` groups from the reserve, drawing
+        whole sampler batches (``draw``, the same on every rank) as needed. Collective."""
+        evicted = 0
+        if self.threshold is not None and self.strategy == "drop":
+            kept = [g for g in self.groups if version - g.admitted + 1 <= self.threshold]
+            evicted, self.groups = len(self.groups) - len(kept), kept
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, (len(self.groups), evicted))
+        wanted = [self.pool_size // self.world - size for size, _ in everyone]
+        while len(self.reserve) < sum(wanted):
+            self.reserve += draw()
+        first = sum(wanted[: self.rank])
+        for j, record in enumerate(self.reserve[first : first + wanted[self.rank]]):
+            responses = [Response() for _ in range(self.n)]
+            self.groups.append(Group(self.next_group_id + first + j, record, version, responses))
+        self.reserve = self.reserve[sum(wanted) :]
+        self.next_group_id += sum(wanted)
+        carried = sum(size for size, _ in everyone)
+        return {
+            f"{OFF_POLICY}/evicted_samples": float(sum(e for _, e in everyone)),
+            f"{OFF_POLICY}/groups_carried": float(carried),  # in flight from earlier steps
+            f"{OFF_POLICY}/groups_admitted": float(sum(wanted)),
+        }
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        rollout: RolloutEngine,
+        prompts: Callable[[list[int]], list[tuple[int, ...]]],
+        sampling: SamplingParams,
+        *,
+        version: int,
+        max_tokens: int,
+        chunk_tokens: int,
+    ) -> int:
+        """Continue every unfinished response until enough groups are complete on all ranks; returns the chunks it
+        took. ``prompts(records)``: the prompts' token ids. Collective (once per chunk)."""
+        running = [(g, r) for g in self.groups for r in g.responses if not r.finished]
+        tokens_of = prompts([g.record for g, _ in running]) if running else []
+        rows = [PartialRow(p, tuple(r.tokens), max_tokens) for p, (_, r) in zip(tokens_of, running, strict=True)]
+        chunks = 0
+
+        def stop(finished: list[bool]) -> bool:
+            nonlocal chunks
+            chunks += 1
+            done = {id(r) for (_, r), f in zip(running, finished, strict=True) if f}
+            complete = [all(r.finished or id(r) in done for r in g.responses) for g in self.groups]
+            waiting = self.strategy == "wait" and any(
+                not c and self._at_threshold(g, version) for g, c in zip(self.groups, complete, strict=True)
+            )
+            everyone: list = [None] * self.world
+            dist.all_gather_object(everyone, (sum(complete), waiting))
+            return sum(c for c, _ in everyone) >= self.batch_size and not any(w for _, w in everyone)
+
+        progress = rollout.generate_until(rows, sampling.replace(n=1), chunk_tokens=chunk_tokens, stop=stop)
+        for (_, response), p in zip(running, progress, strict=True):
+            response.tokens += p.tokens
+            response.log_probs += p.log_probs
+            response.versions += [version] * len(p.tokens)
+            response.finished = p.finished
+        return chunks
+
+    def _at_threshold(self, group: Group, version: int) -> bool:
+        """Trained at ``version``, ``group`` would span the most versions allowed (strategy ``wait`` holds for it)."""
+        return self.threshold is not None and version - group.admitted + 1 >= self.threshold
+
+    # ---- the step's batch -----------------------------------------------------------------------
+
+    def take_batch(
+        self, records: Callable[[list[int]], list], *, prompt_pad: int, response_pad: int, max_tokens: int, version: int
+    ) -> tuple[Batch, dict[str, float]]:
+        """This rank's share of the ``batch_size`` oldest complete groups of all ranks, as a batch of responses with
+        their behaviour log-probs, and the spans and staleness of all of them (verl's metrics); they leave the pool.
+        ``records(rows)``: the prompts' records. Collective."""
+        complete = [(g.admitted, g.group_id, i) for i, g in enumerate(self.groups) if g.complete]
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, complete)
+        order = sorted((admitted, gid, rank, i) for rank, part in enumerate(everyone) for admitted, gid, i in part)
+        kept = [(0, rank, i) for _, _, rank, i in order[: self.batch_size]]
+        shipped, width, rows = transfer_plan(kept, self.world, self.rank, self.n)
+        mine = [self.groups[i] for _, i in shipped]
+        metrics = self._version_metrics([r.versions for g in mine for r in g.responses], version)
+        padding = (width - len(mine) * self.n) // self.n  # groups repeated to ship as many rows as every rank
+        shipping = mine + [mine[0] if mine else self.groups[0]] * padding
+        batch = self._batch(shipping, records, prompt_pad, response_pad, max_tokens)
+        taken = {id(g) for g in mine}
+        self.groups = [g for g in self.groups if id(g) not in taken]
+        return take_global_rows(batch, rows), metrics
+
+    def _batch(self, groups: list[Group], records, prompt_pad: int, response_pad: int, max_tokens: int) -> Batch:
+        prompts = prompt_batch(records([g.record for g in groups]), prompt_pad, first_group_id=0)
+        prompts = prompts.replace(group_ids=torch.tensor([g.group_id for g in groups], dtype=torch.long))
+        responses = [r for g in groups for r in g.responses]
+        ids = torch.full((len(responses), max_tokens), response_pad, dtype=torch.long)
+        mask = torch.zeros((len(responses), max_tokens), dtype=torch.long)
+        log_probs = torch.zeros((len(responses), max_tokens), dtype=torch.float32)
+        for row, r in enumerate(responses):
+            ids[row, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
+            mask[row, : len(r.tokens)] = 1
+            log_probs[row, : len(r.tokens)] = torch.tensor(r.log_probs, dtype=torch.float32)
+        reasons = ["stop" if r.finished else "length" for r in responses]
+        return with_responses(prompts, RolloutOutput(ids, mask, log_probs, reasons), self.n)
+
+    # ---- metrics and checkpoints ----------------------------------------------------------------
+
+    def _version_metrics(self, versions: list[list[int]], version: int) -> dict[str, float]:
+        """verl's spans and staleness over the trained responses of all ranks (``versions``: this rank's, the
+        versions of each response's tokens). Collective."""
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, [(min(v), max(v)) for v in versions if v])
+        pairs = torch.tensor([pair for part in everyone for pair in part], dtype=torch.float64).reshape(-1, 2)
+        lowest, highest = pairs[:, 0], pairs[:, 1]
+        metrics = {}
+        for name, values in (
+            ("trajectory_spans", highest - lowest + 1),
+            ("trajectory_staleness", version - highest),
+            ("trajectory_staleness_worst", version - lowest),
+        ):
+            for stat in ("mean", "max", "min"):
+                metrics[f"{OFF_POLICY}/{name}/{stat}"] = float(getattr(values, stat)()) if len(values) else 0.0
+        return metrics
+
+    def state_dict(self) -> dict[str, object]:
+        """This rank's pool as tensors (a checkpoint's ``in_flight/rank_<r>.pt``)."""
+        responses = [r for g in self.groups for r in g.responses]
+        return {
+            "groups": torch.tensor([[g.group_id, g.record, g.admitted] for g in self.groups], dtype=torch.long).reshape(
+                -1, 3
+            ),
+            "lengths": torch.tensor([len(r.tokens) for r in responses], dtype=torch.long),
+            "finished": torch.tensor([r.finished for r in responses], dtype=torch.bool),
+            "tokens": torch.tensor([t for r in responses for t in r.tokens], dtype=torch.long),
+            "log_probs": torch.tensor([x for r in responses for x in r.log_probs], dtype=torch.float32),
+            "versions": torch.tensor([v for r in responses for v in r.versions], dtype=torch.long),
+            "reserve": torch.tensor(self.reserve, dtype=torch.long),
+            "next_group_id": self.next_group_id,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Put back what ``state_dict`` saved."""
+        lengths = state["lengths"].tolist()
+        ends = torch.tensor(lengths).cumsum(0).tolist() if lengths else []
+        cuts = [(end - length, end) for end, length in zip(ends, lengths, strict=True)]
+        responses = [
+            Response(
+                state["tokens"][a:b].tolist(),
+                state["log_probs"][a:b].tolist(),
+                state["versions"][a:b].tolist(),
+                bool(done),
+            )
+            for (a, b), done in zip(cuts, state["finished"].tolist(), strict=True)
+        ]
+        self.groups = [
+            Group(gid, record, admitted, responses[i * self.n : (i + 1) * self.n])
+            for i, (gid, record, admitted) in enumerate(state["groups"].tolist())
+        ]
+        self.reserve = state["reserve"].tolist()
+        self.next_group_id = int(state["next_group_id"])
