@@ -18,9 +18,9 @@ reports the raw log-softmax. Responses stop at the tokenizer's EOS and the model
 151,665 tokens to 151,936) are never sampled: their logits are set to -inf.
 
 Seeds. By default requests carry no seed, so vLLM samples the whole batch at once, and each ``generate``
-call runs with the process's global generators (python's, numpy's, torch's) forked and seeded with the
-call's seed: ``sampling.seed`` of the first rank of the tensor-parallel group, or, for a call without one,
-a seed drawn from the engine's seed and the number of calls so far. The ranks of a group must sample
+(or ``generate_until``) call runs with the process's global generators (python's, numpy's, torch's) forked
+and seeded with the call's seed: ``sampling.seed`` of the first rank of the tensor-parallel group, or, for a
+call without one, a seed drawn from the engine's seed and the number of calls so far. The ranks of a group must sample
 alike: vLLM's V1 model runner samples from torch's generator, the V2 runner (the default on GPUs from
 vLLM 0.27) gives every unseeded request a seed from numpy's; seeded alike, the group's ranks agree under
 either. The same seed, weights and prompts give the same samples, and the caller's generators are left
@@ -28,6 +28,16 @@ alone. With ``per_prompt_seeds`` prompt ``i`` gets its own seed, drawn from ``sa
 ``n`` samples use that seed + 0..n-1, so a prompt's samples do not depend on the rest of the batch; on
 the V1 runner vLLM then draws each seeded request's noise separately, which costs time on GPUs (V2 draws
 per request either way). The engine's own seed is ``trainer.seed + rank // tensor_parallel_size``.
+
+Partial rollout. ``generate_until`` resumes responses (``PartialRow``): a row's request has the prompt and the
+tokens so far as its prompt (the prefix cache serves what it still holds) and the room left as its cap, with
+the sampling and seeds of ``generate``. It steps ``llm_engine`` itself instead of ``LLM.generate``: after every
+``chunk_tokens`` steps (a chunk: at most that many tokens per request; a step gives each running request one,
+but the first none under async scheduling, vLLM's default on GPUs, whose outputs lag a step) it asks ``stop``
+and, when it says so, aborts the unfinished requests. Requests report ``DELTA`` outputs, each step its new
+tokens and their log-probs, so an aborted request's tokens are already collected (``LLMEngine`` reports
+nothing for an abort). The ranks of a tensor-parallel group hold the same requests and step together: they
+stop when any of them is told to.
 
 Weights. ``update_weights`` streams full tensors (HF names) into the engine. vLLM releases whose
 model runner's ``reload_weights`` takes a ``weights_iterator`` reload in place, layer by layer, and re-run the
@@ -75,7 +85,15 @@ import torch.distributed as dist
 from peft import LoraConfig
 
 from dsrl.config import pushes_lora_adapters
-from dsrl.rollout.base import RolloutOutput, SamplingParams, seeded, stop_and_pad_ids
+from dsrl.rollout.base import (
+    PartialRow,
+    RolloutOutput,
+    RowProgress,
+    SamplingParams,
+    StopCheck,
+    seeded,
+    stop_and_pad_ids,
+)
 from dsrl.rollout.vllm_lora import AdapterDirectory, actor_adapter_config, vllm_lora_ranks, vllm_max_lora_rank
 
 _SEED_RANGE = 2**62  # per-prompt seeds; + n stays far inside int64
@@ -383,43 +401,54 @@ class VLLMRollout:
             parts[0][2],
         )
 
+    def _check_ready(self, call: str) -> None:
+        if self.asleep:
+            raise RuntimeError(f"VLLMRollout.{call} while {sorted(self.asleep)} sleep: call wake_up() first")
+        if not self.weights_valid:
+            raise RuntimeError(
+                f"VLLMRollout.{call} after a level-2 sleep: the weights were dropped; push them with update_weights "
+                "first"
+            )
+
+    def _request_params(self, sampling: SamplingParams, seed: int | None, cap: int, **extra: Any):
+        """vLLM's sampling parameters of one request (see the module docstring)."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        greedy = not sampling.do_sample
+        return VLLMSamplingParams(
+            n=sampling.n,
+            temperature=0.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p,
+            top_k=0 if greedy or sampling.top_k == -1 else sampling.top_k,
+            max_tokens=cap,
+            seed=seed,
+            logprobs=0,
+            stop_token_ids=self.eos_token_ids,
+            detokenize=False,
+            **extra,
+        )
+
+    def _call_seed(self, group_seed: int | None) -> int:
+        """The seed a call runs under: the group's first rank's, or, for a call without one, one drawn from the
+        engine's seed and the number of calls so far (as the same on every rank of the group as a given seed)."""
+        if group_seed is None:
+            group_seed = int(np.random.SeedSequence([self.engine_seed, self.generate_calls]).generate_state(1)[0])
+        self.generate_calls += 1
+        return group_seed
+
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams) -> RolloutOutput:
         """``sampling.n`` responses per left-padded prompt ``[B, P]``; see ``RolloutOutput``.
 
         Collective within the tensor-parallel group (every rank calls it, with its own prompts)."""
-        if self.asleep:
-            raise RuntimeError(f"VLLMRollout.generate while {sorted(self.asleep)} sleep: call wake_up() first")
-        if not self.weights_valid:
-            raise RuntimeError(
-                "VLLMRollout.generate after a level-2 sleep: the weights were dropped; push them with update_weights "
-                "first"
-            )
-        from vllm import SamplingParams as VLLMSamplingParams
+        self._check_ready("generate")
         from vllm.inputs import TokensPrompt
 
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
         caps = list(sampling.row_max_tokens or [sampling.max_tokens] * len(prompts))
-        all_prompts, seeds, all_caps, mine, call_seed = self._group_requests(prompts, sampling.seed, caps)
-        greedy = not sampling.do_sample
-        params = [
-            VLLMSamplingParams(
-                n=sampling.n,
-                temperature=0.0 if greedy else sampling.temperature,
-                top_p=1.0 if greedy else sampling.top_p,
-                top_k=0 if greedy or sampling.top_k == -1 else sampling.top_k,
-                max_tokens=cap,
-                seed=seed,
-                logprobs=0,
-                stop_token_ids=self.eos_token_ids,
-                detokenize=False,
-            )
-            for seed, cap in zip(seeds, all_caps, strict=True)
-        ]
-        if call_seed is None:  # as the same on every rank of the group as a given seed
-            call_seed = int(np.random.SeedSequence([self.engine_seed, self.generate_calls]).generate_state(1)[0])
-        self.generate_calls += 1
-        with seeded(call_seed, self.device):
+        all_prompts, seeds, all_caps, mine, group_seed = self._group_requests(prompts, sampling.seed, caps)
+        params = [self._request_params(sampling, seed, cap) for seed, cap in zip(seeds, all_caps, strict=True)]
+        with seeded(self._call_seed(group_seed), self.device):
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=p) for p in all_prompts],
                 params,
@@ -427,6 +456,77 @@ class VLLMRollout:
                 lora_request=self.lora_request,
             )[mine]
         return self._to_rollout_output(outputs, sampling)
+
+    @torch.no_grad()
+    def generate_until(
+        self, rows: Sequence[PartialRow], sampling: SamplingParams, *, chunk_tokens: int, stop: StopCheck
+    ) -> list[RowProgress]:
+        """Continue each row (see the module docstring): its request's prompt is the row's prompt and tokens, its
+        cap the room left (a row with none is finished without a request); the row caps replace
+        ``sampling.max_tokens``. Steps the engine ``chunk_tokens`` times per chunk, then asks ``stop`` about this
+        rank's rows; the unfinished requests are aborted when it says so (or on an error), their tokens kept.
+
+        Collective within the tensor-parallel group, and ``stop`` may be collective across all ranks: it is asked
+        after every chunk, also once this rank has nothing left to generate."""
+        if sampling.n != 1 or chunk_tokens < 1:
+            raise ValueError(
+                f"generate_until with n={sampling.n}, chunk_tokens={chunk_tokens}: a row is one response (n=1) "
+                "and a chunk at least one step"
+            )
+        self._check_ready("generate_until")
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        prompts = [[*row.prompt, *row.tokens] for row in rows]
+        caps = [max(row.max_tokens - len(row.tokens), 0) for row in rows]
+        all_prompts, seeds, all_caps, mine, group_seed = self._group_requests(prompts, sampling.seed, caps)
+        progress = [RowProgress(finished=cap == 0) for cap in all_caps]
+        # Per call, apart from LLM.generate's ids (its counter's "0", "1", ...); vLLM suffixes them itself.
+        ids = {f"partial-{self.generate_calls}-{i}": i for i, cap in enumerate(all_caps) if cap}
+        engine = self.llm.llm_engine
+        with seeded(self._call_seed(group_seed), self.device):
+            try:
+                for request_id, i in ids.items():
+                    # DELTA: each step reports only its new tokens, so what an aborted request had is already here.
+                    params = self._request_params(sampling, seeds[i], all_caps[i], output_kind=RequestOutputKind.DELTA)
+                    engine.add_request(
+                        request_id,
+                        TokensPrompt(prompt_token_ids=all_prompts[i]),
+                        params,
+                        lora_request=self.lora_request,
+                    )
+                while True:
+                    for _ in range(chunk_tokens):
+                        if not engine.has_unfinished_requests():
+                            break
+                        for output in engine.step():
+                            self._add_progress(progress[ids[output.request_id]], output)
+                    if self._any_in_group(stop([row.finished for row in progress[mine]])):
+                        break
+            finally:
+                engine.abort_request([request_id for request_id, i in ids.items() if not progress[i].finished])
+        return progress[mine]
+
+    @staticmethod
+    def _add_progress(row: RowProgress, output: Any) -> None:
+        """Add a step's ``RequestOutput`` (DELTA: the tokens new since the last) to its row."""
+        completion = output.outputs[0]
+        row.tokens += completion.token_ids
+        row.log_probs += [
+            position[token].logprob for position, token in zip(completion.logprobs, completion.token_ids, strict=True)
+        ]
+        if output.finished and completion.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM finished a request with {completion.finish_reason}; expected stop or length")
+        row.finished = output.finished
+
+    def _any_in_group(self, flag: bool) -> bool:
+        """Whether any rank of the tensor-parallel group says so: the group's ranks step one engine in lockstep,
+        so they must stop together even where ``stop`` answers each rank differently."""
+        if self.tp_group is None:
+            return flag
+        flags = torch.tensor([flag], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return bool(flags.item())
 
     def _to_rollout_output(self, outputs: list, sampling: SamplingParams) -> RolloutOutput:
         rows = [c for request in outputs for c in sorted(request.outputs, key=lambda c: c.index)]

@@ -12,6 +12,7 @@ import torch
 from dsrl.data.batch import Batch
 from dsrl.engines.weight_sync import iter_full_parameters
 from dsrl.rollout import SamplingParams
+from dsrl.rollout.base import PartialRow, RowProgress
 from tests.helpers.rollout import assert_eos_and_length_handling, prompts, vllm_logprob_gap
 
 pytestmark = pytest.mark.vllm
@@ -159,6 +160,73 @@ def test_a_batch_larger_than_one_scheduler_step(initial):
     out = initial.generate(prompt_ids, prompt_mask, sampling)
     assert out.response_ids.shape == (200, 4) and out.response_mask[:, 0].all()
     assert torch.equal(initial.generate(prompt_ids, prompt_mask, sampling).response_ids, out.response_ids)
+
+
+def stop_at(call: int):
+    """A generate_until ``stop`` that says so at its ``call``-th call, and the list of the flags it is given."""
+    asked: list[list[bool]] = []
+
+    def stop(finished: list[bool]) -> bool:
+        asked.append(finished)
+        return len(asked) == call
+
+    return stop, asked
+
+
+def test_a_partial_rollout_stopped_and_resumed_ends_as_one_generation(initial):
+    """generate_until, greedy, the weights unchanged: rows stopped after two chunks and resumed with their tokens so
+    far end as one uninterrupted generate_until and as generate, log-probs within fp32 noise (the resumed request
+    computes the first call's tokens as prompt). ``stop`` is asked after every chunk of 3 steps (a token per row
+    each), also once nothing is left to step; a row without room is finished without a request."""
+    prompt_ids, prompt_mask = prompts()
+    cap, chunk = 12, 3
+    greedy = SamplingParams(do_sample=False, temperature=0.0, max_tokens=cap)
+    whole = initial.generate(prompt_ids, prompt_mask, greedy)
+    lengths = whole.response_mask.sum(1).tolist()
+    tokens = [ids[:length].tolist() for ids, length in zip(whole.response_ids, lengths, strict=True)]
+    log_probs = torch.cat([lp[:length] for lp, length in zip(whole.log_probs, lengths, strict=True)])
+    mask = prompt_mask.bool()
+    rows = [PartialRow(tuple(ids[m].tolist()), (), cap) for ids, m in zip(prompt_ids, mask, strict=True)]
+
+    stop, asked = stop_at(7)
+    no_room = PartialRow((5, 6), (7, 8, 9, 10), 4)
+    uninterrupted = initial.generate_until([*rows, no_room], greedy, chunk_tokens=chunk, stop=stop)
+    assert uninterrupted.pop() == RowProgress([], [], finished=True)
+    steps = [chunk * call for call in range(1, 8)]  # the steps before each call of stop (fewer once none is left)
+    assert asked == [[length <= done for length in lengths] + [True] for done in steps]
+    assert [p.tokens for p in uninterrupted] == tokens and all(p.finished for p in uninterrupted)
+
+    stop, asked = stop_at(2)
+    first = initial.generate_until(rows, greedy, chunk_tokens=chunk, stop=stop)
+    assert len(asked) == 2 and [len(p.tokens) for p in first] == [min(length, 2 * chunk) for length in lengths]
+    assert not all(p.finished for p in first)  # aborted rows
+    aborted = [i for i, p in enumerate(first) if not p.finished]
+    resumed = [PartialRow(rows[i].prompt, tuple(first[i].tokens), cap) for i in aborted]
+    second = initial.generate_until(resumed, greedy, chunk_tokens=chunk, stop=all)
+    for i, rest in zip(aborted, second, strict=True):
+        first[i].tokens += rest.tokens
+        first[i].log_probs += rest.log_probs
+        first[i].finished = rest.finished
+    assert [p.tokens for p in first] == tokens and all(p.finished for p in first)
+
+    for progress in (first, uninterrupted):
+        gap = (torch.tensor([lp for p in progress for lp in p.log_probs]) - log_probs).abs().max()
+        print(f"generate_until vs generate, log-prob diff: max {gap:.2e}")
+        assert gap < FP32_ATOL
+
+
+def test_a_seeded_partial_rollout_repeats(initial):
+    """Sampled, stopped only once every row is finished: the same seed gives the same tokens, another seed others."""
+    rows = [PartialRow((5, 6, 7), (), 10), PartialRow((8, 9), (11, 12), 10)]
+    sampling = SamplingParams(temperature=1.0, max_tokens=10)
+    runs = [initial.generate_until(rows, sampling.replace(seed=seed), chunk_tokens=4, stop=all) for seed in (4, 4, 5)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert all(
+        p.finished and 0 < len(p.tokens) <= row.max_tokens - len(row.tokens)
+        for p, row in zip(runs[0], rows, strict=True)
+    )
+    with pytest.raises(ValueError, match="a row is one response"):
+        initial.generate_until(rows, sampling.replace(n=2), chunk_tokens=4, stop=all)
 
 
 def test_sleep_mode_is_refused_where_vllm_has_none(tiny_model_dir):
