@@ -72,6 +72,17 @@ def verl_only_key(key: str) -> tuple[str, str] | None:
             "the deepspeed launcher decides the devices and nodes",
             "remove it; run deepspeed --num_gpus N [--hostfile FILE] scripts/train.py ...",
         )
+    if key == "trainer.use_v1":
+        return (
+            "verl's switch to its V1 trainer; dsrl reads trainer.v1.* always",
+            "remove it; trainer.v1.trainer_mode=colocate_async turns partial rollout on (sync is the default)",
+        )
+    if key.startswith(("trainer.v1.separate_async.", "trainer.v1.sampler.sync_refill_failed_groups")):
+        return (
+            "verl V1's split placement and its sync refill of failed groups: dsrl's rollout runs on the training "
+            "ranks, and a failed reward scores reward.fallback_score",
+            "remove it (trainer.v1.trainer_mode: sync | colocate_async)",
+        )
     if key.endswith((".ppo_micro_batch_size", ".log_prob_micro_batch_size")):
         return ("verl's deprecated global micro-batch size", f"set {key}_per_gpu (sequences per forward on one rank)")
     if key.rpartition(".")[2] in ("pad_to_length", "pad_to_length_bucket"):

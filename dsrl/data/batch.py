@@ -62,6 +62,9 @@ class Batch:
     # experts each token's forward chose (R3: the rollout's, R2: the old-log-prob pass's); -1 where none was recorded
     prompt_routes: torch.Tensor | None = None
     response_routes: torch.Tensor | None = None
+    # [B, T] int64, partial rollout (trainer.v1.trainer_mode=colocate_async): the policy version (global_step) that
+    # sampled each response token; 0 on padding. None = every token the step's own version's.
+    rollout_versions: torch.Tensor | None = None
 
     @classmethod
     def of_responses(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, out: Any, n: int) -> Batch:

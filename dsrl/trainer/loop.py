@@ -337,7 +337,7 @@ class Trainer(TrainerSetup):
         local = agg_loss(batch.entropy, batch.response_mask.float(), mode, num_tokens=num_tokens, num_seqs=num_seqs)
         return {
             "actor/entropy": float(all_reduce(local)),
-            **rollout_logprob_metrics(batch),
+            **rollout_logprob_metrics(batch, self.global_step),
             **rollout_correction_metrics(batch, correction),
         }
 

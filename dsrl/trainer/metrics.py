@@ -111,14 +111,17 @@ def batch_metrics(batch: Batch, *, max_prompt_length: int, max_response_length: 
     return metrics
 
 
-def rollout_logprob_metrics(batch: Batch) -> dict[str, float]:
-    """verl's rollout-vs-actor check (``calculate_debug_metrics``) over every rank's response tokens.
+def rollout_logprob_metrics(batch: Batch, version: int) -> dict[str, float]:
+    """verl's rollout-vs-actor check (``calculate_debug_metrics``) over every rank's response tokens; with partial
+    rollout over those the actor's current weights (``version``) sampled, since an older version's differ by design.
 
     In probability space: statistics of ``|exp(old_log_probs) - exp(rollout_log_probs)|`` (std
     unbiased) and the Pearson correlation of the two probabilities. ``..._valid`` is 0, and the rest
     nan, when no rank has a response token.
     """
     mask = batch.response_mask.bool()
+    if batch.rollout_versions is not None:
+        mask &= batch.rollout_versions == version
     actor, rollout = batch.old_log_probs[mask].exp(), batch.rollout_log_probs[mask].exp()
     diff = (actor - rollout).abs()
     n, means, sums = _moments(torch.stack([diff, actor, rollout], dim=-1))

@@ -192,12 +192,15 @@ class InFlight:
         ids = torch.full((len(responses), max_tokens), response_pad, dtype=torch.long)
         mask = torch.zeros((len(responses), max_tokens), dtype=torch.long)
         log_probs = torch.zeros((len(responses), max_tokens), dtype=torch.float32)
+        versions = torch.zeros((len(responses), max_tokens), dtype=torch.long)
         for row, r in enumerate(responses):
             ids[row, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
             mask[row, : len(r.tokens)] = 1
             log_probs[row, : len(r.tokens)] = torch.tensor(r.log_probs, dtype=torch.float32)
+            versions[row, : len(r.tokens)] = torch.tensor(r.versions, dtype=torch.long)
         reasons = ["stop" if r.finished else "length" for r in responses]
-        return with_responses(prompts, RolloutOutput(ids, mask, log_probs, reasons), self.n)
+        batch = with_responses(prompts, RolloutOutput(ids, mask, log_probs, reasons), self.n)
+        return batch.replace(rollout_versions=versions)
 
     # ---- metrics and checkpoints ----------------------------------------------------------------
 
