@@ -126,11 +126,7 @@ class Rounds:
     verdicts: list[list[list[str]]] = field(default_factory=list)  # [round][rank][position]
 
     def metrics(self, n_groups: int, prompts_per_round: int) -> dict[str, float]:
-        counts = {reason: 0 for reason in (KEPT, *DROP_REASONS)}
-        for ranks in self.verdicts:
-            for groups in ranks:
-                for verdict in groups:
-                    counts[verdict] += 1
+        counts = verdict_counts([v for ranks in self.verdicts for groups in ranks for v in groups])
         informative = counts[KEPT]
         return {
             "train/num_gen_batches": len(self.verdicts),  # verl's name
@@ -141,6 +137,29 @@ class Rounds:
             "dynamic_sampling/groups_surplus": max(informative - n_groups, 0),  # informative, beyond the batch
             **{f"dynamic_sampling/dropped_{reason}": counts[reason] for reason in DROP_REASONS},
         }
+
+
+def verdict_counts(verdicts: list[str]) -> dict[str, int]:
+    """How many of ``verdicts`` are ``kept`` and each drop reason."""
+    counts = {reason: 0 for reason in (KEPT, *DROP_REASONS)}
+    for verdict in verdicts:
+        counts[verdict] += 1
+    return counts
+
+
+def judged_metrics(verdicts: list[str], fillings: int) -> dict[str, float]:
+    """Partial rollout's dynamic sampling (``dsrl.trainer.partial_rollout``): the verdicts of the groups this rank
+    judged in a step, counted over all ranks, and the fillings of the pool (``train/num_gen_batches``). Collective."""
+    counts = verdict_counts(verdicts)
+    totals = torch.tensor([counts[reason] for reason in counts], dtype=torch.float64)
+    dist.all_reduce(totals)
+    summed = dict(zip(counts, totals.tolist(), strict=True))
+    return {
+        "train/num_gen_batches": fillings,
+        "dynamic_sampling/groups_generated": sum(summed.values()),
+        "dynamic_sampling/groups_informative": summed[KEPT],
+        **{f"dynamic_sampling/dropped_{reason}": summed[reason] for reason in DROP_REASONS},
+    }
 
 
 def fill_batch(

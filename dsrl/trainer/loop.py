@@ -11,6 +11,7 @@ step first). Tensor math lives in ``dsrl.algorithms`` and the engines; this file
 
 from __future__ import annotations
 
+import itertools
 import signal
 import time
 from pathlib import Path
@@ -55,7 +56,7 @@ from dsrl.runtime.stalls import startup_watchdog
 from dsrl.tracking.console import final_summary, logger, setup_logging, startup_summary
 from dsrl.trainer.balance import balance_across_ranks, pf_ppo_resample
 from dsrl.trainer.batches import prompt_batch, with_responses
-from dsrl.trainer.dynamic_sampling import fill_batch, metric_values
+from dsrl.trainer.dynamic_sampling import fill_batch, group_verdicts, judged_metrics, metric_values
 from dsrl.trainer.facts import final_facts, startup_facts
 from dsrl.trainer.metrics import (
     batch_metrics,
@@ -226,25 +227,61 @@ class Trainer(TrainerSetup):
     def partial_rollout(self) -> tuple[Batch, dict[str, float]]:
         """``trainer.v1.trainer_mode=colocate_async`` (``dsrl.trainer.partial_rollout``): the pool topped up, its
         responses continued until ``data.train_batch_size`` groups are complete over all ranks, this rank's share of
-        the oldest of them, and the off-policy metrics. Collective; inside the colocated generation."""
-        cfg, version = self.cfg, self.global_step
-        metrics = self.in_flight.refill(version, self.sampler.next_indices)
-        metrics[f"{OFF_POLICY}/chunks"] = self.in_flight.generate(
-            self.rollout,
-            lambda rows: [record.prompt_ids for record in self.sampler.take(rows)],
-            self._sampling(validation=False),
-            version=version,
-            max_tokens=cfg.data.max_response_length,
-            chunk_tokens=cfg.trainer.v1.colocate_async.chunk_tokens,
-        )
-        batch, version_metrics = self.in_flight.take_batch(
-            self.sampler.take,
-            prompt_pad=self.tokenizer.pad_token_id,
-            response_pad=self.rollout.pad_token_id,
-            max_tokens=cfg.data.max_response_length,
-            version=version,
-        )
-        return batch, {**metrics, **version_metrics}
+        the oldest of them, and the off-policy metrics. With dynamic sampling each complete group is judged as
+        ``dsrl.trainer.dynamic_sampling`` judges a round's (scored, kept when its metric varies), the uninformative
+        leave the pool, and generation goes on, the pool refilled when nothing is left to generate, for at most
+        ``algorithm.filter_groups.max_num_gen_batches`` fillings. Collective; inside the colocated generation."""
+        cfg, version, pool = self.cfg, self.global_step, self.in_flight
+        fg, draw = cfg.algorithm.filter_groups, self.sampler.next_indices
+        max_tokens = cfg.data.max_response_length
+        pads = {"prompt_pad": self.tokenizer.pad_token_id, "response_pad": self.rollout.pad_token_id}
+
+        def build(groups) -> Batch:
+            return pool.batch_of(groups, self.sampler.take, max_tokens=max_tokens, **pads)
+
+        def verdicts_of(groups) -> list[str]:
+            batch = build(groups)
+            scores, _ = self._score_with_components(batch)
+            values, problem = metric_values(fg.metric, scores.token_level.sum(-1), scores.extras)
+            if problem:
+                raise TrainingStopped(f"step {version + 1}: {problem}")
+            return group_verdicts(batch.group_ids.tolist(), values)
+
+        metrics = pool.refill(version, draw)
+        sampling, verdicts, fillings, chunks = self._sampling(validation=False), [], 1, 0
+        for attempt in itertools.count():
+            chunks += pool.generate(
+                self.rollout,
+                lambda rows: [record.prompt_ids for record in self.sampler.take(rows)],
+                sampling.replace(seed=sampling.seed + 1_000_003 * attempt),
+                version=version,
+                max_tokens=max_tokens,
+                chunk_tokens=cfg.trainer.v1.colocate_async.chunk_tokens,
+            )
+            if not fg.enable:
+                break
+            informative, going, judged = pool.judge(verdicts_of)
+            verdicts += judged
+            if informative >= cfg.data.train_batch_size:
+                break
+            if not going:  # every group judged: fill the pool again
+                if 0 < fg.max_num_gen_batches <= fillings:
+                    raise TrainingStopped(
+                        f"step {version + 1}: algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches}: "
+                        f"{fillings} fillings of the pool gave {informative} groups whose metric varies, fewer than "
+                        f"data.train_batch_size={cfg.data.train_batch_size}. Fix: raise max_num_gen_batches (0 = no "
+                        "limit), trainer.v1.colocate_async.num_warmup_batches or actor_rollout_ref.rollout.n, or "
+                        "change the data"
+                    )
+                fillings += 1
+                admitted = pool.refill(version, draw)[f"{OFF_POLICY}/groups_admitted"]
+                metrics[f"{OFF_POLICY}/groups_admitted"] += admitted
+        batch, version_metrics = pool.take_batch(build, version)
+        metrics.update(version_metrics)
+        metrics[f"{OFF_POLICY}/chunks"] = chunks
+        if fg.enable:
+            metrics.update(judged_metrics(verdicts, fillings))
+        return batch, metrics
 
     def dynamic_sampling(self, prompts: Batch, timer: PhaseTimer) -> tuple[Batch, dict[str, float]]:
         """DAPO's dynamic sampling (``algorithm.filter_groups``, ``dsrl.trainer.dynamic_sampling``): rounds of
@@ -472,7 +509,7 @@ class Trainer(TrainerSetup):
         with timer("step"):
             # timing_s/update_weights, /wake, /gen, /sleep (and sleep-mode memory on GPUs)
             with in_phase("gen"), self.colocated(metrics):
-                if self.in_flight is not None:
+                if self.in_flight is not None:  # dynamic sampling there too
                     batch, off_policy_metrics = self.partial_rollout()
                     metrics.update(off_policy_metrics)
                 elif algo.filter_groups.enable:  # scored here, round by round; timing_s/gen includes the scoring
@@ -492,7 +529,7 @@ class Trainer(TrainerSetup):
                 with timer("balance"):
                     batch, balance_metrics = balance_across_ranks(batch)
                     metrics.update(balance_metrics)
-            if not algo.filter_groups.enable:
+            if not algo.filter_groups.enable or self.in_flight is not None:  # judged in gen, scored here
                 with timer("reward"):
                     scores, components, counts = self.score(batch)
                     batch = batch.replace(token_level_scores=scores, reward_components=components)

@@ -28,6 +28,9 @@ and ``wait`` holds the step until every group at the threshold is complete. Evic
 sampler. Metrics: verl's ``training/off_policy/trajectory_spans|trajectory_staleness|trajectory_staleness_worst``
 (mean, max, min over the trained responses) and ``evicted_samples``, plus the pool's sizes.
 
+Dynamic sampling. ``judge`` scores each group once complete (through the trainer); an uninformative group leaves
+the pool, and the trainer generates on, filling the pool again when nothing is left to generate.
+
 Resume. ``state_dict`` holds this rank's groups (tokens, float32 log-probs and versions of every response), the
 reserve and the next id, as tensors a checkpoint loads as data; the sampling seed of a step comes from
 ``trainer.seed``, the step and the rank, so a resumed run generates exactly what the uninterrupted one did.
@@ -45,7 +48,7 @@ from dsrl.data.batch import Batch
 from dsrl.rollout.base import PartialRow, RolloutEngine, RolloutOutput, SamplingParams
 from dsrl.trainer.balance import take_global_rows
 from dsrl.trainer.batches import prompt_batch, with_responses
-from dsrl.trainer.dynamic_sampling import transfer_plan
+from dsrl.trainer.dynamic_sampling import KEPT, transfer_plan
 
 OFF_POLICY = "training/off_policy"
 
@@ -69,6 +72,7 @@ class Group:
     record: int
     admitted: int
     responses: list[Response]
+    kept: bool | None = None  # dynamic sampling: True once judged informative (the uninformative leave the pool)
 
     @property
     def complete(self) -> bool:
@@ -147,8 +151,10 @@ class InFlight:
                 not c and self._at_threshold(g, version) for g, c in zip(self.groups, complete, strict=True)
             )
             everyone: list = [None] * self.world
-            dist.all_gather_object(everyone, (sum(complete), waiting))
-            return sum(c for c, _ in everyone) >= self.batch_size and not any(w for _, w in everyone)
+            dist.all_gather_object(everyone, (sum(complete), waiting, not all(finished)))
+            if not any(going for _, _, going in everyone):  # nothing left to generate anywhere
+                return True
+            return sum(c for c, _, _ in everyone) >= self.batch_size and not any(w for _, w, _ in everyone)
 
         progress = rollout.generate_until(rows, sampling.replace(n=1), chunk_tokens=chunk_tokens, stop=stop)
         for (_, response), p in zip(running, progress, strict=True):
@@ -158,18 +164,30 @@ class InFlight:
             response.finished = p.finished
         return chunks
 
+    def judge(self, verdicts_of: Callable[[list[Group]], list[str]]) -> tuple[int, bool, list[str]]:
+        """Dynamic sampling: ``verdicts_of`` judges this rank's newly complete groups (``dynamic_sampling``'s
+        ``kept`` or a drop reason); the dropped leave the pool. Returns the informative complete groups and whether
+        any response is unfinished, over all ranks, and this rank's verdicts. Collective."""
+        fresh = [g for g in self.groups if g.complete and g.kept is None]
+        verdicts = verdicts_of(fresh) if fresh else []
+        for group, verdict in zip(fresh, verdicts, strict=True):
+            group.kept = verdict == KEPT
+        self.groups = [g for g in self.groups if g.kept is not False]
+        everyone: list = [None] * self.world
+        dist.all_gather_object(
+            everyone, (sum(g.complete for g in self.groups), not all(g.complete for g in self.groups))
+        )
+        return sum(c for c, _ in everyone), any(going for _, going in everyone), verdicts
+
     def _at_threshold(self, group: Group, version: int) -> bool:
         """Trained at ``version``, ``group`` would span the most versions allowed (strategy ``wait`` holds for it)."""
         return self.threshold is not None and version - group.admitted + 1 >= self.threshold
 
     # ---- the step's batch -----------------------------------------------------------------------
 
-    def take_batch(
-        self, records: Callable[[list[int]], list], *, prompt_pad: int, response_pad: int, max_tokens: int, version: int
-    ) -> tuple[Batch, dict[str, float]]:
-        """This rank's share of the ``batch_size`` oldest complete groups of all ranks, as a batch of responses with
-        their behaviour log-probs, and the spans and staleness of all of them (verl's metrics); they leave the pool.
-        ``records(rows)``: the prompts' records. Collective."""
+    def take_batch(self, build: Callable[[list[Group]], Batch], version: int) -> tuple[Batch, dict[str, float]]:
+        """This rank's share of the ``batch_size`` oldest complete groups of all ranks (``build``: their batch,
+        ``batch_of``), and the spans and staleness of all of them (verl's metrics); they leave the pool. Collective."""
         complete = [(g.admitted, g.group_id, i) for i, g in enumerate(self.groups) if g.complete]
         everyone: list = [None] * self.world
         dist.all_gather_object(everyone, complete)
@@ -179,13 +197,14 @@ class InFlight:
         mine = [self.groups[i] for _, i in shipped]
         metrics = self._version_metrics([r.versions for g in mine for r in g.responses], version)
         padding = (width - len(mine) * self.n) // self.n  # groups repeated to ship as many rows as every rank
-        shipping = mine + [mine[0] if mine else self.groups[0]] * padding
-        batch = self._batch(shipping, records, prompt_pad, response_pad, max_tokens)
+        batch = build(mine + [mine[0] if mine else self.groups[0]] * padding)
         taken = {id(g) for g in mine}
         self.groups = [g for g in self.groups if id(g) not in taken]
         return take_global_rows(batch, rows), metrics
 
-    def _batch(self, groups: list[Group], records, prompt_pad: int, response_pad: int, max_tokens: int) -> Batch:
+    def batch_of(self, groups: list[Group], records, prompt_pad: int, response_pad: int, max_tokens: int) -> Batch:
+        """``groups`` as a batch of responses with their behaviour log-probs and versions (``records(rows)``: the
+        prompts' records)."""
         prompts = prompt_batch(records([g.record for g in groups]), prompt_pad, first_group_id=0)
         prompts = prompts.replace(group_ids=torch.tensor([g.group_id for g in groups], dtype=torch.long))
         responses = [r for g in groups for r in g.responses]
@@ -224,10 +243,9 @@ class InFlight:
     def state_dict(self) -> dict[str, object]:
         """This rank's pool as tensors (a checkpoint's ``in_flight/rank_<r>.pt``)."""
         responses = [r for g in self.groups for r in g.responses]
+        judged = [[g.group_id, g.record, g.admitted, -1 if g.kept is None else int(g.kept)] for g in self.groups]
         return {
-            "groups": torch.tensor([[g.group_id, g.record, g.admitted] for g in self.groups], dtype=torch.long).reshape(
-                -1, 3
-            ),
+            "groups": torch.tensor(judged, dtype=torch.long).reshape(-1, 4),
             "lengths": torch.tensor([len(r.tokens) for r in responses], dtype=torch.long),
             "finished": torch.tensor([r.finished for r in responses], dtype=torch.bool),
             "tokens": torch.tensor([t for r in responses for t in r.tokens], dtype=torch.long),
@@ -252,8 +270,8 @@ class InFlight:
             for (a, b), done in zip(cuts, state["finished"].tolist(), strict=True)
         ]
         self.groups = [
-            Group(gid, record, admitted, responses[i * self.n : (i + 1) * self.n])
-            for i, (gid, record, admitted) in enumerate(state["groups"].tolist())
+            Group(gid, record, admitted, responses[i * self.n : (i + 1) * self.n], None if kept < 0 else bool(kept))
+            for i, (gid, record, admitted, kept) in enumerate(state["groups"].tolist())
         ]
         self.reserve = state["reserve"].tolist()
         self.next_group_id = int(state["next_group_id"])

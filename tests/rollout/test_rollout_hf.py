@@ -164,9 +164,7 @@ def test_generation_stopped_and_resumed_in_chunks_gives_the_uninterrupted_greedy
         torch.testing.assert_close(torch.tensor(a.log_probs + b.log_probs), whole.log_probs[i, :length])
         assert b.finished
     sampled = SamplingParams(n=1, max_tokens=12, seed=3)
-    once, again = (
-        rollout.generate_until(rows, sampled, chunk_tokens=5, stop=all) for _ in range(2)
-    )
+    once, again = (rollout.generate_until(rows, sampled, chunk_tokens=5, stop=all) for _ in range(2))
     assert [p.tokens for p in once] == [p.tokens for p in again] and all(p.finished for p in once)
     with pytest.raises(ValueError, match="sampling.n=2, must be 1"):
         rollout.generate_until(rows, sampled.replace(n=2), chunk_tokens=5, stop=all)

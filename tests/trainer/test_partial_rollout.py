@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from dsrl.data.datasets import PromptRecord
 from dsrl.rollout import HFRollout, SamplingParams
 from dsrl.trainer.partial_rollout import OFF_POLICY, InFlight
-from tests.helpers.trainer import run_config
+from tests.helpers.trainer import FILTERING, PARITY_REWARD, run_config
 
 pytestmark = pytest.mark.e2e
 
@@ -44,9 +44,12 @@ def step(pool: InFlight, rollout: HFRollout, version: int, draws: Draws, chunk_t
 
 
 def take(pool: InFlight, version: int):
-    return pool.take_batch(
-        lambda rows: [RECORDS[r] for r in rows], prompt_pad=0, response_pad=0, max_tokens=12, version=version
-    )
+    def build(groups):
+        return pool.batch_of(
+            groups, lambda rows: [RECORDS[r] for r in rows], prompt_pad=0, response_pad=0, max_tokens=12
+        )
+
+    return pool.take_batch(build, version)
 
 
 def response_log_probs(model, prompt, tokens) -> torch.Tensor:
@@ -138,6 +141,27 @@ def test_the_pool_state_round_trips_exactly(world_of_one, tiny_model_dir):
     assert any(r.tokens and not r.finished for g in copy.groups for r in g.responses)
 
 
+def test_judged_groups_leave_the_pool_unless_informative_and_keep_their_verdict(world_of_one, tiny_model_dir):
+    rollout = HFRollout(str(tiny_model_dir), dtype="float32")
+    pool, draws = InFlight(batch_size=2, pool_size=4, n=2, threshold=None, strategy="drop"), Draws()
+    step(pool, rollout, 0, draws)
+    seen = []
+
+    def verdicts_of(groups):
+        seen.extend(g.group_id for g in groups)
+        return ["kept" if g.group_id % 2 else "all_wrong" for g in groups]
+
+    informative, going, verdicts = pool.judge(verdicts_of)
+    assert seen == [0, 1, 2, 3] and verdicts == ["all_wrong", "kept", "all_wrong", "kept"]
+    assert (informative, going) == (2, False) and [g.group_id for g in pool.groups] == [1, 3]
+    assert pool.judge(verdicts_of)[2] == [] and seen == [0, 1, 2, 3]  # judged once
+    copy = InFlight(batch_size=2, pool_size=4, n=2, threshold=None, strategy="drop")
+    copy.load_state_dict(pool.state_dict())
+    assert [g.kept for g in copy.groups] == [True, True]
+    batch, _ = take(pool, 0)
+    assert sorted(set(batch.group_ids.tolist())) == [1, 3]
+
+
 ASYNC = [
     "trainer.v1.trainer_mode=colocate_async",
     "trainer.v1.colocate_async.chunk_tokens=4",
@@ -162,3 +186,27 @@ def test_a_colocate_async_run_trains_on_carried_responses_within_the_bound(
     assert all(m[f"{OFF_POLICY}/trajectory_staleness_worst/max"] + 1 <= 2 for m in steps)
     assert all(m["rollout_corr/is_ratio_min"] < 1 < m["rollout_corr/is_ratio_max"] for m in steps[1:])  # stale tokens
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_dynamic_sampling_judges_each_complete_group_and_refills_the_pool(
+    world_of_one, tiny_model_dir, arithmetic_data, ds_test_config, tmp_path
+):
+    """DAPO with partial rollout: each group is judged once complete (the parity reward drops every even answer's
+    group, all_correct), the dropped leave the pool, which is filled again when nothing is left to generate."""
+    reward = tmp_path / "parity_reward.py"
+    reward.write_text(PARITY_REWARD)
+    trainer, logged, _, _ = run_config(
+        "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "run", *ASYNC, *FILTERING,
+        f"custom_reward_function.path={reward}",
+    )  # fmt: skip
+    steps = [metrics for step, metrics in logged if f"{OFF_POLICY}/chunks" in metrics]
+    assert len(steps) == 3
+    assert sum(m["dynamic_sampling/dropped_all_correct"] for m in steps) >= 1
+    assert any(m["train/num_gen_batches"] > 1 for m in steps)  # a step filled the pool again
+    for m in steps:
+        judged = m["dynamic_sampling/groups_informative"] + sum(
+            m[f"dynamic_sampling/dropped_{r}"] for r in ("all_correct", "all_wrong", "all_equal")
+        )
+        assert judged == m["dynamic_sampling/groups_generated"] and m["actor/grad_norm"] > 0
+    trained = trainer.cfg.data.train_batch_size
+    assert all(m[f"{OFF_POLICY}/groups_carried"] + m[f"{OFF_POLICY}/groups_admitted"] >= trained for m in steps)
