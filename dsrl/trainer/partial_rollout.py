@@ -255,9 +255,21 @@ class InFlight:
             "next_group_id": self.next_group_id,
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Put back what ``state_dict`` saved."""
+    def load_state_dict(self, state: dict, records: int) -> None:
+        """Put back what ``state_dict`` saved; ``records``: the rows of the training data. Raises ``ValueError`` on a
+        state whose parts do not fit together (another ``rollout.n``, prompts the data does not have)."""
         lengths = state["lengths"].tolist()
+        rows = state["groups"][:, 1].tolist() + state["reserve"].tolist()
+        sizes = {len(state[name]) for name in ("tokens", "log_probs", "versions")}
+        if (
+            len(state["finished"]) != len(lengths) or len(lengths) != self.n * len(state["groups"])
+            or sizes != {sum(lengths)} or not all(0 <= row < records for row in rows)
+        ):  # fmt: skip
+            raise ValueError(
+                f"the groups in flight do not fit this run ({len(state['groups'])} groups, {len(lengths)} responses "
+                f"for n={self.n}, {sum(lengths)} tokens against {sorted(sizes)} log-probs and versions, prompt rows "
+                f"up to {max(rows, default=0)} of {records})"
+            )
         ends = torch.tensor(lengths).cumsum(0).tolist() if lengths else []
         cuts = [(end - length, end) for end, length in zip(ends, lengths, strict=True)]
         responses = [

@@ -247,7 +247,10 @@ class TrainerSetup:
             self.global_step = resume_state["global_step"]
             in_flight = load_in_flight(self.resume_from, self.rank)
             if self.in_flight is not None and in_flight is not None:  # else it starts empty (a sync checkpoint)
-                self.in_flight.load_state_dict(in_flight)
+                try:
+                    self.in_flight.load_state_dict(in_flight, records=len(self.train_prompts))
+                except ValueError as err:
+                    raise CheckpointError(f"{self.resume_from}/in_flight/rank_{self.rank}.pt: {err}") from None
         self.initial_step = self.global_step  # where this run started (a resumed run's checkpoint)
         self.last_checkpoint = self.resume_from
 

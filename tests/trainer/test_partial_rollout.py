@@ -136,9 +136,14 @@ def test_the_pool_state_round_trips_exactly(world_of_one, tiny_model_dir):
         step(pool, rollout, version, draws)
         take(pool, version)
     copy = InFlight(batch_size=2, pool_size=4, n=2, threshold=None, strategy="drop")
-    copy.load_state_dict(pool.state_dict())
+    copy.load_state_dict(pool.state_dict(), records=len(PROMPTS))
     assert copy.groups == pool.groups and copy.reserve == pool.reserve and copy.next_group_id == pool.next_group_id
     assert any(r.tokens and not r.finished for g in copy.groups for r in g.responses)
+    broken = {**pool.state_dict(), "log_probs": pool.state_dict()["log_probs"][:-1]}
+    with pytest.raises(ValueError, match="do not fit this run"):
+        copy.load_state_dict(broken, records=len(PROMPTS))
+    with pytest.raises(ValueError, match=f"prompt rows up to {max(pool.reserve)} of 4"):
+        copy.load_state_dict(pool.state_dict(), records=4)
 
 
 def test_judged_groups_leave_the_pool_unless_informative_and_keep_their_verdict(world_of_one, tiny_model_dir):
@@ -156,7 +161,7 @@ def test_judged_groups_leave_the_pool_unless_informative_and_keep_their_verdict(
     assert (informative, going) == (2, False) and [g.group_id for g in pool.groups] == [1, 3]
     assert pool.judge(verdicts_of)[2] == [] and seen == [0, 1, 2, 3]  # judged once
     copy = InFlight(batch_size=2, pool_size=4, n=2, threshold=None, strategy="drop")
-    copy.load_state_dict(pool.state_dict())
+    copy.load_state_dict(pool.state_dict(), records=len(PROMPTS))
     assert [g.kept for g in copy.groups] == [True, True]
     batch, _ = take(pool, 0)
     assert sorted(set(batch.group_ids.tolist())) == [1, 3]
