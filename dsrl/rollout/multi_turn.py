@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsrl.data.datasets import left_pad
-from dsrl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+from dsrl.rollout.base import PartialRow, RolloutEngine, RolloutOutput, SamplingParams, StopCheck
 from dsrl.rollout.tools import TOOL_FAILURE_KINDS, ToolRequest, ToolResult, ToolSet, parse_tool_calls
 
 TURN_SEED_STRIDE = 7_000_003  # seeds of a batch's successive turns
@@ -62,6 +62,7 @@ class Conversation:
     calls: int = 0  # tool calls run or answered with a parse error
     stop: str | None = None  # one of STOP_REASONS once ended
     pending: list = field(default_factory=list)  # this turn's calls (ToolCall) and unparsable blocks (their message)
+    turn_start: int = 0  # where the current turn starts in response (generate_until continues a turn in chunks)
 
     def add(self, tokens: Sequence[int], *, model: bool, log_probs: Sequence[float] | None = None) -> None:
         self.context.extend(tokens)
@@ -184,6 +185,40 @@ class MultiTurnRollout:
             stats.finished(row)
         return self._output(rows, budget)
 
+    @torch.no_grad()
+    def generate_until(
+        self, rows: Sequence[Conversation], sampling: SamplingParams, *, chunk_tokens: int, stop: StopCheck
+    ) -> None:
+        """Partial rollout (``dsrl.trainer.partial_rollout``): go on with each conversation (one response each) in
+        chunks of at most ``chunk_tokens`` tokens of its current turn, the engine's ``generate_until`` for one chunk at
+        a time; a turn that ends in the chunk has its tool calls run before the next, all conversations' together.
+        ``stop`` is asked after each chunk with every conversation's end; the conversations hold the progress (a turn
+        cut mid-way goes on from its tokens at the next call). Ended conversations count in ``stats``."""
+        budget = sampling.max_tokens
+        for chunk in itertools.count():
+            live = [row for row in rows if row.stop is None]
+            if live:
+                seed = None if sampling.seed is None else sampling.seed + chunk * TURN_SEED_STRIDE
+                start = time.perf_counter()
+                progress = self.engine.generate_until(
+                    [PartialRow(tuple(row.context), (), budget - len(row.response)) for row in live],
+                    sampling.replace(n=1, seed=seed),
+                    chunk_tokens=chunk_tokens,
+                    stop=lambda finished: True,
+                )
+                self.stats.turn_seconds.append(time.perf_counter() - start)
+                wanting = []
+                for row, p in zip(live, progress, strict=True):
+                    row.add(p.tokens, model=True, log_probs=p.log_probs)
+                    if p.finished and self._close_turn(row, row.response[row.turn_start :]):
+                        wanting.append(row)
+                self._answer_calls(wanting, budget, self.stats)
+                for row in live:
+                    if row.stop is not None:
+                        self.stats.finished(row)
+            if stop([row.stop is not None for row in rows]):
+                return
+
     def _timed_generate(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParams) -> RolloutOutput:
         start = time.perf_counter()
         out = self.engine.generate(ids, mask, sampling)
@@ -205,6 +240,10 @@ class MultiTurnRollout:
         room = budget - len(row.response)
         tokens = out.response_ids[index, : min(length, room)].tolist()
         row.add(tokens, model=True, log_probs=out.log_probs[index, : len(tokens)].tolist())
+        return self._close_turn(row, tokens)
+
+    def _close_turn(self, row: Conversation, tokens: list[int]) -> bool:
+        """``row``'s turn of ``tokens`` (already added) ends; whether it asks for tools and may have them."""
         row.turns += 1
         ended = bool(tokens) and tokens[-1] in self.eos_token_ids
         text = self.tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
@@ -245,6 +284,7 @@ class MultiTurnRollout:
             row.add(piece, model=False)
             row.messages.extend(messages)
             row.tool_rounds += 1
+            row.turn_start = len(row.response)
 
     def tool_turn_ids(self, messages: list[dict]) -> list[int]:
         """The tokens between an assistant turn's end-of-turn token and the next turn: what the chat template

@@ -19,9 +19,17 @@ def prompt_batch(records, pad_token_id: int, first_group_id: int) -> Batch:
 
 
 def with_responses(prompts: Batch, out: RolloutOutput, n: int) -> Batch:
-    """The rows of ``prompts`` repeated ``n`` times (a prompt's rows contiguous) with the rollout's responses."""
+    """The rows of ``prompts`` repeated ``n`` times (a prompt's rows contiguous) with the rollout's responses. With
+    multi-turn, each row's ``extra_info`` gains its ``num_turns`` and ``num_tool_calls`` for the reward functions."""
     repeat = torch.arange(len(prompts)).repeat_interleave(n)
-    return prompts.select(repeat).replace(
+    batch = prompts.select(repeat)
+    if out.conversations is not None:
+        infos = batch.extra_infos or [{}] * len(batch)
+        talks = [
+            {"num_turns": talk["num_turns"], "num_tool_calls": talk["num_tool_calls"]} for talk in out.conversations
+        ]
+        batch = batch.replace(extra_infos=[{**info, **talk} for info, talk in zip(infos, talks, strict=True)])
+    return batch.replace(
         response_ids=out.response_ids,
         response_mask=out.response_mask,
         rollout_log_probs=out.log_probs,

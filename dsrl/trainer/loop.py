@@ -196,16 +196,7 @@ class Trainer(TrainerSetup):
         else:
             tools_kwargs = [info.get("tools_kwargs") or {} for info in prompts.extra_infos] or [{}] * len(prompts)
             out = self.rollout.generate(prompts.prompt_ids, prompts.prompt_mask, sampling, tools_kwargs=tools_kwargs)
-        batch = with_responses(prompts, out, sampling.n)
-        if out.conversations is not None:
-            infos = batch.extra_infos or [{}] * len(batch)
-            batch = batch.replace(
-                extra_infos=[
-                    {**info, "num_turns": talk["num_turns"], "num_tool_calls": talk["num_tool_calls"]}
-                    for info, talk in zip(infos, out.conversations, strict=True)
-                ]
-            )
-        return batch
+        return with_responses(prompts, out, sampling.n)
 
     def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
         """Token-level scores [B, T] (each response's score at its last response token), gdpo's reward
@@ -227,10 +218,12 @@ class Trainer(TrainerSetup):
     def partial_rollout(self) -> tuple[Batch, dict[str, float]]:
         """``trainer.v1.trainer_mode=colocate_async`` (``dsrl.trainer.partial_rollout``): the pool topped up, its
         responses continued until ``data.train_batch_size`` groups are complete over all ranks, this rank's share of
-        the oldest of them, and the off-policy metrics. With dynamic sampling each complete group is judged as
-        ``dsrl.trainer.dynamic_sampling`` judges a round's (scored, kept when its metric varies), the uninformative
-        leave the pool, and generation goes on, the pool refilled when nothing is left to generate, for at most
-        ``algorithm.filter_groups.max_num_gen_batches`` fillings. Collective; inside the colocated generation."""
+        the oldest of them, and the off-policy metrics. Multi-turn conversations go on across steps, their tool
+        calls run between chunks (``MultiTurnRollout.generate_until``). With dynamic sampling each complete group is
+        judged as ``dsrl.trainer.dynamic_sampling`` judges a round's (scored, kept when its metric varies), the
+        uninformative leave the pool, and generation goes on, the pool refilled when nothing is left to generate, for
+        at most ``algorithm.filter_groups.max_num_gen_batches`` fillings. Collective; inside the colocated
+        generation."""
         cfg, version, pool = self.cfg, self.global_step, self.in_flight
         fg, draw = cfg.algorithm.filter_groups, self.sampler.next_indices
         max_tokens = cfg.data.max_response_length
@@ -255,8 +248,8 @@ class Trainer(TrainerSetup):
                 lambda rows: [record.prompt_ids for record in self.sampler.take(rows)],
                 sampling.replace(seed=sampling.seed + 1_000_003 * attempt),
                 version=version,
-                max_tokens=max_tokens,
                 chunk_tokens=cfg.trainer.v1.colocate_async.chunk_tokens,
+                conversation_of=self.conversation_of if self.tools is not None else None,
             )
             if not fg.enable:
                 break

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from dsrl.data.batch import Batch
 from dsrl.rollout.base import PartialRow, RolloutEngine, RolloutOutput, SamplingParams
+from dsrl.rollout.multi_turn import Conversation
 from dsrl.trainer.balance import take_global_rows
 from dsrl.trainer.batches import prompt_batch, with_responses
 from dsrl.trainer.dynamic_sampling import KEPT, transfer_plan
@@ -61,6 +62,7 @@ class Response:
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finished: bool = False
+    conversation: Conversation | None = None  # multi-turn: its turns and tool outputs (tokens is its response)
 
 
 @dataclass
@@ -132,14 +134,14 @@ class InFlight:
         sampling: SamplingParams,
         *,
         version: int,
-        max_tokens: int,
         chunk_tokens: int,
+        conversation_of: Callable[[int], Conversation] | None = None,
     ) -> int:
-        """Continue every unfinished response until enough groups are complete on all ranks; returns the chunks it
-        took. ``prompts(records)``: the prompts' token ids. Collective (once per chunk)."""
+        """Continue every unfinished response (at most ``sampling.max_tokens`` tokens each) until enough groups are
+        complete on all ranks; returns the chunks it took. ``prompts(records)``: the prompts' token ids;
+        ``conversation_of(record)``: multi-turn, a new conversation of the prompt (``rollout`` is then a
+        ``MultiTurnRollout``, its turns and tool calls going on across chunks). Collective (once per chunk)."""
         running = [(g, r) for g in self.groups for r in g.responses if not r.finished]
-        tokens_of = prompts([g.record for g, _ in running]) if running else []
-        rows = [PartialRow(p, tuple(r.tokens), max_tokens) for p, (_, r) in zip(tokens_of, running, strict=True)]
         chunks = 0
 
         def stop(finished: list[bool]) -> bool:
@@ -156,7 +158,23 @@ class InFlight:
                 return True
             return sum(c for c, _, _ in everyone) >= self.batch_size and not any(w for _, w, _ in everyone)
 
-        progress = rollout.generate_until(rows, sampling.replace(n=1), chunk_tokens=chunk_tokens, stop=stop)
+        sampling = sampling.replace(n=1)
+        if conversation_of is not None:
+            for g, r in running:
+                r.conversation = r.conversation or conversation_of(g.record)
+            talks = [r.conversation for _, r in running]
+            before = [len(talk.response) for talk in talks]
+            rollout.generate_until(talks, sampling, chunk_tokens=chunk_tokens, stop=stop)
+            for (_, response), talk, start in zip(running, talks, before, strict=True):
+                response.tokens, response.log_probs = list(talk.response), list(talk.log_probs)
+                response.versions += [version] * (len(talk.response) - start)  # the tool outputs' too
+                response.finished = talk.stop is not None
+            return chunks
+        tokens_of = prompts([g.record for g, _ in running]) if running else []
+        rows = [
+            PartialRow(p, tuple(r.tokens), sampling.max_tokens) for p, (_, r) in zip(tokens_of, running, strict=True)
+        ]
+        progress = rollout.generate_until(rows, sampling, chunk_tokens=chunk_tokens, stop=stop)
         for (_, response), p in zip(running, progress, strict=True):
             response.tokens += p.tokens
             response.log_probs += p.log_probs
@@ -212,14 +230,19 @@ class InFlight:
         mask = torch.zeros((len(responses), max_tokens), dtype=torch.long)
         log_probs = torch.zeros((len(responses), max_tokens), dtype=torch.float32)
         versions = torch.zeros((len(responses), max_tokens), dtype=torch.long)
+        attention = torch.zeros((len(responses), max_tokens), dtype=torch.long)
         for row, r in enumerate(responses):
             ids[row, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
-            mask[row, : len(r.tokens)] = 1
+            attention[row, : len(r.tokens)] = 1
+            mask[row, : len(r.tokens)] = 1 if r.conversation is None else torch.tensor(r.conversation.mask)
             log_probs[row, : len(r.tokens)] = torch.tensor(r.log_probs, dtype=torch.float32)
             versions[row, : len(r.tokens)] = torch.tensor(r.versions, dtype=torch.long)
         reasons = ["stop" if r.finished else "length" for r in responses]
-        batch = with_responses(prompts, RolloutOutput(ids, mask, log_probs, reasons), self.n)
-        return batch.replace(rollout_versions=versions)
+        out = RolloutOutput(ids, mask, log_probs, reasons)
+        if any(r.conversation is not None for r in responses):  # multi-turn: tool outputs in the context only
+            out.attention_mask = attention
+            out.conversations = [_turn_counts(r.conversation) for r in responses]
+        return with_responses(prompts, out, self.n).replace(rollout_versions=versions)
 
     # ---- metrics and checkpoints ----------------------------------------------------------------
 
@@ -253,11 +276,15 @@ class InFlight:
             "versions": torch.tensor([v for r in responses for v in r.versions], dtype=torch.long),
             "reserve": torch.tensor(self.reserve, dtype=torch.long),
             "next_group_id": self.next_group_id,
+            "conversations": [None if r.conversation is None else _talk_state(r.conversation) for r in responses],
         }
 
-    def load_state_dict(self, state: dict, records: int) -> None:
-        """Put back what ``state_dict`` saved; ``records``: the rows of the training data. Raises ``ValueError`` on a
-        state whose parts do not fit together (another ``rollout.n``, prompts the data does not have)."""
+    def load_state_dict(
+        self, state: dict, records: int, conversation_of: Callable[[int], Conversation] | None = None
+    ) -> None:
+        """Put back what ``state_dict`` saved; ``records``: the rows of the training data; ``conversation_of``: as
+        ``generate``'s, for a multi-turn run. Raises ``ValueError`` on a state whose parts do not fit together or the
+        run (another ``rollout.n``, prompts the data does not have, conversations where the run has no tools)."""
         lengths = state["lengths"].tolist()
         rows = state["groups"][:, 1].tolist() + state["reserve"].tolist()
         sizes = {len(state[name]) for name in ("tokens", "log_probs", "versions")}
@@ -287,3 +314,37 @@ class InFlight:
         ]
         self.reserve = state["reserve"].tolist()
         self.next_group_id = int(state["next_group_id"])
+        talks = iter(state["conversations"])
+        for group in self.groups:
+            for response, saved in zip(group.responses, talks, strict=False):
+                if (saved is None) != (conversation_of is None) and (saved is not None or response.tokens):
+                    multi = "" if saved is not None else "out"
+                    raise ValueError(
+                        f"its responses were generated with{multi} multi-turn tool calls, unlike this run's"
+                    )
+                if saved is not None and conversation_of is not None:
+                    response.conversation = _resumed_talk(conversation_of(group.record), response, saved)
+
+
+TALK_FIELDS = ("messages", "turns", "tool_rounds", "calls", "stop", "turn_start")  # a checkpoint's, with the mask
+
+
+def _talk_state(talk: Conversation) -> dict:
+    """What a checkpoint holds of a conversation in flight beyond its response's tokens and log-probs (data only)."""
+    return {"mask": torch.tensor(talk.mask, dtype=torch.long), **{name: getattr(talk, name) for name in TALK_FIELDS}}
+
+
+def _resumed_talk(talk: Conversation, response: Response, saved: dict) -> Conversation:
+    """``talk``, a new conversation of the prompt, as ``_talk_state`` saved it with ``response``."""
+    talk.context += response.tokens
+    talk.response, talk.log_probs, talk.mask = list(response.tokens), list(response.log_probs), saved["mask"].tolist()
+    for name in TALK_FIELDS:
+        setattr(talk, name, saved[name])
+    return talk
+
+
+def _turn_counts(talk: Conversation | None) -> dict:
+    """A response's entry of ``RolloutOutput.conversations`` (none: it never ran, a padding row)."""
+    if talk is None:
+        return {"messages": [], "num_turns": 0, "num_tool_calls": 0, "stop": None}
+    return {"messages": talk.messages, "num_turns": talk.turns, "num_tool_calls": talk.calls, "stop": talk.stop}

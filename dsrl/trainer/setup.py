@@ -20,7 +20,7 @@ from dsrl.data.datasets import PromptSampler, load_prompts, load_tokenizer
 from dsrl.engines import ActorEngine, AdapterOffReference, CriticEngine, ReferenceEngine
 from dsrl.rewards import RewardScorer, check_reward_rules
 from dsrl.rollout import HFRollout
-from dsrl.rollout.multi_turn import MultiTurnRollout
+from dsrl.rollout.multi_turn import Conversation, MultiTurnRollout
 from dsrl.rollout.tools import ToolSet
 from dsrl.runtime.distributed import gather_problems
 from dsrl.runtime.seeding import seed_all
@@ -156,6 +156,11 @@ class TrainerSetup:
                 strategy=v1.sampler.max_off_policy_strategy,
             )
 
+    def conversation_of(self, row: int) -> Conversation:
+        """Multi-turn partial rollout: a new conversation of training prompt ``row``, with its tools' arguments."""
+        record = self.sampler.take([row])[0]
+        return Conversation(list(record.prompt_ids), record.extra_info.get("tools_kwargs") or {})
+
     def _setup_rewards(self) -> None:
         """The reward rules checked against the prompts' data sources, and the scorer of the responses."""
         cfg = self.cfg
@@ -248,7 +253,11 @@ class TrainerSetup:
             in_flight = load_in_flight(self.resume_from, self.rank)
             if self.in_flight is not None and in_flight is not None:  # else it starts empty (a sync checkpoint)
                 try:
-                    self.in_flight.load_state_dict(in_flight, records=len(self.train_prompts))
+                    self.in_flight.load_state_dict(
+                        in_flight,
+                        records=len(self.train_prompts),
+                        conversation_of=self.conversation_of if self.tools is not None else None,
+                    )
                 except ValueError as err:
                     raise CheckpointError(f"{self.resume_from}/in_flight/rank_{self.rank}.pt: {err}") from None
         self.initial_step = self.global_step  # where this run started (a resumed run's checkpoint)

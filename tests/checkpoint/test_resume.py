@@ -142,14 +142,21 @@ def test_killed_and_resumed_mixture_of_experts_run_is_bit_identical(
     assert "model.layers.3.mlp.experts.7.down_proj.weight" in index["weight_map"]
 
 
-PARTIAL_ROLLOUT = ["trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.chunk_tokens=4"]
+PARTIAL_ROLLOUT = [
+    "trainer.v1.trainer_mode=colocate_async",
+    "trainer.v1.colocate_async.chunk_tokens=4",
+    "trainer.v1.sampler.max_off_policy_threshold=2",
+    "algorithm.rollout_correction.rollout_is=token",
+]
 
 
 def test_killed_and_resumed_colocate_async_run_is_bit_identical(
     tiny_model_dir, arithmetic_data, ds_test_config, free_port, deepspeed_cpu_ops, tmp_path
 ):
-    """Partial rollout: each checkpoint holds the groups in flight (tokens, float32 log-probs, versions); a run killed
-    while saving and resumed is the uninterrupted one, the responses it carried over the resume included."""
+    """Partial rollout (GRPO): from the second step on the pool carries groups, the trained responses span versions
+    within the bound, and rollout correction weighs their stale tokens; each checkpoint holds the groups in flight
+    (tokens, float32 log-probs, versions), and a run killed while saving and resumed is the uninterrupted one, the
+    responses it carried over the resume included."""
     ds_config = ds_test_config("zero3_offload")
     start = kill_and_resume_grpo(
         lambda name, ckpt: [
@@ -161,9 +168,14 @@ def test_killed_and_resumed_colocate_async_run_is_bit_identical(
     )
     in_flight = torch.load(start / "in_flight" / "rank_0.pt", weights_only=True)
     assert len(in_flight["groups"]) and len(in_flight["tokens"]) and not in_flight["finished"].all()
-    carried = [e["metrics"].get("training/off_policy/groups_carried") for e in logged_steps(tmp_path / "chain")]
-    carried = [c for c in carried if c is not None]  # less validation's entries
-    assert carried and all(c > 0 for c in carried)
+    steps = [e["metrics"] for e in logged_steps(tmp_path / "baseline" / "grpo") if "actor/grad_norm" in e["metrics"]]
+    off_policy = "training/off_policy"
+    assert len(steps) == STEPS and steps[0][f"{off_policy}/groups_carried"] == 0
+    assert all(m[f"{off_policy}/groups_carried"] > 0 for m in steps[1:])
+    assert max(m[f"{off_policy}/trajectory_spans/max"] for m in steps) == 2  # the bound, reached
+    assert all(m[f"{off_policy}/trajectory_staleness_worst/max"] + 1 <= 2 for m in steps)
+    stale = [m for m in steps if m[f"{off_policy}/trajectory_staleness_worst/max"] > 0]
+    assert stale and all(m["rollout_corr/is_ratio_min"] < 1 < m["rollout_corr/is_ratio_max"] for m in stale)
 
 
 def test_sigterm_saves_exits_143_and_resumes_exactly(baselines, overrides_for, free_port, tmp_path):
@@ -253,12 +265,14 @@ def test_resume_with_dynamic_sampling_is_bit_identical(
 
 # the loop's state is the same with tools (multi-turn trains in tests/trainer/test_trainer_multi_turn.py)
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
 def test_resume_with_tool_calls_is_bit_identical(
-    tool_model_dir, calculator_data, ds_test_config, free_port, deepspeed_cpu_ops, tmp_path
+    mode, tool_model_dir, calculator_data, ds_test_config, free_port, deepspeed_cpu_ops, tmp_path
 ):
     """TIR-OTB with the calculator (configs/tir_otb.yaml, the tool task's CPU overlay): every turn of a
     conversation is seeded from the step, and the calculator gives the same outputs, so a run killed mid-step
-    and resumed generates the same conversations as the uninterrupted one."""
+    and resumed generates the same conversations as the uninterrupted one. With partial rollout the checkpoint holds
+    the conversations in flight (their turns, tool messages and masks), which go on after the resume."""
     from tests.conftest import REPO
 
     ds_config = ds_test_config("zero3_offload")
@@ -268,6 +282,8 @@ def test_resume_with_tool_calls_is_bit_identical(
             str(REPO / "configs" / "calculator_cpu.yaml"),
             *resume_overrides("tir_otb", model=tool_model_dir, data=calculator_data, ds_config=ds_config, ckpt=ckpt),
             "custom_reward_function.path=null",
+            f"trainer.v1.trainer_mode={mode}",
+            "trainer.v1.colocate_async.chunk_tokens=8",
         ]
 
     baseline = tmp_path / "baseline"
@@ -288,3 +304,8 @@ def test_resume_with_tool_calls_is_bit_identical(
         free_port=free_port,
     )
     assert assert_same_run(baseline, chain, first_step=RESUME_AT + 1) == STEPS - RESUME_AT + 1
+    if mode == "colocate_async":
+        in_flight = torch.load(
+            baseline / "ckpt" / f"global_step_{RESUME_AT}" / "in_flight" / "rank_0.pt", weights_only=True
+        )
+        assert any(talk is not None and talk["stop"] is None and talk["turns"] for talk in in_flight["conversations"])

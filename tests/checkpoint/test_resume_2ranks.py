@@ -63,6 +63,7 @@ def test_killed_and_resumed_run_is_bit_identical(name, overrides_for, free_port,
     assert assert_same_run(baseline, chain, first_step=RESUME_AT + 1, ranks=(0, 1)) == STEPS - RESUME_AT + 1
 
 
+@pytest.mark.slow  # partial rollout's representative in the default run: tests/checkpoint/test_resume.py
 def test_a_colocate_async_run_agrees_on_every_stop_and_resumes_bit_identically(
     overrides_for, free_port, tmp_path, deepspeed_cpu_ops
 ):

@@ -48,8 +48,6 @@ def test_the_modes_validate(name, overrides):
          "at least one version", "set it to 8"),
         (["trainer.v1.sampler.max_off_policy_strategy=block"], "trainer.v1.sampler.max_off_policy_strategy",
          "unknown strategy", "use one of drop, wait"),
-        ([ASYNC, "actor_rollout_ref.rollout.multi_turn.enable=true"], MODE, "multi-turn conversations",
-         "trainer.v1.trainer_mode=sync"),
         ([ASYNC, "algorithm.adv_estimator=remax"], MODE, "greedy baselines", "another estimator"),
         ([ASYNC, "actor_rollout_ref.actor.router_replay.mode=R3",
           "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "actor_rollout_ref.rollout.name=hf"], MODE,

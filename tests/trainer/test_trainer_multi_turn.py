@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from tests.helpers.trainer import changed_fraction
 
@@ -95,3 +96,47 @@ def trainer_parameters(trainer):
     from dsrl.engines.weight_sync import iter_full_parameters
 
     return iter_full_parameters(trainer.actor.module)
+
+
+def test_conversations_go_on_across_steps_with_partial_rollout(
+    tool_model_dir, calculator_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    """colocate_async with tool calls: conversations stop mid-turn or between turns at a step's end and go on under
+    the next step's weights, their tool outputs still in the context only (response_mask 0, no log-prob); the step's
+    rollout-vs-actor gap over the tokens its own weights sampled stays at float round-off."""
+    from tests.helpers.trainer import trainer_for
+
+    reward = tmp_path / "turns_reward.py"
+    reward.write_text(TURNS_REWARD)
+    overrides = [
+        *multi_turn_overrides(tool_model_dir, calculator_data, reward),
+        "trainer.v1.trainer_mode=colocate_async",
+        "trainer.v1.colocate_async.chunk_tokens=8",
+        "trainer.total_training_steps=3",
+    ]
+    trainer = trainer_for("grpo", tool_model_dir, calculator_data, ds_test_config, tmp_path / "run", *overrides)
+    logged, batches = [], []
+    trainer.tracker.log_metrics = lambda metrics, step: logged.append((step, metrics))
+    partial_rollout = trainer.partial_rollout
+
+    def recording():
+        batch, metrics = partial_rollout()
+        batches.append(batch)
+        return batch, metrics
+
+    trainer.partial_rollout = recording
+    trainer.fit()
+    steps = [m for _, m in logged if "actor/grad_norm" in m]
+    assert len(steps) == 3 and all(m["training/off_policy/groups_carried"] > 0 for m in steps[1:])
+    assert sum(m["tool/calls/calculator"] for m in steps) > 0
+    assert all(m["training/rollout_probs_diff_max"] < 1e-4 for m in steps if m["training/rollout_probs_diff_valid"])
+    spanning_with_tools = 0
+    for batch in batches:
+        inside = batch.response_attention.bool() & ~batch.response_mask.bool()
+        assert not batch.rollout_log_probs[inside].any()
+        versions = batch.rollout_versions.masked_fill(~batch.response_attention.bool(), -1)
+        spans = versions.max(-1).values > versions.masked_fill(versions < 0, 10**6).min(-1).values
+        spanning_with_tools += int((spans & inside.any(-1)).sum())
+        turns = torch.tensor([info["num_turns"] for info in batch.extra_infos])
+        assert (turns >= 1).all()
+    assert spanning_with_tools > 0  # a conversation with a tool call went on under newer weights

@@ -301,8 +301,8 @@ def trainer_rules(cfg: Config, need: Need) -> None:
 
 def partial_rollout_rules(cfg: Config, need: Need) -> None:
     """verl V1's trainer modes (``trainer.v1``): sync, or partial rollout inside colocation. What carries a group
-    across steps is a response's tokens and log-probs; what holds more than that (a conversation with its tools, a
-    recorded route, a greedy baseline) is refused until it is carried too."""
+    across steps is a response's tokens, log-probs and conversation; what holds more than that (a recorded route, a
+    greedy baseline) is refused until it is carried too."""
     v1 = cfg.trainer.v1
     key = "trainer.v1.trainer_mode"
     need(
@@ -325,7 +325,6 @@ def partial_rollout_rules(cfg: Config, need: Need) -> None:
     arr, algo = cfg.actor_rollout_ref, cfg.algorithm
     fix = "or trainer.v1.trainer_mode=sync"
     for refused, what, how in (
-        (arr.rollout.multi_turn.enable, "multi-turn conversations", "rollout.multi_turn.enable=false"),
         ("greedy_baseline" in estimator_needs(algo.adv_estimator), "ReMax's greedy baselines", "another estimator"),
         (arr.rollout.enable_rollout_routing_replay, "recorded routes (R3)", "actor.router_replay.mode=R2"),
         (cfg.trainer.resume_allow_world_size_change, "a resume at another world size (the groups in flight are each "
