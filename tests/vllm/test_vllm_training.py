@@ -141,6 +141,27 @@ def test_two_ranks_under_the_launcher(overrides, tmp_path, free_port, tp):
         assert shared0 == shared1  # all-reduced: every rank logs the same numbers
 
 
+def test_partial_rollout_on_a_tensor_parallel_engine(overrides, tmp_path, free_port):
+    """colocate_async on two ranks sharing one engine (TP 2): vLLM steps its requests in chunks and aborts the rest;
+    both ranks take every stop alike (the same off-policy metrics, chunks included), carried responses go on under
+    the next weights, and the tokens each step's weights sampled score like the actor."""
+    port = free_port()
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port)]
+    partial = ["trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.chunk_tokens=4"]
+    tp = "actor_rollout_ref.rollout.tensor_model_parallel_size=2"
+    run([*launcher, str(WORKER), "--out", str(tmp_path), *QUICKSTART, *overrides, tp, *partial], port)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    steps = [[e["metrics"] for e in report["logged"] if "actor/grad_norm" in e["metrics"]] for report in reports]
+    assert len(steps[0]) == 3 and [report["tp"] for report in reports] == [2, 2]
+    off_policy = [[{k: v for k, v in m.items() if k.startswith("training/off_policy/")} for m in s] for s in steps]
+    assert off_policy[0] == off_policy[1]
+    assert all(m["training/off_policy/groups_carried"] > 0 for m in steps[0][1:])
+    assert max(m["training/off_policy/trajectory_spans/max"] for m in steps[0]) >= 2
+    for m in steps[0]:
+        if m["training/rollout_probs_diff_valid"]:
+            assert m["training/rollout_probs_diff_max"] < FP32_ATOL, m["training/rollout_probs_diff_max"]
+
+
 def test_a_push_that_never_reaches_vllm_stops_the_run(overrides, tmp_path, free_port):
     """The weight push made a no-op (``--skip-push``): vLLM keeps its start-up weights while the actor trains.
     Step 1 samples from the weights the actor still holds (within fp32 numerics, as above); steps 2 and 3 are two
