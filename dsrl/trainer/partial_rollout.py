@@ -28,11 +28,15 @@ and ``wait`` holds the step until every group at the threshold is complete. Evic
 sampler. Metrics: verl's ``training/off_policy/trajectory_spans|trajectory_staleness|trajectory_staleness_worst``
 (mean, max, min over the trained responses) and ``evicted_samples``, plus the pool's sizes.
 
+Multi-turn. A response holds its conversation (``dsrl.rollout.multi_turn.Conversation``), which
+``MultiTurnRollout.generate_until`` continues turn by turn, tool calls run between chunks; a conversation may stop
+mid-turn or between turns and go on in the next step.
+
 Dynamic sampling. ``judge`` scores each group once complete (through the trainer); an uninformative group leaves
 the pool, and the trainer generates on, filling the pool again when nothing is left to generate.
 
-Resume. ``state_dict`` holds this rank's groups (tokens, float32 log-probs and versions of every response), the
-reserve and the next id, as tensors a checkpoint loads as data; the sampling seed of a step comes from
+Resume. ``state_dict`` holds this rank's groups (tokens, float32 log-probs, versions and conversation of every
+response), the reserve and the next id, as tensors a checkpoint loads as data; the sampling seed of a step comes from
 ``trainer.seed``, the step and the rank, so a resumed run generates exactly what the uninterrupted one did.
 """
 
