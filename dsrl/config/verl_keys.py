@@ -77,11 +77,12 @@ def verl_only_key(key: str) -> tuple[str, str] | None:
             "verl's switch to its V1 trainer; dsrl reads trainer.v1.* always",
             "remove it; trainer.v1.trainer_mode=colocate_async turns partial rollout on (sync is the default)",
         )
-    if key.startswith(("trainer.v1.separate_async.", "trainer.v1.sampler.sync_refill_failed_groups")):
+    if key.startswith(("trainer.v1.separate_async.", "trainer.v1.sampler.", "trainer.v1.sync")):
         return (
-            "verl V1's split placement and its sync refill of failed groups: dsrl's rollout runs on the training "
-            "ranks, and a failed reward scores reward.fallback_score",
-            "remove it (trainer.v1.trainer_mode: sync | colocate_async)",
+            "verl V1's split placement, its custom samplers and its sync refill of failed groups: dsrl's rollout runs "
+            "on the training ranks, its sampler is the dataset's, and a failed reward scores reward.fallback_score",
+            "remove it (trainer.v1.trainer_mode: sync | colocate_async; trainer.v1.sampler.max_off_policy_threshold "
+            "and max_off_policy_strategy bound the staleness)",
         )
     if key.endswith((".ppo_micro_batch_size", ".log_prob_micro_batch_size")):
         return ("verl's deprecated global micro-batch size", f"set {key}_per_gpu (sequences per forward on one rank)")
