@@ -36,7 +36,7 @@ def measure(args: argparse.Namespace) -> dict:
     import vllm
     from transformers import AutoTokenizer
 
-    from dsrl.data.datasets import left_pad
+    from dsrl.data.batch import left_pad
     from dsrl.engines import init_distributed
     from dsrl.rollout import SamplingParams
     from dsrl.rollout.multi_turn import MultiTurnRollout

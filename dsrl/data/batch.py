@@ -158,3 +158,21 @@ def last_response_token(response_mask: torch.Tensor) -> torch.Tensor:
     -1 for an empty response."""
     positions = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
     return (positions * (response_mask != 0)).amax(-1) - 1
+
+
+def left_pad(
+    sequences: list[tuple[int, ...]] | list[list[int]], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token sequences to the longest: ``(ids, mask)``, both ``[B, P]`` int64, mask 1 on tokens.
+
+    Left padding puts every prompt's last token in column ``P - 1``, where generation continues.
+    """
+    if not sequences:
+        raise ValueError("left_pad: no sequences")
+    lengths = torch.tensor([len(s) for s in sequences])
+    width = int(lengths.max())
+    mask = torch.arange(width)[None, :] >= (width - lengths)[:, None]  # [B, P]
+    ids = torch.full(mask.shape, pad_token_id, dtype=torch.long)
+    # Row-major boolean indexing visits the kept positions in the order of the concatenated sequences.
+    ids[mask] = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+    return ids, mask.long()

@@ -44,9 +44,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import torch
 
 from dsrl.config import parquet_paths
+from dsrl.data.batch import left_pad
 
 logger = logging.getLogger(__name__)
 
@@ -588,24 +588,6 @@ class PromptSampler:
                 f"the checkpoint was written with another dataset or {self.key}"
             )
         self.epoch, self.index = epoch, index
-
-
-def left_pad(
-    sequences: list[tuple[int, ...]] | list[list[int]], pad_token_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token sequences to the longest: ``(ids, mask)``, both ``[B, P]`` int64, mask 1 on tokens.
-
-    Left padding puts every prompt's last token in column ``P - 1``, where generation continues.
-    """
-    if not sequences:
-        raise ValueError("left_pad: no sequences")
-    lengths = torch.tensor([len(s) for s in sequences])
-    width = int(lengths.max())
-    mask = torch.arange(width)[None, :] >= (width - lengths)[:, None]  # [B, P]
-    ids = torch.full(mask.shape, pad_token_id, dtype=torch.long)
-    # Row-major boolean indexing visits the kept positions in the order of the concatenated sequences.
-    ids[mask] = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
-    return ids, mask.long()
 
 
 def collate_prompts(records: Iterable[PromptRecord], pad_token_id: int) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from transformers import (
 
 from dsrl.algorithms import logprobs_from_logits
 from dsrl.config import pushes_lora_adapters
-from dsrl.data.datasets import left_pad
+from dsrl.data.batch import left_pad
 from dsrl.engines.forward import kv_cache
 from dsrl.engines.lora import add_adapters
 from dsrl.engines.routers import RouteRecorder

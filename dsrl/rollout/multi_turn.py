@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsrl.data.datasets import left_pad
+from dsrl.data.batch import left_pad
 from dsrl.rollout.base import PartialRow, RolloutEngine, RolloutOutput, SamplingParams, StopCheck
 from dsrl.rollout.tools import TOOL_FAILURE_KINDS, ToolRequest, ToolResult, ToolSet, parse_tool_calls
 

@@ -111,9 +111,10 @@ def batch_metrics(batch: Batch, *, max_prompt_length: int, max_response_length: 
     return metrics
 
 
-def rollout_logprob_metrics(batch: Batch, version: int) -> dict[str, float]:
+def rollout_logprob_metrics(batch: Batch, version: int | None = None) -> dict[str, float]:
     """verl's rollout-vs-actor check (``calculate_debug_metrics``) over every rank's response tokens; with partial
-    rollout over those the actor's current weights (``version``) sampled, since an older version's differ by design.
+    rollout (``batch.rollout_versions``) over those the actor's current weights (``version``) sampled, since an older
+    version's differ by design.
 
     In probability space: statistics of ``|exp(old_log_probs) - exp(rollout_log_probs)|`` (std
     unbiased) and the Pearson correlation of the two probabilities. ``..._valid`` is 0, and the rest
@@ -121,6 +122,8 @@ def rollout_logprob_metrics(batch: Batch, version: int) -> dict[str, float]:
     """
     mask = batch.response_mask.bool()
     if batch.rollout_versions is not None:
+        if version is None:
+            raise ValueError("rollout_logprob_metrics: a batch of partial rollouts needs the current version")
         mask &= batch.rollout_versions == version
     actor, rollout = batch.old_log_probs[mask].exp(), batch.rollout_log_probs[mask].exp()
     diff = (actor - rollout).abs()

@@ -12,7 +12,8 @@ import torch
 from transformers import AutoTokenizer
 
 from dsrl.data import datasets
-from dsrl.data.datasets import PromptRecord, PromptSampler, PromptStore, collate_prompts, left_pad, load_prompts
+from dsrl.data.batch import left_pad
+from dsrl.data.datasets import PromptRecord, PromptSampler, PromptStore, collate_prompts, load_prompts
 
 _spec = importlib.util.spec_from_file_location(
     "make_tiny_model", Path(__file__).parents[2] / "scripts" / "make_tiny_model.py"

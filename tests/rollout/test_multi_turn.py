@@ -14,8 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from dsrl.data.batch import last_response_token
-from dsrl.data.datasets import left_pad
+from dsrl.data.batch import last_response_token, left_pad
 from dsrl.rollout.base import RolloutOutput, SamplingParams
 from dsrl.rollout.multi_turn import MultiTurnRollout
 from dsrl.rollout.tools import ToolSet

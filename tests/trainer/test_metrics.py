@@ -122,7 +122,7 @@ def logprob_batch(actor_probs, rollout_probs, lengths):
 
 def test_rollout_probs_diff_by_hand():
     batch = logprob_batch([[0.5, 0.25], [1.0]], [[0.25, 0.25], [0.5]], [2, 1])
-    got = rollout_logprob_metrics(batch, version=0)
+    got = rollout_logprob_metrics(batch)
     # |diff| = [0.25, 0, 0.5]: mean 0.25, unbiased std 0.25; centred probs (x12): [-1,-4,5], [-1,-1,2]
     expected = {
         "training/rollout_probs_diff_valid": 1.0,
@@ -138,17 +138,19 @@ def test_rollout_probs_diff_by_hand():
     assert fresh["training/rollout_probs_diff_max"] == 0.5 and fresh["training/rollout_probs_diff_mean"] == 0.25
     assert fresh["training/rollout_probs_diff_std"] == pytest.approx(math.sqrt(0.125))  # of [0, 0.5]
     assert rollout_logprob_metrics(carried, version=4)["training/rollout_probs_diff_valid"] == 0.0
+    with pytest.raises(ValueError, match="needs the current version"):
+        rollout_logprob_metrics(carried)
 
 
 def test_rollout_probs_diff_degenerate_cases():
-    empty = rollout_logprob_metrics(version=0, batch=logprob_batch([[], []], [[], []], [0, 0]))
+    empty = rollout_logprob_metrics(logprob_batch([[], []], [[], []], [0, 0]))
     assert empty["training/rollout_probs_diff_valid"] == 0.0
     assert all(math.isnan(v) for k, v in empty.items() if not k.endswith("_valid"))
-    one = rollout_logprob_metrics(version=0, batch=logprob_batch([[0.5]], [[0.25]], [1]))
+    one = rollout_logprob_metrics(logprob_batch([[0.5]], [[0.25]], [1]))
     assert one["training/rollout_probs_diff_mean"] == pytest.approx(0.25)
     assert math.isnan(one["training/rollout_probs_diff_std"])  # unbiased std of one value
     assert math.isnan(one["training/rollout_actor_probs_pearson_corr"])
-    same = rollout_logprob_metrics(version=0, batch=logprob_batch([[0.5, 0.25, 0.125]], [[0.5, 0.25, 0.125]], [3]))
+    same = rollout_logprob_metrics(logprob_batch([[0.5, 0.25, 0.125]], [[0.5, 0.25, 0.125]], [3]))
     assert same["training/rollout_probs_diff_max"] == 0.0
     assert same["training/rollout_actor_probs_pearson_corr"] == pytest.approx(1.0)
 

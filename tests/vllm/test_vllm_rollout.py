@@ -331,7 +331,7 @@ def test_a_second_turn_is_served_from_the_prefix_cache(initial):
     response, then a tool message's tokens), as MultiTurnRollout submits it, finds cached every whole KV block (128
     tokens on CPU) the first turn computed: its prompt and all its response but the last token, which was sampled and
     never fed back; prefix_cached_tokens counts them (0 for an engine built without the cache)."""
-    from dsrl.data.datasets import left_pad
+    from dsrl.data.batch import left_pad
 
     block = initial.llm.llm_engine.vllm_config.cache_config.block_size
     prompt_ids, prompt_mask = prompts(lengths=(150, 120), width=150, seed=11)
