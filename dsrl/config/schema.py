@@ -795,8 +795,9 @@ class RewardConfig:
 class ColocateAsyncConfig:
     num_warmup_batches: float = _f(1, "colocate_async: groups in flight beyond data.train_batch_size, in train "
                                    "batches (fractions: whole groups per rank, rounded down; verl's)")  # fmt: skip
-    chunk_tokens: int = _f(32, "tokens each unfinished response generates between two checks of how many groups are "
-                           "complete (one collective each; dsrl's key)")  # fmt: skip
+    chunk_tokens: Optional[int] = _f(None, "tokens each unfinished response generates between two checks of how "
+                                     "many groups are complete (a collective each); null = data.max_response_length "
+                                     "// 8 (dsrl's key)")  # fmt: skip
 
 
 @dataclass

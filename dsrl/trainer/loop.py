@@ -248,7 +248,7 @@ class Trainer(TrainerSetup):
                 lambda rows: [record.prompt_ids for record in self.sampler.take(rows)],
                 sampling.replace(seed=sampling.seed + 1_000_003 * attempt),
                 version=version,
-                chunk_tokens=cfg.trainer.v1.colocate_async.chunk_tokens,
+                chunk_tokens=cfg.trainer.v1.colocate_async.chunk_tokens or max(1, max_tokens // 8),
                 conversation_of=self.conversation_of if self.tools is not None else None,
             )
             if not fg.enable:

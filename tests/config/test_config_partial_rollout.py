@@ -43,7 +43,7 @@ def test_the_modes_validate(name, overrides):
         (["trainer.v1.colocate_async.num_warmup_batches=-1"], "trainer.v1.colocate_async.num_warmup_batches",
          "must be >= 0", "set it to 1"),
         (["trainer.v1.colocate_async.chunk_tokens=0"], "trainer.v1.colocate_async.chunk_tokens", "must be >= 1",
-         "set it to 32"),
+         "set it to null"),
         (["trainer.v1.sampler.max_off_policy_threshold=0"], "trainer.v1.sampler.max_off_policy_threshold",
          "at least one version", "set it to 8"),
         (["trainer.v1.sampler.max_off_policy_strategy=block"], "trainer.v1.sampler.max_off_policy_strategy",

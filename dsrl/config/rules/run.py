@@ -314,7 +314,8 @@ def partial_rollout_rules(cfg: Config, need: Need) -> None:
     sampler, colocate = v1.sampler, v1.colocate_async
     need(colocate.num_warmup_batches >= 0, "trainer.v1.colocate_async.num_warmup_batches", "must be >= 0",
          "set it to 1 (verl's default)")  # fmt: skip
-    need(colocate.chunk_tokens >= 1, "trainer.v1.colocate_async.chunk_tokens", "must be >= 1", "set it to 32")
+    need(colocate.chunk_tokens is None or colocate.chunk_tokens >= 1, "trainer.v1.colocate_async.chunk_tokens",
+         "must be >= 1 or null", "set it to null (data.max_response_length // 8)")  # fmt: skip
     need(sampler.max_off_policy_threshold is None or sampler.max_off_policy_threshold >= 1,
          "trainer.v1.sampler.max_off_policy_threshold", "must be >= 1 (a group spans at least one version) or null",
          "set it to 8 (verl's default)")  # fmt: skip
