@@ -1,17 +1,99 @@
 """Partial rollout (``trainer.v1.trainer_mode=colocate_async``) against ``sync`` on a long-tail task, CPU quickstart.
 
-    python scripts/make_tiny_model.py && python scripts/prepare_data.py --task arithmetic
-    python bench/partial_rollout.py model           # outputs/tiny_long_tail_model: ~3% of responses start with spaces
-    python bench/partial_rollout.py lengths         # median, p90, p99, max of the sampled response lengths
-    python bench/partial_rollout.py timing trainer.v1.colocate_async.chunk_tokens=8     # 20 steps a mode, alternated
-    python bench/partial_rollout.py learning trainer.v1.colocate_async.chunk_tokens=8 --rollout-is token   # 100 steps
+The task: the quickstart (configs/grpo.yaml + cpu.yaml + quickstart.yaml: the tiny model on two-number sums, 32
+prompts x 8 responses a step, transformers rollout at temperature 1, one rank, OMP_NUM_THREADS=1) with
+``data.max_response_length=64``. Its warm start (outputs/tiny_model) has no tail: it ends every response within 6
+tokens. So ``model`` builds outputs/tiny_long_tail_model from it: 150 steps (lr 3e-4, 64 problems a step) of
+fine-tuning on its own answers, sampled at temperature 1, with soft targets (its next-token distributions, so the
+answers keep their distribution), 5% of them behind a run of 24-56 spaces, which the arithmetic reward accepts
+(surrounding whitespace): some responses "pause" before answering, at no cost in reward. Nothing else changes: the
+same prompts, reward and validation file (outputs/data/arithmetic/test.parquet, 200 problems, greedy mean@1).
 
-``timing`` prints, per mode, ``timing_s/gen`` per step (median and mean over steps 2..), the step time, the trained
-response tokens, generation seconds per 1k trained tokens, the ratios, and for colocate_async the spans of the
-trained responses against ``max_off_policy_threshold`` and the groups carried per step; ``learning`` runs
-``dsrl-compare --quick`` over two seeds and says whether colocate_async's validation is within sync's interval.
-The numbers of 2026-12-07 (2-core CPU, shared), and what they mean: docs/performance.md, "Partial rollout on a
-long-tailed task".
+    python scripts/make_tiny_model.py && python scripts/prepare_data.py --task arithmetic   # the quickstart's inputs
+    python bench/partial_rollout.py model       # outputs/tiny_long_tail_model (~2.5 min)
+    python bench/partial_rollout.py lengths     # response lengths of both models at temperature 1
+    python bench/partial_rollout.py timing --reps 2 --out outputs/partial_rollout/timing_chunk8 \\
+        trainer.v1.colocate_async.chunk_tokens=8                                          # ~4.5 min
+    python bench/partial_rollout.py timing --reps 3 --out outputs/partial_rollout/timing_default   # chunk_tokens 32
+    python bench/partial_rollout.py learning trainer.v1.colocate_async.chunk_tokens=8   # dsrl-compare, 100 steps x 2
+    python bench/partial_rollout.py learning --rollout-is token --arms colocate_async_is_token \\
+        trainer.v1.colocate_async.chunk_tokens=8   # + colocate_async with algorithm.rollout_correction.rollout_is=token
+
+``timing`` runs 20 steps of each mode, same seed (trainer.seed=1), alternately (sync, colocate_async, sync, ...), each
+a ``scripts/train.py`` process tracking into ``--out``/mlflow.db, and prints per mode and run: ``timing_s/gen``
+median and mean over steps 2..20 (the first includes one-off warm-up), the trained response tokens (``timing_s/gen``
+/ ``timing_per_token_ms/gen``: the step's batch), gen seconds per 1k trained tokens, the median ``timing_s/step``;
+the ratios colocate_async / sync; per step both modes' gen seconds and response lengths and the pool's
+``training/off_policy/*`` metrics; the steps by their largest trajectory span against ``max_off_policy_threshold``.
+``learning`` runs dsrl-compare (``--quick`` on the same task: one run per core, reference KL measured, validation
+before training and at the last step) with one arm per mode and prints each arm's final validation, mean ± the
+half-width of dsrl-compare's 95% Student-t interval over the seeds, against sync's. Key=value arguments go to every
+run (``chunk_tokens`` does nothing in sync). ``--report-only`` prints the tables again from the runs in ``--out``.
+
+Measured 2026-12-07 on a 2-core CPU machine shared with another engineer's test runs (load average 3-4 throughout):
+quote the medians and ratios, not the absolute seconds.
+
+Response lengths (tokens, the end token counted; 256 training prompts x 8 at temperature 1, cap 64; ``lengths``):
+
+| model | median | p90 | p99 | max | mean | p99 / median | > 8 x median |
+|---|---|---|---|---|---|---|---|
+| outputs/tiny_model (the quickstart's) | 3 | 4 | 5 | 6 | 3.47 | 1.7 | 0.0% |
+| outputs/tiny_long_tail_model | 4 | 4 | 49 | 64 | 4.82 | 12.2 | 2.5% |
+
+(``model``: 150 steps in 141 s; greedy validation 35.0% -> 32.5%.)
+
+``timing`` with ``chunk_tokens=8`` (2 repetitions of each mode; defaults otherwise: num_warmup_batches 1,
+max_off_policy_threshold 8, strategy drop):
+
+| mode | gen s/step median | gen s/step mean | trained tokens (20 steps) | gen s / 1k trained tokens | step s, median |
+|---|---|---|---|---|---|
+| sync | 1.62 | 1.47 | 20,530 | 1.452 | 2.35 |
+| colocate_async | 0.84 | 0.92 | 20,942 | 0.869 | 1.56 |
+| colocate_async / sync | 0.520 | 0.622 | 1.020 | 0.598 | 0.662 |
+
+Per repetition, gen s/step (median) 0.543 and 0.497, gen s per trained token 0.612 and 0.585. Every step after the
+first carried 32 groups and admitted 32, in one chunk, with no eviction; the steps by their largest trajectory span,
+both repetitions: 1: 6, 3: 2, 4: 2, 5: 2, 6: 4, 7: 2, 8: 22 -- never above max_off_policy_threshold 8 (a response
+of 64 tokens takes 8 chunks of 8). Spans mean 1.00-1.20 a step: most trained responses span one version.
+
+Other settings, colocate_async / sync (ratios of the medians: gen s/step median, mean, per trained token; step s):
+
+| chunk_tokens | repetitions | gen median | gen mean | gen per trained token | step | largest span |
+|---|---|---|---|---|---|---|
+| 32 (default) | 3 | 0.970 | 0.970 | 0.946 | 0.947 | 2 |
+| 16 | 2 | 0.726 | 0.792 | 0.777 | 0.858 | 4 |
+| 8 | 2 | 0.520 | 0.622 | 0.598 | 0.662 | 8 |
+| 32, rollout.micro_batch_size=512 | 3 | 1.171 | 1.211 | 1.173 | 1.082 | 2 |
+
+Why the default chunk gains nothing on this engine: a transformers ``generate`` call runs until its longest row
+ends, and ``generate_until`` splits the running responses into calls of ``rollout.micro_batch_size`` (64) rows,
+each response its own prompt (sync's call holds 32 prompts x 8 = 256 rows). With 2.5% of responses long, a call of
+64 new rows holds one with probability ~0.8 and runs the whole chunk; the carried rows (prompt + the tokens so far)
+come first and the first call's new rows are left-padded to their width (one 32-token call of 256 rows: 1.1-1.6 s
+at width 25, 2.2-2.3 s at width 57). So with chunk 32 every step pays ~32 tokens in 5 calls, sync 45-64 tokens in
+one call on most steps and 0.2 s on the steps without a long response. One call of all the rows (micro-batch 512)
+pads every new row to the carried ones: slower still. Shorter chunks bound what every step pays.
+
+``learning`` (dsrl-compare ``--quick``: 100 steps, seeds 1 and 2, two runs at a time; both colocate_async arms with
+``chunk_tokens=8``, the setting timed above; greedy validation on the 200 problems, 0.325 before training in every
+run):
+
+| arm | seed 1 | seed 2 | mean ± 95% half-width | each run's wall time |
+|---|---|---|---|---|
+| sync | 0.620 | 0.605 | 0.613 ± 0.095 | 16.6, 13.3 min |
+| colocate_async | 0.340 | 0.285 | 0.312 ± 0.35 | 16.7, 12.7 min |
+| colocate_async, algorithm.rollout_correction.rollout_is=token | 0.595 | 0.435 | 0.515 ± 1.0 | 6.6, 6.6 min |
+
+colocate_async with the defaults learns less: its mean is 0.30 below sync's, under sync's interval (0.517-0.708);
+only its own interval (two seeds: t(0.975, 1) = 12.7) is wide enough to overlap sync's. The training score agrees
+(critic/score/mean over the last 25 steps 0.122 against 0.283). Almost every trained group is one policy version
+old (trajectory_staleness mean ~1.0: with one warm-up batch the pool holds 64 groups, ~50 complete after the
+first chunk and the step trains the 32 oldest, so each short group waits one step), and nothing corrects for it: the
+PPO ratio is taken against old log-probs recomputed under the current policy (pg_clipfrac 0), while
+rollout_corr/is_ratio spans 0.2-7 at the quickstart's learning rate. With token-level importance sampling the gap
+shrinks to 0.10 (seed 1 0.595 against 0.620), the mean just under sync's lower end (0.515 < 0.517), the intervals
+overlapping: not shown no worse; two seeds cannot tell. The runs of the first table shared the machine with the
+other engineer's tests; the rollout_is pair ran on a quieter machine.
 """
 
 from __future__ import annotations
@@ -426,9 +508,12 @@ def verdict(folder: Path, labels: list[str], args: argparse.Namespace) -> None:
         each = ", ".join(f"seed {seed}: {r['final_score']:.3f}" for seed, r in arm["runs"].items())
         line = f"- {label}: {compare.cell(score['mean'], score['ci95_half_width'])} ({each}; before training {starts})"
         if label != "sync":
+            half = score["ci95_half_width"] if math.isfinite(score["ci95_half_width"]) else 0.0
+            overlap = score["mean"] + half >= low
             line += (
                 f"; minus sync {score['mean'] - sync['mean']:+.3f}: "
-                f"{'no worse' if score['mean'] >= low else 'WORSE'} than sync within its interval (>= {low:.3f})"
+                f"{'no worse' if score['mean'] >= low else 'WORSE'} than sync within its interval (mean >= {low:.3f}, "
+                f"sync's lower end); the two intervals {'overlap' if overlap else 'do not overlap'}"
             )
         print(line)
 
