@@ -94,6 +94,14 @@ rollout_corr/is_ratio spans 0.2-7 at the quickstart's learning rate. With token-
 shrinks to 0.10 (seed 1 0.595 against 0.620), the mean just under sync's lower end (0.515 < 0.517), the intervals
 overlapping: not shown no worse; two seeds cannot tell. The runs of the first table shared the machine with the
 other engineer's tests; the rollout_is pair ran on a quieter machine.
+
+Fewer groups in flight beyond the batch fix it (the same day, the same machine, run as ``dsrl-compare`` with an arm
+of ``trainer.v1.colocate_async.num_warmup_batches: 0.25`` and the flags above, which is what
+``learning trainer.v1.colocate_async.chunk_tokens=8 trainer.v1.colocate_async.num_warmup_batches=0.25`` runs):
+validation 0.560 and 0.605 (mean 0.583, within sync's interval), trajectory_staleness mean 0.23; and
+``timing --reps 2 trainer.v1.colocate_async.chunk_tokens=8 trainer.v1.colocate_async.num_warmup_batches=0.25``:
+gen s/step 0.610x sync's at the median (per repetition 0.638, 0.589), 0.695x in the mean, 0.698x per trained token,
+trained tokens 0.985x, step 0.762x.
 """
 
 from __future__ import annotations
