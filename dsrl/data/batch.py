@@ -7,6 +7,7 @@ Vocabulary: B sequences (prompts x n), P prompt tokens (left-padded), T response
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,3 +177,11 @@ def left_pad(
     # Row-major boolean indexing visits the kept positions in the order of the concatenated sequences.
     ids[mask] = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
     return ids, mask.long()
+
+
+def right_pad(rows: Sequence[Sequence[float]], width: int, value: float, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of values, each at most ``width`` long, as ``[len(rows), width]`` of ``dtype``, ``value`` after each row."""
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out

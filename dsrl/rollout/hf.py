@@ -269,11 +269,11 @@ class HFRollout:
             seed = None if sampling.seed is None else sampling.seed + call
             out = self._generate(ids, mask, sampling.replace(seed=seed))
             for j, i in enumerate(live[start : start + size]):
-                length = min(int(out.response_mask[j].sum()), room[i])
+                valid = int(out.response_mask[j].sum())  # up to and including an EOS
+                length = min(valid, room[i])
                 progress[i].tokens += out.response_ids[j, :length].tolist()
                 progress[i].log_probs += out.log_probs[j, :length].tolist()
-                progress[i].finished = out.finish_reasons[j] == "stop" and length == int(out.response_mask[j].sum())
-                progress[i].finished |= length == room[i]
+                progress[i].finished = (out.finish_reasons[j] == "stop" and length == valid) or length == room[i]
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams) -> RolloutOutput:
         processors: list[LogitsProcessor] = []

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsrl.data.batch import left_pad
+from dsrl.data.batch import left_pad, right_pad
 from dsrl.rollout.base import PartialRow, RolloutEngine, RolloutOutput, SamplingParams, StopCheck
 from dsrl.rollout.tools import TOOL_FAILURE_KINDS, ToolRequest, ToolResult, ToolSet, parse_tool_calls
 
@@ -317,22 +317,12 @@ class MultiTurnRollout:
         )
 
     def _output(self, rows: list[Conversation], budget: int) -> RolloutOutput:
-        ids = torch.full((len(rows), budget), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), budget), dtype=torch.long)
-        attention = torch.zeros((len(rows), budget), dtype=torch.long)
-        log_probs = torch.zeros((len(rows), budget), dtype=torch.float32)
-        for i, row in enumerate(rows):
-            L = len(row.response)
-            ids[i, :L] = torch.tensor(row.response, dtype=torch.long)
-            mask[i, :L] = torch.tensor(row.mask, dtype=torch.long)
-            attention[i, :L] = 1
-            log_probs[i, :L] = torch.tensor(row.log_probs, dtype=torch.float32)
         return RolloutOutput(
-            ids,
-            mask,
-            log_probs,
+            right_pad([row.response for row in rows], budget, self.pad_token_id, torch.long),
+            right_pad([row.mask for row in rows], budget, 0, torch.long),
+            right_pad([row.log_probs for row in rows], budget, 0.0, torch.float32),
             finish_reasons=["length" if row.stop == "length" else "stop" for row in rows],
-            attention_mask=attention,
+            attention_mask=right_pad([[1] * len(row.response) for row in rows], budget, 0, torch.long),
             conversations=[
                 {"messages": row.messages, "num_turns": row.turns, "num_tool_calls": row.calls, "stop": row.stop}
                 for row in rows

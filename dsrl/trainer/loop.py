@@ -83,6 +83,8 @@ from dsrl.trainer.validation import (
     validation_score,
 )
 
+ROUND_SEED_STRIDE = 1_000_003  # seeds of a step's successive generation rounds (dynamic sampling, partial rollout)
+
 
 class Trainer(TrainerSetup):
     def __init__(self, cfg: Config, cluster: Cluster | None = None):
@@ -246,7 +248,7 @@ class Trainer(TrainerSetup):
             chunks += pool.generate(
                 self.rollout,
                 lambda rows: [record.prompt_ids for record in self.sampler.take(rows)],
-                sampling.replace(seed=sampling.seed + 1_000_003 * attempt),
+                sampling.replace(seed=sampling.seed + ROUND_SEED_STRIDE * attempt),
                 version=version,
                 chunk_tokens=cfg.trainer.v1.colocate_async.chunk_tokens or max(1, max_tokens // 8),
                 conversation_of=self.conversation_of if self.tools is not None else None,
@@ -290,7 +292,7 @@ class Trainer(TrainerSetup):
         def scored_round(round_prompts: Batch, k: int) -> tuple[Batch, list[float], str | None]:
             sampling = self._sampling(validation=False)
             start = time.perf_counter()
-            batch = self.generate(round_prompts, sampling.replace(seed=sampling.seed + 1_000_003 * k))
+            batch = self.generate(round_prompts, sampling.replace(seed=sampling.seed + ROUND_SEED_STRIDE * k))
             round_seconds.append(time.perf_counter() - start)
             with timer("reward"):
                 scores, components = self._score_with_components(batch)

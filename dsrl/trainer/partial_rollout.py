@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dsrl.data.batch import Batch
+from dsrl.data.batch import Batch, right_pad
 from dsrl.rollout.base import PartialRow, RolloutEngine, RolloutOutput, SamplingParams
 from dsrl.rollout.multi_turn import Conversation
 from dsrl.trainer.balance import take_global_rows
@@ -230,22 +230,18 @@ class InFlight:
         prompts = prompt_batch(records([g.record for g in groups]), prompt_pad, first_group_id=0)
         prompts = prompts.replace(group_ids=torch.tensor([g.group_id for g in groups], dtype=torch.long))
         responses = [r for g in groups for r in g.responses]
-        ids = torch.full((len(responses), max_tokens), response_pad, dtype=torch.long)
-        mask = torch.zeros((len(responses), max_tokens), dtype=torch.long)
-        log_probs = torch.zeros((len(responses), max_tokens), dtype=torch.float32)
-        versions = torch.zeros((len(responses), max_tokens), dtype=torch.long)
-        attention = torch.zeros((len(responses), max_tokens), dtype=torch.long)
-        for row, r in enumerate(responses):
-            ids[row, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
-            attention[row, : len(r.tokens)] = 1
-            mask[row, : len(r.tokens)] = 1 if r.conversation is None else torch.tensor(r.conversation.mask)
-            log_probs[row, : len(r.tokens)] = torch.tensor(r.log_probs, dtype=torch.float32)
-            versions[row, : len(r.tokens)] = torch.tensor(r.versions, dtype=torch.long)
-        reasons = ["stop" if r.finished else "length" for r in responses]
-        out = RolloutOutput(ids, mask, log_probs, reasons)
-        if any(r.conversation is not None for r in responses):  # multi-turn: tool outputs in the context only
-            out.attention_mask = attention
+        # response_mask: the model's tokens (a conversation's tool outputs are in its context only)
+        masks = [[1] * len(r.tokens) if r.conversation is None else r.conversation.mask for r in responses]
+        out = RolloutOutput(
+            right_pad([r.tokens for r in responses], max_tokens, response_pad, torch.long),
+            right_pad(masks, max_tokens, 0, torch.long),
+            right_pad([r.log_probs for r in responses], max_tokens, 0.0, torch.float32),
+            ["stop" if r.finished else "length" for r in responses],
+        )
+        if any(r.conversation is not None for r in responses):  # multi-turn: every response token in the context
+            out.attention_mask = right_pad([[1] * len(r.tokens) for r in responses], max_tokens, 0, torch.long)
             out.conversations = [_turn_counts(r.conversation) for r in responses]
+        versions = right_pad([r.versions for r in responses], max_tokens, 0, torch.long)
         return with_responses(prompts, out, self.n).replace(rollout_versions=versions)
 
     # ---- metrics and checkpoints ----------------------------------------------------------------
