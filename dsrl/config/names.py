@@ -64,6 +64,8 @@ LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-tok
 _KL_BASE_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 # A '+' suffix keeps the value of the base kind and takes the gradient of k2 (unbiased gradient).
 KL_KINDS = _KL_BASE_KINDS + tuple(f"{kind}+" for kind in _KL_BASE_KINDS)
+# distillation.distillation_loss.loss_mode: verl registers the single-sample estimators (no straight-through "+")
+DISTILLATION_LOSS_MODES = _KL_BASE_KINDS
 PF_PPO_METHODS = ("pow", "max_min", "max_random")  # dsrl.algorithms.PF_PPO_METHODS
 # verl 0.9.1's rollout-correction vocabulary (dsrl.algorithms.ROLLOUT_IS_LEVELS, ROLLOUT_RS_OPTIONS,
 # BYPASS_LOSS_TYPES): rollout_is levels, rollout_rs options (comma-separated lists), bypass_mode loss types.

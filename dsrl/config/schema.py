@@ -4,19 +4,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from omegaconf import MISSING
 
+from dsrl.config.documented import documented as _f
+from dsrl.config.schema_models import DistillationConfig, RewardModelConfig
+
 LOGGED_SAMPLES = 16  # training rollouts per trainer.log_samples_freq table
-
-
-def _f(default: Any, help: str) -> Any:
-    """A dataclass field with its one-line documentation; a callable default is a default factory."""
-    if callable(default):
-        return field(default_factory=default, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass
@@ -691,45 +687,6 @@ class CustomRewardFunctionConfig:
 
 
 @dataclass
-class OverlongBufferConfig:
-    enable: bool = _f(
-        False, "add DAPO's soft overlong punishment to each response's score (needs reward_model.reward_manager=dapo)"
-    )
-    len: int = _f(
-        0,
-        "the buffer L_cache: responses longer than max_resp_len - len tokens lose up to penalty_factor, linearly; "
-        "> 0 and <= max_resp_len (DAPO: 4096 of 20480)",
-    )
-    penalty_factor: float = _f(
-        0.0, "the penalty at max_resp_len tokens; >= 0 (DAPO: 1.0, the score of a correct answer)"
-    )
-    log: bool = _f(
-        False,
-        "also return the reward extras overlong_reward (the penalty) and overlong (1 if penalised): "
-        "reward/overlong_reward/mean, reward/overlong/mean",
-    )
-
-
-@dataclass
-class RewardKwargsConfig:
-    max_resp_len: Optional[int] = _f(
-        None,
-        "dapo: L_max of the overlong punishment, in tokens; null = data.max_response_length (verl requires it set)",
-    )
-    overlong_buffer_cfg: OverlongBufferConfig = _f(OverlongBufferConfig, "dapo: DAPO's soft overlong punishment")
-
-
-@dataclass
-class RewardModelConfig:
-    reward_manager: str = _f(
-        "naive",
-        "how a response's score is made: naive (the reward function's score) | dapo (plus, with "
-        "reward_kwargs.overlong_buffer_cfg.enable, DAPO's soft overlong punishment, in training and validation)",
-    )
-    reward_kwargs: RewardKwargsConfig = _f(RewardKwargsConfig, "the reward manager's options (verl's names)")
-
-
-@dataclass
 class SandboxFusionConfig:
     url: Optional[str] = _f(
         None,
@@ -892,7 +849,8 @@ class Config:
     critic: CriticConfig = _f(CriticConfig, "value model (gae only)")
     algorithm: AlgorithmConfig = _f(AlgorithmConfig, "advantage estimator and in-reward KL")
     custom_reward_function: CustomRewardFunctionConfig = _f(CustomRewardFunctionConfig, "user reward function")
-    reward_model: RewardModelConfig = _f(RewardModelConfig, "the reward manager: naive, or dapo's overlong punishment")
+    reward_model: RewardModelConfig = _f(RewardModelConfig, "the reward model, and the reward manager")
+    distillation: DistillationConfig = _f(DistillationConfig, "on-policy distillation from a teacher model")
     reward: RewardConfig = _f(
         RewardConfig, "reward worker processes, time limit, Math-Verify data sources and the SandboxFusion server"
     )

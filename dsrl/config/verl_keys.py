@@ -114,17 +114,63 @@ def verl_only_key(key: str) -> tuple[str, str] | None:
             else "reward_model" + key[len("reward") :]
         )
         return ("verl 0.9.1's new place of a reward_model key; dsrl reads verl's reward_model.* names", f"set {older}")
-    if key.startswith("reward_model.") and not key.startswith(
-        ("reward_model.reward_manager", "reward_model.reward_kwargs")
-    ):
-        return (
-            "dsrl has no model-based reward (of verl's reward_model keys it reads reward_manager and reward_kwargs)",
-            "remove it; a custom_reward_function may call a reward model",
-        )
     if key.startswith("critic.model.") and key.rpartition(".")[2] in LORA_KEYS:
         return (
             "the critic trains in full (LoRA is on the actor only: actor_rollout_ref.model.lora_rank)",
             "remove it; GRPO-family estimators need no critic at all",
+        )
+    return _model_key(key)
+
+
+# verl's places of the reward model's switch and checkpoint, by the dsrl key that holds them
+_RM_NAMES = {
+    "reward.reward_model.enable": "reward_model.enable",
+    "reward.reward_model.model_path": "reward_model.model.path",
+}
+_TOPK_KEYS = ("topk", "log_prob_min_clamp", "use_chunked_topk", "chunked_topk_chunk_size")
+
+
+def _model_key(key: str) -> tuple[str, str] | None:
+    """(rule, fix) for verl's reward-model and distillation keys that dsrl does not read."""
+    if key in _RM_NAMES:
+        return (
+            "verl 0.9.1's new place of a reward_model key; dsrl reads verl's reward_model.* names",
+            f"set {_RM_NAMES[key]}",
+        )
+    if key == "reward_model.model.input_tokenizer":
+        return (
+            "dsrl compares the reward model's tokenizer and chat template with the policy's and re-tokenises each "
+            "conversation with the reward model's own where they differ",
+            "remove it",
+        )
+    if key.startswith(("reward_model.", "reward.reward_model.")):
+        return (
+            "verl serves its reward model (vLLM/SGLang rollout, resource pool, workers); dsrl's is a DeepSpeed engine "
+            "on the training ranks",
+            "remove it (reward_model.deepspeed_config, micro_batch_size_per_gpu, use_dynamic_bsz and "
+            "forward_max_token_len_per_gpu set that engine)",
+        )
+    if key.startswith("distillation.distillation_loss.") and key.rpartition(".")[2] in _TOPK_KEYS:
+        return (
+            "read only by verl's forward_kl_topk loss, which needs the student's logits inside the loss and is not "
+            "built in dsrl",
+            "remove it (loss_mode k1 | k2 | k3 | abs)",
+        )
+    if key.startswith(("distillation.n_gpus_per_node", "distillation.nnodes")) or key.startswith(
+        (
+            "distillation.teacher_models.teacher_model.num_replicas",
+            "distillation.teacher_models.teacher_model.inference",
+        )
+    ):
+        return (
+            "verl serves its teacher in a resource pool of its own; dsrl's runs on the training ranks as a DeepSpeed "
+            "engine, as the reference does",
+            "remove it (distillation.teacher_models.teacher_model.deepspeed_config sets that engine)",
+        )
+    if key.startswith(("distillation.teacher_models.", "distillation.teacher_key")):
+        return (
+            "dsrl has one teacher and routes no rows between teachers",
+            "remove it; set distillation.teacher_models.teacher_model.model_path",
         )
     return None
 

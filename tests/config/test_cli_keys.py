@@ -95,7 +95,7 @@ def test_show_keys_with_a_prefix_no_key_has_exits_2_listing_the_sections():
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip() == (
         "dsrl: --show-keys actor.optim: no config key starts with it; fix: start it with one of data, "
-        "actor_rollout_ref, critic, algorithm, custom_reward_function, reward_model, reward, trainer"
+        "actor_rollout_ref, critic, algorithm, custom_reward_function, reward_model, distillation, reward, trainer"
     )
 
 

@@ -7,6 +7,7 @@ function ``<group>_rules(cfg, ..., need)`` recording each violation with ``need(
 - ``rollout``: the engine and vLLM's keys, rollout correction, the mismatch stop, multi-turn, LoRA.
 - ``paths``: the data, reward and model files, and the run folder.
 - ``run``: the reward workers, the reward manager, and the trainer.
+- ``models``: the reward model and the distillation teacher.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from omegaconf import MISSING, ListConfig, OmegaConf
 from dsrl.config.keys import LEAF_KEYS, SCHEMA, value_at
 from dsrl.config.loading import ConfigError, ConfigFiles, load_layers, resolve, secret_notes
 from dsrl.config.problems import show, violation
-from dsrl.config.rules import algorithm, geometry, paths, rollout, run
+from dsrl.config.rules import algorithm, geometry, models, paths, rollout, run
 from dsrl.config.rules.need import is_missing
 from dsrl.config.schema import Config
 from dsrl.config.user_code import import_user_modules
@@ -78,6 +79,8 @@ def validate(cfg: Config, world_size: int, given: Collection[str] = frozenset())
     run.reward_manager_rules(cfg, need)
     run.trainer_rules(cfg, need)
     run.partial_rollout_rules(cfg, need)
+    models.reward_model_rules(cfg, need)
+    models.distillation_rules(cfg, need)
     return violations
 
 

@@ -222,13 +222,20 @@ def deepspeed_rules(cfg: Config, world_size: int, need: Need) -> None:
     (``deepspeed_json.fill_ds_json``), so a bad one fails before torch loads."""
     roles = ["actor_rollout_ref.actor"] + (["critic"] if critic_used(cfg) else [])
     roles += ["actor_rollout_ref.ref"] if ref_used(cfg) else []
+    roles += ["reward_model"] if cfg.reward_model.enable else []
+    roles += ["distillation.teacher_models.teacher_model"] if cfg.distillation.enabled else []
+    frozen = {  # the forward-only roles: one forward per micro-batch, no accumulation
+        "actor_rollout_ref.ref": cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
+        "reward_model": cfg.reward_model.micro_batch_size_per_gpu,
+        "distillation.teacher_models.teacher_model": cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
+    }
     for role in roles:
         section, key = value_at(cfg, role), f"{role}.deepspeed_config"
-        trains = role != "actor_rollout_ref.ref"
+        trains = role not in frozen
         if trains:
             micro, accumulation = _ds_geometry(section, cfg.actor_rollout_ref.rollout.n, world_size)
-        else:  # the reference: one forward per micro-batch, no accumulation
-            micro, accumulation = section.log_prob_micro_batch_size_per_gpu, 1
+        else:
+            micro, accumulation = frozen[role], 1
         try:
             fill_ds_json(
                 section.deepspeed_config,

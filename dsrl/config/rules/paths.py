@@ -107,6 +107,9 @@ def file_rules(cfg: Config, need: Need) -> None:
     model_keys = ["actor_rollout_ref.model.path"] + (
         ["critic.model.path"] if critic_used(cfg) and cfg.critic.model.path else []
     )
+    model_keys += ["reward_model.model.path"] if cfg.reward_model.enable and cfg.reward_model.model.path else []
+    teacher = "distillation.teacher_models.teacher_model.model_path"
+    model_keys += [teacher] if cfg.distillation.enabled and value_at(cfg, teacher) else []
     for key in model_keys:
         if is_missing(cfg, key):
             continue
@@ -121,18 +124,22 @@ def file_rules(cfg: Config, need: Need) -> None:
             f"scripts/make_tiny_model.py{out}",
         )
         if problem is None and Path(path).expanduser().is_dir():  # a hub id is checked when it downloads
-            # The run's tokenizer is the actor's (the critic shares it).
-            found = model_dir_problems(Path(path).expanduser(), tokenizer=key == "actor_rollout_ref.model.path")
+            # The run's tokenizer is the actor's (the critic shares it); the reward model's and the teacher's are
+            # compared with it.
+            found = model_dir_problems(Path(path).expanduser(), tokenizer=not key.startswith("critic"))
             for rule, fix in found:
                 need(False, key, rule, fix)
-            packing = key.removesuffix("path") + "use_remove_padding"
+            if key == "reward_model.model.path":  # its forward neither packs nor runs sequence-parallel
+                continue
+            # the teacher runs as the reference does: the actor's packing and sequence-parallel groups
+            role = "critic" if key.startswith("critic") else "actor_rollout_ref"
+            packing = f"{role}.model.use_remove_padding"
             # Read only a directory found sound: its config.json may be a FIFO, which a read would wait on.
             config = None if found else model_config(Path(path).expanduser())
             if config is not None and value_at(cfg, packing):
                 problem = packing_problem(config)
                 need(problem is None, packing, f"{path}: {problem}", f"set {packing}=false")
-            role = "critic" if key.startswith("critic") else "actor_rollout_ref.actor"
-            sp_key = f"{role}.ulysses_sequence_parallel_size"
+            sp_key = f"{'critic' if role == 'critic' else 'actor_rollout_ref.actor'}.ulysses_sequence_parallel_size"
             sp = value_at(cfg, sp_key)
             if config is not None and sp > 1:
                 problem = sequence_parallel_problem(config, sp)
