@@ -43,7 +43,7 @@ def reward_model_rules(cfg: Config, need: Need) -> None:
     folder = Path(rm.model.path).expanduser() if rm.model.path else None
     # read only a regular config.json: a FIFO there would block the read (the path rules report it)
     sound = folder is not None and folder.is_dir() and not_regular(folder / "config.json") is None
-    config = model_config(folder) if sound else None
+    config = model_config(folder) if folder is not None and sound else None
     if config is None:  # a hub id, or a directory the path rules find unsound
         return
     architectures = config.get("architectures") or []
