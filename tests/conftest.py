@@ -134,6 +134,22 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_reward_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A reward model on the tiny model's backbone: ``Qwen3ForSequenceClassification`` with one label, its ``score``
+    head drawn from seed 0, and the tiny model's tokenizer."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tiny_reward_model")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def moe_model_dir(tmp_path_factory) -> Path:
     """An untrained tiny Qwen3-MoE (8 experts of width 96, top 2; ``make_tiny_model.py --moe``) and its tokenizer."""
     out = tmp_path_factory.mktemp("tiny_moe_model")

@@ -21,6 +21,7 @@ TOKEN_FIELDS = (
     "entropy",  # actor entropy per position
     "sum_pi_squared",  # sum_v pi(v)^2 per position (OTB)
     "ref_log_probs",  # reference model log-probs
+    "teacher_log_probs",  # distillation teacher's log-probs
     "values",  # critic values
     "token_level_scores",  # reward-function score at the last response token
     "token_level_rewards",  # scores after in-reward KL
@@ -46,6 +47,7 @@ class Batch:
     entropy: torch.Tensor | None = None
     sum_pi_squared: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
+    teacher_log_probs: torch.Tensor | None = None
     values: torch.Tensor | None = None
     token_level_scores: torch.Tensor | None = None
     token_level_rewards: torch.Tensor | None = None

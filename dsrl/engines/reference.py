@@ -1,8 +1,12 @@
-"""The reference policy: a frozen copy of the initial actor under DeepSpeed, forward only.
+"""The reference policy: a frozen copy of the initial actor under DeepSpeed, forward only; and the distillation
+teacher, another frozen causal LM scored the same way.
 
 Built from ``actor_rollout_ref.model.path`` with ``actor_rollout_ref.ref.deepspeed_config``
 (default ``zero3_offload_inference``: ZeRO-3 with parameters offloaded to CPU, no optimizer). A LoRA run
-needs no copy: its reference is the actor with the adapters off (``AdapterOffReference``).
+needs no copy: its reference is the actor with the adapters off (``AdapterOffReference``). The teacher
+(``teacher_engine``) is built from ``distillation.teacher_models.teacher_model``'s path and DeepSpeed setup and runs
+the reference's micro-batches, packing and sequence-parallel groups; it never replays the actor's experts (its
+routers are its own).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import deepspeed
 import torch
 from transformers import AutoModelForCausalLM
 
+from dsrl.config.keys import value_at
 from dsrl.data.batch import Batch
 from dsrl.engines.deepspeed_setup import (
     DTYPES,
@@ -30,23 +35,25 @@ from dsrl.engines.sequence_parallel import SequenceParallel, sequence_parallel_f
 class ReferenceEngine:
     """``compute_log_probs(batch, temperature=...) -> ref_log_probs [B, T]``; never trains."""
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, *, prefix: str = "actor_rollout_ref.ref", path: str | None = None, name: str = "ref"):
+        """``prefix``: the config section of its DeepSpeed setup; ``path``: its checkpoint (default: the actor's);
+        ``name``: its pass in the forward metrics."""
         init_distributed()
-        self.cfg = cfg
+        self.cfg, self.name = cfg, name
         self.tallies: defaultdict[str, PassTally] = defaultdict(PassTally)  # the trainer takes them each step
         model_cfg, ref = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.ref
         self.ds_config = build_ds_config(
-            ref.deepspeed_config,
-            key="actor_rollout_ref.ref.deepspeed_config",
+            value_at(cfg, prefix).deepspeed_config,
+            key=f"{prefix}.deepspeed_config",
             micro_batch_size_per_gpu=ref.log_prob_micro_batch_size_per_gpu,
             gradient_accumulation_steps=1,
             dtype=model_cfg.dtype,
-            prefix="actor_rollout_ref.ref",
+            prefix=prefix,
         )
         module = load_pretrained(
             self.ds_config,
             lambda: AutoModelForCausalLM.from_pretrained(
-                model_cfg.path, dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code
+                path or model_cfg.path, dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code
             ),
         )
         dedup = cfg.actor_rollout_ref.actor.use_prefix_grouper
@@ -60,7 +67,7 @@ class ReferenceEngine:
         self.engine, *_ = deepspeed.initialize(model=module, config=self.ds_config)
         self.engine.eval()
         self.fused_head = fused_head_for(self.engine.module, cfg.actor_rollout_ref.actor.use_fused_kernels)
-        self.replay = route_replay_for(module, cfg.actor_rollout_ref.actor.router_replay.mode)
+        self.replay = route_replay_for(module, cfg.actor_rollout_ref.actor.router_replay.mode) if path is None else None
 
     def compute_log_probs(self, batch: Batch, *, temperature: float) -> torch.Tensor:
         """``ref_log_probs`` ``[B, T]`` float32, 0 on padding (``reference_log_probs``). Collective."""
@@ -71,10 +78,17 @@ class ReferenceEngine:
             self.packing,
             self.fused_head,
             temperature=temperature,
-            tally=self.tallies["ref"],
+            tally=self.tallies[self.name],
             sp=self.sp,
             replay=self.replay,
         )
+
+
+def teacher_engine(cfg: Any) -> ReferenceEngine:
+    """The distillation teacher (``distillation.teacher_models.teacher_model``): ``compute_log_probs`` gives its
+    log-probs of the student's response tokens."""
+    prefix = "distillation.teacher_models.teacher_model"
+    return ReferenceEngine(cfg, prefix=prefix, path=value_at(cfg, prefix).model_path, name="teacher")
 
 
 class AdapterOffReference:
