@@ -58,7 +58,8 @@ def distillation_loss(
             `use_policy_gradient`.
         clip_ratio_low, clip_ratio_high: the ratio's clip range (policy gradient).
         loss_agg_mode, num_tokens, num_seqs: see `agg_loss`.
-        rollout_is_weights: `[B, T]` rollout importance weights, multiplying the per-token policy-gradient loss.
+        rollout_is_weights: `[B, T]` rollout importance weights, multiplying the per-token policy-gradient loss
+            (the supervised loss takes none, as verl's).
     Returns:
         `(loss, metrics)`: the scalar loss and detached metrics over this batch's response tokens, of d
         before the clamp: `distillation/abs_loss` (mean |d|), `distillation/loss_min`, `distillation/loss_max`
