@@ -1,9 +1,11 @@
-"""Pure-torch RL math: advantage estimators, policy / value losses, KL, PF-PPO weights, masked reductions.
+"""Pure-torch RL math: advantage estimators, policy / value losses, KL, distillation, PF-PPO weights, masked
+reductions.
 
 No config objects, I/O or distributed calls: tensors in, tensors out. Estimators and
 policy losses are registries by name; `register_estimator` / `register_policy_loss` add your own.
 """
 
+from dsrl.algorithms.distillation import combined_loss, distillation_loss
 from dsrl.algorithms.estimators import (
     ESTIMATOR_NEEDS,
     EstimatorInputs,
@@ -63,8 +65,10 @@ __all__ = [
     "RolloutCorrection",
     "agg_loss",
     "apply_kl_penalty",
+    "combined_loss",
     "compute_advantages",
     "correct_rollout",
+    "distillation_loss",
     "entropy_from_logits",
     "estimator_names",
     "estimator_needs",
