@@ -29,7 +29,7 @@ TOKEN_FIELDS = (
     "returns",
     "rollout_is_weights",  # truncated importance weights rollout -> trainer
 )
-ROW_FIELDS = ("data_sources", "ground_truths", "extra_infos")
+ROW_FIELDS = ("data_sources", "ground_truths", "extra_infos", "raw_prompts")
 
 
 @dataclass
@@ -42,6 +42,9 @@ class Batch:
     data_sources: list[str] = field(default_factory=list)  # [B] reward dispatch key
     ground_truths: list[Any] = field(default_factory=list)  # [B]
     extra_infos: list[dict] = field(default_factory=list)  # [B]
+    # [B] each row's prompt as chat messages, for a reward model with another chat template; [] unless the prompts
+    # were loaded with keep_messages (dsrl.data.datasets.load_prompts)
+    raw_prompts: list[list[dict]] = field(default_factory=list)
     rollout_log_probs: torch.Tensor | None = None
     old_log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
@@ -137,6 +140,8 @@ class Batch:
         for f in dataclasses.fields(Batch):
             values = [getattr(b, f.name) for b in batches]
             if f.name in ROW_FIELDS:
+                if len({bool(vs) for vs, b in zip(values, batches, strict=True) if len(b)}) > 1:
+                    raise ValueError(f"Batch.concat: row field {f.name!r} is set on some batches and not on others")
                 fields[f.name] = [v for vs in values for v in vs]
             elif all(v is None for v in values):
                 fields[f.name] = None

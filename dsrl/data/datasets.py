@@ -32,6 +32,9 @@ Files are read with pyarrow directly (no datasets cache), so every rank can read
 The prompts are held in a ``PromptStore``: all token ids in one int32 buffer with int64 offsets,
 data sources as codes into a short list, ground truths and extra infos as Arrow arrays -- about
 4 bytes per token, where tuples of Python ints took ~36 (7 GB per rank for 1M prompts of 200 tokens).
+With ``keep_messages`` the store also keeps each prompt's chat messages as an Arrow array per file: a reward model
+with another chat template re-renders them (``dsrl.rewards.model_inputs``); records and batches carry them as
+``messages`` and ``raw_prompts``.
 """
 
 import logging
@@ -63,6 +66,7 @@ class PromptRecord:
     data_source: str
     ground_truth: Any
     extra_info: dict
+    messages: list[dict] | None = None  # the chat messages of the file; None unless the store keeps them
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class _Columns:
     file_starts: np.ndarray  # int64 [F + 1]: rows file_starts[f]:file_starts[f + 1] come from file f
     ground_truths: tuple[pa.Array, ...]  # per file, one per kept row (Arrow: no Python object per row)
     extra_infos: tuple[pa.Array | None, ...]  # per file, or None where the file has no extra_info
+    messages: tuple[pa.Array, ...] | None = None  # per file, the prompts' chat messages; None = not kept
 
 
 def _codes_dtype(categories: int) -> np.dtype:
@@ -86,7 +91,8 @@ class PromptStore:
     """Tokenized prompts in flat arrays; ``PromptRecord``s are built only for the rows asked for.
 
     Memory: 4 bytes per token (one int32 buffer) + 8 bytes per prompt (int64 offsets) + 1-2 bytes
-    per prompt (data-source code) + the kept ground truths and extra infos as Arrow arrays, where
+    per prompt (data-source code) + the kept ground truths, extra infos and (when kept) chat messages as Arrow
+    arrays, where
     a Python ``tuple`` of ints cost ~36 bytes per token and a ``dict`` per row several hundred bytes.
     ``nbytes`` adds it up.
 
@@ -107,8 +113,10 @@ class PromptStore:
         data_sources: Sequence[str],
         ground_truths: Sequence[Any] | pa.Array | pa.ChunkedArray,
         extra_infos: Sequence[dict | None] | pa.Array | pa.ChunkedArray | None = None,
+        messages: Sequence[list[dict]] | pa.Array | pa.ChunkedArray | None = None,
     ) -> "PromptStore":
-        """A store of ``len(lengths)`` prompts whose tokens are ``token_ids`` cut at ``lengths`` (one file)."""
+        """A store of ``len(lengths)`` prompts whose tokens are ``token_ids`` cut at ``lengths`` (one file);
+        ``messages``: their chat messages, to keep."""
         lengths = np.asarray(lengths, dtype=np.int64)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -117,8 +125,12 @@ class PromptStore:
         sources, codes = _encode_sources(data_sources, {})
         truths = _as_arrow(ground_truths)
         infos = None if extra_infos is None else _as_arrow(extra_infos)
-        if not len(truths) == len(codes) == len(lengths) == (len(infos) if infos is not None else len(lengths)):
-            raise ValueError("from_arrays: lengths, data_sources, ground_truths and extra_infos differ in length")
+        chats = None if messages is None else _as_arrow(messages)
+        optional = [len(a) for a in (infos, chats) if a is not None]
+        if not len(truths) == len(codes) == len(lengths) or any(n != len(lengths) for n in optional):
+            raise ValueError(
+                "from_arrays: lengths, data_sources, ground_truths, extra_infos and messages differ in length"
+            )
         return cls(
             _Columns(
                 token_ids=np.ascontiguousarray(token_ids, dtype=np.int32),
@@ -128,6 +140,7 @@ class PromptStore:
                 file_starts=np.array([0, len(lengths)], dtype=np.int64),
                 ground_truths=(truths,),
                 extra_infos=(infos,),
+                messages=None if chats is None else (chats,),
             )
         )
 
@@ -144,7 +157,7 @@ class PromptStore:
     def nbytes(self) -> int:
         """Bytes held by the arrays (shared with every slice of the same store)."""
         c = self._columns
-        arrays = sum(a.nbytes for a in c.ground_truths + c.extra_infos if a is not None)
+        arrays = sum(a.nbytes for a in c.ground_truths + c.extra_infos + (c.messages or ()) if a is not None)
         return (
             c.token_ids.nbytes
             + c.offsets.nbytes
@@ -188,6 +201,7 @@ class PromptStore:
         sources = [c.sources[code] for code in c.source_codes[rows].tolist()]
         truths: list[Any] = [None] * len(rows)
         infos: list[dict] = [{}] * len(rows)
+        chats: list[list[dict] | None] = [None] * len(rows)
         files = np.searchsorted(c.file_starts, rows, side="right") - 1
         for file in np.unique(files).tolist():
             where = np.flatnonzero(files == file)
@@ -197,7 +211,10 @@ class PromptStore:
             file_infos = file_infos.take(local).to_pylist() if file_infos is not None else [None] * len(where)
             for i, truth, info in zip(where.tolist(), file_truths, file_infos, strict=True):
                 truths[i], infos[i] = truth, info or {}
-        return [PromptRecord(*fields) for fields in zip(prompt_ids, sources, truths, infos, strict=True)]
+            if c.messages is not None:
+                for i, chat in zip(where.tolist(), c.messages[file].take(local).to_pylist(), strict=True):
+                    chats[i] = chat
+        return [PromptRecord(*fields) for fields in zip(prompt_ids, sources, truths, infos, chats, strict=True)]
 
 
 def _as_arrow(values: Sequence[Any] | pa.Array | pa.ChunkedArray) -> pa.Array:
@@ -376,6 +393,7 @@ def load_prompts(
     truncation: str,
     max_samples: int = -1,
     chat_template_kwargs: dict | None = None,
+    keep_messages: bool = False,
 ) -> tuple[PromptStore, dict[str, int]]:
     """Read parquet prompt files (in order; a directory stands for its ``*.parquet`` files, sorted) and tokenize
     them with the tokenizer's chat template.
@@ -385,7 +403,9 @@ def load_prompts(
     ``max_samples`` rows of the files are read (-1: all). Returns ``(records, stats)``: a
     ``PromptStore`` and ``stats = {"rows": read, "kept": len(records), "filtered_overlong": dropped,
     "truncated": cut}``; dropped prompts are also logged as a warning. Files are streamed in
-    batches of ``READ_BATCH_ROWS`` rows, so only the store grows with the dataset.
+    batches of ``READ_BATCH_ROWS`` rows, so only the store grows with the dataset. ``keep_messages``: the store
+    also keeps the prompts' chat messages (the records' ``messages``; else None), for a reward model that renders
+    them with its own chat template; they cost about their text's bytes.
     """
     if truncation not in TRUNCATION_MODES:
         raise ValueError(f"data.truncation={truncation!r}: must be one of {list(TRUNCATION_MODES)}")
@@ -396,13 +416,13 @@ def load_prompts(
     template_kwargs = chat_template_kwargs or {}
     stats = {"rows": 0, "kept": 0, "filtered_overlong": 0, "truncated": 0}
     tokens, lengths, codes, codes_of = _Int32Buffer(), [], [], {}
-    file_starts, ground_truths, extra_infos = [0], [], []
+    file_starts, ground_truths, extra_infos, messages = [0], [], [], []
     for file in parquet_paths(files):
         if stats["rows"] == max_samples:
             break
         parquet, columns = _open(file, prompt_key)
         limit = max_samples - stats["rows"] if max_samples > 0 else None
-        file_truths, file_infos, file_kept, row0 = [], [], 0, 0
+        file_truths, file_infos, file_messages, file_kept, row0 = [], [], [], 0, 0
         for batch in parquet.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns):
             if limit is not None:
                 if row0 >= limit:
@@ -453,6 +473,8 @@ def load_prompts(
             file_truths.append(pc.struct_field(batch.column("reward_model"), "ground_truth").take(taken))
             if "extra_info" in columns and not pa.types.is_null(batch.column("extra_info").type):
                 file_infos.append(batch.column("extra_info").take(taken))
+            if keep_messages:
+                file_messages.append(batch.column(prompt_key).take(taken))
             file_kept += len(kept)
             row0 += len(batch)
         stats["rows"] += row0
@@ -460,6 +482,8 @@ def load_prompts(
             file_starts.append(file_starts[-1] + file_kept)
             ground_truths.append(pa.chunked_array(file_truths).combine_chunks())
             extra_infos.append(pa.chunked_array(file_infos).combine_chunks() if file_infos else None)
+            if keep_messages:
+                messages.append(pa.chunked_array(file_messages).combine_chunks())
     lengths = np.concatenate(lengths or [np.zeros(0, np.int64)])
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -472,6 +496,7 @@ def load_prompts(
             file_starts=np.array(file_starts, dtype=np.int64),
             ground_truths=tuple(ground_truths),
             extra_infos=tuple(extra_infos),
+            messages=tuple(messages) if keep_messages else None,
         )
     )
     stats["kept"] = len(records)
@@ -591,10 +616,12 @@ class PromptSampler:
 
 
 def collate_prompts(records: Iterable[PromptRecord], pad_token_id: int) -> dict[str, Any]:
-    """The prompt fields of a ``Batch``: ``prompt_ids``/``prompt_mask`` ``[B, P]`` (left-padded) and per-row lists.
+    """The prompt fields of a ``Batch``: ``prompt_ids``/``prompt_mask`` ``[B, P]`` (left-padded) and per-row lists;
+    ``raw_prompts`` holds the records' chat messages where every record has them, else it is empty.
 
     ``records``: a list of records or a ``PromptStore`` slice."""
     records = list(records)
+    messages = [r.messages for r in records]
     prompt_ids, prompt_mask = left_pad([r.prompt_ids for r in records], pad_token_id)
     return {
         "prompt_ids": prompt_ids,
@@ -602,4 +629,5 @@ def collate_prompts(records: Iterable[PromptRecord], pad_token_id: int) -> dict[
         "data_sources": [r.data_source for r in records],
         "ground_truths": [r.ground_truth for r in records],
         "extra_infos": [r.extra_info for r in records],
+        "raw_prompts": messages if all(m is not None for m in messages) else [],
     }

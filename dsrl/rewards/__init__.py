@@ -19,7 +19,9 @@ Public API (verl's signature, so a verl ``custom_reward_function`` works unchang
   With ``custom_reward_function.batch: true`` the function takes lists (verl's batch reward manager).
 - ``overlong_penalties(lengths, ...)``: DAPO's soft overlong punishment (``reward_model.reward_manager: dapo``).
 
-This package imports no torch, so a worker process starts in a fraction of a second.
+This package imports no torch, so a worker process starts in a fraction of a second; ``dsrl.rewards.model_inputs``
+(the reward model's token sequences of a batch, and the checks of the reward model's and the distillation teacher's
+tokenizers) needs torch and is imported on its own.
 """
 
 import importlib

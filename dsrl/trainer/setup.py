@@ -45,10 +45,12 @@ def problems_of_every_rank(load: Callable[[], list[str]]) -> list[str]:
 
 
 def load_run_prompts(
-    cfg, files, max_samples: int, tokenizer, tools: ToolSet | None = None
+    cfg, files, max_samples: int, tokenizer, tools: ToolSet | None = None, *, keep_messages: bool = False
 ) -> tuple[list, dict[str, int]]:
     """The prompts of ``files`` as ``data.*`` asks (``dsrl.data.datasets.load_prompts``) and their counts; with
-    multi-turn, their template lists the ``tools``."""
+    multi-turn, their template lists the ``tools``. ``keep_messages``: the prompts also keep their chat messages,
+    which batches carry as ``raw_prompts``, for a reward model with another chat template
+    (``dsrl.rewards.model_inputs``)."""
     data = cfg.data
     return load_prompts(
         files,
@@ -58,6 +60,7 @@ def load_run_prompts(
         filter_overlong_prompts=data.filter_overlong_prompts,
         truncation=data.truncation,
         max_samples=max_samples,
+        keep_messages=keep_messages,
         chat_template_kwargs={
             **({"tools": tools.schemas} if tools is not None else {}),
             **data.apply_chat_template_kwargs,

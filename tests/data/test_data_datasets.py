@@ -202,7 +202,8 @@ def test_left_pad_and_collate():
 def test_collate_prompts_gives_the_batch_prompt_fields(tmp_path, tokenizer):
     records = records_of(3, tokenizer, tmp_path)
     fields = collate_prompts(records[:2], tokenizer.pad_token_id)
-    assert set(fields) == {"prompt_ids", "prompt_mask", "data_sources", "ground_truths", "extra_infos"}
+    assert set(fields) == {"prompt_ids", "prompt_mask", "data_sources", "ground_truths", "extra_infos", "raw_prompts"}
+    assert fields["raw_prompts"] == []  # the store keeps no messages unless asked
     assert fields["prompt_ids"].shape == fields["prompt_mask"].shape == (2, len(records[0].prompt_ids))
     assert fields["prompt_ids"][fields["prompt_mask"].bool()].tolist() == list(
         records[0].prompt_ids + records[1].prompt_ids
@@ -368,3 +369,40 @@ def test_store_costs_at_most_5_bytes_per_token(tmp_path, tokenizer):
     path = write(tmp_path / "long.parquet", [row(content, str(i), index=i) for i in range(500)])
     loaded, _ = load(path, tokenizer, max_prompt_length=256)
     assert loaded.num_tokens == 500 * 200 and loaded.nbytes / loaded.num_tokens <= 5
+
+
+# ---- chat messages kept for a reward model with another template -----------------------------
+
+
+def rendered_ids(tokenizer, messages) -> tuple[int, ...]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_the_store_keeps_the_messages_only_when_asked(varied_files, tokenizer, monkeypatch):
+    monkeypatch.setattr(datasets, "READ_BATCH_ROWS", 3)  # batches that cut files and filtered rows
+    options = dict(max_prompt_length=40, filter_overlong_prompts=True, truncation="error")
+    plain, _ = load_prompts(varied_files, tokenizer, **options)
+    kept, stats = load_prompts(varied_files, tokenizer, keep_messages=True, **options)
+    assert stats["filtered_overlong"] > 0  # the messages must follow the kept rows
+    assert {r.messages is None for r in plain} == {True}
+    assert [r.prompt_ids for r in kept] == [r.prompt_ids for r in plain]
+    # every kept row's messages render to its prompt tokens: each row got its own prompt's messages
+    assert all(rendered_ids(tokenizer, r.messages) == r.prompt_ids for r in kept)
+    order = np.random.default_rng(1).permutation(len(kept))
+    assert kept.take(order) == [list(kept)[i] for i in order]
+    assert [r.messages for r in kept[1::2]] == [r.messages for r in list(kept)[1::2]]
+    text = sum(len(m["content"]) + len(m["role"]) for r in kept for m in r.messages)
+    assert kept.nbytes - plain.nbytes >= text  # the messages are accounted for, and only when kept
+    assert collate_prompts(kept[:3], 0)["raw_prompts"] == [r.messages for r in list(kept)[:3]]
+    assert collate_prompts(plain[:3], 0)["raw_prompts"] == []
+
+
+def test_from_arrays_keeps_given_messages(tokenizer):
+    system, user = {"role": "system", "content": "s"}, {"role": "user", "content": "x"}
+    chats = [[{"role": "user", "content": "1+2="}], [system, user]]
+    store = PromptStore.from_arrays(np.arange(5), [2, 3], ["a", "b"], ["3", "x"], messages=chats)
+    assert [r.messages for r in store] == chats and store[1].prompt_ids == (2, 3, 4)
+    assert store.nbytes > PromptStore.from_arrays(np.arange(5), [2, 3], ["a", "b"], ["3", "x"]).nbytes
+    with pytest.raises(ValueError, match="differ in length"):
+        PromptStore.from_arrays(np.arange(5), [2, 3], ["a", "b"], ["3", "x"], messages=chats[:1])

@@ -41,6 +41,7 @@ def rank_batch(rank: int) -> Batch:
         data_sources=[f"src{u}" for u in uid.tolist()],
         ground_truths=[str(u) for u in uid.tolist()],
         extra_infos=[{"uid": u} for u in uid.tolist()],
+        raw_prompts=[[{"role": "user", "content": f"question {u}"}] for u in uid.tolist()],
         old_log_probs=response_mask * uid[:, None].float() / 10,
         reward_baselines=uid.float(),
     )
@@ -59,6 +60,7 @@ def row_record(batch: Batch, i: int) -> tuple:
         batch.data_sources[i],
         batch.ground_truths[i],
         batch.extra_infos[i]["uid"],
+        batch.raw_prompts[i][0]["content"],
         int(batch.prompt_mask[i, -1]),  # left padding: the last prompt column is always valid
     )
 
