@@ -150,6 +150,27 @@ def tiny_reward_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_teacher_dir(tmp_path_factory) -> Path:
+    """A distillation teacher for the tiny model: another untrained tiny Qwen3 (seed 1), the same tokenizer."""
+    out = tmp_path_factory.mktemp("tiny_teacher")
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "make_tiny_model.py"),
+            "--out",
+            str(out),
+            "--sft-steps",
+            "0",
+            "--seed",
+            "1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
 def moe_model_dir(tmp_path_factory) -> Path:
     """An untrained tiny Qwen3-MoE (8 experts of width 96, top 2; ``make_tiny_model.py --moe``) and its tokenizer."""
     out = tmp_path_factory.mktemp("tiny_moe_model")

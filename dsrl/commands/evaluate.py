@@ -405,6 +405,12 @@ def eval_config(args: argparse.Namespace, model: str, world_size: int):
             "actor_rollout_ref.rollout.multi_turn.enable=true: dsrl-eval generates single-turn responses (no tools); "
             "fix: set it to false, or validate with the trainer (trainer.val_only=true)"
         )
+    if cfg.reward_model.enable:
+        problems.append(
+            "reward_model.enable=true: dsrl-eval scores with the reward rules or the custom reward function, not with "
+            "a reward model; fix: set it to false, or validate with the trainer (trainer.val_only=true), which scores "
+            "with the reward model"
+        )
     if problems:
         raise ConfigError(problems)
     return cfg

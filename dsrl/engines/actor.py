@@ -18,7 +18,14 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from dsrl.algorithms import agg_loss, kl_penalty, policy_loss, policy_loss_params
+from dsrl.algorithms import (
+    agg_loss,
+    combined_loss,
+    distillation_loss,
+    kl_penalty,
+    policy_loss,
+    policy_loss_params,
+)
 from dsrl.config import lora_enabled, policy_loss_param_values
 from dsrl.config.deepspeed_json import clip_grad
 from dsrl.data.batch import Batch
@@ -182,8 +189,9 @@ class ActorEngine:
         self, batch: Batch, *, temperature: float, recorded: dict[str, torch.Tensor] | None = None
     ) -> dict[str, float]:
         """PPO epochs over ``batch`` (needs ``advantages``; ``old_log_probs`` unless on-policy; ``ref_log_probs``
-        with ``use_kl_loss``; ``rollout_is_weights`` optional). Returns verl's ``actor/*`` metrics, averaged
-        over optimizer steps, identical on every rank. Collective.
+        with ``use_kl_loss``; ``teacher_log_probs`` with ``distillation.enabled``; ``rollout_is_weights`` optional).
+        Returns verl's ``actor/*`` metrics (and ``distillation/*``), averaged over optimizer steps, identical on every
+        rank. Collective.
 
         ``recorded``: filled with ``old_log_probs`` and ``entropy`` ``[B, T]`` float32 as the first forward
         pass over each row computed them. In an on-policy update the parameters do not change before the
@@ -196,6 +204,8 @@ class ActorEngine:
             raise ValueError(
                 f"{self.prefix}.use_kl_loss=True but the batch has no ref_log_probs; run the reference first"
             )
+        if self.cfg.distillation.enabled and batch.teacher_log_probs is None:
+            raise ValueError("distillation.enabled=True but the batch has no teacher_log_probs; run the teacher first")
         on_policy = self.on_policy(len(batch))
         seen = torch.zeros(len(batch), dtype=torch.bool)  # rows already recorded
         if recorded is not None:
@@ -312,6 +322,33 @@ class ActorEngine:
             kl_loss = agg_loss(kl, mask, actor.loss_agg_mode, **normalisers)
             loss = loss + actor.kl_loss_coef * kl_loss
             contributions["actor/kl_loss"] = kl_loss
+        distill = self.cfg.distillation
+        if distill.enabled:  # as verl: after the task's loss and its entropy and KL terms, which it may replace
+            dl = distill.distillation_loss
+            distill_loss, distill_metrics = distillation_loss(
+                log_probs,
+                micro.teacher_log_probs,
+                mask,
+                loss_mode=dl.loss_mode,
+                loss_max_clamp=dl.loss_max_clamp,
+                use_policy_gradient=dl.use_policy_gradient,
+                old_log_probs=log_probs.detach() if on_policy and not bypass else micro.old_log_probs,
+                clip_ratio_low=dl.clip_ratio if dl.clip_ratio_low is None else dl.clip_ratio_low,
+                clip_ratio_high=dl.clip_ratio if dl.clip_ratio_high is None else dl.clip_ratio_high,
+                loss_agg_mode=actor.loss_agg_mode,
+                rollout_is_weights=micro.rollout_is_weights,
+                **normalisers,
+            )
+            loss = combined_loss(
+                loss, distill_loss, use_task_rewards=dl.use_task_rewards, coef=dl.distillation_loss_coef
+            )
+            # the loss is normalised over the step already; the means are this micro-batch's, weighted by its share;
+            # the extremes the trainer takes over the whole step (dsrl.trainer.metrics.distillation_metrics)
+            for name, value in distill_metrics.items():
+                if name == "distillation/loss":
+                    contributions[name] = value
+                elif name not in ("distillation/loss_min", "distillation/loss_max"):
+                    contributions[name] = value * share
         if moe:  # token-weighted means over the step's micro-batches, as the metrics above
             with torch.set_grad_enabled(actor.router_aux_loss_coef > 0):
                 aux_loss = self.routers.aux_loss()

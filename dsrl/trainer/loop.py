@@ -1,9 +1,10 @@
 """The training loop: one SPMD loop per rank that drives every model role in-process (start-up: ``dsrl.trainer.setup``).
 
 Each step is one timed call per phase (``timing_s/<phase>``): gen (with update_weights) -> balance -> reward ->
-old_log_prob -> ref -> values -> adv (PF-PPO's redraw, the truncated responses masked out of the actor's loss) ->
-update_critic -> update_actor. DAPO's dynamic sampling scores in gen (``dsrl.trainer.dynamic_sampling``); an exactly
-on-policy step, and bypass mode, fold old_log_prob into update_actor (``Trainer.folds_old_log_prob``). After a step:
+old_log_prob -> ref -> teacher -> values -> adv (PF-PPO's redraw, the truncated responses masked out of the actor's
+loss) -> update_critic -> update_actor. DAPO's dynamic sampling scores in gen (``dsrl.trainer.dynamic_sampling``); an
+exactly on-policy step, and bypass mode, fold old_log_prob into update_actor (``Trainer.folds_old_log_prob``). After a
+step:
 the run-stopping checks (``dsrl.trainer.stops``), validation every ``trainer.test_freq`` steps, a checkpoint every
 ``trainer.save_freq`` (``dsrl.checkpoint.save``) or after a signal (``dsrl.runtime.signals``: every rank finishes the
 step first). Tensor math lives in ``dsrl.algorithms`` and the engines; this file only orders the calls.
@@ -60,6 +61,7 @@ from dsrl.trainer.dynamic_sampling import fill_batch, group_verdicts, judged_met
 from dsrl.trainer.facts import final_facts, startup_facts
 from dsrl.trainer.metrics import (
     batch_metrics,
+    distillation_metrics,
     forward_metrics,
     memory_metrics,
     multi_turn_metrics,
@@ -181,7 +183,13 @@ class Trainer(TrainerSetup):
     def colocated(self, metrics: dict[str, float]):
         """The rollout engine awake with the actor's current weights, the DeepSpeed engines' device
         memory released around it (``dsrl.rollout.colocation``; a collective on every rank)."""
-        roles = {"actor": self.actor, "critic": self.critic, "ref": self.ref}
+        roles = {
+            "actor": self.actor,
+            "critic": self.critic,
+            "ref": self.ref,
+            "teacher": self.teacher,
+            "reward_model": self.reward_model,
+        }
         return colocated_generation(
             self.rollout,
             weights=self.actor.rollout_weights,
@@ -340,7 +348,7 @@ class Trainer(TrainerSetup):
     def take_tallies(self) -> dict[str, PassTally]:
         """What each engine's forwards ran since the last call, by pass (``forward_metrics``)."""
         tallies: dict[str, PassTally] = {}
-        for engine in (self.actor, self.ref, self.critic):
+        for engine in (self.actor, self.ref, self.critic, self.teacher, self.reward_model):
             if engine is not None:
                 tallies.update(engine.tallies)
                 engine.tallies.clear()
@@ -550,6 +558,11 @@ class Trainer(TrainerSetup):
                     batch = batch.replace(
                         ref_log_probs=self.ref.compute_log_probs(batch, temperature=rollout_cfg.temperature)
                     )
+            if self.teacher is not None:
+                with timer("teacher"):
+                    batch = batch.replace(
+                        teacher_log_probs=self.teacher.compute_log_probs(batch, temperature=rollout_cfg.temperature)
+                    )
             if self.critic is not None:
                 with timer("values"):
                     batch = batch.replace(values=self.critic.compute_values(batch))
@@ -594,6 +607,8 @@ class Trainer(TrainerSetup):
             )
         )
         metrics.update(variance_proxy_metrics(batch, metrics.get("actor/grad_norm")))
+        if self.teacher is not None and batch.old_log_probs is not None:  # none when the actor did not train
+            metrics.update(distillation_metrics(batch, cfg.distillation.distillation_loss.loss_mode))
         metrics.update(timer.seconds)
         prompt_tokens, response_tokens = all_reduce(
             torch.stack([batch.prompt_mask.sum(), batch.response_attention.sum()]).double()

@@ -17,7 +17,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from dsrl.algorithms import RolloutCorrection
+from dsrl.algorithms import RolloutCorrection, kl_penalty
 from dsrl.data.batch import Batch
 from dsrl.engines.forward import PassTally
 from dsrl.runtime.distributed import all_reduce, global_mean, global_stats
@@ -158,6 +158,19 @@ def rollout_correction_metrics(batch: Batch, correction: RolloutCorrection) -> d
         "rollout_corr/is_weight_mean": global_mean(correction.weights[mask]),
         "rollout_corr/masked_fraction": global_mean(1.0 - correction.keep_mask[mask]),
     }
+
+
+def distillation_metrics(batch: Batch, loss_mode: str) -> dict[str, float]:
+    """On-policy distillation over every rank's response tokens, under the policy that sampled them (the actor's
+    log-probs before the update): ``distillation/reverse_kl``, the mean of ``log p_student - log p_teacher`` (the
+    sampled tokens' estimate of KL(student || teacher)), and verl's ``distillation/loss_min`` and ``loss_max``, the
+    extremes of ``loss_mode``'s per-token divergence (verl's are its micro-batches', under the current policy)."""
+    valid = batch.response_mask.bool()
+    k1 = (batch.old_log_probs - batch.teacher_log_probs)[valid]
+    divergence = kl_penalty(batch.old_log_probs, batch.teacher_log_probs, loss_mode)[valid]
+    mean, _, _ = global_stats(k1)
+    _, highest, lowest = global_stats(divergence)
+    return {"distillation/reverse_kl": mean, "distillation/loss_max": highest, "distillation/loss_min": lowest}
 
 
 def variance_proxy_metrics(batch: Batch, grad_norm: float | None) -> dict[str, float]:

@@ -1,7 +1,13 @@
-"""A step's rewards on one rank: responses decoded and scored by the reward functions, DAPO's overlong
-punishment added (``reward_model.reward_manager=dapo``), and gdpo's reward components picked out of the
-functions' extras. The trainer orders the calls and turns problems into a stop; the metrics over all
-ranks are ``dsrl.trainer.metrics.reward_metrics``."""
+"""A step's rewards on one rank: responses decoded and scored by the reward functions or the reward model, DAPO's
+overlong punishment added (``reward_model.reward_manager=dapo``), and gdpo's reward components picked out of the
+extras. The trainer orders the calls and turns problems into a stop; the metrics over all ranks are
+``dsrl.trainer.metrics.reward_metrics``.
+
+With ``reward_model.enable`` the reward model scores every response first (``dsrl.engines.reward_model``, on the
+sequences ``dsrl.rewards.model_inputs`` builds). As verl's reward loop: without ``custom_reward_function`` its score is
+the response's score; with one, the function's result is, and the function reads the reward model's score in
+``extra_info["reward_model_score"]`` (verl's function would ask verl's reward-model server for it). Either way the
+score is the reward extra ``reward_model_score``: a gdpo component, and ``reward/reward_model_score/mean``."""
 
 from __future__ import annotations
 
@@ -11,7 +17,9 @@ import torch
 
 from dsrl.config import Config
 from dsrl.data.batch import Batch, last_response_token
-from dsrl.rewards import RewardScorer, overlong_penalties, reward_components
+from dsrl.engines.reward_model import RewardModelEngine
+from dsrl.rewards import FAILURE_COUNTS, RewardScorer, overlong_penalties, reward_components
+from dsrl.rewards.model_inputs import RewardModelInputs
 from dsrl.runtime.distributed import gather_problems
 
 
@@ -25,11 +33,18 @@ class Scores:
     counts: dict[str, float]  # the scorer's failure counts
 
 
-class StepScorer:
-    """Scores batches for the trainer: training, validation and ReMax's greedy baseline alike."""
+RM_SCORE = "reward_model_score"  # the reward model's score: in the reward function's extra_info, and a reward extra
+RM_TRUNCATED = "reward_model/truncated"  # rows the reward model read without their start (a count over the ranks)
 
-    def __init__(self, cfg: Config, scorer: RewardScorer, tokenizer) -> None:
+
+class StepScorer:
+    """Scores batches for the trainer: training, validation and ReMax's greedy baseline alike. ``model_inputs`` (with
+    the reward model): the sequences it reads; the trainer sets ``reward_model``, the engine, once it is built."""
+
+    def __init__(self, cfg: Config, scorer: RewardScorer, tokenizer, model_inputs: RewardModelInputs | None = None):
         self.cfg, self.scorer, self.tokenizer = cfg, scorer, tokenizer
+        self.model_inputs = model_inputs
+        self.reward_model: RewardModelEngine | None = None
 
     def response_texts(self, batch: Batch) -> list[str]:
         return self.tokenizer.batch_decode(
@@ -41,11 +56,20 @@ class StepScorer:
         return self.tokenizer.decode(batch.prompt_ids[row][batch.prompt_mask[row].bool()], skip_special_tokens=True)
 
     def score(self, batch: Batch) -> Scores:
-        """This rank's rows alone (no collective)."""
+        """This rank's rows; with the reward model a collective (every rank calls it as often, with any rows)."""
         responses = self.response_texts(batch)
-        scores, extras, counts = self.scorer.score_batch(
-            batch.data_sources, responses, batch.ground_truths, batch.extra_infos
-        )
+        infos: list = batch.extra_infos or [{}] * len(batch)
+        model_scores = None
+        if self.reward_model is not None and self.model_inputs is not None:
+            sequences, truncated = self.model_inputs.sequences(batch)
+            model_scores = self.reward_model.score(sequences).tolist()
+            infos = [{**(info or {}), RM_SCORE: value} for info, value in zip(infos, model_scores, strict=True)]
+        if model_scores is None or self.cfg.custom_reward_function.path is not None:
+            scores, extras, counts = self.scorer.score_batch(batch.data_sources, responses, batch.ground_truths, infos)
+        else:  # verl: the reward model's score is the response's
+            scores, extras, counts = list(model_scores), {}, dict.fromkeys(FAILURE_COUNTS, 0)
+        if model_scores is not None:
+            extras, counts = {**extras, RM_SCORE: model_scores}, {**counts, RM_TRUNCATED: truncated}
         kwargs = self.cfg.reward_model.reward_kwargs
         buffer = kwargs.overlong_buffer_cfg
         if buffer.enable:  # the dapo reward manager (validated), as verl: training, validation and remax's baseline

@@ -17,8 +17,16 @@ from dsrl.checkpoint.save import CheckpointError, load_in_flight
 from dsrl.config import ConfigError, import_user_modules, prompts_per_round, to_dict, to_yaml
 from dsrl.config.rules.need import critic_used
 from dsrl.data.datasets import PromptSampler, load_prompts, load_tokenizer
-from dsrl.engines import ActorEngine, AdapterOffReference, CriticEngine, ReferenceEngine
+from dsrl.engines import (
+    ActorEngine,
+    AdapterOffReference,
+    CriticEngine,
+    ReferenceEngine,
+    RewardModelEngine,
+    teacher_engine,
+)
 from dsrl.rewards import RewardScorer, check_reward_rules
+from dsrl.rewards.model_inputs import RewardModelInputs, reward_tokenizer_problem, teacher_vocabulary_problem
 from dsrl.rollout import HFRollout
 from dsrl.rollout.multi_turn import Conversation, MultiTurnRollout
 from dsrl.rollout.tools import ToolSet
@@ -108,6 +116,7 @@ class TrainerSetup:
                 model = self.cfg.actor_rollout_ref.model
                 self.tokenizer = load_tokenizer(model.path, trust_remote_code=model.trust_remote_code)
                 self._setup_tools()  # before the prompts: their template lists the tools
+                self._check_judges()  # before the prompts: a reward model with its own template needs their messages
                 self._setup_data()
                 self._setup_rewards()
             return problems
@@ -122,14 +131,35 @@ class TrainerSetup:
             log = self.checkpoint_root / f"tool_workers_rank{self.rank}.log"
             self.tools = ToolSet.from_config(self.cfg, log_file=log)
 
+    def _check_judges(self) -> None:
+        """The tokenizers of the reward model and the teacher against the policy's (``dsrl.rewards.model_inputs``):
+        the sequences the reward model reads, and a teacher that gives other ids to the same tokens refused."""
+        cfg = self.cfg
+        self.model_inputs = None
+        if cfg.reward_model.enable:
+            rm = cfg.reward_model
+            rm_tokenizer = load_tokenizer(rm.model.path, trust_remote_code=rm.model.trust_remote_code)
+            length = rm.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
+            problem = reward_tokenizer_problem(self.tokenizer, rm_tokenizer, rm.model.path)
+            if problem is not None:
+                raise ValueError(problem)
+            self.model_inputs = RewardModelInputs(self.tokenizer, rm_tokenizer, max_length=length)
+        if cfg.distillation.enabled:
+            path = cfg.distillation.teacher_models.teacher_model.model_path
+            teacher = load_tokenizer(path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+            problem = teacher_vocabulary_problem(self.tokenizer, teacher, path)
+            if problem is not None:
+                raise ValueError(problem)
+
     def _setup_data(self) -> None:
         """The training and validation prompts, the sampler of the training batches and the number of steps."""
         cfg, data = self.cfg, self.cfg.data
+        keep = self.model_inputs is not None and not self.model_inputs.same_template  # re-tokenised from messages
         self.train_prompts, train_stats = load_run_prompts(
-            cfg, data.train_files, data.train_max_samples, self.tokenizer, self.tools
+            cfg, data.train_files, data.train_max_samples, self.tokenizer, self.tools, keep_messages=keep
         )
         self.val_prompts, val_stats = (
-            load_run_prompts(cfg, data.val_files, data.val_max_samples, self.tokenizer, self.tools)
+            load_run_prompts(cfg, data.val_files, data.val_max_samples, self.tokenizer, self.tools, keep_messages=keep)
             if data.val_files
             else (None, None)
         )
@@ -176,7 +206,7 @@ class TrainerSetup:
         # The run's folder holds the workers' prints and tracebacks: a chatty reward function floods no console.
         log = self.checkpoint_root / f"reward_workers_rank{self.rank}.log"
         self.scorer = RewardScorer.from_config(cfg, log_file=log)
-        self.scoring = StepScorer(cfg, self.scorer, self.tokenizer)
+        self.scoring = StepScorer(cfg, self.scorer, self.tokenizer, self.model_inputs)
 
     def _check_train_data(self, resume_state: dict | None) -> None:
         """What the checkpoints record of the training files: rank 0 writes the states and checks a resume's; every
@@ -194,8 +224,9 @@ class TrainerSetup:
                 raise CheckpointError(changed[0])
 
     def _setup_engines(self) -> None:
-        """The actor, its reference and the critic, with the rollout engine (``_setup_rollout``) before them when it
-        is vLLM's, so that it finds the device memory free, and after them otherwise."""
+        """The actor, its reference, the critic, the teacher and the reward model, with the rollout engine
+        (``_setup_rollout``) before them when it is vLLM's, so that it finds the device memory free, and after them
+        otherwise."""
         cfg, algo, steps = self.cfg, self.cfg.algorithm, self.schedule_steps
         needs_ref = cfg.actor_rollout_ref.actor.use_kl_loss or algo.use_kl_in_reward
         uses_vllm = cfg.actor_rollout_ref.rollout.name == "vllm"
@@ -206,6 +237,9 @@ class TrainerSetup:
         if needs_ref:  # a LoRA actor is its own reference, with the adapters off
             self.ref = AdapterOffReference(cfg, self.actor) if self.actor.lora else ReferenceEngine(cfg)
         self.critic = CriticEngine(cfg, total_training_steps=steps) if critic_used(cfg) else None
+        self.teacher = teacher_engine(cfg) if cfg.distillation.enabled else None
+        self.reward_model = RewardModelEngine(cfg) if cfg.reward_model.enable else None
+        self.scoring.reward_model = self.reward_model
         if not uses_vllm:
             self._setup_rollout()
 
@@ -284,7 +318,8 @@ class TrainerSetup:
             lora = {"lora": lora_facts(self.actor.module)} if self.actor.lora else {}  # the adapter as PEFT made it
             self.tracker.log_params(flatten({**to_dict(cfg), **lora}))
         self.tracker.log_text(to_yaml(cfg), "config/resolved.yaml")
-        for name, role in (("actor", self.actor), ("reference", self.ref), ("critic", self.critic)):
+        roles = (self.actor, self.ref, self.critic, self.teacher, self.reward_model)
+        for name, role in zip(("actor", "reference", "critic", "teacher", "reward_model"), roles, strict=True):
             if hasattr(role, "ds_config"):  # an engine of its own
                 self.tracker.log_dict(role.ds_config, f"config/deepspeed_{name}.json")
 

@@ -52,18 +52,19 @@ def shard_chunks(
 def score_chunks(
     batches: list[tuple[Batch, int]], scoring: StepScorer, *, rank: int, world_size: int, texts_below: int
 ) -> tuple[list[ScoredResponse], dict[str, float]]:
-    """This rank's responses scored (no collective): ``batches`` holds each chunk's generated batch and its count of
-    real rows (prompts x n; the filler's rows come after them and are dropped); the texts are kept for the rows
-    whose prompt index is below ``texts_below``. Returns the rows and the scorer's failure counts."""
+    """This rank's responses scored (no collective but the reward model's): ``batches`` holds each chunk's generated
+    batch and its count of real rows (prompts x n; the filler's rows come after them and are dropped); the texts are
+    kept for the rows whose prompt index is below ``texts_below``. Returns the rows and the scorer's failure
+    counts."""
     rows: list[ScoredResponse] = []
     failures = dict.fromkeys(FAILURE_COUNTS, 0.0)
     for batch, real_rows in batches:
-        if not real_rows:
-            continue
+        if not real_rows and scoring.reward_model is None:
+            continue  # the reward model's forward is collective: it runs with no rows too
         batch = batch.select(torch.arange(real_rows))
         scores = scoring.score(batch)
         for name, count in scores.counts.items():
-            failures[name] += count
+            failures[name] = failures.get(name, 0.0) + count
         for i, (source, shard_row, score) in enumerate(
             zip(batch.data_sources, batch.group_ids.tolist(), scores.token_level.sum(-1).tolist(), strict=True)
         ):

@@ -142,6 +142,44 @@ def test_killed_and_resumed_mixture_of_experts_run_is_bit_identical(
     assert "model.layers.3.mlp.experts.7.down_proj.weight" in index["weight_map"]
 
 
+def test_killed_and_resumed_run_with_a_reward_model_and_a_teacher_is_bit_identical(
+    tiny_model_dir,
+    tiny_reward_model_dir,
+    tiny_teacher_dir,
+    arithmetic_data,
+    ds_test_config,
+    free_port,
+    deepspeed_cpu_ops,
+    tmp_path,
+):
+    """GRPO whose reward function adds the reward model's score, distilled from a teacher beside its task: the two
+    frozen engines hold no state of their own and load again on resume, and a run killed while saving and resumed is
+    the uninterrupted one."""
+    ds_config, frozen = ds_test_config("zero3_offload"), ds_test_config("zero3_offload_inference")
+    reward = tmp_path / "rm_reward.py"
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return sum(ch.isdigit() for ch in solution_str) + extra_info['reward_model_score']\n"
+    )
+    kill_and_resume_grpo(
+        lambda name, ckpt: [
+            *resume_overrides(name, model=tiny_model_dir, data=arithmetic_data, ds_config=ds_config, ckpt=ckpt),
+            f"custom_reward_function.path={reward}",
+            "reward_model.enable=true",
+            f"reward_model.model.path={tiny_reward_model_dir}",
+            f"reward_model.deepspeed_config={frozen}",
+            "distillation.enabled=true",
+            f"distillation.teacher_models.teacher_model.model_path={tiny_teacher_dir}",
+            f"distillation.teacher_models.teacher_model.deepspeed_config={frozen}",
+        ],
+        free_port,
+        tmp_path,
+    )
+    steps = [e["metrics"] for e in logged_steps(tmp_path / "baseline" / "grpo") if "actor/grad_norm" in e["metrics"]]
+    assert len(steps) == STEPS
+    assert all("reward/reward_model_score/mean" in m and "distillation/loss" in m for m in steps)
+
+
 PARTIAL_ROLLOUT = [
     "trainer.v1.trainer_mode=colocate_async",
     "trainer.v1.colocate_async.chunk_tokens=4",
