@@ -17,7 +17,7 @@ from dsrl.config.loading import rollout_name
 from dsrl.config.names import ADV_ESTIMATORS
 from dsrl.config.schema import lora_enabled, prompts_per_round
 from dsrl.config.user_code import estimator_needs
-from dsrl.plan.shape import DTYPE_BYTES, ModelShape
+from dsrl.plan.shape import DTYPE_BYTES, ModelShape, read_shape
 
 # DeepSpeed's defaults for the ZeRO keys the plan reads, where the JSON leaves them out.
 ZERO_DEFAULTS = {
@@ -164,6 +164,15 @@ class PlanInputs:
     sleep_level: int
     hf_micro_batch: int
     hf_kv_max_bytes: int | None
+    # The frozen models beside the reference, each read from its own config.json, forward only like it.
+    reward_model: ZeroSetup | None  # reward_model.enable; None without
+    reward_shape: ModelShape | None  # a sequence-classification model: the backbone and a score head
+    reward_pass: Pass | None  # reward_model.micro_batch_size_per_gpu, or forward_max_token_len_per_gpu
+    reward_length: int  # tokens of a sequence it reads: reward_model.max_length (null: prompt + response)
+    reward_in_generation: bool  # dynamic sampling scores each round inside the colocated generation
+    teacher: ZeroSetup | None  # distillation.enabled; None without
+    teacher_shape: ModelShape | None
+    teacher_pass: Pass | None  # the reference's micro-batch keys (actor_rollout_ref.ref.log_prob_*)
 
 
 def forward_layout(shared_prompt_forward: bool, use_remove_padding: bool, use_prefix_grouper: bool) -> str:
@@ -180,8 +189,16 @@ def _pass(rows: int, micro: int, dynamic: bool, budget: int) -> Pass:
     return Pass(rows=min(micro, max(1, rows)))
 
 
+def _frozen_shape(path: str, key: str, actor_path: str, actor_shape: ModelShape) -> ModelShape:
+    """The shape of a model beside the actor (the reward model, the teacher) from its own config.json; the actor's
+    ``shape`` (which ``--model-config`` may give) when it is the actor's model."""
+    return actor_shape if path == actor_path else read_shape(path, key=key)
+
+
 def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Device) -> PlanInputs:
-    """The plan's inputs from a validated, resolved config at ``world_size`` ranks on ``device``."""
+    """The plan's inputs from a validated, resolved config at ``world_size`` ranks on ``device``; ``shape``: the
+    actor's. The reward model's and the teacher's shapes are read from their own config.json (PlanError when it
+    is not here)."""
     arr, data, algo = cfg.actor_rollout_ref, cfg.data, cfg.algorithm
     sp = arr.actor.ulysses_sequence_parallel_size  # a group's token budget is sp ranks' (verl's)
     model, actor, rollout = arr.model, arr.actor, arr.rollout
@@ -212,6 +229,17 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
         sleep = device.kind == "cuda"
     critic = cfg.critic
     critic_sp = critic.ulysses_sequence_parallel_size
+    rm, teacher = cfg.reward_model, cfg.distillation.teacher_models.teacher_model
+    # Dynamic sampling scores each round of gen_batch_size prompts as it is generated (the config refuses the reward
+    # model beside dynamic sampling under partial rollout, which would score groups as they complete).
+    in_generation = algo.filter_groups.enable
+    reward_rows = prompts_per_round(data) // N * n if in_generation else batch_rows
+    ref_pass = _pass(  # the reference's micro-batch: its forward's and the teacher's
+        batch_rows,
+        arr.ref.log_prob_micro_batch_size_per_gpu,
+        arr.ref.log_prob_use_dynamic_bsz,
+        arr.ref.log_prob_max_token_len_per_gpu * sp,
+    )
     return PlanInputs(
         shape=shape,
         world_size=N,
@@ -238,14 +266,7 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
         ref=ZeroSetup.from_json(read_ds_json(arr.ref.deepspeed_config, "actor_rollout_ref.ref.deepspeed_config"))
         if needs_ref
         else None,
-        ref_pass=_pass(
-            batch_rows,
-            arr.ref.log_prob_micro_batch_size_per_gpu,
-            arr.ref.log_prob_use_dynamic_bsz,
-            arr.ref.log_prob_max_token_len_per_gpu * sp,
-        )
-        if needs_kl
-        else None,
+        ref_pass=ref_pass if needs_kl else None,
         critic=ZeroSetup.from_json(read_ds_json(critic.deepspeed_config, "critic.deepspeed_config"))
         if trains_critic
         else None,
@@ -278,4 +299,26 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
         sleep_level=rollout.sleep_level,
         hf_micro_batch=rollout.micro_batch_size,
         hf_kv_max_bytes=None if rollout.kv_cache_max_gb is None else int(rollout.kv_cache_max_gb * 1e9),
+        reward_model=ZeroSetup.from_json(read_ds_json(rm.deepspeed_config, "reward_model.deepspeed_config"))
+        if rm.enable
+        else None,
+        reward_shape=_frozen_shape(rm.model.path, "reward_model.model.path", model.path, shape) if rm.enable else None,
+        reward_pass=_pass(
+            reward_rows, rm.micro_batch_size_per_gpu, rm.use_dynamic_bsz, rm.forward_max_token_len_per_gpu
+        )
+        if rm.enable
+        else None,
+        reward_length=rm.max_length or data.max_prompt_length + data.max_response_length,
+        reward_in_generation=in_generation,
+        teacher=ZeroSetup.from_json(
+            read_ds_json(teacher.deepspeed_config, "distillation.teacher_models.teacher_model.deepspeed_config")
+        )
+        if cfg.distillation.enabled
+        else None,
+        teacher_shape=_frozen_shape(
+            teacher.model_path, "distillation.teacher_models.teacher_model.model_path", model.path, shape
+        )
+        if cfg.distillation.enabled
+        else None,
+        teacher_pass=ref_pass if cfg.distillation.enabled else None,
     )

@@ -1,8 +1,9 @@
 """The memory plan of a run (``dsrl-train ... --plan``): what each rank holds in each phase of a step, on the device
 and on the host (``plan_memory``, printed by ``render``), and the check ``--validate-only`` applies
 (``trainer.memory_plan_check``: ``plan_problems``, each fix it offers checked against the plan). It reads only the
-resolved config, the roles' DeepSpeed JSON files and the model's ``config.json``: no weights, no torch. The phases,
-the terms and their formulas: docs/architecture.md, section 13."""
+resolved config, the roles' DeepSpeed JSON files and the models' ``config.json`` (the actor's, the reward model's and
+the teacher's own): no weights, no torch. The phases, the terms and their formulas: docs/architecture.md, section
+13."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 from dsrl.config.deepspeed_json import read_ds_json
 from dsrl.plan.inputs import Device, Pass, PlanInputs, ZeroSetup, inputs_from_config
-from dsrl.plan.shape import GIB, read_shape
+from dsrl.plan.shape import GIB, ModelShape, read_shape
 from dsrl.plan.terms import (
     PUSH_BUCKET_BYTES,
     KvBudget,
@@ -23,6 +24,7 @@ from dsrl.plan.terms import (
     model_states,
     moved_to_host,
     reduce_bucket,
+    reward_forward,
     rollout_terms,
     trained_states,
     update_gradients,
@@ -76,23 +78,35 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
     actor += reduce_bucket("actor", inputs.actor, s.parameters(), b, touched_only=not on_gpu)
     if critic:
         critic += reduce_bucket("critic", inputs.critic, s.parameters(lm_head=False), b, touched_only=not on_gpu)
-    ref = model_states("ref", inputs.ref, s.parameters(), 0, b, inputs.world_size) if inputs.ref else []
+    forward_only = {}  # the engines without an optimizer, each with its parameters
+    if inputs.ref is not None:
+        forward_only["ref"] = (inputs.ref, s.parameters())
+    if inputs.reward_model is not None:
+        forward_only["reward model"] = (inputs.reward_model, inputs.reward_shape.classifier_parameters())
+    if inputs.teacher is not None:
+        forward_only["teacher"] = (inputs.teacher, inputs.teacher_shape.parameters())
+    frozen = [
+        t for role, (zero, P) in forward_only.items() for t in model_states(role, zero, P, 0, b, inputs.world_size)
+    ]
     rollout_awake, kv, rollout_asleep = rollout_terms(inputs, device)
     static = inputs.rollout == "vllm" and not inputs.sleep_mode
-    resident = actor + critic + ref
+    resident = actor + critic + frozen
     engines = {"actor": gathered("actor", inputs.actor, s.parameters(), b)}
-    if inputs.ref is not None:
-        engines["ref"] = gathered("ref", inputs.ref, s.parameters(), b)
+    engines |= {role: gathered(role, zero, P, b) for role, (zero, P) in forward_only.items()}
     if inputs.critic is not None:
         engines["critic"] = gathered("critic", inputs.critic, s.parameters(lm_head=False), b)
     # On a CPU every engine's gathered parameters stay from the step before; on a GPU they come back as each runs.
     live = {} if on_gpu else dict(engines)
+    scores_in_generation = inputs.reward_model is not None and inputs.reward_in_generation
+    if scores_in_generation:  # a round's scoring leaves them gathered through the next round's generation
+        live["reward model"] = engines["reward model"]
 
     phases = []
     if on_gpu and not static:
         lora = inputs.actor_trained < s.parameters()
         critic_gen = moved_to_host(critic, inputs.critic) if critic else []
-        during_gen = moved_to_host(actor, inputs.actor, frozen=lora) + critic_gen + ref
+        # frozen engines move nothing (colocation.offload_targets): their parameters stay where their JSON puts them
+        during_gen = moved_to_host(actor, inputs.actor, frozen=lora) + critic_gen + frozen
         asleep = "trained engines' device states moved to the host (ZeRO-3: all; ZeRO-1/2: all but the parameters" + (
             "; a LoRA actor keeps its parameters)" if lora else ")"
         )
@@ -124,12 +138,14 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
             else (inputs.critic_layout, inputs.critic_sequence_parallel)
         )
 
-    def forward_phase(name: str, role: str, micro: Pass, head: bool) -> Phase:
+    def forward_phase(name: str, role: str, micro: Pass, head: bool, shape: ModelShape = s) -> Phase:
+        """A no-grad forward of ``role``, a model of ``shape`` (the teacher's own; else the actor's)."""
+        model = dataclasses.replace(inputs, shape=shape)
         terms = resident + rollout_asleep + running(role)
         layout, group = layout_of(head)
-        terms += activations(inputs, micro, grad=False, checkpointing=False, layout=layout, group=group)
+        terms += activations(model, micro, grad=False, checkpointing=False, layout=layout, group=group)
         if head:
-            terms.append(log_prob_head(s, micro, inputs, grad=False, layout=layout))
+            terms.append(log_prob_head(shape, micro, model, grad=False, layout=layout))
         return Phase(name, terms, rollout_note)
 
     def update_phase(
@@ -142,10 +158,19 @@ def plan_memory(inputs: PlanInputs, device: Device) -> Plan:
             terms.append(log_prob_head(s, micro, inputs, grad=True, layout=layout))
         return Phase(name, terms, rollout_note)
 
+    if scores_in_generation:  # between two rounds' generate calls: vLLM awake, the HF rollout its weights
+        awake = rollout_awake if inputs.rollout == "vllm" else rollout_awake[:1]
+        terms = during_gen + awake + running("reward model") + reward_forward(inputs)
+        phases.append(Phase("reward", terms, "dynamic sampling scores each round inside the generation; " + asleep))
+    elif inputs.reward_model is not None:
+        phases.append(Phase("reward", resident + rollout_asleep + running("reward model") + reward_forward(inputs),
+                            rollout_note))  # fmt: skip
     if inputs.old_log_prob is not None:
         phases.append(forward_phase("old_log_prob", "actor", inputs.old_log_prob, True))
     if inputs.ref_pass is not None:  # with LoRA, the actor with its adapters off
         phases.append(forward_phase("ref", "ref" if inputs.ref is not None else "actor", inputs.ref_pass, True))
+    if inputs.teacher is not None:  # as the reference's forward, at the teacher's size
+        phases.append(forward_phase("teacher", "teacher", inputs.teacher_pass, True, inputs.teacher_shape))
     if inputs.critic is not None:
         backbone = s.parameters(lm_head=False)
         phases.append(forward_phase("values", "critic", inputs.critic_values, False))
@@ -180,6 +205,15 @@ def render(plan: Plan, header: str) -> str:
         + (f"; ref {i.ref.describe()}" if i.ref else "")
         + (f"; critic {i.critic.describe()}" if i.critic else ""),
     ]
+    frozen = (("reward model", i.reward_model, i.reward_shape, f"; reads {i.reward_length:,} tokens a sequence"),
+              ("teacher", i.teacher, i.teacher_shape, "; the reference's micro-batches"))  # fmt: skip
+    for name, zero, shape, extra in frozen:
+        if zero is not None:
+            params = shape.classifier_parameters() if name == "reward model" else shape.parameters()
+            lines.append(
+                f"  {name} {params / 1e6:,.1f} M parameters, {shape.layers} layers, hidden {shape.hidden}, vocab "
+                f"{shape.vocab:,} (its config.json); {zero.describe()}{extra}"
+            )
     if dev.kind == "cpu":
         lines.append(f"  CPU: device and host are one memory; a phase needs (device + host) x {i.world_size} rank(s)")
     for phase in plan.phases:
@@ -219,7 +253,8 @@ def _largest_micro_batch(inputs: PlanInputs, device: Device, phase: str, field: 
     fits; None when not even the smallest does."""
     current: Pass = getattr(inputs, field)
     attr = "budget" if current.budget is not None else "rows"
-    smallest = inputs.prompt_length + inputs.response_length if attr == "budget" else 1
+    length = inputs.reward_length if field == "reward_pass" else inputs.prompt_length + inputs.response_length
+    smallest = length if attr == "budget" else 1
 
     def fits(value: int) -> bool:
         return _fits(
@@ -231,17 +266,23 @@ def _largest_micro_batch(inputs: PlanInputs, device: Device, phase: str, field: 
 
 # The micro-batch keys of each phase: (count key, budget key, PlanInputs field).
 _MICRO_KEYS = {
+    "reward": ("reward_model.micro_batch_size_per_gpu", "reward_model.forward_max_token_len_per_gpu", "reward_pass"),
     "old_log_prob": ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
                      "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", "old_log_prob"),
     "ref": ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
             "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "ref_pass"),
+    "teacher": ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "teacher_pass"),
     "values": ("critic.forward_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu", "critic_values"),
     "update_critic": ("critic.ppo_micro_batch_size_per_gpu", "critic.ppo_max_token_len_per_gpu", "critic_update"),
     "update_actor": ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
                      "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "update"),
 }  # fmt: skip
+# Each role's DeepSpeed key, by its PlanInputs field; the frozen ones' offloaded setup is zero3_offload_inference.
 _ROLE_KEYS = {"actor": "actor_rollout_ref.actor.deepspeed_config", "critic": "critic.deepspeed_config",
-              "ref": "actor_rollout_ref.ref.deepspeed_config"}  # fmt: skip
+              "ref": "actor_rollout_ref.ref.deepspeed_config", "reward_model": "reward_model.deepspeed_config",
+              "teacher": "distillation.teacher_models.teacher_model.deepspeed_config"}  # fmt: skip
+_FROZEN_ROLES = ("ref", "reward_model", "teacher")
 
 
 def fixes(plan: Plan, phase: Phase) -> list[str]:
@@ -250,7 +291,7 @@ def fixes(plan: Plan, phase: Phase) -> list[str]:
     ``gpu_memory_utilization``."""
     i, device = plan.inputs, plan.device
     found = []
-    if phase.name == "rollout" and i.rollout == "vllm":
+    if i.rollout == "vllm" and (phase.name == "rollout" or phase.name == "reward" and i.reward_in_generation):
         others = phase.device - sum(t.device for t in phase.terms if t.name.startswith("vLLM"))
         utilization = (device.bytes - others) / device.bytes
         if utilization > 0:
@@ -280,7 +321,11 @@ def fixes(plan: Plan, phase: Phase) -> list[str]:
             )
             found.append(f"actor_rollout_ref.model.enable_gradient_checkpointing=true{dedup}")
     fused = dataclasses.replace(i, fused_head=True)
-    if phase.name in ("old_log_prob", "ref", "update_actor") and not i.fused_head and _fits(fused, device, phase.name):
+    if (
+        phase.name in ("old_log_prob", "ref", "teacher", "update_actor")
+        and not i.fused_head
+        and _fits(fused, device, phase.name)
+    ):
         found.append("actor_rollout_ref.actor.use_fused_kernels=true")
     critic_checkpointed = dataclasses.replace(i, critic_checkpointing=True)
     if phase.name == "update_critic" and not i.critic_checkpointing and _fits(critic_checkpointed, device, phase.name):
@@ -289,7 +334,7 @@ def fixes(plan: Plan, phase: Phase) -> list[str]:
         zero = getattr(i, role)
         if zero is None or zero.offload_param:
             continue
-        name = "zero3_offload_inference" if role == "ref" else "zero3_offload"  # the shipped offload setups
+        name = "zero3_offload_inference" if role in _FROZEN_ROLES else "zero3_offload"  # the shipped offload setups
         offloaded = dataclasses.replace(i, **{role: ZeroSetup.from_json(read_ds_json(name, key))})
         if _fits(offloaded, device, phase.name):
             found.append(f"{key}={name}")

@@ -122,6 +122,11 @@ class ModelShape:
         )
         return embeddings + layers + self.hidden + head
 
+    def classifier_parameters(self) -> int:
+        """A sequence-classification model's parameters (a reward model's): the backbone and a score head
+        ``hidden -> 1`` without a bias, in place of the LM head."""
+        return self.parameters(lm_head=False) + self.hidden
+
     def active_parameters(self) -> int:
         """The parameters one token runs through: its ``experts_per_token`` experts of each mixture-of-experts layer
         (``parameters()`` for a dense model)."""
@@ -227,8 +232,10 @@ def model_config_path(model_path: str) -> Path | None:
     return Path(cached) if isinstance(cached, str) else None
 
 
-def read_shape(model_path: str, model_config: str | None = None) -> ModelShape:
-    """The shape of ``model_path`` (from ``model_config``, a config.json path, when given); raises PlanError."""
+def read_shape(model_path: str, model_config: str | None = None, *, key: str | None = None) -> ModelShape:
+    """The shape of ``model_path`` (from ``model_config``, a config.json path, when given); raises PlanError.
+    ``key``: the config key naming a model beside the actor (the reward model, the teacher), for which
+    ``--model-config`` does not stand."""
     if model_config:
         path = Path(model_config).expanduser()
         if path.is_dir():
@@ -239,9 +246,12 @@ def read_shape(model_path: str, model_config: str | None = None) -> ModelShape:
     else:
         path = model_config_path(model_path)
     if path is None or not path.is_file():
+        other = (
+            " (--model-config gives the actor's shape alone)" if key else ", or pass --model-config PATH/TO/config.json"
+        )
         raise PlanError(
-            f"no config.json for {model_path} here (not a local directory, not in the Hugging Face cache); fix: "
-            f"`hf download {model_path} config.json`, or pass --model-config PATH/TO/config.json"
+            f"{key + ': ' if key else ''}no config.json for {model_path} here (not a local directory, not in the "
+            f"Hugging Face cache); fix: `hf download {model_path} config.json`{other}"
         )
     try:
         config = json.loads(path.read_text())

@@ -181,6 +181,20 @@ def log_prob_head(shape: ModelShape, micro: Pass, inputs: PlanInputs, *, grad: b
     )
 
 
+def reward_forward(inputs: PlanInputs) -> list[Term]:
+    """The reward model's no-grad forward of one micro-batch (``inputs.reward_pass``): rows of ``reward_length``
+    tokens (its own chat template's, cut to ``reward_model.max_length``), neither packed nor sequence-parallel. One
+    layer's working set a token, as any no-grad forward, and the backbone's last hidden states, which the score
+    head reads at each row's last token: no logits over a vocabulary."""
+    shape, micro, b = inputs.reward_shape, inputs.reward_pass, inputs.dtype_bytes
+    tokens = micro.sequences(inputs.reward_length) * inputs.reward_length
+    return [
+        Term("activations (no grad)", tokens * shape.forward_working_bytes(b), 0, f"{tokens:,} tokens"),
+        Term("score head", tokens * shape.hidden * b, 0,
+             f"hidden states of {tokens:,} tokens x {shape.hidden:,}; the score of each row's last"),
+    ]  # fmt: skip
+
+
 def trained_states(inputs: PlanInputs) -> tuple[list[Term], list[Term]]:
     """The actor's and the critic's resident states."""
     s, b, N = inputs.shape, inputs.dtype_bytes, inputs.world_size

@@ -366,6 +366,37 @@ def _role(role: dict | None) -> str:
     return ", ".join(parts)
 
 
+def _micro_batches(role: dict) -> str:
+    """A forward-only role's micro-batches: ``micro_batch_size`` rows, or ``max_token_len`` tokens when it is set."""
+    if role.get("max_token_len"):
+        return f"micro-batches of {role['max_token_len']} tokens per rank (dynamic batch size)"
+    return f"micro-batches of {_na(role.get('micro_batch_size'))} rows per rank"
+
+
+def _judges(facts: dict) -> list[tuple[str, str]]:
+    """The rows of the reward model, the teacher and the distillation loss; none for those off."""
+    rows = []
+    rm, distill = facts.get("reward_model"), facts.get("distillation")
+    if rm:
+        rows.append(("reward model", f"{rm['path']}, {_role(rm)}, {_micro_batches(rm)}, "
+                                     f"sequences up to {rm['max_length']} tokens"))  # fmt: skip
+    if distill:
+        teacher = distill["teacher"]
+        rows.append(("teacher", f"{teacher['path']}, {_role(teacher)}, {_micro_batches(teacher)} (the reference's)"))
+        how = (
+            "a policy-gradient reward (minus the divergence is each token's advantage)"
+            if distill["use_policy_gradient"]
+            else "a supervised loss (the divergence backpropagated)"
+        )
+        beside = (
+            f"added x {distill['coef']:g} to the task rewards' policy loss"
+            if distill["use_task_rewards"]
+            else "alone (use_task_rewards false)"
+        )
+        rows.append(("distillation", f"{distill['loss_mode']} as {how}, {beside}"))
+    return rows
+
+
 def _kl(facts: dict) -> str:
     loss, reward = facts.get("kl_loss"), facts.get("kl_in_reward")
     parts = [f"loss {loss['type']} coef {loss['coef']:g}" if loss else "loss off"]
@@ -406,6 +437,11 @@ def startup_summary(facts: dict[str, Any]) -> str:
       role without backward), ``lora`` ({``rank``,
       ``alpha``, ``target_modules``, ``trainable``}; a LoRA actor only); or {``adapters_off``: True} for a LoRA
       run's reference
+    - ``reward_model``: None (off) or a role's dict (above) with ``path`` (str), ``micro_batch_size`` (int, per rank),
+      ``max_token_len`` (int or None: the token budget per rank with dynamic batch sizes), ``max_length`` (int: the
+      longest sequence it reads)
+    - ``distillation``: None (off) or {``teacher``: a role's dict with ``path``, ``micro_batch_size``,
+      ``max_token_len``; ``loss_mode`` (str), ``use_policy_gradient``, ``use_task_rewards`` (bool), ``coef``}
     - ``rollout`` (str: the engine, e.g. ``"vllm (tp 2)"``)
     - ``estimator``, ``policy_loss``, ``loss_agg_mode`` (str)
     - ``kl_loss``: None or {``type``, ``coef``}; ``kl_in_reward``: None or {``penalty``, ``coef``, ``ctrl``}
@@ -432,6 +468,7 @@ def startup_summary(facts: dict[str, Any]) -> str:
     rows = [
         ("world", f"{facts.get('hosts') or _na(facts.get('world_size')) + ' rank(s)'}, {_na(facts.get('device'))}"),
         *((name, _role(roles.get(name))) for name in ("actor", "reference", "critic")),
+        *_judges(facts),
         ("rollout", _na(facts.get("rollout"))),
         ("estimator", _na(facts.get("estimator"))),
         ("policy loss", f"{_na(facts.get('policy_loss'))}, loss_agg_mode {_na(facts.get('loss_agg_mode'))}"),

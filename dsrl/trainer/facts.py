@@ -47,14 +47,46 @@ def engine_facts(role, dtype: str) -> dict:
         "dtype": dtype,
         "params": sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters()),  # full size under ZeRO-3
     }
-    if role.sp is not None:
-        facts["sequence_parallel"] = role.sp.size
+    sp = getattr(role, "sp", None)  # the reward model has none: its forward runs no sequence parallelism
+    if sp is not None:
+        facts["sequence_parallel"] = sp.size
     if hasattr(role, "lr_scheduler"):  # a trained role
         backbone = getattr(module, "backbone", module)
         facts["gradient_checkpointing"] = bool(getattr(backbone, "is_gradient_checkpointing", False))
     if getattr(role, "lora", False):
         facts["lora"] = lora_facts(module)
     return facts
+
+
+def reward_model_facts(cfg: Config, engine) -> dict[str, Any]:
+    """The reward model's engine (``engine_facts``; it loads in the actor's dtype, as the reference), checkpoint,
+    micro-batches (a count or, with ``use_dynamic_bsz``, a token budget per rank) and the longest sequence it reads."""
+    rm = cfg.reward_model
+    return {
+        **engine_facts(engine, cfg.actor_rollout_ref.model.dtype),
+        "path": rm.model.path,
+        "micro_batch_size": rm.micro_batch_size_per_gpu,
+        "max_token_len": rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None,
+        "max_length": rm.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length,
+    }
+
+
+def distillation_facts(cfg: Config, teacher) -> dict[str, Any]:
+    """The teacher's engine, checkpoint and micro-batches (the reference's keys), and how its log-probs train the
+    student: the loss mode, as a policy-gradient reward or a supervised loss, alone or beside the task's (coef)."""
+    ref, loss = cfg.actor_rollout_ref.ref, cfg.distillation.distillation_loss
+    return {
+        "teacher": {
+            **engine_facts(teacher, cfg.actor_rollout_ref.model.dtype),
+            "path": cfg.distillation.teacher_models.teacher_model.model_path,
+            "micro_batch_size": ref.log_prob_micro_batch_size_per_gpu,
+            "max_token_len": ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
+        },
+        "loss_mode": loss.loss_mode,
+        "use_policy_gradient": loss.use_policy_gradient,
+        "use_task_rewards": loss.use_task_rewards,
+        "coef": loss.distillation_loss_coef,
+    }
 
 
 def lora_facts(module) -> dict[str, Any]:
@@ -116,6 +148,9 @@ def startup_facts(trainer) -> dict[str, Any]:
             name: None if role is None else engine_facts(role, cfg.actor_rollout_ref.model.dtype)
             for name, role in roles.items()
         },
+        # the trainer builds these engines only when the config turns them on
+        "reward_model": reward_model_facts(cfg, trainer.reward_model) if cfg.reward_model.enable else None,
+        "distillation": distillation_facts(cfg, trainer.teacher) if cfg.distillation.enabled else None,
         "rollout": rollout_engine_name(cfg, None if trainer.tools is None else trainer.rollout.tool_names),
         "estimator": algo.adv_estimator,
         "policy_loss": actor.policy_loss.loss_mode,

@@ -395,6 +395,38 @@ def test_startup_summary_variants():
     assert shown["mlflow"] == "off"
 
 
+def test_startup_summary_shows_the_reward_model_and_the_teacher_only_when_on():
+    assert not {"reward model", "teacher", "distillation"} & set(values(startup_summary(STARTUP)))
+    rm = {**STARTUP["roles"]["reference"], "params": 494_033_664, "path": "/models/rm", "micro_batch_size": 8,
+          "max_token_len": 8192, "max_length": 1536}  # fmt: skip
+    teacher = {**STARTUP["roles"]["reference"], "path": "Qwen/Qwen2.5-7B-Instruct", "micro_batch_size": 16,
+               "max_token_len": None}  # fmt: skip
+    distill = {
+        "teacher": teacher,
+        "loss_mode": "k3",
+        "use_policy_gradient": False,
+        "use_task_rewards": True,
+        "coef": 0.5,
+    }
+    shown = values(startup_summary({**STARTUP, "reward_model": rm, "distillation": distill}))
+    assert shown["reward model"] == (
+        "/models/rm, ZeRO-3, offload params, bfloat16, 494M params, micro-batches of 8192 tokens per rank (dynamic "
+        "batch size), sequences up to 1536 tokens"
+    )
+    assert shown["teacher"] == (
+        "Qwen/Qwen2.5-7B-Instruct, ZeRO-3, offload params, bfloat16, 7.6B params, micro-batches of 16 rows per rank "
+        "(the reference's)"
+    )
+    assert shown["distillation"] == (
+        "k3 as a supervised loss (the divergence backpropagated), added x 0.5 to the task rewards' policy loss"
+    )
+    reward = {**distill, "loss_mode": "k1", "use_policy_gradient": True, "use_task_rewards": False}
+    assert values(startup_summary({**STARTUP, "distillation": reward}))["distillation"] == (
+        "k1 as a policy-gradient reward (minus the divergence is each token's advantage), alone "
+        "(use_task_rewards false)"
+    )
+
+
 FINAL = {
     "validation": {0: 0.25, 4: 0.5, 10: 0.375},
     "tokens": 1_234_567,
