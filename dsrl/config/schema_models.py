@@ -52,8 +52,8 @@ class RewardModelModelConfig:
 class RewardModelConfig:
     enable: bool = _f(
         False,
-        "score each response with the reward model at its last token (a ZeRO-3 inference engine on every rank, "
-        "offloaded around generation like the reference); without custom_reward_function its score is the reward "
+        "score each response with the reward model at its last token (a frozen ZeRO-3 engine on every rank, like "
+        "the reference: its gathered layers freed around generation); without custom_reward_function its score is the reward "
         "(verl's), with one the function gets it as extra_info['reward_model_score']; either way it is the reward "
         "extra reward_model_score (a gdpo_reward_keys component, reward/reward_model_score/mean)",
     )
