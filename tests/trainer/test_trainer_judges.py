@@ -134,19 +134,39 @@ def test_the_reward_model_scores_every_response(
     assert changed_fraction(actor_before, actor_after) == 1.0
 
 
+def lora_and_reward_model(reward_model_dir, tmp_path) -> list[str]:
+    reward = tmp_path / "rm_reward.py"
+    reward.write_text(RM_REWARD)
+    return [
+        "actor_rollout_ref.model.lora_rank=8",
+        "actor_rollout_ref.model.lora_alpha=16",
+        "reward_model.enable=true",
+        f"reward_model.model.path={reward_model_dir}",
+        f"custom_reward_function.path={reward}",
+    ]
+
+
 @pytest.mark.parametrize(
     "form",
     [
         pytest.param(["loss_mode=k3", "use_policy_gradient=false", "use_task_rewards=false"], id="supervised_k3"),
-        pytest.param(
+        pytest.param(  # with a LoRA actor (its reference the adapters off) and the reward model in its reward
             ["loss_mode=k1", "use_policy_gradient=true", "distillation_loss_coef=0.5"],
-            id="policy_gradient_k1",
+            id="policy_gradient_k1_lora_reward_model",
             marks=pytest.mark.slow,
         ),
     ],
 )
 def test_distillation_trains_on_the_teachers_log_probs(
-    form, tiny_model_dir, tiny_teacher_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+    form,
+    tiny_model_dir,
+    tiny_teacher_dir,
+    tiny_reward_model_dir,
+    arithmetic_data,
+    ds_test_config,
+    world_of_one,
+    deepspeed_cpu_ops,
+    tmp_path,
 ):
     from transformers import AutoModelForCausalLM
 
@@ -171,6 +191,7 @@ def test_distillation_trains_on_the_teachers_log_probs(
             f"distillation.teacher_models.teacher_model.model_path={tiny_teacher_dir}",
             f"distillation.teacher_models.teacher_model.deepspeed_config={ds_test_config('zero3_offload_inference')}",
             *(f"distillation.distillation_loss.{setting}" for setting in form),
+            *(lora_and_reward_model(tiny_reward_model_dir, tmp_path) if "use_policy_gradient=true" in form else []),
         )
     finally:
         trainer_module.Trainer.__init__ = original_init
@@ -193,7 +214,9 @@ def test_distillation_trains_on_the_teachers_log_probs(
     assert step1["distillation/loss_max"] >= step1["distillation/loss_min"]
     if "use_policy_gradient=true" in form:
         assert "distillation/pg_clipfrac" in step1 and "actor/pg_loss" in step1
+        assert trainer.actor.lora and "reward/reward_model_score/mean" in step1
     else:  # the distillation loss alone: k3 is non-negative, and the task's policy loss is not in the update
         assert step1["distillation/loss"] >= 0
     assert "distillation/loss" in step2
-    assert changed_fraction(actor_before, actor_after) == 1.0
+    trained = [k for k in actor_before if ".lora_" in k] or list(actor_before)  # a LoRA actor: its adapters
+    assert changed_fraction({k: actor_before[k] for k in trained}, {k: actor_after[k] for k in trained}) == 1.0
