@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -24,16 +26,30 @@ def full_sequences(batch) -> list[list[int]]:
     return [ids[mask.bool()].tolist() for ids, mask in zip(batch.input_ids, batch.attention_mask, strict=True)]
 
 
-def spy(obj, name: str, calls: list):
-    """Wrap ``obj.name`` to record each call's first argument and result."""
-    original = getattr(obj, name)
+@contextmanager
+def spying(role: str, method: str, calls: list) -> Iterator[None]:
+    """Every Trainer built inside records each call of its ``role``'s ``method``: (first argument, result)."""
+    from dsrl.trainer import loop
 
-    def recorded(*args, **kwargs):
-        out = original(*args, **kwargs)
-        calls.append((args[0], out))
-        return out
+    build = loop.Trainer.__init__
 
-    setattr(obj, name, recorded)
+    def init(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        obj = getattr(self, role)
+        original = getattr(obj, method)
+
+        def recorded(*args, **kwargs):
+            out = original(*args, **kwargs)
+            calls.append((args[0], out))
+            return out
+
+        setattr(obj, method, recorded)
+
+    loop.Trainer.__init__ = init
+    try:
+        yield
+    finally:
+        loop.Trainer.__init__ = build
 
 
 def reward_model_scores(model_dir, rows: list[list[int]]) -> torch.Tensor:
@@ -92,20 +108,13 @@ def test_the_reward_model_scores_every_response(
         return compute(name, inputs, **kwargs)
 
     trainer_module.compute_advantages = advantages
-    original_init = trainer_module.Trainer.__init__
-
-    def init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        spy(self.scoring, "score", scored)
-
-    trainer_module.Trainer.__init__ = init
     try:
-        trainer, logged, (actor_before, actor_after), _ = run_config(
-            "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "run", *overrides
-        )
+        with spying("scoring", "score", scored):
+            trainer, logged, (actor_before, actor_after), _ = run_config(
+                "grpo", tiny_model_dir, arithmetic_data, ds_test_config, tmp_path / "run", *overrides
+            )
     finally:
         trainer_module.compute_advantages = compute
-        trainer_module.Trainer.__init__ = original_init
     assert [step for step, _ in logged] == [0, 1, 2]
     for step, metrics in logged:
         assert all(math.isfinite(v) for v in metrics.values()), step
@@ -170,17 +179,8 @@ def test_distillation_trains_on_the_teachers_log_probs(
 ):
     from transformers import AutoModelForCausalLM
 
-    from dsrl.trainer import loop as trainer_module
-
     taught = []
-    original_init = trainer_module.Trainer.__init__
-
-    def init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        spy(self.teacher, "compute_log_probs", taught)
-
-    trainer_module.Trainer.__init__ = init
-    try:
+    with spying("teacher", "compute_log_probs", taught):
         trainer, logged, (actor_before, actor_after), _ = run_config(
             "grpo",
             tiny_model_dir,
@@ -193,8 +193,6 @@ def test_distillation_trains_on_the_teachers_log_probs(
             *(f"distillation.distillation_loss.{setting}" for setting in form),
             *(lora_and_reward_model(tiny_reward_model_dir, tmp_path) if "use_policy_gradient=true" in form else []),
         )
-    finally:
-        trainer_module.Trainer.__init__ = original_init
     assert len(taught) == 2
     teacher = AutoModelForCausalLM.from_pretrained(tiny_teacher_dir).eval()
     temperature = trainer.cfg.actor_rollout_ref.rollout.temperature

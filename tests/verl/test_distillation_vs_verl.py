@@ -17,6 +17,7 @@ the dual clip). Tolerance: float32, `rtol = atol = 1e-6`.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
@@ -27,8 +28,9 @@ from verl.utils.metric import Metric
 from verl.workers.config import ActorConfig, DistillationConfig, DistillationLossConfig
 
 from dsrl.algorithms import combined_loss, distillation_loss, policy_loss
+from tests.verl.verl_calls import assert_close
 
-RTOL = ATOL = 1e-6
+TOL = 1e-6
 B, P, T = 8, 4, 6
 EMPTY_ROW, ONE_TOKEN_ROW = 3, 5
 LOSS_MODES = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
@@ -45,10 +47,7 @@ CLIPS = [
 TASK_COEF = 0.7
 
 
-def close(actual: torch.Tensor | float, expected: torch.Tensor | float, what: str) -> None:
-    actual = torch.as_tensor(actual, dtype=torch.float32)
-    expected = torch.as_tensor(expected, dtype=torch.float32)
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: dsrl vs verl\n{m}")
+close = partial(assert_close, tol=TOL)  # (dsrl value, verl value, what)
 
 
 @dataclasses.dataclass

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_
 import dsrl.algorithms as dsrl_algos
 from tests.verl import verl_calls
 
-RTOL = ATOL = 1e-5
+TOL = 1e-5
 SEEDS = (0, 1, 2)
 B, T = 14, 7
 # Group sizes of the standard batch: a group of one (row 7, score 0.9), a group of equal scores (rows 8-9).
@@ -40,10 +41,7 @@ ONE_TOKEN_ROW = 2
 EMPTY_ROW = 12  # fully padded
 
 
-def close(actual: torch.Tensor | float, expected: torch.Tensor | float, what: str) -> None:
-    actual = torch.as_tensor(actual, dtype=torch.float32)
-    expected = torch.as_tensor(expected, dtype=torch.float32)
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: dsrl vs verl\n{m}")
+close = partial(verl_calls.assert_close, tol=TOL)  # (dsrl value, verl value, what)
 
 
 # ---------------------------------------------------------------- batches

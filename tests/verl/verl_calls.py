@@ -92,3 +92,10 @@ def verl_policy_loss(
         config=config,
         rollout_is_weights=rollout_is_weights,
     )
+
+
+def assert_close(actual: torch.Tensor | float, expected: torch.Tensor | float, what: str, tol: float) -> None:
+    """``actual`` (dsrl's) equals ``expected`` (verl's) within ``tol``, relative and absolute, as float32."""
+    actual = torch.as_tensor(actual, dtype=torch.float32)
+    expected = torch.as_tensor(expected, dtype=torch.float32)
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=lambda m: f"{what}: dsrl vs verl\n{m}")
