@@ -36,6 +36,7 @@ def engine_of(cfg):
         sp=None,
         replay=None,
         tallies=defaultdict(PassTally),
+        name="ref",
     )
 
 
