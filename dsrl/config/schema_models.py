@@ -53,9 +53,9 @@ class RewardModelConfig:
     enable: bool = _f(
         False,
         "score each response with the reward model at its last token (a frozen ZeRO-3 engine on every rank, like "
-        "the reference: its gathered layers freed around generation); without custom_reward_function its score is the reward "
-        "(verl's), with one the function gets it as extra_info['reward_model_score']; either way it is the reward "
-        "extra reward_model_score (a gdpo_reward_keys component, reward/reward_model_score/mean)",
+        "the reference: its gathered layers freed around generation); without custom_reward_function its score is "
+        "the reward (verl's), with one the function gets it as extra_info['reward_model_score']; either way it is the "
+        "reward extra reward_model_score (a gdpo_reward_keys component, reward/reward_model_score/mean)",
     )
     model: RewardModelModelConfig = _f(RewardModelModelConfig, "the reward model's checkpoint")
     deepspeed_config: str = _f(

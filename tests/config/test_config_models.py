@@ -47,7 +47,8 @@ def expect(found: list[str], key: str, rule: str, fix: str) -> None:
 
 def test_a_causal_lm_is_no_reward_model(tiny_model_dir):
     found = violations([RM_ON, f"reward_model.model.path={tiny_model_dir}", "data.max_response_length=64"])
-    expect(found, "reward_model.model.path", "Qwen3ForCausalLM with 2 label(s)", "a causal LM is a teacher")
+    rule = "is Qwen3ForCausalLM, not a sequence-classification"
+    expect(found, "reward_model.model.path", rule, "a causal LM is a teacher")
 
 
 def test_a_reward_model_shorter_than_its_sequences(tiny_reward_model_dir):

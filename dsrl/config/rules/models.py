@@ -49,11 +49,13 @@ def reward_model_rules(cfg: Config, need: Need) -> None:
     architectures = config.get("architectures") or []
     labels = config.get("id2label")
     num_labels = len(labels) if isinstance(labels, dict) else config.get("num_labels", 2)
+    classifier = any(str(name).endswith("ForSequenceClassification") for name in architectures)
+    named = ", ".join(map(str, architectures)) or "a model without architectures"
     need(
-        any(str(name).endswith("ForSequenceClassification") for name in architectures) and num_labels == 1,
+        classifier and num_labels == 1,
         "reward_model.model.path",
-        f"{rm.model.path} is {', '.join(map(str, architectures)) or 'a model without architectures'} with "
-        f"{num_labels} label(s), not a sequence-classification reward model with one label (a score head)",
+        f"{rm.model.path} is {named}{f' with {num_labels} labels' if classifier else ''}, not a "
+        "sequence-classification reward model with one label (a score head)",
         "point it at a reward model (AutoModelForSequenceClassification.from_pretrained(path, num_labels=1) saved "
         "after training); a causal LM is a teacher (distillation.*), not a reward model",
     )
