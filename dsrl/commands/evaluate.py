@@ -239,9 +239,12 @@ def same_architecture_problems(paths: list[str], tokenizers: list, trust_remote_
     ]
 
 
-def evaluate_model(cfg, rollout, scorer, tokenizer, prompts, *, threshold: float, load_s: float) -> ModelResult:
+def evaluate_model(
+    cfg, rollout, scorer, tokenizer, prompts, *, threshold: float, load_s: float, judge=(None, None)
+) -> ModelResult:
     """Generate for this rank's share of the prompts with ``rollout`` (``load_s``: the seconds it took to get it) and
-    score it; the rows gathered, and the results, on every rank. Collective."""
+    score it; the rows gathered, and the results, on every rank. ``judge``: with ``reward_model.enable``, the reward
+    model's inputs for this model's tokenizer and its engine (``dsrl.trainer.scoring``). Collective."""
     import torch.distributed as dist
 
     from dsrl.rollout import SamplingParams
@@ -261,7 +264,8 @@ def evaluate_model(cfg, rollout, scorer, tokenizer, prompts, *, threshold: float
         batches.append((with_responses(batch, out, sampling.n), real * sampling.n))
     timing["timing_s/gen"] = time.perf_counter() - start
     start = time.perf_counter()
-    scoring = StepScorer(cfg, scorer, tokenizer)
+    scoring = StepScorer(cfg, scorer, tokenizer, judge[0])
+    scoring.reward_model = judge[1]
     rows, failures = score_chunks(batches, scoring, rank=rank, world_size=world_size, texts_below=len(prompts))
     timing["timing_s/reward"] = time.perf_counter() - start
     rows, failures = gather_rows(rows, failures)
@@ -405,12 +409,6 @@ def eval_config(args: argparse.Namespace, model: str, world_size: int):
             "actor_rollout_ref.rollout.multi_turn.enable=true: dsrl-eval generates single-turn responses (no tools); "
             "fix: set it to false, or validate with the trainer (trainer.val_only=true)"
         )
-    if cfg.reward_model.enable:
-        problems.append(
-            "reward_model.enable=true: dsrl-eval scores with the reward rules or the custom reward function, not with "
-            "a reward model; fix: set it to false, or validate with the trainer (trainer.val_only=true), which scores "
-            "with the reward model"
-        )
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -477,8 +475,9 @@ def evaluate(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from dsrl.data.datasets import load_tokenizer
-    from dsrl.engines import init_distributed
+    from dsrl.engines import RewardModelEngine, init_distributed
     from dsrl.rewards import RewardScorer, check_reward_rules
+    from dsrl.rewards.model_inputs import RewardModelInputs, reward_tokenizer_problem
     from dsrl.runtime.seeding import seed_all
     from dsrl.tracking import Tracker
     from dsrl.tracking.console import logger, setup_logging
@@ -489,16 +488,29 @@ def evaluate(args: argparse.Namespace) -> int:
     setup_logging(rank)
     seed_all(cfg.trainer.seed + rank)
     data = cfg.data
-    loaded, scorer = [], None
+    loaded, scorer, model_inputs = [], None, []
 
     def load() -> list[str]:
         nonlocal scorer
         problems = []
+        rm = cfg.reward_model
+        rm_tokenizer = (
+            load_tokenizer(rm.model.path, trust_remote_code=rm.model.trust_remote_code) if rm.enable else None
+        )
         for model_cfg in configs:
             model = model_cfg.actor_rollout_ref.model
             tokenizer = load_tokenizer(model.path, trust_remote_code=model.trust_remote_code)
-            prompts, _ = load_run_prompts(cfg, data.val_files, data.val_max_samples, tokenizer)
+            inputs = None
+            if rm_tokenizer is not None:  # the reward model's sequences of this model's responses
+                problem = reward_tokenizer_problem(tokenizer, rm_tokenizer, rm.model.path)
+                if problem is not None:
+                    raise ValueError(problem)
+                length = rm.max_length or data.max_prompt_length + data.max_response_length
+                inputs = RewardModelInputs(tokenizer, rm_tokenizer, max_length=length)
+            keep = inputs is not None and not inputs.same_template  # re-rendered from the messages
+            prompts, _ = load_run_prompts(cfg, data.val_files, data.val_max_samples, tokenizer, keep_messages=keep)
             loaded.append((tokenizer, prompts))
+            model_inputs.append(inputs)
         if len(loaded) == 2 and [(r.data_source, r.ground_truth) for r in loaded[0][1]] != [
             (r.data_source, r.ground_truth) for r in loaded[1][1]
         ]:
@@ -511,12 +523,13 @@ def evaluate(args: argparse.Namespace) -> int:
             problems += same_architecture_problems(
                 args.models, [tokenizer for tokenizer, _ in loaded], cfg.actor_rollout_ref.model.trust_remote_code
             )
-        check_reward_rules(
-            {"data.val_files": loaded[0][1]},
-            custom_path=cfg.custom_reward_function.path,
-            math_verify_sources=cfg.reward.math_verify_sources,
-            sandbox_fusion_url=cfg.reward.sandbox_fusion.url,
-        )
+        if rm_tokenizer is None or cfg.custom_reward_function.path is not None:  # else the reward model scores
+            check_reward_rules(
+                {"data.val_files": loaded[0][1]},
+                custom_path=cfg.custom_reward_function.path,
+                math_verify_sources=cfg.reward.math_verify_sources,
+                sandbox_fusion_url=cfg.reward.sandbox_fusion.url,
+            )
         log = None if args.out is None else args.out.parent / f"reward_workers_rank{rank}.log"
         scorer = RewardScorer.from_config(cfg, log_file=log)
         return problems
@@ -527,6 +540,7 @@ def evaluate(args: argparse.Namespace) -> int:
             scorer.close()
         return refuse(f"dsrl-eval: {len(problems)} problem(s) in the files the configuration names", problems)
 
+    reward_model = RewardModelEngine(cfg) if cfg.reward_model.enable else None  # one for both models
     names = [Path(model).name or model for model in args.models]
     tracker = Tracker(
         [] if args.no_mlflow else ["mlflow"],
@@ -540,13 +554,20 @@ def evaluate(args: argparse.Namespace) -> int:
     try:
         tracker.log_params(eval_params(cfg, args.models))
         results, rollout = [], None
-        for model_cfg, (tokenizer, prompts) in zip(configs, loaded, strict=True):
+        for model_cfg, (tokenizer, prompts), inputs in zip(configs, loaded, model_inputs, strict=True):
             start = time.perf_counter()
             rollout = next_rollout(model_cfg, rollout)
             load_s = time.perf_counter() - start
             results.append(
                 evaluate_model(
-                    model_cfg, rollout, scorer, tokenizer, prompts, threshold=args.correct_threshold, load_s=load_s
+                    model_cfg,
+                    rollout,
+                    scorer,
+                    tokenizer,
+                    prompts,
+                    threshold=args.correct_threshold,
+                    load_s=load_s,
+                    judge=(inputs, reward_model),
                 )
             )
         if rank == 0:

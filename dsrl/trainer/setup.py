@@ -195,14 +195,16 @@ class TrainerSetup:
         return Conversation(list(record.prompt_ids), record.extra_info.get("tools_kwargs") or {})
 
     def _setup_rewards(self) -> None:
-        """The reward rules checked against the prompts' data sources, and the scorer of the responses."""
+        """The reward rules checked against the prompts' data sources (unless the reward model alone scores), and the
+        scorer of the responses."""
         cfg = self.cfg
-        check_reward_rules(
-            {"data.train_files": self.train_prompts, "data.val_files": self.val_prompts},
-            custom_path=cfg.custom_reward_function.path,
-            math_verify_sources=cfg.reward.math_verify_sources,
-            sandbox_fusion_url=cfg.reward.sandbox_fusion.url,
-        )
+        if not cfg.reward_model.enable or cfg.custom_reward_function.path is not None:  # else the model scores
+            check_reward_rules(
+                {"data.train_files": self.train_prompts, "data.val_files": self.val_prompts},
+                custom_path=cfg.custom_reward_function.path,
+                math_verify_sources=cfg.reward.math_verify_sources,
+                sandbox_fusion_url=cfg.reward.sandbox_fusion.url,
+            )
         # The run's folder holds the workers' prints and tracebacks: a chatty reward function floods no console.
         log = self.checkpoint_root / f"reward_workers_rank{self.rank}.log"
         self.scorer = RewardScorer.from_config(cfg, log_file=log)

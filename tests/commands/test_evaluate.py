@@ -103,3 +103,27 @@ def test_a_missing_model_exits_2_naming_the_key(arithmetic_data, tmp_path):
     )
     assert result.returncode == 2
     assert f"actor_rollout_ref.model.path={tmp_path / 'no-model'}: no such model directory" in result.stderr
+
+
+def test_a_reward_model_scores_the_responses(tiny_model_dir, tiny_reward_model_dir, arithmetic_data, tmp_path):
+    """With ``reward_model.enable`` and no reward function, the reward model's score is each response's, as in the
+    trainer's validation; it is the reward extra ``reward_model_score`` too."""
+    result = run_eval(
+        [
+            str(tiny_model_dir),
+            *common(arithmetic_data),
+            "reward_model.enable=true",
+            f"reward_model.model.path={tiny_reward_model_dir}",
+            "--no-mlflow",
+            "--out",
+            str(tmp_path / "report.json"),
+        ],
+        "sqlite:///unused.db",
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    (model,) = json.loads((tmp_path / "report.json").read_text())["models"]
+    responses = [r for p in model["prompts"] for r in p["responses"]]
+    assert len(responses) == PROMPTS and all(r["score"] == r["reward_model_score"] for r in responses)
+    assert len({r["score"] for r in responses}) > 1  # the model's scores, not a constant
+    mean = sum(r["score"] for r in responses) / len(responses)
+    assert model["metrics"]["val-aux/arithmetic/reward_model_score/mean@1"] == pytest.approx(mean, abs=1e-6)
