@@ -20,7 +20,7 @@ from dsrl.config.problems import show
 from tests.conftest import QUICKSTART, recipe, run_train_without_torch, stub_file_overrides, write_parquet_stub
 
 REPO = Path(__file__).resolve().parents[2]
-OVERLAYS = ("cpu", "quickstart", "calculator_cpu", "smollm2")  # applied on top of a recipe
+OVERLAYS = ("cpu", "quickstart", "calculator_cpu", "smollm2", "distill_cpu")  # applied on top of a recipe
 CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if p.stem not in OVERLAYS)
 TRAIN = str(REPO / "scripts" / "train.py")
 
@@ -139,7 +139,7 @@ def test_a_recipe_name_stands_for_the_shipped_file(files, tmp_path, monkeypatch)
     (tmp_path / "grpo").mkdir()  # a path that exists is a path, never a recipe name
     with pytest.raises(C.ConfigError, match=r"config file grpo: not a regular file \(a directory\)"):
         C.load_config(["grpo"], files)
-    shipped = r"shipped recipe \(calculator_cpu, cpu, dapo, grpo, "
+    shipped = r"shipped recipe \(calculator_cpu, cpu, dapo, distill, distill_cpu, grpo, "
     with pytest.raises(C.ConfigError, match=r"config file nope: cannot be read .*" + shipped):
         C.load_config(["nope"], files)
 
@@ -277,7 +277,7 @@ def test_bad_interpolation_is_a_violation():
 
 def test_every_algorithm_has_a_config():
     assert set(CONFIGS) == {"ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb", "tir_otb", "dapo", "grpo_lora",
-                            "grpo_moe"}  # fmt: skip
+                            "grpo_moe", "distill"}  # fmt: skip
 
 
 @pytest.mark.parametrize("world_size", [8, 4, 2, 1])

@@ -158,8 +158,18 @@ LONG |= {
         "the fast tier with one thread a process (CI runs the whole suite)"
     ),
 }
+DISTILL_CPU = "python scripts/train.py configs/distill.yaml configs/cpu.yaml configs/distill_cpu.yaml"
+DISTILL_CPU_TIMED = f"OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu {DISTILL_CPU}"
+LONG |= {
+    DISTILL_CPU: "trains 50 steps with the teacher (~1 min); tests/trainer/test_trainer_judges.py runs it for two "
+    "steps",
+    DISTILL_CPU_TIMED: "the same, timed (docs/performance.md)",
+    "python bench/distillation.py": "trains 4 arms x 5 seeds, 50 steps each (~22 min, two at a time)",
+}
 TRAINS = {
     QUICKSTART_RUN,
+    DISTILL_CPU,
+    DISTILL_CPU_TIMED,
     "python scripts/train.py configs/ppo.yaml configs/cpu.yaml",
     SMOLLM2_RUN,
     LORA_CPU,
@@ -176,6 +186,10 @@ REWRITTEN = {
     "python scripts/make_tiny_model.py --task calculator": (
         " --sft-steps 0",
         "the tool model's warm start trains for ~5 min; the untrained model has the same files",
+    ),
+    "python scripts/make_tiny_model.py --sft-steps 120 --out outputs/tiny_student": (
+        " --sft-steps 0",
+        "the student's 120 supervised steps take about a minute; the untrained model has the same files",
     ),
     GSM8K_HUB: (" --local-path {gsm8k_copy}", "CI is offline: a two-row local copy in the hub's columns"),
 }

@@ -4,7 +4,8 @@
   (fp32, 1e-5), and the score the estimator sees (verl: the reward model's alone without a reward function); with a
   reward function, the function reads the score in ``extra_info`` and gdpo takes it as a component;
 - distillation: the teacher's log-probs are a transformers forward of the teacher on the batch, the distillation loss
-  and its metrics are logged, and the actor trains on it (supervised k3 and, slow, the policy-gradient k1).
+  and its metrics are logged, and the actor trains on it (supervised k3 and, slow, the policy-gradient k1); the
+  distillation recipe's CPU command (configs/distill.yaml, its k1 reward without the task's loss) trains.
 """
 
 from __future__ import annotations
@@ -218,3 +219,47 @@ def test_distillation_trains_on_the_teachers_log_probs(
     assert "distillation/loss" in step2
     trained = [k for k in actor_before if ".lora_" in k] or list(actor_before)  # a LoRA actor: its adapters
     assert changed_fraction({k: actor_before[k] for k in trained}, {k: actor_after[k] for k in trained}) == 1.0
+
+
+def test_the_distillation_recipe_trains_under_its_cpu_overlays(
+    tiny_model_dir, tiny_teacher_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    """The docs' CPU command, configs/distill.yaml configs/cpu.yaml configs/distill_cpu.yaml (its models and data
+    swapped for the tests'): the recipe's form, k1 as each token's reward without the task's loss, trains two steps
+    on one rank, the teacher scoring each step's responses in one micro-batch, and every parameter moves."""
+    from dsrl.config import load_and_validate
+    from dsrl.engines.weight_sync import iter_full_parameters
+    from dsrl.trainer.loop import Trainer
+    from tests.conftest import REPO
+
+    files = [str(REPO / "configs" / name) for name in ("distill.yaml", "cpu.yaml", "distill_cpu.yaml")]
+    cfg, _ = load_and_validate(
+        files,
+        [
+            f"actor_rollout_ref.model.path={tiny_model_dir}",
+            f"distillation.teacher_models.teacher_model.model_path={tiny_teacher_dir}",
+            f"distillation.teacher_models.teacher_model.deepspeed_config={ds_test_config('zero3_offload_inference')}",
+            f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
+            f"data.train_files={arithmetic_data / 'train.parquet'}",
+            f"data.val_files={arithmetic_data / 'test.parquet'}",
+            "trainer.total_training_steps=2",
+            "trainer.logger=[console]",
+            f"trainer.default_local_dir={tmp_path}",
+        ],
+        world_size=1,
+    )
+    loss = cfg.distillation.distillation_loss
+    assert (loss.loss_mode, loss.use_policy_gradient, loss.use_task_rewards) == ("k1", True, False)
+    trainer = Trainer(cfg)
+    logged = []
+    trainer.tracker.log_metrics = lambda metrics, step: logged.append((step, metrics))
+    snapshot = lambda: {name: tensor.clone() for name, tensor in iter_full_parameters(trainer.actor.module)}  # noqa: E731
+    before = snapshot()
+    trainer.fit()
+    assert [step for step, _ in logged] == [0, 1, 2]  # validation before training, then two steps
+    for step, metrics in logged[1:]:
+        bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
+        assert not bad, (step, bad)
+        assert metrics["distillation/pg_clipfrac"] == 0  # one optimizer step a batch: the ratio is 1
+        assert metrics["perf/micro_batches/teacher"] == 1  # 32 prompts x 4 responses in one forward
+    assert changed_fraction(before, snapshot()) == 1.0

@@ -1,0 +1,191 @@
+"""On-policy distillation on a CPU: the quickstart's warm start teaches a weaker copy of itself, against GRPO alone.
+
+    python scripts/make_tiny_model.py                                            # the teacher, outputs/tiny_model
+    python scripts/make_tiny_model.py --sft-steps 120 --out outputs/tiny_student # the student
+    python scripts/prepare_data.py --task arithmetic
+    python bench/distillation.py                    # 4 arms x 5 seeds x 50 steps, two runs at a time
+    python bench/distillation.py --report-only      # the tables again, from the runs in --out
+
+The teacher is the quickstart's model (``scripts/make_tiny_model.py``: supervised until its probe reaches 25%, 135
+steps with seed 0); the student is the same network and seed stopped after 120 of those steps, so it shares the
+teacher's tokenizer and is weaker (greedy exact match on the 200 validation sums 35% and 12% when built here;
+the accuracy rises steeply over these steps, so another CPU's kernels may land a few points away).
+
+Each run is the recipe's CPU command, ``scripts/train.py configs/distill.yaml configs/cpu.yaml
+configs/distill_cpu.yaml`` (32 prompts x 4 responses a step, one optimizer step a batch, greedy validation on the
+200 test sums before training and every 10 steps), with ``trainer.seed=S`` (the sampling; the prompts and their
+order are the same in every run), one process on one thread, tracked into ``--out``/mlflow.db (experiment
+``distillation-bench``, run ``<arm>-seed<S>``). The arms differ in ``distillation.distillation_loss`` only:
+
+- ``distill``: the recipe, k1 as each token's reward in the clipped policy-gradient loss, no task loss;
+- ``distill+task``: the same beside GRPO's loss of the task's reward (``use_task_rewards=true``, coef 1);
+- ``k3``: verl's default form, k3 backpropagated (``loss_mode=k3``, ``use_policy_gradient=false``), no task loss;
+- ``grpo``: GRPO alone on the task's reward (``use_task_rewards=true``, ``distillation_loss_coef=0``: the teacher
+  still scores the samples, so ``distillation/reverse_kl`` is measured, but it adds nothing to the gradient).
+
+Printed: the teacher's and the student's greedy exact match on the validation sums (``make_tiny_model.py``'s
+``greedy_accuracy``, what the validation measures); then per arm the validation score
+(``val-core/arithmetic/reward/mean@1``) at step 0 and at the last step (mean over the seeds ± the half-width of
+the 95% Student-t interval, as dsrl-compare reports, and each seed's), the seeds' mean at the validations between,
+``distillation/reverse_kl`` (the mean over a step's sampled tokens of log p_student - log p_teacher, under the
+policy that sampled them) averaged over the first 5 and the last 5 steps, and the median ``timing_s/step`` and
+``timing_s/teacher`` over steps 2.. (the first includes one-off warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's dsrl before an installed one
+
+RECIPE = ["configs/distill.yaml", "configs/cpu.yaml", "configs/distill_cpu.yaml"]
+TEACHER, STUDENT = "outputs/tiny_model", "outputs/tiny_student"  # configs/distill_cpu.yaml's
+LOSS = "distillation.distillation_loss"
+ARMS = {
+    "distill": [],
+    "distill+task": [f"{LOSS}.use_task_rewards=true"],
+    "k3": [f"{LOSS}.loss_mode=k3", f"{LOSS}.use_policy_gradient=false"],
+    "grpo": [f"{LOSS}.use_task_rewards=true", f"{LOSS}.distillation_loss_coef=0"],
+}
+EXPERIMENT = "distillation-bench"
+EDGE_STEPS = 5  # reverse KL: the mean of the first and of the last this many steps
+
+
+def greedy_accuracies() -> tuple[dict[str, float], int]:
+    """The teacher's and the student's greedy exact match on the validation sums (scripts/make_tiny_model.py's), and
+    the number of sums."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dsrl.data import arithmetic
+
+    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "scripts" / "make_tiny_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    val = arithmetic.problems("test", arithmetic.DEFAULT_TEST_SIZE, arithmetic.DEFAULT_SEED)
+    found = {}
+    for role, path in (("teacher", TEACHER), ("student", STUDENT)):
+        model = AutoModelForCausalLM.from_pretrained(ROOT / path).eval()
+        found[role] = module.greedy_accuracy(model, AutoTokenizer.from_pretrained(ROOT / path), val)
+    return found, len(val)
+
+
+def train(name: str, overrides: list[str], args: argparse.Namespace, out: Path, runs) -> tuple[str, int, float]:
+    """One run in a child process, its output in ``out``/runs/``name``.log: (name, exit code, wall seconds)."""
+    from dsrl.commands.tiny_runs import run_logged
+
+    command = [
+        sys.executable, "scripts/train.py", *RECIPE, *overrides,
+        f"trainer.total_training_steps={args.steps}", "trainer.logger=[console,mlflow]",
+        f"trainer.project_name={EXPERIMENT}", f"trainer.experiment_name={name}",
+        f"trainer.default_local_dir={out / 'runs' / name}", *args.overrides,
+    ]  # fmt: skip
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}", "PYTHONPATH": str(ROOT)}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    begin = time.perf_counter()
+    code, _ = run_logged(command, out / "runs" / f"{name}.log", cwd=ROOT, env=env, runs=runs)
+    return name, code, time.perf_counter() - begin
+
+
+def figures(client, experiment: str, name: str, steps: int) -> dict:
+    """One run's validation by step, its reverse KL at the two ends, its median step and teacher seconds."""
+    from dsrl.commands import compare
+
+    run = compare.read_run(client, experiment, name)
+
+    def history(key: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(run["run_id"], compare.mlflow_name(key))}
+
+    kl = history("distillation/reverse_kl")
+    later = lambda key: [v for s, v in history(key).items() if s > 1]  # noqa: E731
+    return {
+        "validation": run["validation"],
+        "kl_first": statistics.fmean(kl[s] for s in range(1, EDGE_STEPS + 1)),
+        "kl_last": statistics.fmean(kl[s] for s in range(steps - EDGE_STEPS + 1, steps + 1)),
+        "step_s": statistics.median(later("timing_s/step")),
+        "teacher_s": statistics.median(later("timing_s/teacher")),
+    }
+
+
+def report(found: dict[str, dict[int, dict]], seeds: list[int], steps: int) -> None:
+    """The table: one row per arm, over its seeds."""
+    from dsrl.commands import compare
+
+    val_steps = sorted({s for runs in found.values() for run in runs.values() for s in run["validation"]})
+    between = [s for s in val_steps if 0 < s < steps]
+    columns = ["arm", "val, step 0", *(f"step {s}" for s in between), f"val, step {steps}", "each seed"]
+    columns += [f"reverse KL, steps 1-{EDGE_STEPS}", f"steps {steps - EDGE_STEPS + 1}-{steps}", "step s", "teacher s"]
+    print("\n| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
+    for arm, runs in found.items():
+        at = {step: [runs[seed]["validation"].get(step, float("nan")) for seed in seeds] for step in val_steps}
+        mean = {key: statistics.fmean(run[key] for run in runs.values()) for key in ("kl_first", "kl_last", "step_s",
+                                                                                      "teacher_s")}  # fmt: skip
+        cells = [arm, compare.cell(*compare.t_interval(at[0])), *(f"{statistics.fmean(at[s]):.3f}" for s in between)]
+        cells += [compare.cell(*compare.t_interval(at[steps])), ", ".join(f"{v:.3f}" for v in at[steps])]
+        cells += [
+            f"{mean['kl_first']:.3f}",
+            f"{mean['kl_last']:.3f}",
+            f"{mean['step_s']:.2f}",
+            f"{mean['teacher_s']:.2f}",
+        ]
+        print("| " + " | ".join(cells) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="key=value for every run")
+    parser.add_argument("--arms", type=lambda text: text.split(","), default=list(ARMS), help=", ".join(ARMS))
+    parser.add_argument("--seeds", type=lambda text: [int(s) for s in text.split(",")], default=[1, 2, 3, 4, 5])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
+    parser.add_argument("--out", default="outputs/distillation")
+    parser.add_argument("--report-only", action="store_true", help="read the runs already in --out")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.arms) - set(ARMS))
+    if unknown:
+        parser.error(f"--arms {','.join(unknown)}: unknown; one of {', '.join(ARMS)}")
+    from mlflow import MlflowClient
+
+    from dsrl.commands.tiny_runs import ChildRuns
+
+    out = (ROOT / args.out).resolve()
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    names = {(arm, seed): f"{arm}-seed{seed}" for arm in args.arms for seed in args.seeds}
+    if not args.report_only:
+        begin = time.perf_counter()
+        with ChildRuns() as runs, ThreadPoolExecutor(args.jobs) as pool:
+            jobs = [
+                pool.submit(train, name, [*ARMS[arm], f"trainer.seed={seed}"], args, out, runs)
+                for (arm, seed), name in names.items()
+            ]
+            for job in jobs:
+                name, code, wall = job.result()
+                print(f"{name}: exit {code} in {wall:.0f} s (log {out / 'runs' / name}.log)", flush=True)
+                if code != 0:
+                    return code
+        print(f"all runs: {time.perf_counter() - begin:.0f} s wall", flush=True)
+    accuracies, problems = greedy_accuracies()
+    print(
+        f"\ngreedy exact match on the {problems} validation sums: teacher ({TEACHER}) "
+        f"{accuracies['teacher']:.3f}, student ({STUDENT}) {accuracies['student']:.3f}"
+    )
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name(EXPERIMENT).experiment_id
+    found = {
+        arm: {seed: figures(client, experiment, names[arm, seed], args.steps) for seed in args.seeds}
+        for arm in args.arms
+    }
+    report(found, args.seeds, args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
