@@ -7,9 +7,11 @@ A header's sizing has one paragraph per command, opened by the model's name (``#
 model (``actor_rollout_ref.model.path``) picks its paragraph and its shape file."""
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from dsrl import config as C
 from dsrl.plan.inputs import Device
@@ -25,7 +27,10 @@ TOLERANCE = 0.20
 COMMAND = re.compile(r"^#   deepspeed --num_gpus 8 scripts/train\.py (.*)$", re.M)
 RECIPES = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if COMMAND.search(p.read_text()))
 PARAGRAPH = re.compile(r"^#   (Qwen[\w.-]*\w)")
-PHASE = re.compile(r"\b(rollout|old_log_prob|ref|values|update_critic|update_actor) ~(\d+(?:\.\d+)?) (GiB|GB)\b")
+PHASE = re.compile(
+    r"\b(rollout|reward|old_log_prob|ref|teacher|values|update_critic|update_actor) ~(\d+(?:\.\d+)?) (GiB|GB)\b"
+)
+JUDGES = ("reward_model.model.path", "distillation.teacher_models.teacher_model.model_path")
 KV_TOKENS = re.compile(r"~(\d+(?:\.\d+)?) M KV tokens per engine")
 KV_NEEDED = re.compile(r"\b(?:step|round) needs (\d+(?:\.\d+)?) M per engine")
 UNITS = {"GiB": GIB, "GB": 10**9, "M": 10**6}
@@ -71,6 +76,20 @@ def planned(plan: Plan, what: str) -> int | None:
     return next((phase.device for phase in plan.phases if phase.name == what), None)
 
 
+def judges_from_shapes(cfg, folder: Path) -> None:
+    """The reward model's and the teacher's hub ids swapped for folders holding their shape files as config.json (the
+    plan reads each model's own config.json; ``--model-config`` gives the actor's alone)."""
+    OmegaConf.set_readonly(cfg, False)
+    for key in JUDGES:
+        path = OmegaConf.select(cfg, key)
+        shape = SHAPES / f"{Path(path).name}.json" if path else None
+        if shape is not None and shape.is_file():
+            (folder / shape.stem).mkdir(exist_ok=True)
+            shutil.copy(shape, folder / shape.stem / "config.json")
+            OmegaConf.update(cfg, key, str(folder / shape.stem))
+    OmegaConf.set_readonly(cfg, True)
+
+
 @pytest.fixture
 def data_files(tmp_path):
     """The headers' commands name the GSM8K files; the plan reads only their keys, so stubs that validate do."""
@@ -79,7 +98,7 @@ def data_files(tmp_path):
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_the_sizing_in_the_header_is_what_the_plan_computes_for_its_commands(name, data_files):
+def test_the_sizing_in_the_header_is_what_the_plan_computes_for_its_commands(name, data_files, tmp_path):
     text = header(name)
     paragraphs = sizing_paragraphs(text)
     failures = []
@@ -87,6 +106,7 @@ def test_the_sizing_in_the_header_is_what_the_plan_computes_for_its_commands(nam
         config, *overrides = command.split()
         cfg, _ = C.load_and_validate([str(REPO / config)], [*overrides, *data_files], WORLD_SIZE)
         model = Path(cfg.actor_rollout_ref.model.path).name
+        judges_from_shapes(cfg, tmp_path)
         plan = plan_for_config(cfg, WORLD_SIZE, H200, str(SHAPES / f"{model}.json"))
         where = f"configs/{name}.yaml, {model}"
         figures = stated(paragraphs.pop(model, ""))
