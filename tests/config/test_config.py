@@ -277,7 +277,7 @@ def test_bad_interpolation_is_a_violation():
 
 def test_every_algorithm_has_a_config():
     assert set(CONFIGS) == {"ppo", "grpo", "rloo", "reinforce_pp", "opo", "otb", "tir_otb", "dapo", "grpo_lora",
-                            "grpo_moe", "distill"}  # fmt: skip
+                            "grpo_moe", "distill", "ppo_rm"}  # fmt: skip
 
 
 @pytest.mark.parametrize("world_size", [8, 4, 2, 1])

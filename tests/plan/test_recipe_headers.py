@@ -129,5 +129,5 @@ def test_the_sizing_in_the_header_is_what_the_plan_computes_for_its_commands(nam
 
 def test_the_recipes_with_gpu_commands_are_found():
     """The parametrization above is not empty by accident: every recipe that ships a sizing is checked."""
-    sized = {"dapo", "distill", "grpo", "grpo_lora", "opo", "otb", "ppo", "reinforce_pp", "rloo", "tir_otb"}
+    sized = {"dapo", "distill", "grpo", "grpo_lora", "opo", "otb", "ppo", "ppo_rm", "reinforce_pp", "rloo", "tir_otb"}
     assert sized <= set(RECIPES), sorted(sized - set(RECIPES))
