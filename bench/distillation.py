@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import statistics
 import sys
 import time
@@ -45,6 +44,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's dsrl before an installed one
+
+from recipe_runs import history, train  # noqa: E402  (bench/, the script's own folder)
 
 RECIPE = ["configs/distill.yaml", "configs/cpu.yaml", "configs/distill_cpu.yaml"]
 TEACHER, STUDENT = "outputs/tiny_model", "outputs/tiny_student"  # configs/distill_cpu.yaml's
@@ -77,35 +78,13 @@ def greedy_accuracies() -> tuple[dict[str, float], int]:
     return found, len(val)
 
 
-def train(name: str, overrides: list[str], args: argparse.Namespace, out: Path, runs) -> tuple[str, int, float]:
-    """One run in a child process, its output in ``out``/runs/``name``.log: (name, exit code, wall seconds)."""
-    from dsrl.commands.tiny_runs import run_logged
-
-    command = [
-        sys.executable, "scripts/train.py", *RECIPE, *overrides,
-        f"trainer.total_training_steps={args.steps}", "trainer.logger=[console,mlflow]",
-        f"trainer.project_name={EXPERIMENT}", f"trainer.experiment_name={name}",
-        f"trainer.default_local_dir={out / 'runs' / name}", *args.overrides,
-    ]  # fmt: skip
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}", "PYTHONPATH": str(ROOT)}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("DS_ACCELERATOR", "cpu")
-    begin = time.perf_counter()
-    code, _ = run_logged(command, out / "runs" / f"{name}.log", cwd=ROOT, env=env, runs=runs)
-    return name, code, time.perf_counter() - begin
-
-
 def figures(client, experiment: str, name: str, steps: int) -> dict:
     """One run's validation by step, its reverse KL at the two ends, its median step and teacher seconds."""
     from dsrl.commands import compare
 
     run = compare.read_run(client, experiment, name)
-
-    def history(key: str) -> dict[int, float]:
-        return {m.step: m.value for m in client.get_metric_history(run["run_id"], compare.mlflow_name(key))}
-
-    kl = history("distillation/reverse_kl")
-    later = lambda key: [v for s, v in history(key).items() if s > 1]  # noqa: E731
+    kl = history(client, run["run_id"], "distillation/reverse_kl")
+    later = lambda key: [v for s, v in history(client, run["run_id"], key).items() if s > 1]  # noqa: E731
     return {
         "validation": run["validation"],
         "kl_first": statistics.fmean(kl[s] for s in range(1, EDGE_STEPS + 1)),
@@ -163,7 +142,16 @@ def main(argv: list[str] | None = None) -> int:
         begin = time.perf_counter()
         with ChildRuns() as runs, ThreadPoolExecutor(args.jobs) as pool:
             jobs = [
-                pool.submit(train, name, [*ARMS[arm], f"trainer.seed={seed}"], args, out, runs)
+                pool.submit(
+                    train,
+                    RECIPE,
+                    name,
+                    [*ARMS[arm], f"trainer.seed={seed}", *args.overrides],
+                    steps=args.steps,
+                    experiment=EXPERIMENT,
+                    out=out,
+                    runs=runs,
+                )
                 for (arm, seed), name in names.items()
             ]
             for job in jobs:
