@@ -4,6 +4,7 @@
     python scripts/make_tiny_model.py --task calculator   # outputs/tiny_tool_model (configs/calculator_cpu.yaml)
     python scripts/make_tiny_model.py --wide --sft-steps 0 --out outputs/wide_model   # 97M, untrained (measurements)
     python scripts/make_tiny_model.py --moe --out outputs/tiny_moe_model   # Qwen3-MoE, 8 experts, top 2
+    python scripts/make_tiny_model.py --reward-model      # outputs/tiny_reward_model (configs/ppo_rm_cpu.yaml)
 
 Offline and deterministic (same ``--seed`` and ``--sft-steps`` give byte-identical files). Writes a
 ``transformers`` model directory that every dsrl tier loads like a hub checkpoint:
@@ -37,8 +38,19 @@ Offline and deterministic (same ``--seed`` and ``--sft-steps`` give byte-identic
   right product, and ~2/3 of its well-formed calls end in the right answer (accuracy ~22%): a start that RL
   with tools improves, and that GRPO without tools cannot (a direct product is almost always wrong). Greedy
   decoding calls for ~70% of the problems.
+- ``--reward-model`` instead saves a reward model for the arithmetic warm start, trained as RLHF trains one on its
+  policy's samples: the warm start (the same one, from the same seed) answers 2,700 train-pool problems (none of its
+  probe's) 4 times each at temperature 1, and every distinct wrong answer (wrong under the rule RL validation uses)
+  is paired against the true answer + ``<|im_end|>``; a ``Qwen3ForSequenceClassification`` with one label, the warm
+  start's backbone and a new ``score`` head, learns with the Bradley-Terry loss ``-log sigmoid(r_chosen -
+  r_rejected)``, 128 pairs a step (the warm start's optimizer), scored at the last token as dsrl's reward-model engine
+  scores, until 85% of the pairs of 300 held-out problems rank right (checked every 25 steps) or ``--rm-steps``.
+  Seed 0: 8,875 pairs, 400 steps, 87% ranked right, ~4 min on 2 cores. It never sees a right answer the policy
+  wrote differently (there is none: an answer is exact) nor the policy's later samples, so RL on its scores can drift
+  to what it overrates.
 
 Prints the parameter count, the time taken and the greedy exact-match accuracy of the saved model; for
+``--reward-model``, the pairs and the held-out share ranked right (returned); for
 ``--task calculator``, the call rate and accuracy, greedy and sampled, of a simulated agent loop (two
 assistant turns, the calculator run in Python) on the calculator validation problems.
 """
@@ -54,9 +66,16 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from dsrl.data import arithmetic, calculator
+from dsrl.data.batch import left_pad
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 CHARACTERS = ["\n"] + [chr(c) for c in range(32, 127)]
@@ -108,6 +127,17 @@ TOOL_SFT_BATCH_SIZE = 64
 # A call turn is 88 tokens (its JSON is 62 characters), an answer turn 6-7: room for a longer wrong turn.
 TOOL_CALL_MAX_NEW_TOKENS = 112
 TOOL_ANSWER_MAX_NEW_TOKENS = 12
+# --reward-model: a Bradley-Terry reward model trained on the warm start's own samples, as RLHF trains one on its
+# policy's. Problems of the train pool (none of the SFT probe's), each answered RM_SAMPLES_PER_PROBLEM times at
+# temperature 1; every distinct wrong response is paired against the true answer (+ <|im_end|>).
+RM_PROBLEMS = 3000
+RM_PROBE_PROBLEMS = 300  # of RM_PROBLEMS, held out: the pairs the stopping rule and the report rank
+RM_SAMPLES_PER_PROBLEM = 4
+RM_BATCH_SIZE = 128  # pairs a step
+# Held-out pairs ranked right, checked every RM_CHECK_EVERY steps (a check costs ~3 steps). Seed 0: 65% after 50
+# steps, 79% after 250, 87% after 400, at ~0.4 s a step on 2 cores.
+RM_TARGET_ACCURACY = 0.85
+RM_CHECK_EVERY = 25
 _TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 _PRODUCT = re.compile(r"\s*(-?[0-9]+)\s*\*\s*(-?[0-9]+)\s*")
 
@@ -264,6 +294,105 @@ def greedy_accuracy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, 
     responses = tokenizer.batch_decode(output[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
     scores = [compute_score(r, arithmetic.answer(a, b)) for r, (a, b) in zip(responses, pairs, strict=True)]
     return sum(scores) / len(scores)
+
+
+@torch.no_grad()
+def sampled_responses(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[int, int]], n: int, seed: int
+) -> list[list[list[int]]]:
+    """``n`` responses to each problem sampled at temperature 1 (no top-k or top-p), as token ids up to and
+    including ``<|im_end|>`` (all ``EVAL_MAX_NEW_TOKENS`` where it never came): what the RL rollout samples."""
+    torch.manual_seed(seed)
+    eos = tokenizer.eos_token_id
+    found: list[list[list[int]]] = [[] for _ in pairs]
+    for start in range(0, len(pairs), 512):
+        chunk = pairs[start : start + 512]
+        encoded = tokenizer.pad({"input_ids": [prompt_ids(tokenizer, a, b) for a, b in chunk]}, return_tensors="pt")
+        output = model.generate(
+            **encoded,
+            max_new_tokens=EVAL_MAX_NEW_TOKENS,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=n,
+            eos_token_id=eos,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        for row, ids in enumerate(output[:, encoded["input_ids"].shape[1] :].tolist()):
+            found[start + row // n].append(ids[: ids.index(eos) + 1] if eos in ids else ids)
+    return found
+
+
+def preference_pairs(
+    tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[int, int]], samples: list[list[list[int]]]
+) -> list[tuple[list[int], list[int]]]:
+    """``(chosen, rejected)`` full sequences (chat prompt + response): the true answer against each distinct wrong
+    sampled response of the same problem (wrong under ``dsrl.rewards.arithmetic``, what RL validation scores)."""
+    from dsrl.rewards.arithmetic import compute_score  # pebble: see greedy_accuracy
+
+    found = []
+    for (a, b), responses in zip(pairs, samples, strict=True):
+        prompt, truth = prompt_ids(tokenizer, a, b), arithmetic.answer(a, b)
+        chosen = prompt + tokenizer(truth, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        wrong = {tuple(r) for r in responses if not compute_score(tokenizer.decode(r, skip_special_tokens=True), truth)}
+        found += [(chosen, prompt + list(r)) for r in sorted(wrong)]
+    return found
+
+
+def sequence_scores(scorer: torch.nn.Module, sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
+    """Scores ``[B]`` at each sequence's last token, left-padded as dsrl's reward-model engine reads them."""
+    ids, mask = left_pad(sequences, pad_token_id)
+    return scorer(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+
+
+@torch.no_grad()
+def ranked_right(scorer: torch.nn.Module, pairs: list[tuple[list[int], list[int]]], pad_token_id: int) -> float:
+    """The share of ``pairs`` whose chosen sequence scores above the rejected one."""
+    chosen = sequence_scores(scorer, [c for c, _ in pairs], pad_token_id)
+    rejected = sequence_scores(scorer, [r for _, r in pairs], pad_token_id)
+    return (chosen > rejected).float().mean().item()
+
+
+def reward_model_training(
+    policy: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, max_steps: int, seed: int
+) -> tuple[torch.nn.Module, int, float, float, str]:
+    """A ``Qwen3ForSequenceClassification`` (one label) on ``policy``'s backbone, its score head drawn from
+    ``seed``, trained with the Bradley-Terry loss ``-log sigmoid(r_chosen - r_rejected)`` on ``policy``'s own samples
+    (``preference_pairs``) until ``RM_TARGET_ACCURACY`` of the held-out pairs rank right, or ``max_steps``;
+    returns ``(model, steps, last loss, the held-out pairs' share ranked right, a line on its pairs)``."""
+    # Imported here: dsrl.engines needs deepspeed, which scripts/gpu_check.py (it imports build_tokenizer) must not.
+    from dsrl.engines.reward_model import LastTokenScore
+
+    pool = arithmetic.problems("train", arithmetic.TRAIN_POOL_SIZE, seed)[SFT_PROBE_SIZE:][:RM_PROBLEMS]
+    samples = sampled_responses(policy, tokenizer, pool, RM_SAMPLES_PER_PROBLEM, seed)
+    probe = preference_pairs(tokenizer, pool[:RM_PROBE_PROBLEMS], samples[:RM_PROBE_PROBLEMS])
+    train = preference_pairs(tokenizer, pool[RM_PROBE_PROBLEMS:], samples[RM_PROBE_PROBLEMS:])
+    torch.manual_seed(seed)
+    backbone = {k: v for k, v in policy.config.to_dict().items() if k not in ("id2label", "label2id")}
+    model = AutoModelForSequenceClassification.from_config(Qwen3Config(**backbone, num_labels=1), dtype=torch.float32)
+    missing = set(model.load_state_dict(policy.state_dict(), strict=False).missing_keys)
+    assert missing == {"score.weight"}, missing  # the backbone is the policy's; only the head is new
+    scorer, pad, rng = LastTokenScore(model), tokenizer.pad_token_id, random.Random(seed)
+    before = ranked_right(scorer, probe, pad)  # the new head's ranking
+
+    def step_loss() -> torch.Tensor:
+        batch = rng.sample(train, RM_BATCH_SIZE)
+        chosen, rejected = (sequence_scores(scorer, list(side), pad) for side in zip(*batch, strict=True))
+        return -torch.nn.functional.logsigmoid(chosen - rejected).mean()
+
+    steps, loss = train_until(
+        model,
+        max_steps,
+        step_loss,
+        lambda step, loss: step % RM_CHECK_EVERY == 0 and ranked_right(scorer, probe, pad) >= RM_TARGET_ACCURACY,
+    )
+    accuracy = ranked_right(scorer, probe, pad)
+    pairs = (
+        f"{len(train)} training pairs from {len(pool) - RM_PROBE_PROBLEMS} problems x {RM_SAMPLES_PER_PROBLEM} "
+        f"samples; of {len(probe)} held-out pairs {accuracy:.1%} ranked right ({before:.1%} before training)"
+    )
+    return model, steps, loss, accuracy, pairs
 
 
 def tool_call_text(expression: str) -> str:
@@ -492,11 +621,20 @@ def main(argv: list[str] | None = None) -> float:
         help="hidden 1024, 8 layers (97M parameters), untrained: for memory and speed measurements, with --sft-steps 0",
     )
     parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE: 8 experts per layer, top-2 routing")
+    parser.add_argument(
+        "--reward-model",
+        action="store_true",
+        help="after the arithmetic warm start, train a reward model on its samples (outputs/tiny_reward_model, where "
+        "configs/ppo_rm_cpu.yaml looks)",
+    )
+    parser.add_argument("--rm-steps", type=int, default=1000, help="--reward-model: most Bradley-Terry steps")
     args = parser.parse_args(argv)
     if args.sft_steps < 0:
         parser.error(f"--sft-steps {args.sft_steps}: must be >= 0")
     if args.wide and (args.sft_steps or args.task != "arithmetic"):
         parser.error("--wide builds an untrained model: add --sft-steps 0 (and no --task)")
+    if args.reward_model and (args.task != "arithmetic" or args.wide or args.moe):
+        parser.error("--reward-model trains on the tiny dense model's arithmetic warm start: no --task, --wide, --moe")
     if args.tool_target is not None and (args.task != "calculator" or not 0 < args.tool_target <= 1):
         parser.error(f"--tool-target {args.tool_target}: a share in (0, 1], with --task calculator")
     # A fixed thread count keeps reductions in a fixed order, so a seed builds the same model on every run of a
@@ -513,6 +651,18 @@ def main(argv: list[str] | None = None) -> float:
         steps, loss = tool_warm_start(model, tokenizer, args.sft_steps, args.seed, target)
     else:
         steps, loss = supervised_warm_start(model, tokenizer, args.sft_steps, args.seed)
+    if args.reward_model:
+        out = Path(args.out or "outputs/tiny_reward_model")
+        policy = f"{steps} SFT steps (last loss {loss:.3f})"
+        model, steps, loss, accuracy, pairs = reward_model_training(model, tokenizer, args.rm_steps, args.seed)
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        n_params = sum(p.numel() for p in model.parameters())
+        print(
+            f"{out}: Qwen3ForSequenceClassification {n_params / 1e6:.2f}M parameters on the backbone of {policy}; "
+            f"{steps} Bradley-Terry steps (last loss {loss:.3f}) in {time.perf_counter() - start:.1f} s; {pairs}"
+        )
+        return accuracy
     out = Path(args.out or ("outputs/tiny_tool_model" if args.task == "calculator" else "outputs/tiny_model"))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

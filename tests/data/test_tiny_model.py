@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -160,3 +161,28 @@ def test_a_tool_target_is_a_share_of_the_calculator_tasks_probe(tmp_path, capsys
             make_tiny_model.main([*argv, "--out", str(tmp_path)])
         assert "a share in (0, 1], with --task calculator" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before building anything
+
+
+def test_preference_pairs_put_the_true_answer_above_each_distinct_wrong_sample():
+    tokenizer = make_tiny_model.build_tokenizer()
+    eos = tokenizer.eos_token_id
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    samples = [[ids("5") + [eos], ids("6") + [eos], ids("6") + [eos], ids("12")]]  # right, wrong twice, cut short
+    pairs = make_tiny_model.preference_pairs(tokenizer, [(2, 3)], samples)
+    prompt = make_tiny_model.prompt_ids(tokenizer, 2, 3)
+    assert pairs == [(prompt + ids("5") + [eos], prompt + r) for r in sorted([ids("12"), ids("6") + [eos]])]
+
+
+def test_the_reward_model_is_a_score_head_dsrl_reads_that_learns_to_rank(tmp_path, capsys):
+    from transformers import AutoModelForSequenceClassification
+
+    from dsrl.engines.reward_model import score_head_problem
+
+    args = ["--reward-model", "--sft-steps", "0", "--rm-steps", "25", "--out", str(tmp_path)]
+    trained = make_tiny_model.main(args)
+    out = capsys.readouterr().out
+    before = float(re.search(r"\(([0-9.]+)% before training\)", out).group(1)) / 100
+    # The untrained policy's samples are rarely its answer: ranking the answer above them is learnt in 25 steps
+    assert "25 Bradley-Terry steps" in out and trained > max(before, 0.75), out
+    rm = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    assert score_head_problem(rm, str(tmp_path)) is None and rm.config.num_labels == 1
