@@ -498,6 +498,7 @@ class Trainer(TrainerSetup):
         metrics = row_metrics(rows)
         metrics.update({f"val-aux/{name}": count for name, count in failures.items()})
         metrics.update({f"val-aux/{name}": value for name, value in turns.items() if not name.startswith("timing_s/")})
+        self.take_tallies()  # the reward model's forwards here are no step's (perf/micro_batches/reward_model)
         return metrics
 
     # ---- the step ----------------------------------------------------------------------------
