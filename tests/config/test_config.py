@@ -20,7 +20,7 @@ from dsrl.config.problems import show
 from tests.conftest import QUICKSTART, recipe, run_train_without_torch, stub_file_overrides, write_parquet_stub
 
 REPO = Path(__file__).resolve().parents[2]
-OVERLAYS = ("cpu", "quickstart", "calculator_cpu", "smollm2", "distill_cpu")  # applied on top of a recipe
+OVERLAYS = ("cpu", "quickstart", "calculator_cpu", "smollm2", "distill_cpu", "ppo_rm_cpu")  # applied on top of a recipe
 CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if p.stem not in OVERLAYS)
 TRAIN = str(REPO / "scripts" / "train.py")
 

@@ -166,10 +166,17 @@ LONG |= {
     DISTILL_CPU_TIMED: "the same, timed (docs/performance.md)",
     "python bench/distillation.py": "trains 4 arms x 5 seeds, 50 steps each (~22 min, two at a time)",
 }
+PPO_RM_CPU = "python scripts/train.py configs/ppo_rm.yaml configs/cpu.yaml configs/ppo_rm_cpu.yaml"
+LONG |= {
+    PPO_RM_CPU: "trains 50 steps with the reward model (~1.5 min); tests/trainer/test_trainer_judges.py runs it for "
+    "two steps",
+    "python bench/reward_model.py": "trains 3 arms x 3 seeds, 50 steps each (~7 min, two at a time)",
+}
 TRAINS = {
     QUICKSTART_RUN,
     DISTILL_CPU,
     DISTILL_CPU_TIMED,
+    PPO_RM_CPU,
     "python scripts/train.py configs/ppo.yaml configs/cpu.yaml",
     SMOLLM2_RUN,
     LORA_CPU,
@@ -186,6 +193,10 @@ REWRITTEN = {
     "python scripts/make_tiny_model.py --task calculator": (
         " --sft-steps 0",
         "the tool model's warm start trains for ~5 min; the untrained model has the same files",
+    ),
+    "python scripts/make_tiny_model.py --reward-model": (
+        " --sft-steps 0 --rm-steps 0",
+        "the warm start and the reward model train for ~4 min; the untrained ones have the same files",
     ),
     "python scripts/make_tiny_model.py --sft-steps 120 --out outputs/tiny_student": (
         " --sft-steps 0",

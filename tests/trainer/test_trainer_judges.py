@@ -5,7 +5,8 @@
   reward function, the function reads the score in ``extra_info`` and gdpo takes it as a component;
 - distillation: the teacher's log-probs are a transformers forward of the teacher on the batch, the distillation loss
   and its metrics are logged, and the actor trains on it (supervised k3 and, slow, the policy-gradient k1); the
-  distillation recipe's CPU command (configs/distill.yaml, its k1 reward without the task's loss) trains.
+  distillation recipe's CPU command (configs/distill.yaml, its k1 reward without the task's loss) trains, and so does
+  the reward-model recipe's (configs/ppo_rm.yaml, PPO with a critic on the reward model's scores alone).
 """
 
 from __future__ import annotations
@@ -263,3 +264,55 @@ def test_the_distillation_recipe_trains_under_its_cpu_overlays(
         assert metrics["distillation/pg_clipfrac"] == 0  # one optimizer step a batch: the ratio is 1
         assert metrics["perf/micro_batches/teacher"] == 1  # 32 prompts x 4 responses in one forward
     assert changed_fraction(before, snapshot()) == 1.0
+
+
+def test_the_reward_model_recipe_trains_under_its_cpu_overlays(
+    tiny_model_dir, tiny_reward_model_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
+):
+    """The docs' CPU command, configs/ppo_rm.yaml configs/cpu.yaml configs/ppo_rm_cpu.yaml (its models and data
+    swapped for the tests'): PPO with GAE and a critic trains two steps on one rank on the reward model's scores
+    alone, a step's 64 responses scored in one forward, and every parameter of the actor and the critic moves."""
+    from dsrl.config import load_and_validate
+    from dsrl.engines.weight_sync import iter_full_parameters
+    from dsrl.trainer.loop import Trainer
+    from tests.conftest import REPO
+
+    files = [str(REPO / "configs" / name) for name in ("ppo_rm.yaml", "cpu.yaml", "ppo_rm_cpu.yaml")]
+    cfg, _ = load_and_validate(
+        files,
+        [
+            f"actor_rollout_ref.model.path={tiny_model_dir}",
+            f"reward_model.model.path={tiny_reward_model_dir}",
+            f"reward_model.deepspeed_config={ds_test_config('zero3_offload_inference')}",
+            f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
+            f"critic.deepspeed_config={ds_test_config('zero3_offload')}",
+            f"data.train_files={arithmetic_data / 'train.parquet'}",
+            f"data.val_files={arithmetic_data / 'test.parquet'}",
+            "trainer.total_training_steps=2",
+            "trainer.total_epochs=2",  # the tests' 64 prompts are one step's
+            "trainer.logger=[console]",
+            f"trainer.default_local_dir={tmp_path}",
+        ],
+        world_size=1,
+    )
+    assert cfg.algorithm.adv_estimator == "gae" and cfg.reward_model.enable and cfg.custom_reward_function.path is None
+    scored = []
+    with spying("scoring", "score", scored):
+        trainer = Trainer(cfg)
+    logged = []
+    trainer.tracker.log_metrics = lambda metrics, step: logged.append((step, metrics))
+    snapshot = lambda module: {name: t.clone() for name, t in iter_full_parameters(module)}  # noqa: E731
+    before = snapshot(trainer.actor.module), snapshot(trainer.critic.module)
+    trainer.fit()
+    assert [step for step, _ in logged] == [0, 1, 2]  # validation before training, then two steps
+    for step, metrics in logged[1:]:
+        bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
+        assert not bad, (step, bad)
+    # A step's 64 prompts x 1 response in one forward; the validations' forwards count in no step
+    assert [metrics["perf/micro_batches/reward_model"] for _, metrics in logged[1:]] == [1, 1]
+    train_calls = [scores for batch, scores in scored if len(batch) == 64]
+    assert len(train_calls) == 2
+    for scores in train_calls:  # the reward model's score is each response's reward, and nothing else is
+        assert torch.equal(scores.token_level.sum(-1), torch.tensor(scores.extras["reward_model_score"]))
+    assert changed_fraction(before[0], snapshot(trainer.actor.module)) == 1.0
+    assert changed_fraction(before[1], snapshot(trainer.critic.module)) == 1.0

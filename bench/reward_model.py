@@ -1,0 +1,149 @@
+"""PPO scored by a reward model on a CPU: the quickstart's warm start trained on a tiny reward model's scores alone,
+against the same PPO trained on the rule that checks an answer.
+
+    python scripts/make_tiny_model.py && python scripts/make_tiny_model.py --reward-model
+    python scripts/prepare_data.py --task arithmetic
+    python bench/reward_model.py                    # 3 arms x 3 seeds x 50 steps, two runs at a time
+    python bench/reward_model.py --report-only      # the table again, from the runs in --out
+
+The policy is the quickstart's model (``outputs/tiny_model``); the reward model (``outputs/tiny_reward_model``,
+``make_tiny_model.py --reward-model``) is the same warm start with a one-label score head, trained with the
+Bradley-Terry loss to rank the true answer above each wrong answer the warm start samples at temperature 1: it never
+saw the policy's later samples, nor the rule.
+
+Each run is the recipe's CPU command, ``scripts/train.py configs/ppo_rm.yaml configs/cpu.yaml
+configs/ppo_rm_cpu.yaml`` (PPO with GAE and a critic, 64 prompts a step in two mini-batches, greedy validation on
+the 200 test sums before training and every 10 steps), with ``trainer.seed=S`` (the sampling; the prompts and their
+order are the same in every run), one process on one thread, tracked into ``--out``/mlflow.db (experiment
+``reward-model-bench``, run ``<arm>-seed<S>``). Both arms set a reward function (``bench/reward_model_functions.py``)
+that logs the rule's exact match as the extra ``acc`` beside the reward:
+
+- ``rm``: the reward is the reward model's score, the number the recipe trains on without a function;
+- ``rm+kl``: the same, less ``KL_COEF`` x (log p_policy - log p_reference) at each token (``use_kl_in_reward``,
+  InstructGPT's guard against over-optimising the reward model; the reference is the warm start);
+- ``rule``: the reward is the rule's exact match (1 or 0); the reward model still scores every response, unused.
+
+Printed per arm: the validation's exact match (``val-core/arithmetic/acc/mean@1``) at step 0 and at the last step
+(mean over the seeds ± the half-width of the 95% Student-t interval, as dsrl-compare reports, and each seed's), the
+seeds' mean at the validations between, the validation's mean reward-model score
+(``val-aux/arithmetic/reward_model_score/mean@1``) at the two ends, and the median ``timing_s/step`` and
+``timing_s/reward`` (the reward model's forward and the function) over steps 2.. (the first includes one-off warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's dsrl before an installed one
+
+from recipe_runs import history, train  # noqa: E402  (bench/, the script's own folder)
+
+RECIPE = ["configs/ppo_rm.yaml", "configs/cpu.yaml", "configs/ppo_rm_cpu.yaml"]
+FUNCTIONS = "custom_reward_function"
+# The rm+kl arm's penalty per token of log p_policy - log p_reference in the reward (the reference is the warm start);
+# the reward model's scores span about -10..10 (seed 1, one run each: 0.5 drifts as without, 2 holds)
+KL_COEF = 2.0
+ARMS = {
+    "rm": [f"{FUNCTIONS}.path=bench/reward_model_functions.py", f"{FUNCTIONS}.name=reward_model_score"],
+    "rm+kl": [
+        f"{FUNCTIONS}.path=bench/reward_model_functions.py",
+        f"{FUNCTIONS}.name=reward_model_score",
+        "algorithm.use_kl_in_reward=true",
+        f"algorithm.kl_ctrl.kl_coef={KL_COEF}",
+    ],
+    "rule": [f"{FUNCTIONS}.path=bench/reward_model_functions.py", f"{FUNCTIONS}.name=rule_score"],
+}
+EXPERIMENT = "reward-model-bench"
+ACC, RM = "val-core/arithmetic/acc/mean@1", "val-aux/arithmetic/reward_model_score/mean@1"
+
+
+def figures(client, experiment: str, name: str) -> dict:
+    """One run's validation exact match and reward-model score by step, its median step and reward seconds."""
+    from dsrl.commands import compare
+
+    run_id = compare.read_run(client, experiment, name)["run_id"]
+    later = lambda key: [v for s, v in history(client, run_id, key).items() if s > 1]  # noqa: E731
+    return {
+        "acc": history(client, run_id, ACC),
+        "rm": history(client, run_id, RM),
+        "step_s": statistics.median(later("timing_s/step")),
+        "reward_s": statistics.median(later("timing_s/reward")),
+    }
+
+
+def report(found: dict[str, dict[int, dict]], seeds: list[int], steps: int) -> None:
+    """The table: one row per arm, over its seeds."""
+    from dsrl.commands import compare
+
+    val_steps = sorted({s for runs in found.values() for run in runs.values() for s in run["acc"]})
+    between = [s for s in val_steps if 0 < s < steps]
+    columns = ["arm", "exact match, step 0", *(f"step {s}" for s in between), f"step {steps}", "each seed"]
+    columns += ["RM score, step 0", f"step {steps}", "step s", "reward s"]
+    print("\n| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
+    for arm, runs in found.items():
+        at = {step: [runs[seed]["acc"].get(step, float("nan")) for seed in seeds] for step in val_steps}
+        mean = lambda value, runs=runs: statistics.fmean(value(run) for run in runs.values())  # noqa: E731
+        cells = [arm, compare.cell(*compare.t_interval(at[0])), *(f"{statistics.fmean(at[s]):.3f}" for s in between)]
+        cells += [compare.cell(*compare.t_interval(at[steps])), ", ".join(f"{v:.3f}" for v in at[steps])]
+        cells += [f"{mean(lambda run: run['rm'][0]):+.2f}", f"{mean(lambda run: run['rm'][steps]):+.2f}"]
+        cells += [f"{mean(lambda run: run['step_s']):.2f}", f"{mean(lambda run: run['reward_s']):.2f}"]
+        print("| " + " | ".join(cells) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="key=value for every run")
+    parser.add_argument("--arms", type=lambda text: text.split(","), default=list(ARMS), help=", ".join(ARMS))
+    parser.add_argument("--seeds", type=lambda text: [int(s) for s in text.split(",")], default=[1, 2, 3])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
+    parser.add_argument("--out", default="outputs/reward_model_bench")
+    parser.add_argument("--report-only", action="store_true", help="read the runs already in --out")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.arms) - set(ARMS))
+    if unknown:
+        parser.error(f"--arms {','.join(unknown)}: unknown; one of {', '.join(ARMS)}")
+    from mlflow import MlflowClient
+
+    from dsrl.commands.tiny_runs import ChildRuns
+
+    out = (ROOT / args.out).resolve()
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    names = {(arm, seed): f"{arm}-seed{seed}" for arm in args.arms for seed in args.seeds}
+    if not args.report_only:
+        begin = time.perf_counter()
+        with ChildRuns() as runs, ThreadPoolExecutor(args.jobs) as pool:
+            jobs = [
+                pool.submit(
+                    train,
+                    RECIPE,
+                    name,
+                    [*ARMS[arm], f"trainer.seed={seed}", *args.overrides],
+                    steps=args.steps,
+                    experiment=EXPERIMENT,
+                    out=out,
+                    runs=runs,
+                )
+                for (arm, seed), name in names.items()
+            ]
+            for job in jobs:
+                name, code, wall = job.result()
+                print(f"{name}: exit {code} in {wall:.0f} s (log {out / 'runs' / name}.log)", flush=True)
+                if code != 0:
+                    return code
+        print(f"all runs: {time.perf_counter() - begin:.0f} s wall", flush=True)
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name(EXPERIMENT).experiment_id
+    found = {arm: {seed: figures(client, experiment, names[arm, seed]) for seed in args.seeds} for arm in args.arms}
+    report(found, args.seeds, args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
