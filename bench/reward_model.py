@@ -23,9 +23,10 @@ that logs the rule's exact match as the extra ``acc`` beside the reward:
   InstructGPT's guard against over-optimising the reward model; the reference is the warm start);
 - ``rule``: the reward is the rule's exact match (1 or 0); the reward model still scores every response, unused.
 
-Printed per arm: the validation's exact match (``val-core/arithmetic/acc/mean@1``) at step 0 and at the last step
-(mean over the seeds ± the half-width of the 95% Student-t interval, as dsrl-compare reports, and each seed's), the
-seeds' mean at the validations between, the validation's mean reward-model score
+Printed: how often the reward model scores the true answer of a validation sum above a near miss (the true sum +
+d, for d in ``OFFSETS``); then per arm: the validation's exact match (``val-core/arithmetic/acc/mean@1``) at step 0
+and at the last step (mean over the seeds ± the half-width of the 95% Student-t interval, as dsrl-compare reports,
+and each seed's), the seeds' mean at the validations between, the validation's mean reward-model score
 (``val-aux/arithmetic/reward_model_score/mean@1``) at the two ends, and the median ``timing_s/step`` and
 ``timing_s/reward`` (the reward model's forward and the function) over steps 2.. (the first includes one-off warm-up).
 """
@@ -33,6 +34,7 @@ seeds' mean at the validations between, the validation's mean reward-model score
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
@@ -61,6 +63,37 @@ ARMS = {
 }
 EXPERIMENT = "reward-model-bench"
 ACC, RM = "val-core/arithmetic/acc/mean@1", "val-aux/arithmetic/reward_model_score/mean@1"
+REWARD_MODEL = "outputs/tiny_reward_model"  # configs/ppo_rm_cpu.yaml's
+OFFSETS = (-10, -2, -1, 1, 2, 10)  # wrong answers: the true sum plus these
+
+
+def near_misses() -> tuple[dict[int, float], int]:
+    """The share of the validation sums on which the reward model scores the true answer above the true sum + d, for
+    each d of ``OFFSETS`` (make_tiny_model.py's ranking, as dsrl's engine scores), and the number of sums."""
+    from transformers import AutoModelForSequenceClassification
+
+    from dsrl.data import arithmetic
+    from dsrl.engines.reward_model import LastTokenScore
+
+    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "scripts" / "make_tiny_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tokenizer = module.build_tokenizer()
+    scorer = LastTokenScore(AutoModelForSequenceClassification.from_pretrained(ROOT / REWARD_MODEL).eval())
+    val = arithmetic.problems("test", arithmetic.DEFAULT_TEST_SIZE, arithmetic.DEFAULT_SEED)
+
+    def sequence(a: int, b: int, text: str) -> list[int]:
+        return (
+            module.prompt_ids(tokenizer, a, b)
+            + tokenizer(text, add_special_tokens=False)["input_ids"]
+            + [tokenizer.eos_token_id]
+        )
+
+    found = {}
+    for d in OFFSETS:
+        pairs = [(sequence(a, b, str(a + b)), sequence(a, b, str(a + b + d))) for a, b in val if a + b + d >= 0]
+        found[d] = module.ranked_right(scorer, pairs, tokenizer.pad_token_id)
+    return found, len(val)
 
 
 def figures(client, experiment: str, name: str) -> dict:
@@ -138,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
                 if code != 0:
                     return code
         print(f"all runs: {time.perf_counter() - begin:.0f} s wall", flush=True)
+    ranked, problems = near_misses()
+    print(
+        f"\n{REWARD_MODEL} on the {problems} validation sums, the true answer scored above the true sum + d: "
+        + ", ".join(f"d={d:+d} {share:.1%}" for d, share in ranked.items())
+    )
     client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
     experiment = client.get_experiment_by_name(EXPERIMENT).experiment_id
     found = {arm: {seed: figures(client, experiment, names[arm, seed]) for seed in args.seeds} for arm in args.arms}
