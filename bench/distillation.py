@@ -34,18 +34,15 @@ policy that sampled them) averaged over the first 5 and the last 5 steps, and th
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import statistics
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's dsrl before an installed one
 
-from recipe_runs import history, train  # noqa: E402  (bench/, the script's own folder)
+from recipe_runs import arguments, history, tracking, train_arms  # noqa: E402  (bench/, the script's own folder)
 
 RECIPE = ["configs/distill.yaml", "configs/cpu.yaml", "configs/distill_cpu.yaml"]
 TEACHER, STUDENT = "outputs/tiny_model", "outputs/tiny_student"  # configs/distill_cpu.yaml's
@@ -119,54 +116,16 @@ def report(found: dict[str, dict[int, dict]], seeds: list[int], steps: int) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("overrides", nargs="*", help="key=value for every run")
-    parser.add_argument("--arms", type=lambda text: text.split(","), default=list(ARMS), help=", ".join(ARMS))
-    parser.add_argument("--seeds", type=lambda text: [int(s) for s in text.split(",")], default=[1, 2, 3, 4, 5])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
-    parser.add_argument("--out", default="outputs/distillation")
-    parser.add_argument("--report-only", action="store_true", help="read the runs already in --out")
-    args = parser.parse_args(argv)
-    unknown = sorted(set(args.arms) - set(ARMS))
-    if unknown:
-        parser.error(f"--arms {','.join(unknown)}: unknown; one of {', '.join(ARMS)}")
-    from mlflow import MlflowClient
-
-    from dsrl.commands.tiny_runs import ChildRuns
-
-    out = (ROOT / args.out).resolve()
-    (out / "runs").mkdir(parents=True, exist_ok=True)
-    names = {(arm, seed): f"{arm}-seed{seed}" for arm in args.arms for seed in args.seeds}
-    if not args.report_only:
-        begin = time.perf_counter()
-        with ChildRuns() as runs, ThreadPoolExecutor(args.jobs) as pool:
-            jobs = [
-                pool.submit(
-                    train,
-                    RECIPE,
-                    name,
-                    [*ARMS[arm], f"trainer.seed={seed}", *args.overrides],
-                    steps=args.steps,
-                    experiment=EXPERIMENT,
-                    out=out,
-                    runs=runs,
-                )
-                for (arm, seed), name in names.items()
-            ]
-            for job in jobs:
-                name, code, wall = job.result()
-                print(f"{name}: exit {code} in {wall:.0f} s (log {out / 'runs' / name}.log)", flush=True)
-                if code != 0:
-                    return code
-        print(f"all runs: {time.perf_counter() - begin:.0f} s wall", flush=True)
+    args = arguments(__doc__, list(ARMS), [1, 2, 3, 4, 5], "outputs/distillation", argv)
+    names, code = train_arms(RECIPE, ARMS, args, EXPERIMENT)
+    if code != 0:
+        return code
     accuracies, problems = greedy_accuracies()
     print(
         f"\ngreedy exact match on the {problems} validation sums: teacher ({TEACHER}) "
         f"{accuracies['teacher']:.3f}, student ({STUDENT}) {accuracies['student']:.3f}"
     )
-    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name(EXPERIMENT).experiment_id
+    client, experiment = tracking(args.out, EXPERIMENT)
     found = {
         arm: {seed: figures(client, experiment, names[arm, seed], args.steps) for seed in args.seeds}
         for arm in args.arms

@@ -1,11 +1,14 @@
 """Training runs of a recipe's CPU command for the learning benches (bench/distillation.py, bench/reward_model.py):
-each in a child process on one thread, tracked into one MLflow store, its metrics read back by step."""
+arms (overrides) x seeds, each run in a child process on one thread, tracked into one MLflow store, its metrics read
+back by step."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,3 +41,69 @@ def history(client, run_id: str, key: str) -> dict[int, float]:
     from dsrl.commands import compare
 
     return {m.step: m.value for m in client.get_metric_history(run_id, compare.mlflow_name(key))}
+
+
+def arguments(
+    description: str, arms: list[str], seeds: list[int], out: str, argv: list[str] | None
+) -> argparse.Namespace:
+    """A bench's command line: the overrides of every run, ``--arms`` (of ``arms``), ``--seeds``, ``--steps``,
+    ``--jobs``, ``--out`` and ``--report-only``; the defaults are every arm, ``seeds`` and ``out``."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="key=value for every run")
+    parser.add_argument("--arms", type=lambda text: text.split(","), default=arms, help=", ".join(arms))
+    parser.add_argument("--seeds", type=lambda text: [int(s) for s in text.split(",")], default=seeds)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--report-only", action="store_true", help="read the runs already in --out")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.arms) - set(arms))
+    if unknown:
+        parser.error(f"--arms {','.join(unknown)}: unknown; one of {', '.join(arms)}")
+    args.out = (ROOT / args.out).resolve()
+    return args
+
+
+def train_arms(
+    recipe: list[str], arms: dict[str, list[str]], args: argparse.Namespace, experiment: str
+) -> tuple[dict[tuple[str, int], str], int]:
+    """Each arm of ``args.arms`` (its overrides in ``arms``) with each seed of ``args.seeds`` (``trainer.seed``), the
+    command line's overrides last, ``args.jobs`` runs at a time (none with ``--report-only``): the run names by
+    ``(arm, seed)`` and the first failed run's exit code (0 when none failed)."""
+    from dsrl.commands.tiny_runs import ChildRuns
+
+    out = args.out
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    names = {(arm, seed): f"{arm}-seed{seed}" for arm in args.arms for seed in args.seeds}
+    if args.report_only:
+        return names, 0
+    begin = time.perf_counter()
+    with ChildRuns() as runs, ThreadPoolExecutor(args.jobs) as pool:
+        jobs = [
+            pool.submit(
+                train,
+                recipe,
+                name,
+                [*arms[arm], f"trainer.seed={seed}", *args.overrides],
+                steps=args.steps,
+                experiment=experiment,
+                out=out,
+                runs=runs,
+            )
+            for (arm, seed), name in names.items()
+        ]
+        for job in jobs:
+            name, code, wall = job.result()
+            print(f"{name}: exit {code} in {wall:.0f} s (log {out / 'runs' / name}.log)", flush=True)
+            if code != 0:
+                return names, code
+    print(f"all runs: {time.perf_counter() - begin:.0f} s wall", flush=True)
+    return names, 0
+
+
+def tracking(out: Path, experiment: str):
+    """The MLflow client of ``out``/mlflow.db and the id of ``experiment`` in it."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    return client, client.get_experiment_by_name(experiment).experiment_id
