@@ -45,9 +45,9 @@ Offline and deterministic (same ``--seed`` and ``--sft-steps`` give byte-identic
   start's backbone and a new ``score`` head, learns with the Bradley-Terry loss ``-log sigmoid(r_chosen -
   r_rejected)``, 128 pairs a step (the warm start's optimizer), scored at the last token as dsrl's reward-model engine
   scores, until 85% of the pairs of 300 held-out problems rank right (checked every 25 steps) or ``--rm-steps``.
-  Seed 0: 8,875 pairs, 400 steps, 87% ranked right, ~4 min on 2 cores. It never sees a right answer the policy
-  wrote differently (there is none: an answer is exact) nor the policy's later samples, so RL on its scores can drift
-  to what it overrates.
+  Seed 0: 8,875 pairs, 400 steps, 87% ranked right (50% with the new head), ~4 min on 2 cores. It never sees the
+  policy's later samples, and it cannot check a last digit (docs/data-and-rewards.md), so RL on its scores drifts to
+  the wrong answers it overrates.
 
 Prints the parameter count, the time taken and the greedy exact-match accuracy of the saved model; for
 ``--reward-model``, the pairs and the held-out share ranked right (returned); for
