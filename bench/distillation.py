@@ -54,7 +54,12 @@ ARMS = {
     "grpo": [f"{LOSS}.use_task_rewards=true", f"{LOSS}.distillation_loss_coef=0"],
 }
 EXPERIMENT = "distillation-bench"
-EDGE_STEPS = 5  # reverse KL: the mean of the first and of the last this many steps
+EDGE_STEPS = 5  # reverse KL: the mean of the first and of the last this many steps (all of a shorter run)
+
+
+def edge(steps: int) -> int:
+    """The steps averaged at each end of a run of ``steps``."""
+    return min(EDGE_STEPS, steps)
 
 
 def greedy_accuracies() -> tuple[dict[str, float], int]:
@@ -84,8 +89,8 @@ def figures(client, experiment: str, name: str, steps: int) -> dict:
     later = lambda key: [v for s, v in history(client, run["run_id"], key).items() if s > 1]  # noqa: E731
     return {
         "validation": run["validation"],
-        "kl_first": statistics.fmean(kl[s] for s in range(1, EDGE_STEPS + 1)),
-        "kl_last": statistics.fmean(kl[s] for s in range(steps - EDGE_STEPS + 1, steps + 1)),
+        "kl_first": statistics.fmean(kl[s] for s in range(1, edge(steps) + 1)),
+        "kl_last": statistics.fmean(kl[s] for s in range(steps - edge(steps) + 1, steps + 1)),
         "step_s": statistics.median(later("timing_s/step")),
         "teacher_s": statistics.median(later("timing_s/teacher")),
     }
@@ -98,7 +103,7 @@ def report(found: dict[str, dict[int, dict]], seeds: list[int], steps: int) -> N
     val_steps = sorted({s for runs in found.values() for run in runs.values() for s in run["validation"]})
     between = [s for s in val_steps if 0 < s < steps]
     columns = ["arm", "val, step 0", *(f"step {s}" for s in between), f"val, step {steps}", "each seed"]
-    columns += [f"reverse KL, steps 1-{EDGE_STEPS}", f"steps {steps - EDGE_STEPS + 1}-{steps}", "step s", "teacher s"]
+    columns += [f"reverse KL, steps 1-{edge(steps)}", f"steps {steps - edge(steps) + 1}-{steps}", "step s", "teacher s"]
     print("\n| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for arm, runs in found.items():
         at = {step: [runs[seed]["validation"].get(step, float("nan")) for seed in seeds] for step in val_steps}
