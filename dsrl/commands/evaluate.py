@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dsrl.config import SCHEMA, ConfigError, load_and_validate, to_dict
+from dsrl.config import SCHEMA, ConfigError, load_and_validate, reward_model_scores_alone, to_dict
 from dsrl.tracking import flatten
 from dsrl.tracking.console import refuse
 
@@ -478,10 +478,10 @@ def evaluate(args: argparse.Namespace) -> int:
     from dsrl.data.datasets import load_tokenizer
     from dsrl.engines import RewardModelEngine, init_distributed
     from dsrl.rewards import RewardScorer, check_reward_rules
-    from dsrl.rewards.model_inputs import RewardModelInputs, reward_tokenizer_problem
     from dsrl.runtime.seeding import seed_all
     from dsrl.tracking import Tracker
     from dsrl.tracking.console import logger, setup_logging
+    from dsrl.trainer.scoring import reward_model_inputs
     from dsrl.trainer.setup import load_run_prompts, problems_of_every_rank
 
     init_distributed(cfg.actor_rollout_ref.nccl_timeout)
@@ -501,13 +501,8 @@ def evaluate(args: argparse.Namespace) -> int:
         for model_cfg in configs:
             model = model_cfg.actor_rollout_ref.model
             tokenizer = load_tokenizer(model.path, trust_remote_code=model.trust_remote_code)
-            inputs = None
-            if rm_tokenizer is not None:  # the reward model's sequences of this model's responses
-                problem = reward_tokenizer_problem(tokenizer, rm_tokenizer, rm.model.path)
-                if problem is not None:
-                    raise ValueError(problem)
-                length = rm.max_length or data.max_prompt_length + data.max_response_length
-                inputs = RewardModelInputs(tokenizer, rm_tokenizer, max_length=length)
+            # the reward model's sequences of this model's responses
+            inputs = None if rm_tokenizer is None else reward_model_inputs(cfg, tokenizer, rm_tokenizer)
             keep = inputs is not None and not inputs.same_template  # re-rendered from the messages
             prompts, _ = load_run_prompts(cfg, data.val_files, data.val_max_samples, tokenizer, keep_messages=keep)
             loaded.append((tokenizer, prompts))
@@ -524,7 +519,7 @@ def evaluate(args: argparse.Namespace) -> int:
             problems += same_architecture_problems(
                 args.models, [tokenizer for tokenizer, _ in loaded], cfg.actor_rollout_ref.model.trust_remote_code
             )
-        if rm_tokenizer is None or cfg.custom_reward_function.path is not None:  # else the reward model scores
+        if not reward_model_scores_alone(cfg):
             check_reward_rules(
                 {"data.val_files": loaded[0][1]},
                 custom_path=cfg.custom_reward_function.path,

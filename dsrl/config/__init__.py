@@ -76,6 +76,8 @@ from dsrl.config.schema import (
     lora_enabled,
     prompts_per_round,
     pushes_lora_adapters,
+    reward_model_length,
+    reward_model_scores_alone,
 )
 from dsrl.config.user_code import import_user_modules
 
@@ -118,6 +120,8 @@ __all__ = [
     "prompts_per_round",
     "pushes_lora_adapters",
     "resolve",
+    "reward_model_length",
+    "reward_model_scores_alone",
     "rollout_name",
     "to_dict",
     "to_yaml",

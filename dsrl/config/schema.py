@@ -115,6 +115,18 @@ def prompts_per_round(data: Any) -> int:
     return data.train_batch_size if data.gen_batch_size is None else data.gen_batch_size
 
 
+def reward_model_length(cfg: Any) -> int:
+    """The most tokens of a sequence the reward model reads: ``reward_model.max_length``, null = a prompt and a response
+    at their longest."""
+    return cfg.reward_model.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
+def reward_model_scores_alone(cfg: Any) -> bool:
+    """Whether the reward model's score is each response's reward, as in verl's reward loop: ``reward_model.enable``
+    without ``custom_reward_function`` (the reward rules then score nothing)."""
+    return cfg.reward_model.enable and cfg.custom_reward_function.path is None
+
+
 def pushes_lora_adapters(model: Any) -> bool:
     """Whether the rollout engine receives the adapters alone (LoRA with ``lora.merge=false``), not full weights."""
     return lora_enabled(model) and not model.lora.merge

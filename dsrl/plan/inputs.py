@@ -15,7 +15,7 @@ from typing import Any
 from dsrl.config.deepspeed_json import read_ds_json, zero_stage
 from dsrl.config.loading import rollout_name
 from dsrl.config.names import ADV_ESTIMATORS
-from dsrl.config.schema import lora_enabled, prompts_per_round
+from dsrl.config.schema import lora_enabled, prompts_per_round, reward_model_length
 from dsrl.config.user_code import estimator_needs
 from dsrl.plan.shape import DTYPE_BYTES, ModelShape, read_shape
 
@@ -308,7 +308,7 @@ def inputs_from_config(cfg: Any, world_size: int, shape: ModelShape, device: Dev
         )
         if rm.enable
         else None,
-        reward_length=rm.max_length or data.max_prompt_length + data.max_response_length,
+        reward_length=reward_model_length(cfg),
         reward_in_generation=in_generation,
         teacher=ZeroSetup.from_json(
             read_ds_json(teacher.deepspeed_config, "distillation.teacher_models.teacher_model.deepspeed_config")

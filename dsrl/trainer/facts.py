@@ -14,7 +14,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from dsrl.checkpoint.save import adapter_dir
-from dsrl.config import Config
+from dsrl.config import Config, reward_model_length
 from dsrl.engines.lora import ADAPTER, trainable_parameter_count
 
 
@@ -67,7 +67,7 @@ def reward_model_facts(cfg: Config, engine) -> dict[str, Any]:
         "path": rm.model.path,
         "micro_batch_size": rm.micro_batch_size_per_gpu,
         "max_token_len": rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None,
-        "max_length": rm.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length,
+        "max_length": reward_model_length(cfg),
     }
 
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dsrl.config import Config
+from dsrl.config import Config, reward_model_length
 from dsrl.data.batch import Batch, last_response_token
 from dsrl.engines.reward_model import RewardModelEngine
 from dsrl.rewards import FAILURE_COUNTS, RewardScorer, overlong_penalties, reward_components
-from dsrl.rewards.model_inputs import RewardModelInputs
+from dsrl.rewards.model_inputs import RewardModelInputs, reward_tokenizer_problem
 from dsrl.runtime.distributed import gather_problems
 
 
@@ -35,6 +35,15 @@ class Scores:
 
 RM_SCORE = "reward_model_score"  # the reward model's score: in the reward function's extra_info, and a reward extra
 RM_TRUNCATED = "reward_model/truncated"  # rows the reward model read without their start (a count over the ranks)
+
+
+def reward_model_inputs(cfg: Config, tokenizer, reward_tokenizer) -> RewardModelInputs:
+    """The sequences the reward model (``reward_tokenizer``'s) reads of ``tokenizer``'s responses; ValueError when
+    the two tokenizers cannot be paired (``reward_tokenizer_problem``)."""
+    problem = reward_tokenizer_problem(tokenizer, reward_tokenizer, cfg.reward_model.model.path)
+    if problem is not None:
+        raise ValueError(problem)
+    return RewardModelInputs(tokenizer, reward_tokenizer, max_length=reward_model_length(cfg))
 
 
 class StepScorer:

@@ -14,7 +14,14 @@ from dsrl.algorithms import AdaptiveKLController, FixedKLController
 from dsrl.checkpoint import run_folder
 from dsrl.checkpoint.resume import check_settings, check_train_data, checkpoint_to_resume, data_identity, restore
 from dsrl.checkpoint.save import CheckpointError, load_in_flight
-from dsrl.config import ConfigError, import_user_modules, prompts_per_round, to_dict, to_yaml
+from dsrl.config import (
+    ConfigError,
+    import_user_modules,
+    prompts_per_round,
+    reward_model_scores_alone,
+    to_dict,
+    to_yaml,
+)
 from dsrl.config.rules.need import critic_used
 from dsrl.data.datasets import PromptSampler, load_prompts, load_tokenizer
 from dsrl.engines import (
@@ -26,7 +33,7 @@ from dsrl.engines import (
     teacher_engine,
 )
 from dsrl.rewards import RewardScorer, check_reward_rules
-from dsrl.rewards.model_inputs import RewardModelInputs, reward_tokenizer_problem, teacher_vocabulary_problem
+from dsrl.rewards.model_inputs import teacher_vocabulary_problem
 from dsrl.rollout import HFRollout
 from dsrl.rollout.multi_turn import Conversation, MultiTurnRollout
 from dsrl.rollout.tools import ToolSet
@@ -35,7 +42,7 @@ from dsrl.runtime.seeding import seed_all
 from dsrl.tracking import Tracker, flatten
 from dsrl.trainer.facts import lora_facts, run_tags
 from dsrl.trainer.partial_rollout import InFlight
-from dsrl.trainer.scoring import StepScorer
+from dsrl.trainer.scoring import StepScorer, reward_model_inputs
 from dsrl.trainer.stops import FailureStreak, RolloutMismatch, SkipLimit
 
 
@@ -139,11 +146,7 @@ class TrainerSetup:
         if cfg.reward_model.enable:
             rm = cfg.reward_model
             rm_tokenizer = load_tokenizer(rm.model.path, trust_remote_code=rm.model.trust_remote_code)
-            length = rm.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
-            problem = reward_tokenizer_problem(self.tokenizer, rm_tokenizer, rm.model.path)
-            if problem is not None:
-                raise ValueError(problem)
-            self.model_inputs = RewardModelInputs(self.tokenizer, rm_tokenizer, max_length=length)
+            self.model_inputs = reward_model_inputs(cfg, self.tokenizer, rm_tokenizer)
         if cfg.distillation.enabled:
             path = cfg.distillation.teacher_models.teacher_model.model_path
             teacher = load_tokenizer(path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
@@ -198,7 +201,7 @@ class TrainerSetup:
         """The reward rules checked against the prompts' data sources (unless the reward model alone scores), and the
         scorer of the responses."""
         cfg = self.cfg
-        if not cfg.reward_model.enable or cfg.custom_reward_function.path is not None:  # else the model scores
+        if not reward_model_scores_alone(cfg):
             check_reward_rules(
                 {"data.train_files": self.train_prompts, "data.val_files": self.val_prompts},
                 custom_path=cfg.custom_reward_function.path,

@@ -9,7 +9,7 @@ from pathlib import Path
 from dsrl.config.files import model_config, not_regular
 from dsrl.config.names import DISTILLATION_LOSS_MODES
 from dsrl.config.rules.need import Need
-from dsrl.config.schema import Config
+from dsrl.config.schema import Config, reward_model_length
 
 
 def reward_model_rules(cfg: Config, need: Need) -> None:
@@ -60,7 +60,7 @@ def reward_model_rules(cfg: Config, need: Need) -> None:
         "after training); a causal LM is a teacher (distillation.*), not a reward model",
     )
     positions = config.get("max_position_embeddings")
-    length = rm.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
+    length = reward_model_length(cfg)
     key = "reward_model.max_length"
     need(
         not isinstance(positions, int) or length <= positions,
