@@ -42,7 +42,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's dsrl before an installed one
 
-from recipe_runs import arguments, history, tracking, train_arms  # noqa: E402  (bench/, the script's own folder)
+from recipe_runs import (  # noqa: E402  (bench/, the script's own folder)
+    arguments,
+    curve,
+    history,
+    median_after_first,
+    print_table,
+    tracking,
+    train_arms,
+)
 
 RECIPE = ["configs/distill.yaml", "configs/cpu.yaml", "configs/distill_cpu.yaml"]
 TEACHER, STUDENT = "outputs/tiny_model", "outputs/tiny_student"  # configs/distill_cpu.yaml's
@@ -86,38 +94,25 @@ def figures(client, experiment: str, name: str, steps: int) -> dict:
 
     run = compare.read_run(client, experiment, name)
     kl = history(client, run["run_id"], "distillation/reverse_kl")
-    later = lambda key: [v for s, v in history(client, run["run_id"], key).items() if s > 1]  # noqa: E731
     return {
         "validation": run["validation"],
         "kl_first": statistics.fmean(kl[s] for s in range(1, edge(steps) + 1)),
         "kl_last": statistics.fmean(kl[s] for s in range(steps - edge(steps) + 1, steps + 1)),
-        "step_s": statistics.median(later("timing_s/step")),
-        "teacher_s": statistics.median(later("timing_s/teacher")),
+        "step_s": median_after_first(client, run["run_id"], "timing_s/step"),
+        "teacher_s": median_after_first(client, run["run_id"], "timing_s/teacher"),
     }
 
 
 def report(found: dict[str, dict[int, dict]], seeds: list[int], steps: int) -> None:
     """The table: one row per arm, over its seeds."""
-    from dsrl.commands import compare
-
-    val_steps = sorted({s for runs in found.values() for run in runs.values() for s in run["validation"]})
-    between = [s for s in val_steps if 0 < s < steps]
-    columns = ["arm", "val, step 0", *(f"step {s}" for s in between), f"val, step {steps}", "each seed"]
+    columns, curves = curve(found, "validation", seeds, steps, ("val, ", "val, "))
     columns += [f"reverse KL, steps 1-{edge(steps)}", f"steps {steps - edge(steps) + 1}-{steps}", "step s", "teacher s"]
-    print("\n| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
+    rows = []
     for arm, runs in found.items():
-        at = {step: [runs[seed]["validation"].get(step, float("nan")) for seed in seeds] for step in val_steps}
-        mean = {key: statistics.fmean(run[key] for run in runs.values()) for key in ("kl_first", "kl_last", "step_s",
-                                                                                      "teacher_s")}  # fmt: skip
-        cells = [arm, compare.cell(*compare.t_interval(at[0])), *(f"{statistics.fmean(at[s]):.3f}" for s in between)]
-        cells += [compare.cell(*compare.t_interval(at[steps])), ", ".join(f"{v:.3f}" for v in at[steps])]
-        cells += [
-            f"{mean['kl_first']:.3f}",
-            f"{mean['kl_last']:.3f}",
-            f"{mean['step_s']:.2f}",
-            f"{mean['teacher_s']:.2f}",
-        ]
-        print("| " + " | ".join(cells) + " |")
+        mean = lambda key, runs=runs: statistics.fmean(run[key] for run in runs.values())  # noqa: E731
+        rows.append([arm, *curves[arm], *(f"{mean(k):.3f}" for k in ("kl_first", "kl_last"))])
+        rows[-1] += [f"{mean('step_s'):.2f}", f"{mean('teacher_s'):.2f}"]
+    print_table(columns, rows)
 
 
 def main(argv: list[str] | None = None) -> int:

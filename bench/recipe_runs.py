@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -107,3 +108,35 @@ def tracking(out: Path, experiment: str):
 
     client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
     return client, client.get_experiment_by_name(experiment).experiment_id
+
+
+def median_after_first(client, run_id: str, key: str) -> float:
+    """A per-step metric's median over steps 2.. (the first includes one-off warm-up)."""
+    return statistics.median(v for s, v in history(client, run_id, key).items() if s > 1)
+
+
+def curve(
+    found: dict[str, dict[int, dict]], key: str, seeds: list[int], steps: int, labels: tuple[str, str]
+) -> tuple[list[str], dict[str, list[str]]]:
+    """A validation metric's columns and each arm's cells (``found``: arm -> seed -> figures, ``key`` the figure
+    holding the metric by step): at step 0 and at ``steps`` the mean over the seeds ± the half-width of the 95%
+    Student-t interval (as dsrl-compare reports), the means at the validations between, and each seed's last.
+    ``labels``: the first and the last columns' names before their step."""
+    from dsrl.commands import compare
+
+    val_steps = sorted({s for runs in found.values() for run in runs.values() for s in run[key]})
+    between = [s for s in val_steps if 0 < s < steps]
+    columns = ["arm", f"{labels[0]}step 0", *(f"step {s}" for s in between), f"{labels[1]}step {steps}", "each seed"]
+    cells = {}
+    for arm, runs in found.items():
+        at = {step: [runs[seed][key].get(step, float("nan")) for seed in seeds] for step in val_steps}
+        cells[arm] = [compare.cell(*compare.t_interval(at[0])), *(f"{statistics.fmean(at[s]):.3f}" for s in between)]
+        cells[arm] += [compare.cell(*compare.t_interval(at[steps])), ", ".join(f"{v:.3f}" for v in at[steps])]
+    return columns, cells
+
+
+def print_table(columns: list[str], rows: list[list[str]]) -> None:
+    """A markdown table."""
+    print("\n| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")

@@ -41,7 +41,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's dsrl before an installed one
 
-from recipe_runs import arguments, history, tracking, train_arms  # noqa: E402  (bench/, the script's own folder)
+from recipe_runs import (  # noqa: E402  (bench/, the script's own folder)
+    arguments,
+    curve,
+    history,
+    median_after_first,
+    print_table,
+    tracking,
+    train_arms,
+)
 
 RECIPE = ["configs/ppo_rm.yaml", "configs/cpu.yaml", "configs/ppo_rm_cpu.yaml"]
 FUNCTIONS = "custom_reward_function"
@@ -98,32 +106,25 @@ def figures(client, experiment: str, name: str) -> dict:
     from dsrl.commands import compare
 
     run_id = compare.read_run(client, experiment, name)["run_id"]
-    later = lambda key: [v for s, v in history(client, run_id, key).items() if s > 1]  # noqa: E731
     return {
         "acc": history(client, run_id, ACC),
         "rm": history(client, run_id, RM),
-        "step_s": statistics.median(later("timing_s/step")),
-        "reward_s": statistics.median(later("timing_s/reward")),
+        "step_s": median_after_first(client, run_id, "timing_s/step"),
+        "reward_s": median_after_first(client, run_id, "timing_s/reward"),
     }
 
 
 def report(found: dict[str, dict[int, dict]], seeds: list[int], steps: int) -> None:
     """The table: one row per arm, over its seeds."""
-    from dsrl.commands import compare
-
-    val_steps = sorted({s for runs in found.values() for run in runs.values() for s in run["acc"]})
-    between = [s for s in val_steps if 0 < s < steps]
-    columns = ["arm", "exact match, step 0", *(f"step {s}" for s in between), f"step {steps}", "each seed"]
+    columns, curves = curve(found, "acc", seeds, steps, ("exact match, ", ""))
     columns += ["RM score, step 0", f"step {steps}", "step s", "reward s"]
-    print("\n| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
+    rows = []
     for arm, runs in found.items():
-        at = {step: [runs[seed]["acc"].get(step, float("nan")) for seed in seeds] for step in val_steps}
         mean = lambda value, runs=runs: statistics.fmean(value(run) for run in runs.values())  # noqa: E731
-        cells = [arm, compare.cell(*compare.t_interval(at[0])), *(f"{statistics.fmean(at[s]):.3f}" for s in between)]
-        cells += [compare.cell(*compare.t_interval(at[steps])), ", ".join(f"{v:.3f}" for v in at[steps])]
-        cells += [f"{mean(lambda run: run['rm'][0]):+.2f}", f"{mean(lambda run: run['rm'][steps]):+.2f}"]
-        cells += [f"{mean(lambda run: run['step_s']):.2f}", f"{mean(lambda run: run['reward_s']):.2f}"]
-        print("| " + " | ".join(cells) + " |")
+        rows.append([arm, *curves[arm], f"{mean(lambda run: run['rm'][0]):+.2f}"])
+        rows[-1] += [f"{mean(lambda run: run['rm'][steps]):+.2f}", f"{mean(lambda run: run['step_s']):.2f}"]
+        rows[-1] += [f"{mean(lambda run: run['reward_s']):.2f}"]
+    print_table(columns, rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -222,32 +222,47 @@ def test_distillation_trains_on_the_teachers_log_probs(
     assert changed_fraction({k: actor_before[k] for k in trained}, {k: actor_after[k] for k in trained}) == 1.0
 
 
+def cpu_recipe(names: tuple[str, str, str], tiny_model_dir, arithmetic_data, ds_test_config, run_dir, *overrides):
+    """The docs' CPU command of a recipe (``names``: its three config files, the recipe, the CPU overlay and the
+    recipe's overlay) for two steps on one rank, validated: the tests' policy, data and actor DeepSpeed setup swapped
+    in, ``overrides`` after, tracked to the console only."""
+    from dsrl.config import load_and_validate
+    from tests.conftest import REPO
+
+    cfg, _ = load_and_validate(
+        [str(REPO / "configs" / name) for name in names],
+        [
+            f"actor_rollout_ref.model.path={tiny_model_dir}",
+            f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
+            f"data.train_files={arithmetic_data / 'train.parquet'}",
+            f"data.val_files={arithmetic_data / 'test.parquet'}",
+            "trainer.total_training_steps=2",
+            "trainer.logger=[console]",
+            f"trainer.default_local_dir={run_dir}",
+            *overrides,
+        ],
+        world_size=1,
+    )
+    return cfg
+
+
 def test_the_distillation_recipe_trains_under_its_cpu_overlays(
     tiny_model_dir, tiny_teacher_dir, arithmetic_data, ds_test_config, world_of_one, deepspeed_cpu_ops, tmp_path
 ):
     """The docs' CPU command, configs/distill.yaml configs/cpu.yaml configs/distill_cpu.yaml (its models and data
     swapped for the tests'): the recipe's form, k1 as each token's reward without the task's loss, trains two steps
     on one rank, the teacher scoring each step's responses in one micro-batch, and every parameter moves."""
-    from dsrl.config import load_and_validate
     from dsrl.engines.weight_sync import iter_full_parameters
     from dsrl.trainer.loop import Trainer
-    from tests.conftest import REPO
 
-    files = [str(REPO / "configs" / name) for name in ("distill.yaml", "cpu.yaml", "distill_cpu.yaml")]
-    cfg, _ = load_and_validate(
-        files,
-        [
-            f"actor_rollout_ref.model.path={tiny_model_dir}",
-            f"distillation.teacher_models.teacher_model.model_path={tiny_teacher_dir}",
-            f"distillation.teacher_models.teacher_model.deepspeed_config={ds_test_config('zero3_offload_inference')}",
-            f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
-            f"data.train_files={arithmetic_data / 'train.parquet'}",
-            f"data.val_files={arithmetic_data / 'test.parquet'}",
-            "trainer.total_training_steps=2",
-            "trainer.logger=[console]",
-            f"trainer.default_local_dir={tmp_path}",
-        ],
-        world_size=1,
+    cfg = cpu_recipe(
+        ("distill.yaml", "cpu.yaml", "distill_cpu.yaml"),
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path,
+        f"distillation.teacher_models.teacher_model.model_path={tiny_teacher_dir}",
+        f"distillation.teacher_models.teacher_model.deepspeed_config={ds_test_config('zero3_offload_inference')}",
     )
     loss = cfg.distillation.distillation_loss
     assert (loss.loss_mode, loss.use_policy_gradient, loss.use_task_rewards) == ("k1", True, False)
@@ -272,28 +287,19 @@ def test_the_reward_model_recipe_trains_under_its_cpu_overlays(
     """The docs' CPU command, configs/ppo_rm.yaml configs/cpu.yaml configs/ppo_rm_cpu.yaml (its models and data
     swapped for the tests'): PPO with GAE and a critic trains two steps on one rank on the reward model's scores
     alone, a step's 64 responses scored in one forward, and every parameter of the actor and the critic moves."""
-    from dsrl.config import load_and_validate
     from dsrl.engines.weight_sync import iter_full_parameters
     from dsrl.trainer.loop import Trainer
-    from tests.conftest import REPO
 
-    files = [str(REPO / "configs" / name) for name in ("ppo_rm.yaml", "cpu.yaml", "ppo_rm_cpu.yaml")]
-    cfg, _ = load_and_validate(
-        files,
-        [
-            f"actor_rollout_ref.model.path={tiny_model_dir}",
-            f"reward_model.model.path={tiny_reward_model_dir}",
-            f"reward_model.deepspeed_config={ds_test_config('zero3_offload_inference')}",
-            f"actor_rollout_ref.actor.deepspeed_config={ds_test_config('zero3_offload')}",
-            f"critic.deepspeed_config={ds_test_config('zero3_offload')}",
-            f"data.train_files={arithmetic_data / 'train.parquet'}",
-            f"data.val_files={arithmetic_data / 'test.parquet'}",
-            "trainer.total_training_steps=2",
-            "trainer.total_epochs=2",  # the tests' 64 prompts are one step's
-            "trainer.logger=[console]",
-            f"trainer.default_local_dir={tmp_path}",
-        ],
-        world_size=1,
+    cfg = cpu_recipe(
+        ("ppo_rm.yaml", "cpu.yaml", "ppo_rm_cpu.yaml"),
+        tiny_model_dir,
+        arithmetic_data,
+        ds_test_config,
+        tmp_path,
+        f"reward_model.model.path={tiny_reward_model_dir}",
+        f"reward_model.deepspeed_config={ds_test_config('zero3_offload_inference')}",
+        f"critic.deepspeed_config={ds_test_config('zero3_offload')}",
+        "trainer.total_epochs=2",  # the tests' 64 prompts are one step's
     )
     assert cfg.algorithm.adv_estimator == "gae" and cfg.reward_model.enable and cfg.custom_reward_function.path is None
     scored = []
