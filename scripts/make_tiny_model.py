@@ -75,7 +75,6 @@ from transformers import (
 )
 
 from dsrl.data import arithmetic, calculator
-from dsrl.data.batch import left_pad
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 CHARACTERS = ["\n"] + [chr(c) for c in range(32, 127)]
@@ -342,8 +341,9 @@ def preference_pairs(
 
 def sequence_scores(scorer: torch.nn.Module, sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
     """Scores ``[B]`` at each sequence's last token, left-padded as dsrl's reward-model engine reads them."""
-    ids, mask = left_pad(sequences, pad_token_id)
-    return scorer(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    from dsrl.engines.reward_model import last_token_inputs  # deepspeed: see reward_model_training
+
+    return scorer(**last_token_inputs(sequences, pad_token_id))
 
 
 @torch.no_grad()

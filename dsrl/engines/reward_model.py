@@ -41,6 +41,13 @@ class LastTokenScore(nn.Module):
         return self.model.score(hidden[:, -1]).squeeze(-1).float()
 
 
+def last_token_inputs(sequences: list[list[int]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """``LastTokenScore``'s inputs for token sequences: left-padded ids, their mask, and positions counted from each
+    sequence's first token."""
+    ids, mask = left_pad(sequences, pad_token_id)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+
+
 def score_head_problem(model: nn.Module, path: str) -> str | None:
     """Why ``model`` (loaded from ``path``) cannot score: no ``score`` head, or not one label; None when it can."""
     labels = model.config.num_labels
@@ -115,14 +122,9 @@ class RewardModelEngine:
         with torch.no_grad():
             for k in range(count):
                 rows = parts[k] if k < len(parts) else []
-                ids, mask = left_pad([sequences[i] for i in rows] if rows else [[0]], pad_token_id=0)
-                inputs = {
-                    "input_ids": ids.to(device),
-                    "attention_mask": mask.to(device),
-                    "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device),
-                }
-                out = self.engine(**inputs)
+                inputs = last_token_inputs([sequences[i] for i in rows] if rows else [[0]])
+                out = self.engine(**{name: tensor.to(device) for name, tensor in inputs.items()})
                 if rows:
                     scores[rows] = out.cpu()
-                    tally.add(ids.numel(), int(mask.sum()))
+                    tally.add(inputs["input_ids"].numel(), int(inputs["attention_mask"].sum()))
         return scores
