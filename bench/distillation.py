@@ -34,7 +34,6 @@ policy that sampled them) averaged over the first 5 and the last 5 steps, and th
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import sys
 from pathlib import Path
@@ -46,6 +45,7 @@ from recipe_runs import (  # noqa: E402  (bench/, the script's own folder)
     arguments,
     curve,
     history,
+    make_tiny_model,
     median_after_first,
     print_table,
     tracking,
@@ -77,9 +77,7 @@ def greedy_accuracies() -> tuple[dict[str, float], int]:
 
     from dsrl.data import arithmetic
 
-    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "scripts" / "make_tiny_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = make_tiny_model()
     val = arithmetic.problems("test", arithmetic.DEFAULT_TEST_SIZE, arithmetic.DEFAULT_SEED)
     found = {}
     for role, path in (("teacher", TEACHER), ("student", STUDENT)):

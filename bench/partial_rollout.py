@@ -107,7 +107,6 @@ trained tokens 0.985x, step 0.762x.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -120,6 +119,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's dsrl before an installed one (the imports below, in functions)
+
+from recipe_runs import make_tiny_model  # noqa: E402  (bench/, the script's own folder)
+
 MODES = ("sync", "colocate_async")
 RECIPE = ["grpo", "cpu", "quickstart"]  # the quickstart's configs (scripts/quickstart.sh)
 BASE_MODEL = "outputs/tiny_model"  # python scripts/make_tiny_model.py
@@ -134,14 +136,6 @@ OFF_POLICY = "training/off_policy"
 
 
 # ---- the long-tail model --------------------------------------------------------------------------------
-
-
-def make_tiny_model():
-    """scripts/make_tiny_model.py as a module (its prompt format, training loop and greedy accuracy)."""
-    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "scripts" / "make_tiny_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def build_model(args: argparse.Namespace) -> int:

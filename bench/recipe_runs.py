@@ -1,10 +1,11 @@
 """Training runs of a recipe's CPU command for the learning benches (bench/distillation.py, bench/reward_model.py):
 arms (overrides) x seeds, each run in a child process on one thread, tracked into one MLflow store, its metrics read
-back by step."""
+back by step; and scripts/make_tiny_model.py as a module, for the benches that measure its models."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -13,6 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_tiny_model():
+    """scripts/make_tiny_model.py as a module (its prompt format, training loop, greedy accuracy, reward-model
+    scoring)."""
+    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "scripts" / "make_tiny_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def train(

@@ -33,7 +33,6 @@ and each seed's), the seeds' mean at the validations between, the validation's m
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import sys
 from pathlib import Path
@@ -45,6 +44,7 @@ from recipe_runs import (  # noqa: E402  (bench/, the script's own folder)
     arguments,
     curve,
     history,
+    make_tiny_model,
     median_after_first,
     print_table,
     tracking,
@@ -80,9 +80,7 @@ def near_misses() -> tuple[dict[int, float], int]:
     from dsrl.data import arithmetic
     from dsrl.engines.reward_model import LastTokenScore
 
-    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "scripts" / "make_tiny_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = make_tiny_model()
     tokenizer = module.build_tokenizer()
     scorer = LastTokenScore(AutoModelForSequenceClassification.from_pretrained(ROOT / REWARD_MODEL).eval())
     val = arithmetic.problems("test", arithmetic.DEFAULT_TEST_SIZE, arithmetic.DEFAULT_SEED)
